@@ -1,0 +1,168 @@
+"""The `trtllm-mtp-carry` command line.
+
+Subcommands load their layer lazily, so `info` runs without torch. Settings
+flags pin the process-wide values before anything reads them, and a flag that
+could not be applied (the value was already pinned) is reported, not ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .core import settings
+
+
+def _non_negative(text: str) -> int:
+    """argparse type: a non-negative int, with the offending text in the error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1, got 0")
+    return value
+
+
+def add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that pin the process-wide settings (shared by every subcommand)."""
+    p.add_argument(
+        "--marconi-min-tokens",
+        type=_non_negative,
+        metavar="N",
+        help="SSM snapshot restore floor in matched tokens (0 removes it); "
+        f"default env {settings.ENV_MARCONI_MIN_TOKENS}, else {settings.DEFAULT_MARCONI_MIN_TOKENS}",
+    )
+    p.add_argument(
+        "--mtp-max-seqs",
+        type=_positive,
+        metavar="N",
+        help="MTP dispatch cap (sequences per MTP step); the carry is armed only at 1; "
+        f"default env {settings.ENV_MTP_MAX_SEQS}, else {settings.DEFAULT_MTP_MAX_SEQS}",
+    )
+
+
+def apply_settings_flags(args: argparse.Namespace) -> list[str]:
+    """Pin the settings named by flags; return a warning for each that was not applied."""
+    warnings = []
+    if args.marconi_min_tokens is not None and not settings.MARCONI_MIN_TOKENS.set(
+        args.marconi_min_tokens, source="--marconi-min-tokens"
+    ):
+        warnings.append(
+            f"--marconi-min-tokens {args.marconi_min_tokens} not applied: "
+            f"already pinned to {settings.marconi_min_tokens()}"
+        )
+    if args.mtp_max_seqs is not None and not settings.MTP_MAX_SEQS.set(
+        args.mtp_max_seqs, source="--mtp-max-seqs"
+    ):
+        warnings.append(
+            f"--mtp-max-seqs {args.mtp_max_seqs} not applied: already pinned to {settings.mtp_max_seqs()}"
+        )
+    return warnings
+
+
+def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
+    """The resolved settings, as `info` prints them (configured and armed side by side)."""
+    threshold = settings.marconi_min_tokens()
+    cap = settings.mtp_max_seqs()
+    armed = settings.carry_armed(cfg)
+    if armed:
+        why = "configured, and MTP dispatches one sequence per step"
+    elif not cfg.carry:
+        why = "not configured"
+    else:
+        why = f"MTP dispatch cap {cap} > 1 (multi-sequence mode)"
+    return {
+        "version": __version__,
+        "marconi_min_tokens": threshold,
+        "marconi_min_tokens_source": settings.MARCONI_MIN_TOKENS.source,
+        "mtp_max_seqs": cap,
+        "mtp_max_seqs_source": settings.MTP_MAX_SEQS.source,
+        "multi_seq_mode": settings.mtp_multi_seq_mode(),
+        "drafter_prefill": cfg.prefill,
+        "carry_configured": cfg.carry,
+        "carry_armed": armed,
+        "carry_armed_reason": why,
+        "debug": settings.mtp_carry_debug(),
+    }
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    cfg = settings.DrafterContext(prefill=not args.no_prefill, carry=not args.no_carry)
+    report = info_report(cfg)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+
+    def yes(v: object) -> str:
+        return "yes" if v else "no"
+
+    rows = [
+        ("version", report["version"], ""),
+        (
+            "restore threshold (marconi_min_tokens)",
+            report["marconi_min_tokens"],
+            report["marconi_min_tokens_source"],
+        ),
+        ("MTP dispatch cap (mtp_max_seqs)", report["mtp_max_seqs"], report["mtp_max_seqs_source"]),
+        ("drafter prompt prefill", yes(report["drafter_prefill"]), ""),
+        ("carry configured", yes(report["carry_configured"]), ""),
+        ("carry armed", yes(report["carry_armed"]), report["carry_armed_reason"]),
+        (f"debug log ({settings.ENV_DEBUG})", "on" if report["debug"] else "off", ""),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value!s:<6}  {note}".rstrip())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trtllm-mtp-carry",
+        description="Carry the MTP drafter's KV across turns of a session (hybrid MTP models).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="print the resolved settings and whether the carry is armed")
+    add_settings_flags(info)
+    info.add_argument(
+        "--no-carry", action="store_true", help="report with the carry not configured"
+    )
+    info.add_argument(
+        "--no-prefill",
+        action="store_true",
+        help="report with the drafter prompt prefill off (implies --no-carry)",
+    )
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "no_prefill", False):
+        args.no_carry = True
+    try:
+        for warning in apply_settings_flags(args):
+            print(f"warning: {warning}", file=sys.stderr)
+        result: int = args.func(args)
+    except ValueError as exc:  # malformed env values and the like: say what is wrong, no traceback
+        print(f"trtllm-mtp-carry: error: {exc}", file=sys.stderr)
+        return 2
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

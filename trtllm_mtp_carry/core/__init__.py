@@ -1,0 +1,61 @@
+"""The carry core: pure Python, no torch, no GPU library (SPEC.md is its contract).
+
+Owner: the MTP drafter's model layer. Invariants across the core:
+- Tickets and session hashes are unsigned 64-bit ints; `0` never matches anything.
+- Drafter row `r` holds pair key `k` at RoPE `k + 1`; rows are compacted,
+  keys strictly increasing; a prompt of `L` tokens has keys `0 ..= L - 2`.
+- Hidden-store row `i` holds `hidden_i` by absolute position, and every
+  written interval is stamped with the ticket that wrote it.
+"""
+
+from .adopt import decide_adopt
+from .debuglog import log_adopt, log_store
+from .drafter import CarriedDrafter
+from .outcome import OUTCOME_KINDS, CarryOutcome
+from .plan import AppendPlan, hidden_row_offset, plan_append
+from .settings import (
+    DEFAULT_MARCONI_MIN_TOKENS,
+    DEFAULT_MTP_MAX_SEQS,
+    DrafterContext,
+    PinnedSetting,
+    carry_armed,
+    carry_armed_with,
+    marconi_min_tokens,
+    mtp_carry_debug,
+    mtp_carry_drafter_enabled,
+    mtp_max_seqs,
+    mtp_multi_seq_mode,
+    set_marconi_min_tokens,
+    set_mtp_max_seqs,
+)
+from .store_range import StoreRange, merge_interval, stamped_merge
+from .tokens import common_prefix_len
+
+__all__ = [
+    "DEFAULT_MARCONI_MIN_TOKENS",
+    "DEFAULT_MTP_MAX_SEQS",
+    "OUTCOME_KINDS",
+    "AppendPlan",
+    "CarriedDrafter",
+    "CarryOutcome",
+    "DrafterContext",
+    "PinnedSetting",
+    "StoreRange",
+    "carry_armed",
+    "carry_armed_with",
+    "common_prefix_len",
+    "decide_adopt",
+    "hidden_row_offset",
+    "log_adopt",
+    "log_store",
+    "marconi_min_tokens",
+    "merge_interval",
+    "mtp_carry_debug",
+    "mtp_carry_drafter_enabled",
+    "mtp_max_seqs",
+    "mtp_multi_seq_mode",
+    "plan_append",
+    "set_marconi_min_tokens",
+    "set_mtp_max_seqs",
+    "stamped_merge",
+]

@@ -1,0 +1,90 @@
+"""The drafter KV of a finished turn, held in the model's single carry slot.
+
+`CarriedDrafter` is bookkeeping only: the block ids it names hold the drafter
+rows in the data plane's pool, moved out of the finished sequence so that
+freeing the sequence does not release them.
+
+Invariants:
+- Row `r` holds pair key `k` (`(embed(t_{k+1}), hidden_k)` at RoPE `k + 1`);
+  rows are compacted, keys strictly increasing, so `rows <= last_pair_key + 1`.
+- Pair key `k` consumed `tokens[0 ..= k + 1]`, so `last_pair_key <= len(tokens) - 2`.
+- Identity is the non-zero session hash, never a shared token prefix: two
+  sessions agree on hundreds of chat-template tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ._checks import check_non_negative, check_optional_key, check_u64
+from .tokens import as_token_list, common_prefix_len
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedDrafter:
+    """Drafter rows of a finished turn, kept for the next turn of `session_hash`."""
+
+    block_table: tuple[int, ...]
+    rows: int
+    last_pair_key: int | None
+    tokens: list[int] = field(repr=False)
+    session_hash: int
+
+    def __init__(
+        self,
+        block_table: Sequence[int],
+        rows: int,
+        last_pair_key: int | None,
+        tokens: Sequence[int],
+        session_hash: int,
+    ) -> None:
+        object.__setattr__(self, "block_table", tuple(block_table))
+        object.__setattr__(self, "rows", check_non_negative("rows", rows))
+        object.__setattr__(
+            self, "last_pair_key", check_optional_key("last_pair_key", last_pair_key)
+        )
+        object.__setattr__(self, "tokens", list(as_token_list(tokens)))
+        object.__setattr__(self, "session_hash", check_u64("session_hash", session_hash))
+        if self.last_pair_key is None:
+            if self.rows != 0:
+                raise ValueError(f"rows={self.rows} with last_pair_key=None: rows need keys")
+        else:
+            if self.rows > self.last_pair_key + 1:
+                raise ValueError(
+                    f"rows={self.rows} exceeds last_pair_key + 1 = {self.last_pair_key + 1}"
+                    " (rows are compacted keys)"
+                )
+            if self.last_pair_key > len(self.tokens) - 2:
+                raise ValueError(
+                    f"last_pair_key={self.last_pair_key} past the tokens "
+                    f"(len {len(self.tokens)}): key k consumes tokens[0 ..= k + 1]"
+                )
+
+    def common_prefix_len(self, prompt: Sequence[int]) -> int:
+        """Length of the common prefix of `tokens` and `prompt`."""
+        return common_prefix_len(self.tokens, as_token_list(prompt))
+
+    def session_matches(self, session_hash: int) -> bool:
+        """`session_hash != 0 and session_hash == self.session_hash`."""
+        return session_hash != 0 and session_hash == self.session_hash
+
+    def usable_by(self, prompt: Sequence[int], session_hash: int) -> tuple[int, int] | None:
+        """`(rows_kept, key)` this session's `prompt` can adopt, or `None`.
+
+        The kept key is `min(last_pair_key, common - 2)`; each key dropped from
+        the top drops one row from the tail. Never a count below one.
+        """
+        if not self.session_matches(session_hash):
+            return None
+        return self.usable_at(self.common_prefix_len(prompt))
+
+    def usable_at(self, common: int) -> tuple[int, int] | None:
+        """`usable_by` for a prompt sharing `common` tokens, session already matched."""
+        if self.last_pair_key is None or self.rows == 0 or common < 2:
+            return None
+        key = min(self.last_pair_key, common - 2)
+        rows_kept = self.rows - (self.last_pair_key - key)
+        if rows_kept <= 0:
+            return None
+        return (rows_kept, key)
