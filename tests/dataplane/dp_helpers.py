@@ -1,0 +1,29 @@
+"""Helpers shared by the data-plane tests (random inputs, poison, bit views)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rand(gen: torch.Generator, *shape: int, dtype=torch.bfloat16, device: str = "cpu") -> torch.Tensor:
+    """Random normal values, never all zeros, made on CPU then moved."""
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    x[x == 0] = 0.5
+    return x.to(device)
+
+
+def poison(gen: torch.Generator, *shape: int, dtype=torch.bfloat16, device: str = "cpu") -> torch.Tensor:
+    """Random bit patterns (NaNs included) for outputs that must be overwritten or left alone."""
+    bits = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
+    return bits.view(dtype).to(device)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes (NaN poison compares exactly), on CPU."""
+    return t.contiguous().cpu().view(torch.uint8)
+
+
+def increasing_keys(gen: torch.Generator, n: int, start_max: int = 3000) -> torch.Tensor:
+    """`n` strictly increasing non-negative int64 keys with random gaps."""
+    start = int(torch.randint(0, start_max, (1,), generator=gen))
+    return start + torch.cumsum(torch.randint(1, 4, (n,), generator=gen), 0) - 1

@@ -1,0 +1,398 @@
+"""The drafter's paged KV pool: blocks of compacted rows, a free list, the carry slot.
+
+What it is for: the MTP drafter's own attention KV. Each live sequence holds a
+block table of compacted rows (row `r` lives at `block_table[r // block_size]`,
+offset `r % block_size`; rows are dense in increasing pair-key order, RoPE
+applied at `key + 1` when written). When a turn ends its blocks can move, without
+copying, into the model's single carry slot; the next turn of the session adopts
+them back and truncates to the rows its prompt still agrees with::
+
+    | kept rows (adopted) | freed by truncate | appended this turn |
+    0                 rows_kept           old rows            new rows
+
+Bookkeeping is plain ints and lists (like nano-vllm's block manager); tensors
+hold only the K/V data. Ownership calls name the owner and raise RuntimeError
+on a double claim or a release without a hold.
+
+Invariants (`check()` proves them):
+- every block is owned by exactly one of: a live sequence, the carry slot, the
+  free pool;
+- an owner with `rows` rows holds at least `cdiv(rows, block_size)` blocks
+  (the slot exactly that many);
+- an owner's keys are strictly increasing, one per row;
+- a refused call (bad input, caller bug, pool exhausted) leaves the pool unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .checks import CACHE_DTYPES
+from .ops import drafter_row_append
+from .reference import slots_for_rows
+from .rope import RopeConfig
+
+__all__ = ["CarriedBlocks", "DrafterKVPool", "PoolExhaustedError", "PoolStats"]
+
+
+class PoolExhaustedError(RuntimeError):
+    """Not enough free blocks for a grow; the pool was left unchanged."""
+
+
+@dataclass(frozen=True)
+class CarriedBlocks:
+    """A snapshot of an owner's rows: its blocks, row count and newest pair key."""
+
+    block_table: tuple[int, ...]
+    rows: int
+    last_pair_key: int | None
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A frozen snapshot of the pool's block accounting."""
+
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_sequence_blocks: int
+    num_slot_blocks: int
+    num_sequences: int
+    slot_rows: int
+
+
+@dataclass
+class _Rows:
+    """One owner's rows: blocks, row count, keys as runs `[first_key, count]` in row order."""
+
+    block_table: list[int] = field(default_factory=list)
+    rows: int = 0
+    runs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def last_pair_key(self) -> int | None:
+        return self.runs[-1][0] + self.runs[-1][1] - 1 if self.runs else None
+
+    def snapshot(self) -> CarriedBlocks:
+        return CarriedBlocks(tuple(self.block_table), self.rows, self.last_pair_key)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class DrafterKVPool:
+    """Paged K/V caches `[num_blocks, block_size, num_kv_heads, head_dim]` with row bookkeeping."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope: RopeConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+        if rope.head_dim != head_dim:
+            raise ValueError(f"rope.head_dim {rope.head_dim} differs from head_dim {head_dim}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.rope = rope
+        # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._free: deque[int] = deque(range(num_blocks))
+        self._seqs: dict[int, _Rows] = {}
+        self._slot: _Rows | None = None
+
+    # ---- queries -------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_cache.device
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def slot(self) -> CarriedBlocks | None:
+        """What the carry slot holds, or None when it is empty."""
+        return self._slot.snapshot() if self._slot is not None else None
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def sequence(self, seq_id: int) -> CarriedBlocks:
+        """Snapshot of a live sequence's blocks, rows and newest key."""
+        return self._live(seq_id).snapshot()
+
+    def block_table_tensor(self, seq_id: int) -> torch.Tensor:  # [num_seq_blocks] int32
+        """The sequence's block table on the pool's device, for attention kernels."""
+        return torch.tensor(self._live(seq_id).block_table, dtype=torch.int32, device=self.device)
+
+    def num_blocks_needed(self, seq_id: int, num_new_rows: int) -> int:
+        """Blocks a grow by `num_new_rows` rows would allocate (0 when capacity suffices)."""
+        if num_new_rows < 0:
+            raise ValueError(f"num_new_rows must be >= 0, got {num_new_rows}")
+        state = self._live(seq_id)
+        return max(0, _cdiv(state.rows + num_new_rows, self.block_size) - len(state.block_table))
+
+    def can_grow(self, seq_id: int, num_new_rows: int) -> bool:
+        """Whether the free pool holds the blocks for `num_new_rows` more rows."""
+        return self.num_blocks_needed(seq_id, num_new_rows) <= len(self._free)
+
+    def stats(self) -> PoolStats:
+        """A frozen snapshot of the block accounting."""
+        return PoolStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_free_blocks=len(self._free),
+            num_sequence_blocks=sum(len(s.block_table) for s in self._seqs.values()),
+            num_slot_blocks=len(self._slot.block_table) if self._slot else 0,
+            num_sequences=len(self._seqs),
+            slot_rows=self._slot.rows if self._slot else 0,
+        )
+
+    # ---- ownership -----------------------------------------------------------
+
+    def allocate_sequence(self, seq_id: int) -> None:
+        """Register `seq_id` with no rows; RuntimeError if it is already live."""
+        if seq_id in self._seqs:
+            raise RuntimeError(f"sequence {seq_id} is already live in the drafter pool")
+        self._seqs[seq_id] = _Rows()
+
+    def grow(self, seq_id: int, num_new_rows: int) -> list[int]:
+        """Allocate blocks so `seq_id` can hold `num_new_rows` more rows; return the new ids.
+
+        All or nothing: PoolExhaustedError (pool unchanged) when blocks run out.
+        """
+        need = self.num_blocks_needed(seq_id, num_new_rows)
+        if need > len(self._free):
+            state = self._seqs[seq_id]
+            raise PoolExhaustedError(
+                f"sequence {seq_id} needs {need} more blocks for {num_new_rows} new rows "
+                f"(has {state.rows} rows in {len(state.block_table)} blocks), "
+                f"only {len(self._free)} of {self.num_blocks} blocks are free"
+            )
+        new = [self._free.popleft() for _ in range(need)]
+        self._seqs[seq_id].block_table.extend(new)
+        return new
+
+    def truncate(self, seq_id: int, rows_kept: int) -> int:
+        """Keep the first `rows_kept` rows of `seq_id`, free whole blocks past them; return #freed."""
+        return self._truncate(self._live(seq_id), rows_kept, f"sequence {seq_id}")
+
+    def free_sequence(self, seq_id: int) -> int:
+        """Release `seq_id` and return its blocks to the free pool; return #freed."""
+        state = self._live(seq_id)
+        del self._seqs[seq_id]
+        self._free.extend(state.block_table)
+        return len(state.block_table)
+
+    def move_to_slot(self, seq_id: int) -> CarriedBlocks:
+        """Move `seq_id`'s rows into the empty carry slot without copying; end the sequence.
+
+        Reserved blocks past its rows are freed. RuntimeError if the slot is occupied
+        (call `free_slot()` first) or the sequence is not live.
+        """
+        state = self._live(seq_id)
+        if self._slot is not None:
+            raise RuntimeError(
+                f"carry slot already holds {len(self._slot.block_table)} blocks; "
+                f"free_slot() before moving sequence {seq_id} in"
+            )
+        del self._seqs[seq_id]
+        keep = _cdiv(state.rows, self.block_size)
+        self._free.extend(state.block_table[keep:])
+        del state.block_table[keep:]
+        self._slot = state
+        return state.snapshot()
+
+    def adopt_from_slot(self, seq_id: int, rows_kept: int | None = None) -> CarriedBlocks:
+        """Give the slot's blocks to `seq_id` (zero copy), keeping `rows_kept` rows (all if None).
+
+        `seq_id` must be new or live with no blocks; RuntimeError otherwise or if the slot
+        is empty. Returns what the sequence now holds.
+        """
+        if self._slot is None:
+            raise RuntimeError(f"carry slot is empty: nothing for sequence {seq_id} to adopt")
+        existing = self._seqs.get(seq_id)
+        if existing is not None and (existing.block_table or existing.rows):
+            raise RuntimeError(
+                f"sequence {seq_id} already holds {len(existing.block_table)} blocks; "
+                "it cannot adopt the carry slot"
+            )
+        slot = self._slot
+        if rows_kept is not None and not 0 <= rows_kept <= slot.rows:
+            raise ValueError(f"rows_kept must be in [0, {slot.rows}], got {rows_kept}")
+        self._slot = None
+        self._seqs[seq_id] = slot
+        if rows_kept is not None:
+            self._truncate(slot, rows_kept, f"sequence {seq_id}")
+        return slot.snapshot()
+
+    def free_slot(self) -> int:
+        """Return the carry slot's blocks to the free pool; RuntimeError if it is empty."""
+        if self._slot is None:
+            raise RuntimeError("carry slot is empty: nothing to free")
+        freed = len(self._slot.block_table)
+        self._free.extend(self._slot.block_table)
+        self._slot = None
+        return freed
+
+    # ---- data ----------------------------------------------------------------
+
+    def append_rows(
+        self,
+        seq_id: int,
+        keys: torch.Tensor | Sequence[int],  # [n] integer pair keys, strictly increasing
+        k: torch.Tensor,  # [n, num_kv_heads, head_dim] cache dtype, pool device (pre-RoPE)
+        v: torch.Tensor,  # [n, num_kv_heads, head_dim] cache dtype, pool device
+    ) -> CarriedBlocks:
+        """Append `n` rows after the sequence's last row: grow, then RoPE(k at key+1) and v in one kernel.
+
+        Keys must exceed the sequence's `last_pair_key`. Refusals (ValueError, RuntimeError,
+        PoolExhaustedError) leave the pool and caches unchanged.
+        """
+        state = self._live(seq_id)
+        keys_cpu = (keys.detach().to("cpu") if isinstance(keys, torch.Tensor)
+                    else torch.tensor(list(keys), dtype=torch.int64))
+        if keys_cpu.is_floating_point() or keys_cpu.dim() != 1:
+            raise ValueError(f"keys must be a 1-D integer sequence, got {keys_cpu.dtype} {tuple(keys_cpu.shape)}")
+        keys_cpu = keys_cpu.long()
+        n = keys_cpu.shape[0]
+        expect = (n, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expect:
+                raise ValueError(f"{name} must have shape {list(expect)}, got {tuple(t.shape)}")
+            if t.dtype != self.k_cache.dtype:
+                raise ValueError(f"{name} dtype {t.dtype} differs from cache dtype {self.k_cache.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} device {t.device} differs from pool device {self.device}")
+        if n == 0:
+            return state.snapshot()
+        if int(keys_cpu.min()) < 0:
+            raise ValueError(f"keys must be >= 0, got min key {int(keys_cpu.min())}")
+        diffs = keys_cpu[1:] - keys_cpu[:-1]
+        if n > 1 and int(diffs.min()) <= 0:
+            raise ValueError(f"keys must be strictly increasing, got {keys_cpu.tolist()[:16]}")
+        last = state.last_pair_key
+        if last is not None and int(keys_cpu[0]) <= last:
+            raise ValueError(
+                f"first key {int(keys_cpu[0])} must exceed sequence {seq_id}'s last_pair_key {last}"
+            )
+        new_blocks = self.grow(seq_id, n)
+        try:
+            drafter_row_append(
+                k, v, keys_cpu.to(self.device), self.k_cache, self.v_cache,
+                self.block_table_tensor(seq_id), state.rows,
+                self.rope.rotary_dim, self.rope.rope_theta,
+                False,  # keys checked above on the host; block ids are the pool's own
+            )
+        except BaseException:
+            del state.block_table[len(state.block_table) - len(new_blocks):]
+            self._free.extendleft(reversed(new_blocks))
+            raise
+        # Runs of consecutive keys, found with tensor ops (loop over runs only).
+        starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
+        ends = starts[1:] + [n]
+        first_keys = keys_cpu[starts].tolist()
+        runs = [[fk, e - s] for fk, s, e in zip(first_keys, starts, ends, strict=True)]
+        if state.runs and runs[0][0] == last + 1:  # type: ignore[operator]
+            state.runs[-1][1] += runs.pop(0)[1]
+        state.runs.extend(runs)
+        state.rows += n
+        return state.snapshot()
+
+    def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(k [R, Hkv, D], v [R, Hkv, D], keys [R] int64)` of the sequence's rows, in row order."""
+        return self._gather(self._live(seq_id))
+
+    def gather_slot(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like `gather`, for the carry slot; RuntimeError if it is empty."""
+        if self._slot is None:
+            raise RuntimeError("carry slot is empty: nothing to gather")
+        return self._gather(self._slot)
+
+    # ---- invariants ----------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise RuntimeError unless every block has exactly one owner and rows fit their blocks."""
+        owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
+        named = [(f"sequence {sid}", s) for sid, s in self._seqs.items()]
+        if self._slot is not None:
+            named.append(("carry slot", self._slot))
+        for name, state in named:
+            for b in state.block_table:
+                if not 0 <= b < self.num_blocks:
+                    raise RuntimeError(f"{name} holds block id {b} outside [0, {self.num_blocks})")
+                owners[b].append(name)
+            need = _cdiv(state.rows, self.block_size)
+            if len(state.block_table) < need or (name == "carry slot" and len(state.block_table) != need):
+                raise RuntimeError(f"{name} has {state.rows} rows in {len(state.block_table)} blocks")
+            if sum(c for _, c in state.runs) != state.rows:
+                raise RuntimeError(f"{name} has {state.rows} rows but key runs {state.runs}")
+            if any(c <= 0 for _, c in state.runs):
+                raise RuntimeError(f"{name} has an empty key run: {state.runs}")
+            for (k0, c0), (k1, _) in zip(state.runs, state.runs[1:], strict=False):
+                if k1 <= k0 + c0 - 1:
+                    raise RuntimeError(f"{name} keys are not strictly increasing: runs {state.runs}")
+        for b in self._free:
+            owners[b].append("free pool")
+        for b, who in enumerate(owners):
+            if len(who) != 1:
+                raise RuntimeError(f"block {b} is owned by {who or 'nobody'}, expected exactly one owner")
+
+    # ---- internals -----------------------------------------------------------
+
+    def _live(self, seq_id: int) -> _Rows:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise RuntimeError(f"sequence {seq_id} is not live in the drafter pool")
+        return state
+
+    def _truncate(self, state: _Rows, rows_kept: int, name: str) -> int:
+        if not 0 <= rows_kept <= state.rows:
+            raise ValueError(f"rows_kept must be in [0, {state.rows}] for {name}, got {rows_kept}")
+        drop = state.rows - rows_kept
+        while drop:
+            run = state.runs[-1]
+            cut = min(drop, run[1])
+            run[1] -= cut
+            drop -= cut
+            if run[1] == 0:
+                state.runs.pop()
+        state.rows = rows_kept
+        keep = _cdiv(rows_kept, self.block_size)
+        freed = state.block_table[keep:]
+        del state.block_table[keep:]
+        self._free.extend(freed)
+        return len(freed)
+
+    def _gather(self, state: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dev = self.device
+        rows = torch.arange(state.rows, dtype=torch.int64, device=dev)
+        table = torch.tensor(state.block_table, dtype=torch.int64, device=dev)
+        slots = slots_for_rows(table, rows, self.block_size)
+        k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_select(0, slots)
+        v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_select(0, slots)
+        keys = torch.cat(
+            [torch.arange(k0, k0 + c, dtype=torch.int64) for k0, c in state.runs]
+            or [torch.empty(0, dtype=torch.int64)]
+        ).to(dev)
+        return k, v, keys

@@ -1,0 +1,97 @@
+"""torch custom ops over the two data-plane kernels (namespace `trtllm_mtp_carry`).
+
+What it is for: one entry point per kernel that `torch.compile` can trace
+(fake implementations give the shapes: both ops mutate their destination and
+return nothing) and that picks the implementation by device:
+
+- CUDA tensors: the Triton kernel (`triton_kernels.py`);
+- CPU tensors: the plain-torch reference (`reference.py`).
+
+Invariants: both implementations run the same argument checks first, so a
+refused call raises ValueError and writes nothing, whatever the device. The
+fake implementations run the metadata part of those checks (shapes, dtypes,
+devices, bounds), so tracing refuses what eager would.
+
+    torch.ops.trtllm_mtp_carry.hidden_row_copy(src, src_row, dst, dst_row, n)
+    torch.ops.trtllm_mtp_carry.drafter_row_append(
+        k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
+        check_data=True)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_drafter_row_append, check_hidden_row_copy
+from .reference import drafter_row_append_reference, hidden_row_copy_reference
+
+__all__ = ["drafter_row_append", "hidden_row_copy"]
+
+
+@torch.library.custom_op("trtllm_mtp_carry::hidden_row_copy", mutates_args=("dst",))
+def hidden_row_copy(
+    src: torch.Tensor,  # [S, H] unit column stride
+    src_row: int,
+    dst: torch.Tensor,  # [D, H] same dtype/device as src
+    dst_row: int,
+    n: int,
+) -> None:
+    """Copy `src[src_row:src_row+n]` into `dst[dst_row:dst_row+n]` bit for bit (CPU: reference)."""
+    hidden_row_copy_reference(src, src_row, dst, dst_row, n)
+
+
+@hidden_row_copy.register_kernel("cuda")
+def _hidden_row_copy_cuda(src, src_row, dst, dst_row, n):  # type: ignore[no-untyped-def]
+    from .triton_kernels import hidden_row_copy_triton
+
+    hidden_row_copy_triton(src, src_row, dst, dst_row, n)
+
+
+@hidden_row_copy.register_fake
+def _hidden_row_copy_fake(src, src_row, dst, dst_row, n):  # type: ignore[no-untyped-def]
+    check_hidden_row_copy(src, src_row, dst, dst_row, n, check_data=False)
+    return None
+
+
+@torch.library.custom_op(
+    "trtllm_mtp_carry::drafter_row_append", mutates_args=("k_cache", "v_cache")
+)
+def drafter_row_append(
+    k_new: torch.Tensor,  # [n, Hkv, D] cache dtype
+    v_new: torch.Tensor,  # [n, Hkv, D] cache dtype
+    keys: torch.Tensor,  # [n] int32/int64 pair keys, strictly increasing
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16/fp16 contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks] int32
+    start_row: int,
+    rotary_dim: int,
+    rope_theta: float,
+    check_data: bool = True,
+) -> None:
+    """Write RoPE(k_new at keys+1) and v_new into rows `[start_row, start_row+n)` (CPU: reference).
+
+    `check_data=False` skips the checks that read keys and block ids (a device sync on CUDA).
+    """
+    drafter_row_append_reference(
+        k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
+        check_data,
+    )
+
+
+@drafter_row_append.register_kernel("cuda")
+def _drafter_row_append_cuda(k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta, check_data=True):  # type: ignore[no-untyped-def]
+    from .triton_kernels import drafter_row_append_triton
+
+    drafter_row_append_triton(
+        k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
+        check_data,
+    )
+
+
+@drafter_row_append.register_fake
+def _drafter_row_append_fake(k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta, check_data=True):  # type: ignore[no-untyped-def]
+    check_drafter_row_append(
+        k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
+        check_data=False,
+    )
+    return None
