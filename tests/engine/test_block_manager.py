@@ -405,7 +405,7 @@ def test_bookkeeping_modules_import_no_torch():
     code = (
         "import sys\n"
         "import trtllm_mtp_carry.engine.block_manager, trtllm_mtp_carry.engine.snapshot_cache\n"
-        "import trtllm_mtp_carry.engine.session, trtllm_mtp_carry.engine.prefix_hash\n"
+        "import trtllm_mtp_carry.core.session, trtllm_mtp_carry.engine.prefix_hash\n"
         "print(sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

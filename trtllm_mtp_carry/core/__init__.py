@@ -13,6 +13,7 @@ from .debuglog import log_adopt, log_store
 from .drafter import CarriedDrafter
 from .outcome import OUTCOME_KINDS, CarryOutcome
 from .plan import AppendPlan, hidden_row_offset, plan_append
+from .session import TicketCounter, session_hash
 from .settings import (
     DEFAULT_MARCONI_MIN_TOKENS,
     DEFAULT_MTP_MAX_SEQS,
@@ -41,6 +42,7 @@ __all__ = [
     "DrafterContext",
     "PinnedSetting",
     "StoreRange",
+    "TicketCounter",
     "carry_armed",
     "carry_armed_with",
     "common_prefix_len",
@@ -55,6 +57,7 @@ __all__ = [
     "mtp_max_seqs",
     "mtp_multi_seq_mode",
     "plan_append",
+    "session_hash",
     "set_marconi_min_tokens",
     "set_mtp_max_seqs",
     "stamped_merge",

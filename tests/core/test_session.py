@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from trtllm_mtp_carry.engine import session as session_mod
-from trtllm_mtp_carry.engine.session import TicketCounter, session_hash
+from trtllm_mtp_carry.core import session as session_mod
+from trtllm_mtp_carry.core.session import TicketCounter, session_hash
 
 
 def test_session_hash_values_are_pinned():
@@ -18,7 +18,7 @@ def test_session_hash_values_are_pinned():
 
 
 def test_session_hash_is_stable_in_another_process():
-    code = "from trtllm_mtp_carry.engine.session import session_hash; print(session_hash('chat-1'))"
+    code = "from trtllm_mtp_carry.core.session import session_hash; print(session_hash('chat-1'))"
     env = {"PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,27 @@
+"""Process-wide settings every in-process engine test relies on.
+
+`marconi_min_tokens` and `mtp_max_seqs` are pinned for the whole process at
+first use (SPEC.md), so the suite pins them once here, before any engine reads
+them; tests of the pinning itself run in subprocesses or on fresh instances.
+"""
+
+from trtllm_mtp_carry import (
+    marconi_min_tokens,
+    mtp_max_seqs,
+    set_marconi_min_tokens,
+    set_mtp_max_seqs,
+)
+
+TEST_MARCONI_MIN_TOKENS = 48  # a multiple of the test engines' 16-token blocks and chunks
+
+set_marconi_min_tokens(TEST_MARCONI_MIN_TOKENS)
+set_mtp_max_seqs(1)
+assert marconi_min_tokens() == TEST_MARCONI_MIN_TOKENS and mtp_max_seqs() == 1, (
+    "run the tests without TRTLLM_MTP_CARRY_* settings pinned elsewhere"
+)
+
+# The suite's tensors are tiny: one intra-op thread avoids thread hand-off costs that
+# dominate such ops (and oversubscription on a 2-core CI machine).
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

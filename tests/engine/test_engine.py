@@ -1,0 +1,179 @@
+"""The reference engine: speculative output equals greedy, prefix reuse, the restore
+threshold, bad input and cancellation.
+
+Equality tests run in float64: verifying several tokens in one forward changes
+the order of float32 reductions and could flip a near-tie, while in float64 the
+verify path and single-token decoding agree to ~1e-12.
+"""
+
+import pytest
+import torch
+from engine_factories import TOK, engine, greedy_oracle, random_prompt, tiny_model
+
+from trtllm_mtp_carry import marconi_min_tokens
+from trtllm_mtp_carry.engine.engine import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3)
+
+
+@pytest.mark.parametrize("draft_len", [1, 2, 3])
+def test_speculative_equals_greedy_cold_and_warm(model, draft_len):
+    gen = torch.Generator().manual_seed(draft_len)
+    eng = engine(model, draft_len=draft_len)
+    turn1 = random_prompt(gen, 70)
+    r1 = eng.generate("s", turn1, max_new_tokens=24)
+    assert r1.output == greedy_oracle(model, turn1, 24)
+    assert r1.stats.drafted > 0 and r1.stats.verify_steps > 0
+    turn2 = turn1 + r1.output + random_prompt(gen, 30)
+    r2 = eng.generate("s", turn2, max_new_tokens=24)
+    assert r2.stats.reused_tokens > 0 and r2.stats.snapshot_restored
+    assert r2.output == greedy_oracle(model, turn2, 24)
+    eng.check()
+
+
+def test_policy_off_is_plain_greedy(model):
+    gen = torch.Generator().manual_seed(7)
+    prompt = random_prompt(gen, 40)
+    r = engine(model, policy="off").generate(None, prompt, max_new_tokens=16)
+    assert r.output == greedy_oracle(model, prompt, 16)
+    assert (r.stats.drafted, r.stats.drafter_rows_computed, r.stats.outcome) == (0, 0, "off")
+
+
+def test_cold_turn_builds_a_row_for_every_prompt_key(model):
+    gen = torch.Generator().manual_seed(8)
+    prompt = random_prompt(gen, 50)
+    eng = engine(model)
+    r = eng.generate("s", prompt, max_new_tokens=8)
+    assert (r.stats.outcome, r.stats.drafter_rows_computed) == ("prefill (no carried state)", 49)
+
+
+def test_warm_turn_restored_snapshot_equals_from_scratch(model):
+    gen = torch.Generator().manual_seed(9)
+    eng = engine(model)
+    turn1 = random_prompt(gen, 64)
+    r1 = eng.generate("a", turn1, max_new_tokens=10)
+    turn2 = turn1 + r1.output + random_prompt(gen, 20)
+    warm = eng.generate("a", turn2, max_new_tokens=12)
+    cold = engine(model).generate("a", turn2, max_new_tokens=12)
+    assert warm.stats.snapshot_restored
+    assert warm.stats.reused_tokens == len(turn1) + len(r1.output) - 1
+    assert not cold.stats.snapshot_restored and cold.stats.reused_tokens == 0
+    assert warm.output == cold.output
+
+
+def test_restored_logits_match_recomputed_logits(model):
+    """The state restored from a snapshot continues exactly as a full recompute does."""
+    from trtllm_mtp_carry.engine.model import DenseTargetCache
+
+    gen = torch.Generator().manual_seed(10)
+    eng = engine(model)
+    turn1 = random_prompt(gen, 48)
+    r1 = eng.generate("a", turn1, max_new_tokens=6)
+    turn2 = turn1 + r1.output + random_prompt(gen, 10)
+    rid = eng.submit("a", turn2, max_new_tokens=3)
+    eng._admit()
+    seq = eng._running[0]
+    assert seq.kv.num_tokens == len(turn1) + len(r1.output) - 1
+    rest = torch.tensor(turn2[seq.kv.num_tokens:])
+    with torch.no_grad():
+        _, warm_logits = model.forward_target(rest, seq.kv.num_tokens, seq.kv)
+        _, full_logits = model.forward_target(torch.tensor(turn2), 0, DenseTargetCache(model.cfg))
+    torch.testing.assert_close(warm_logits, full_logits[-len(rest):], rtol=1e-9, atol=1e-9)
+    eng.cancel(rid)
+    eng.check()
+
+
+def test_restore_threshold_boundary(model):
+    """Snapshots lie every 16 tokens; a match of depth T-1 restores none, depth T does."""
+    threshold = marconi_min_tokens()
+    assert threshold % 16 == 0 and threshold >= 32
+    gen = torch.Generator().manual_seed(11)
+    base = random_prompt(gen, threshold + 40)
+
+    def second_turn_after_sharing(shared):
+        eng = engine(model)
+        eng.generate("x", base, max_new_tokens=2)
+        other = base[:shared] + [ord("~")] + random_prompt(gen, 30)
+        return eng.generate("y", other, max_new_tokens=2).stats
+
+    below = second_turn_after_sharing(threshold - 1)
+    at = second_turn_after_sharing(threshold)
+    assert (below.snapshot_restored, below.reused_tokens) == (False, 0)
+    assert (at.snapshot_restored, at.reused_tokens) == (True, threshold)
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, error, match",
+    [
+        ([], {}, ValueError, "prompt is empty"),
+        ([1, 2, 999], {}, ValueError, r"token ids must be ints in \[0, 264\); got \[999\]"),
+        ([1, -2], {}, ValueError, r"got \[-2\]"),
+        ([1, 2.5], {}, ValueError, r"got \[2.5\]"),
+        (list(range(100)) * 30, {}, ValueError, "exceeds max_model_len=2048"),
+        ([1, 2], {"max_new_tokens": 0}, ValueError, "max_new_tokens must be a positive int, got 0"),
+        ([1, 2], {"max_new_tokens": -3}, ValueError, "got -3"),
+        ([1, 2], {"draft_len": 4}, ValueError, r"draft_len must be an int in \[0, 3\], got 4"),
+        ([1, 2], {"session_id": ""}, ValueError, "session"),
+        ([1, 2], {"session_id": -1}, ValueError, "-1"),
+        ([1, 2], {"session_id": 2.5}, TypeError, "2.5"),
+        ([1, 2], {"policy": "fast"}, ValueError, "unknown drafter policy 'fast'"),
+        ([{"role": "robot", "content": "hi"}], {}, ValueError, "unknown role 'robot'"),
+    ],
+)
+def test_bad_requests_fail_clearly_and_the_engine_serves_the_next(model, prompt, kwargs, error, match):
+    eng = engine(model)
+    session = kwargs.pop("session_id", "s")
+    with pytest.raises(error, match=match):
+        eng.generate(session, prompt, **{"max_new_tokens": 4, **kwargs})
+    r = eng.generate("s", [72, 105, 33, 10], max_new_tokens=4)
+    assert r.output == greedy_oracle(model, [72, 105, 33, 10], 4)
+    eng.check()
+
+
+def test_chat_messages_render_through_the_template(model):
+    eng = engine(model)
+    r = eng.generate("s", [{"role": "user", "content": "hi"}], max_new_tokens=3)
+    assert r.prompt == TOK.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_cancel_mid_decode_frees_every_block(model):
+    gen = torch.Generator().manual_seed(12)
+    eng = engine(model)
+    rid = eng.submit("c", random_prompt(gen, 40), max_new_tokens=50)
+    for _ in range(8):
+        assert eng.step() == []
+    assert eng.blocks.stats().num_used > 0 and eng.drafter_pool.stats().num_sequences == 1
+    result = eng.cancel(rid)
+    assert result.finish_reason == "cancelled" and 0 < len(result.output) < 50
+    eng.check()
+    assert eng.drafter_pool.stats().num_free_blocks == eng.drafter_pool.num_blocks
+    assert eng.cancel(rid) is None
+
+
+def test_concurrent_sequences_match_greedy(model):
+    gen = torch.Generator().manual_seed(13)
+    eng = engine(model, max_num_seqs=3)
+    prompts = [random_prompt(gen, n) for n in (35, 50, 20, 41)]
+    ids = [eng.submit(f"s{i}", p, max_new_tokens=12) for i, p in enumerate(prompts)]
+    results = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            results[r.request_id] = r
+        eng.check()
+    for rid, p in zip(ids, prompts, strict=True):
+        assert results[rid].output == greedy_oracle(model, p, 12)
+    eng.check()
+
+
+def test_engine_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="prefill_chunk=24 must be a multiple of block_size=16"):
+        EngineConfig(prefill_chunk=24, block_size=16)
+    with pytest.raises(ValueError, match="EngineConfig.block_size must be a positive int, got 0"):
+        EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="draft_len"):
+        EngineConfig(draft_len=5)
+    with pytest.raises(ValueError, match="unknown drafter policy 'x'"):
+        EngineConfig(policy="x")

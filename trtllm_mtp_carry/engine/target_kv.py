@@ -1,0 +1,135 @@
+"""The target's attention KV in paged blocks, and one sequence's view of it.
+
+What it is for: the reference engine keeps every full-attention layer's K/V in
+`[num_blocks, block_size, num_kv_heads, head_dim]` tensors whose block ids the
+torch-free `TargetBlockManager` hands out (prefix caching shares them across
+turns). `SequenceKV` is the `TargetCache` the model runs on: it reads and
+writes rows through the sequence's block table and holds the sequence's SSM
+states (one `[Hl, Dk, Dv]` tensor per linear layer).
+
+Invariants:
+- Writes are indexed by position, so a rejected draft needs no rollback of
+  KV: `truncate` only moves `num_tokens` back. SSM states are not
+  position-indexed; the engine restores the state of the accepted position.
+- During one forward every layer appends at the same positions
+  `[num_tokens, num_tokens + T)`; `advance(T)` then commits them.
+- A sequence writes only blocks of its own table; the block manager guarantees
+  that no other sequence can write them (copy-on-write of shared partial blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .model import HybridConfig
+
+
+class PagedTargetKV:
+    """Paged K/V tensors for every full-attention layer of the target."""
+
+    def __init__(
+        self, cfg: HybridConfig, num_blocks: int, block_size: int,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> None:
+        self.cfg = cfg
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        full = [i for i, t in enumerate(cfg.layer_types) if t == "full"]
+        # k[layer], v[layer]: [num_blocks, block_size, Hkv, D]
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in full}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in full}
+
+    def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Flat slot ids of positions `[start, end)` through `block_table` (int64 `[end - start]`)."""
+        device = next(iter(self.k.values())).device if self.k else "cpu"
+        pos = torch.arange(start, end, device=device)
+        table = torch.as_tensor(list(block_table), dtype=torch.int64, device=device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's rows in every layer (copy-on-write of a shared partial block)."""
+        for i in self.k:
+            self.k[i][dst].copy_(self.k[i][src])
+            self.v[i][dst].copy_(self.v[i][src])
+
+    def nbytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return sum(2 * t[0, 0].numel() * t.element_size() for t in self.k.values())
+
+
+class SequenceKV:
+    """One sequence's `TargetCache`: paged attention rows plus its SSM states."""
+
+    def __init__(self, kv: PagedTargetKV, block_table: list[int], num_tokens: int) -> None:
+        self.kv = kv
+        self.block_table = block_table  # shared with the engine; grows with append_slots
+        self._num_tokens = num_tokens
+        self._linear = [i for i, t in enumerate(kv.cfg.layer_types) if t == "linear"]
+        self._ssm: dict[int, torch.Tensor] = {}
+        self._trace: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def attn_past(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> k, v: [num_tokens, Hkv, D] (k roped)
+        slots = self.kv.slots(self.block_table, 0, self._num_tokens)
+        k = self.kv.k[layer_idx].flatten(0, 1).index_select(0, slots)
+        v = self.kv.v[layer_idx].flatten(0, 1).index_select(0, slots)
+        return k, v
+
+    def attn_append(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        # k_new, v_new: [T, Hkv, D] at positions [num_tokens, num_tokens + T)
+        t = k_new.shape[0]
+        needed = -(-(self._num_tokens + t) // self.kv.block_size)
+        if needed > len(self.block_table):
+            raise RuntimeError(
+                f"positions up to {self._num_tokens + t} need {needed} blocks, "
+                f"the sequence holds {len(self.block_table)}: allocate slots first"
+            )
+        slots = self.kv.slots(self.block_table, self._num_tokens, self._num_tokens + t)
+        self.kv.k[layer_idx].flatten(0, 1).index_copy_(0, slots, k_new.to(self.kv.k[layer_idx].dtype))
+        self.kv.v[layer_idx].flatten(0, 1).index_copy_(0, slots, v_new.to(self.kv.v[layer_idx].dtype))
+
+    def ssm_state(self, layer_idx: int) -> torch.Tensor | None:
+        return self._ssm.get(layer_idx)
+
+    def set_ssm_state(self, layer_idx: int, state: torch.Tensor) -> None:
+        # state: [Hl, Dk, Dv]
+        self._ssm[layer_idx] = state
+
+    def set_ssm_trace(self, layer_idx: int, states: torch.Tensor) -> None:
+        """States after each token of the last forward (`[T, Hl, Dk, Dv]`), for verify."""
+        self._trace[layer_idx] = states
+
+    def advance(self, num_new: int) -> None:
+        """Commit the positions the last forward wrote."""
+        self._num_tokens += num_new
+
+    def rewind(self, num_tokens: int, trace_index: int | None = None) -> None:
+        """Keep positions `[0, num_tokens)`; take the SSM state after trace step `trace_index`."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"rewind to {num_tokens} outside [0, {self._num_tokens}]")
+        self._num_tokens = num_tokens
+        if trace_index is not None:
+            self._ssm = {i: s[trace_index].clone() for i, s in self._trace.items()}
+        self._trace = {}
+
+    def snapshot_ssm(self) -> list[torch.Tensor | None]:
+        """Clones of every linear layer's state, in layer order."""
+        return [None if i not in self._ssm else self._ssm[i].clone() for i in self._linear]
+
+    def restore_ssm(self, states: list[torch.Tensor | None]) -> None:
+        """Install clones of a `snapshot_ssm()` result."""
+        if len(states) != len(self._linear):
+            raise ValueError(f"got {len(states)} states for {len(self._linear)} linear layers")
+        self._ssm = {
+            i: s.clone() for i, s in zip(self._linear, states, strict=True) if s is not None
+        }
+
+    def ssm_nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self._ssm.values())

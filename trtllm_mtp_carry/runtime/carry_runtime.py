@@ -1,0 +1,302 @@
+"""The carry runtime: the single carry slot, sequence tickets, adopt and deposit.
+
+What it is for: it keeps the `CarriedDrafter` (and, through the backend's
+hidden store, the `StoreRange`) between executor requests, and on each turn
+prepares the drafter according to the policy. It decides; the backend computes.
+
+A warm turn under `carry`, in pair-key space:
+
+```
+  | carried rows (kept) | skipped keys | appended rows |
+  0              last_pair_key   hidden_lo        L - 2
+```
+
+Invariants:
+- Every drafter block is owned by exactly one of: a live sequence, the slot,
+  the free pool (`DrafterKVPool.check()` proves it); adoption moves blocks
+  out of the slot (zero copy), so two sequences never own the same rows.
+- Rows are adopted only by the slot's own non-zero session, and hidden rows
+  are read only under the reading sequence's own ticket (`decide_adopt`).
+- Any refusal falls back to the no-carry path: a cold turn still gets its full
+  drafter prefill, a warm turn runs blind. Output never depends on the carry,
+  because the target verifies every draft.
+- The carry acts only when armed (configured and MTP dispatching one sequence
+  per step); an unarmed runtime says so once, naming the dispatch cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import (
+    OUTCOME_KINDS,
+    CarriedDrafter,
+    CarryOutcome,
+    DrafterContext,
+    carry_armed_with,
+    decide_adopt,
+    log_adopt,
+    log_store,
+    mtp_max_seqs,
+    plan_append,
+)
+from ..core.session import TicketCounter
+from .backend import CarryBackend
+from .policy import DrafterPolicy
+
+logger = logging.getLogger("trtllm_mtp_carry")
+
+
+@dataclass(frozen=True)
+class DrafterPrep:
+    """How one turn's drafter was prepared.
+
+    `mode` is `carry` (adopted), `prefill` (cold full prefill), `rebuild`,
+    `blind` or `off`; `outcome` is the carry decision when one was taken.
+    """
+
+    mode: str
+    outcome: CarryOutcome | None
+    rows_kept: int
+    rows_computed: int
+    keys_skipped: int
+    prep_ms: float
+
+    def describe(self) -> str:
+        """One line for logs and the per-turn table."""
+        if self.outcome is None:
+            return self.mode
+        if self.mode == "carry":
+            return str(self.outcome)
+        return f"{self.mode} ({self.outcome})"
+
+
+@dataclass(frozen=True)
+class CarryStats:
+    """A frozen snapshot of the runtime's counters."""
+
+    armed: bool
+    policy: str
+    outcomes: dict[str, int]
+    rows_adopted: int
+    rows_appended: int
+    keys_skipped: int
+    rows_prefilled: int
+    rows_rebuilt: int
+    turns_blind: int
+    deposits: int
+    slot_rows: int
+
+
+@dataclass
+class _Counters:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    rows_adopted: int = 0
+    rows_appended: int = 0
+    keys_skipped: int = 0
+    rows_prefilled: int = 0
+    rows_rebuilt: int = 0
+    turns_blind: int = 0
+    deposits: int = 0
+
+
+class CarryRuntime:
+    """Owns the carry slot and the tickets; prepares and deposits each sequence's drafter rows.
+
+    `multi_seq` overrides the live dispatch-cap check (tests); by default the
+    carry is armed with `carry_armed_with(cfg, mtp_max_seqs() > 1)`.
+    """
+
+    def __init__(
+        self,
+        backend: CarryBackend,
+        policy: DrafterPolicy | str = DrafterPolicy.CARRY,
+        multi_seq: bool | None = None,
+    ) -> None:
+        self.backend = backend
+        self.policy = DrafterPolicy.parse(policy)
+        cap = mtp_max_seqs()
+        multi = cap > 1 if multi_seq is None else multi_seq
+        self.config = DrafterContext(prefill=True, carry=self.policy is DrafterPolicy.CARRY)
+        self.armed = carry_armed_with(self.config, multi)
+        if self.config.carry and not self.armed:
+            logger.warning(
+                "mtp carry configured but not armed: MTP dispatch cap is %d (multi-sequence "
+                "mode); warm turns will run the drafter blind",
+                cap,
+            )
+        self._tickets = TicketCounter()
+        self._entry: CarriedDrafter | None = None
+        self._counters = _Counters()
+        self._lock = threading.Lock()  # stats() may be read from another thread
+
+    # ---- per sequence ----------------------------------------------------------
+
+    def draw_ticket(self) -> int:
+        """A fresh non-zero ticket for an admitted sequence (the runtime's own counter)."""
+        return self._tickets.draw()
+
+    def prepare(
+        self,
+        seq_id: int,
+        ticket: int,
+        session_hash: int,
+        prompt: Sequence[int],
+        cold: bool,
+        policy: DrafterPolicy | str | None = None,
+    ) -> DrafterPrep:
+        """Give sequence `seq_id` its drafter rows for `prompt` (after its target prefill).
+
+        `cold` means the prefill ran from position 0, so the hidden store holds
+        the whole prompt under `ticket` (unless another sequence overwrote it).
+        """
+        start = time.perf_counter()
+        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
+        pool = self.backend.drafter_pool
+        if policy is DrafterPolicy.OFF:
+            return DrafterPrep("off", None, 0, 0, 0, 0.0)
+        pool.allocate_sequence(seq_id)
+        tokens = list(prompt)
+        outcome: CarryOutcome | None = None
+        if policy is DrafterPolicy.CARRY and self.armed:
+            store = self.backend.hidden_store.range
+            outcome = decide_adopt(self._entry, tokens, session_hash, ticket, store)
+            log_adopt(outcome, session_hash, ticket, len(tokens))
+            with self._lock:
+                self._counters.outcomes[outcome.kind] += 1
+            if isinstance(outcome, CarryOutcome.Adopted):
+                return self._adopt(seq_id, ticket, tokens, outcome, start)
+        if cold:
+            rows = self._prefill(seq_id, ticket, tokens)
+            if rows:
+                with self._lock:
+                    self._counters.rows_prefilled += rows
+                return DrafterPrep("prefill", outcome, 0, rows, 0, _ms(start))
+        if policy is DrafterPolicy.REBUILD and not cold:
+            self.backend.recompute_hiddens(ticket, tokens)
+            rows = self._prefill(seq_id, ticket, tokens)
+            with self._lock:
+                self._counters.rows_rebuilt += rows
+            return DrafterPrep("rebuild", outcome, 0, rows, 0, _ms(start))
+        with self._lock:
+            self._counters.turns_blind += 1
+        return DrafterPrep("blind", outcome, 0, 0, 0, _ms(start))
+
+    def finish(
+        self,
+        seq_id: int,
+        session_hash: int,
+        tokens: Sequence[int],
+        policy: DrafterPolicy | str | None = None,
+        ticket: int = 0,
+    ) -> None:
+        """End `seq_id`: deposit its rows in the slot (carry armed, non-zero session) or free them.
+
+        `tokens` are the finished sequence's tokens (prompt plus output); its
+        rows must cover pair keys up to at most `len(tokens) - 2`.
+        """
+        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
+        pool = self.backend.drafter_pool
+        if not pool.has_sequence(seq_id):
+            return  # policy off: the sequence never held drafter rows
+        rows = pool.sequence(seq_id)
+        if policy is DrafterPolicy.CARRY and self.armed and session_hash != 0 and rows.rows > 0:
+            if pool.slot is not None:
+                pool.free_slot()  # one slot: the newest finished session wins
+            carried = pool.move_to_slot(seq_id)
+            self._entry = CarriedDrafter(
+                carried.block_table, carried.rows, carried.last_pair_key, tokens, session_hash
+            )
+            log_store(self._entry, ticket)
+            with self._lock:
+                self._counters.deposits += 1
+            return
+        pool.free_sequence(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Free a cancelled sequence's drafter rows (never deposited: its turn did not finish)."""
+        pool = self.backend.drafter_pool
+        if pool.has_sequence(seq_id):
+            pool.free_sequence(seq_id)
+
+    def clear_slot(self) -> None:
+        """Drop the carried entry and free its blocks."""
+        if self.backend.drafter_pool.slot is not None:
+            self.backend.drafter_pool.free_slot()
+        self._entry = None
+
+    @property
+    def entry(self) -> CarriedDrafter | None:
+        """What the carry slot holds (bookkeeping only)."""
+        return self._entry
+
+    def stats(self) -> CarryStats:
+        """A frozen snapshot of every counter (zeros listed for outcomes never seen)."""
+        with self._lock:
+            c = self._counters
+            return CarryStats(
+                armed=self.armed,
+                policy=self.policy.value,
+                outcomes={kind: c.outcomes.get(kind, 0) for kind in OUTCOME_KINDS},
+                rows_adopted=c.rows_adopted,
+                rows_appended=c.rows_appended,
+                keys_skipped=c.keys_skipped,
+                rows_prefilled=c.rows_prefilled,
+                rows_rebuilt=c.rows_rebuilt,
+                turns_blind=c.turns_blind,
+                deposits=c.deposits,
+                slot_rows=self._entry.rows if self._entry is not None else 0,
+            )
+
+    # ---- steps -----------------------------------------------------------------
+
+    def _adopt(
+        self, seq_id: int, ticket: int, tokens: list[int], outcome: CarryOutcome.Adopted,
+        start: float,
+    ) -> DrafterPrep:
+        """Move the kept rows to the sequence (zero copy), then append the planned span."""
+        pool = self.backend.drafter_pool
+        pool.free_sequence(seq_id)  # registered empty by prepare; adopt re-registers it
+        held = pool.adopt_from_slot(seq_id, rows_kept=outcome.rows)
+        self._entry = None
+        kept_key = held.last_pair_key
+        assert kept_key is not None and kept_key < outcome.first_key
+        if outcome.appended:
+            self._append(seq_id, ticket, tokens, outcome.first_key, outcome.appended)
+        skipped = outcome.first_key - (kept_key + 1) if outcome.appended else 0
+        with self._lock:
+            self._counters.rows_adopted += outcome.rows
+            self._counters.rows_appended += outcome.appended
+            self._counters.keys_skipped += skipped
+        return DrafterPrep("carry", outcome, outcome.rows, outcome.appended, skipped, _ms(start))
+
+    def _prefill(self, seq_id: int, ticket: int, tokens: list[int]) -> int:
+        """The drafter prompt prefill: rows for every key the store holds for `ticket`."""
+        plan = plan_append(None, len(tokens), *self.backend.hidden_store.visible_to(ticket))
+        if plan is None or plan.first_key != 0:
+            return 0  # the store lost rows of this prompt to another sequence: run blind
+        self._append(seq_id, ticket, tokens, 0, plan.rows)
+        return plan.rows
+
+    def _append(self, seq_id: int, ticket: int, tokens: list[int], first_key: int, rows: int) -> None:
+        """Compute and write drafter rows for keys `first_key .. first_key + rows - 1`."""
+        store = self.backend.hidden_store
+        pool = self.backend.drafter_pool
+        end = first_key + rows
+        hidden = store.read(ticket, first_key, end)  # [rows, H] bf16, refused unless visible
+        device = hidden.device
+        next_tokens = torch.tensor(tokens[first_key + 1 : end + 1], dtype=torch.int64, device=device)
+        keys = torch.arange(first_key, end, dtype=torch.int64, device=device)
+        k, v = self.backend.drafter_kv(next_tokens, hidden, keys)
+        pool.append_rows(seq_id, keys, k, v)
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3
