@@ -70,6 +70,7 @@ class EngineConfig:
     drafter_block_size: int = 16
     num_drafter_blocks: int = 4096
     max_model_len: int = 32768
+    hidden_capacity: int | None = None  # hidden-store rows; None: max_model_len
     prefill_chunk: int = 512
     snapshot_budget_mb: float = 64.0
     draft_len: int = 2
@@ -86,6 +87,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_capacity is not None and (
+                isinstance(self.hidden_capacity, bool) or not isinstance(self.hidden_capacity, int)
+                or self.hidden_capacity <= 0):
+            raise ValueError(
+                f"EngineConfig.hidden_capacity must be a positive int or None, got {self.hidden_capacity!r}"
+            )
         if self.prefill_chunk % self.block_size:
             raise ValueError(
                 f"EngineConfig.prefill_chunk={self.prefill_chunk} must be a multiple of "
@@ -232,7 +239,10 @@ class ReferenceEngine:
         self.blocks = TargetBlockManager(config.num_target_blocks, config.block_size)
         self.snapshots: SnapshotCache[list[torch.Tensor | None]] = SnapshotCache(
             int(config.snapshot_budget_mb * 2**20), config.block_size)
-        self._store = HiddenStore(config.max_model_len, cfg.hidden_size, device=self.device)
+        # Positions past the store's capacity are not captured (as with a fixed-size
+        # mtp_prefill_hidden buffer); a span they cut short is refused with NoHiddens.
+        capacity = config.hidden_capacity or config.max_model_len
+        self._store = HiddenStore(capacity, cfg.hidden_size, device=self.device)
         self._pool = DrafterKVPool(
             config.num_drafter_blocks, config.drafter_block_size, cfg.num_kv_heads, cfg.head_dim,
             RopeConfig(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta), device=self.device,
@@ -277,7 +287,7 @@ class ReferenceEngine:
         chunk = self.config.prefill_chunk
         for start in range(0, len(ids), chunk):
             hidden, _ = self.model.forward_target(ids[start:start + chunk], start, cache)
-            self._store.write(ticket, start, hidden.to(torch.bfloat16))
+            self._capture_hiddens(ticket, start, hidden)
 
     # ---- requests -----------------------------------------------------------------
 
@@ -427,7 +437,7 @@ class ReferenceEngine:
         ids = torch.tensor(seq.prompt[start:end], dtype=torch.int64, device=self.device)
         hidden, logits = self.model.forward_target(ids, start, seq.kv)
         seq.kv.advance(end - start)
-        self._store.write(seq.ticket, start, hidden.to(torch.bfloat16))
+        self._capture_hiddens(seq.ticket, start, hidden)
         self.blocks.commit_full_blocks(seq.request_id, seq.prompt[:end])
         if end < len(seq.prompt) and end % chunk == 0:
             self._put_snapshot(seq.keys, end, seq.kv)
@@ -438,6 +448,12 @@ class ReferenceEngine:
             seq.phase = "decode"
             if self._stop_reason(seq):
                 seq.finish_reason = self._stop_reason(seq)
+
+    def _capture_hiddens(self, ticket: int, start: int, hidden: torch.Tensor) -> None:
+        # hidden: [T, H] at positions start ..; rows past the store's capacity are dropped
+        fit = min(hidden.shape[0], self._store.capacity - start)
+        if fit > 0:
+            self._store.write(ticket, start, hidden[:fit].to(torch.bfloat16))
 
     def _put_snapshot(self, keys: PrefixKeys, depth: int, kv: SequenceKV) -> None:
         self.snapshots.put(keys, depth, kv.snapshot_ssm(), kv.ssm_nbytes())

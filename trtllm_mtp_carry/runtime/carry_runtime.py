@@ -127,10 +127,16 @@ class CarryRuntime:
         self.config = DrafterContext(prefill=True, carry=self.policy is DrafterPolicy.CARRY)
         self.armed = carry_armed_with(self.config, multi)
         if self.config.carry and not self.armed:
+            why = (
+                f"MTP dispatch cap is {cap}" if multi_seq is None
+                else "MTP dispatches several sequences per step"
+            )
+            source = "" if multi_seq is None else ", set by the engine"
             logger.warning(
-                "mtp carry configured but not armed: MTP dispatch cap is %d (multi-sequence "
-                "mode); warm turns will run the drafter blind",
-                cap,
+                "mtp carry configured but not armed: %s (multi-sequence mode%s); "
+                "warm turns will run the drafter blind",
+                why,
+                source,
             )
         self._tickets = TicketCounter()
         self._entry: CarriedDrafter | None = None
