@@ -146,7 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(func=cmd_info)
+
+    from .bench.main import add_arguments
+
+    bench = sub.add_parser(
+        "bench", help="replay multi-turn sessions under each drafter policy (carry/rebuild/blind)"
+    )
+    add_settings_flags(bench)
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.main import run
+
+    return run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

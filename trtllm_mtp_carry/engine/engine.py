@@ -119,7 +119,8 @@ class TurnStats:
     reused_tokens: int = 0
     snapshot_restored: bool = False
     policy: str = ""
-    outcome: str = ""
+    outcome: str = ""  # the drafter preparation, as a log line
+    outcome_kind: str = ""  # the CarryOutcome's kind when one was decided, else the mode
     drafter_rows_kept: int = 0
     drafter_rows_computed: int = 0
     keys_skipped: int = 0
@@ -475,6 +476,7 @@ class ReferenceEngine:
                                             seq.prompt, seq.cold, seq.policy)
             s = seq.stats
             s.outcome = seq.prep.describe()
+            s.outcome_kind = seq.prep.outcome.kind if seq.prep.outcome else seq.prep.mode
             s.drafter_rows_kept = seq.prep.rows_kept
             s.drafter_rows_computed = seq.prep.rows_computed
             s.keys_skipped = seq.prep.keys_skipped
