@@ -155,7 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(bench)
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from .chat import add_arguments as add_chat_arguments
+
+    chat = sub.add_parser("chat", help="chat with the reference model, showing each turn's carry")
+    add_settings_flags(chat)
+    add_chat_arguments(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import run
+
+    return run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -9,10 +9,6 @@ import time
 from typing import Any
 
 from ..core import marconi_min_tokens
-from ..runtime.policy import DrafterPolicy
-from . import report
-from .replay import replay
-from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine.engine import EngineConfig
     from ..engine.model import load_reference
+    from ..runtime.policy import DrafterPolicy
+    from . import report
+    from .replay import replay
+    from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
 
     policies = [DrafterPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _json(args: argparse.Namespace, runs: list[Any], summary: dict[str, Any],
           identical: bool) -> dict[str, Any]:
+    from . import report
     return {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "marconi_min_tokens": marconi_min_tokens(),

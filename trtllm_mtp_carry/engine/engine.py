@@ -69,7 +69,7 @@ class EngineConfig:
     num_target_blocks: int = 4096
     drafter_block_size: int = 16
     num_drafter_blocks: int = 4096
-    max_model_len: int = 32768
+    max_model_len: int | None = None  # None: the model's max_position
     hidden_capacity: int | None = None  # hidden-store rows; None: max_model_len
     prefill_chunk: int = 512
     snapshot_budget_mb: float = 64.0
@@ -82,11 +82,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_target_blocks", "drafter_block_size",
-                     "num_drafter_blocks", "max_model_len", "prefill_chunk",
+                     "num_drafter_blocks", "prefill_chunk",
                      "max_num_seqs", "mtp_max_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.max_model_len is not None and (
+                isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
+                or self.max_model_len <= 0):
+            raise ValueError(
+                f"EngineConfig.max_model_len must be a positive int or None, got {self.max_model_len!r}"
+            )
         if self.hidden_capacity is not None and (
                 isinstance(self.hidden_capacity, bool) or not isinstance(self.hidden_capacity, int)
                 or self.hidden_capacity <= 0):
@@ -218,9 +224,10 @@ class ReferenceEngine:
                  multi_seq: bool | None = None) -> None:
         self.config = config = config or EngineConfig()
         cfg = model.cfg
-        if config.max_model_len > cfg.max_position:
+        self.max_model_len = config.max_model_len or cfg.max_position
+        if self.max_model_len > cfg.max_position:
             raise ValueError(
-                f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+                f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position={cfg.max_position}"
             )
         self.device = torch.device(config.device)
@@ -242,7 +249,7 @@ class ReferenceEngine:
             int(config.snapshot_budget_mb * 2**20), config.block_size)
         # Positions past the store's capacity are not captured (as with a fixed-size
         # mtp_prefill_hidden buffer); a span they cut short is refused with NoHiddens.
-        capacity = config.hidden_capacity or config.max_model_len
+        capacity = config.hidden_capacity or self.max_model_len
         self._store = HiddenStore(capacity, cfg.hidden_size, device=self.device)
         self._pool = DrafterKVPool(
             config.num_drafter_blocks, config.drafter_block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -302,10 +309,10 @@ class ReferenceEngine:
         if isinstance(draft_len, bool) or not isinstance(draft_len, int) or not 0 <= draft_len <= MAX_DRAFT_LEN:
             raise ValueError(f"draft_len must be an int in [0, {MAX_DRAFT_LEN}], got {draft_len!r}")
         total = len(tokens) + max_new_tokens + draft_len
-        if total > self.config.max_model_len:
+        if total > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(tokens)} tokens + max_new_tokens={max_new_tokens} + "
-                f"draft_len={draft_len} exceeds max_model_len={self.config.max_model_len}"
+                f"draft_len={draft_len} exceeds max_model_len={self.max_model_len}"
             )
         needed = self.blocks.num_blocks_for(total)
         if needed > self.config.num_target_blocks:

@@ -48,6 +48,7 @@ from ..core import (
     plan_append,
 )
 from ..core.session import TicketCounter
+from ..core.outcome import Adopted
 from .backend import CarryBackend
 from .policy import DrafterPolicy
 
@@ -177,7 +178,7 @@ class CarryRuntime:
             log_adopt(outcome, session_hash, ticket, len(tokens))
             with self._lock:
                 self._counters.outcomes[outcome.kind] += 1
-            if isinstance(outcome, CarryOutcome.Adopted):
+            if isinstance(outcome, Adopted):
                 return self._adopt(seq_id, ticket, tokens, outcome, start)
         if cold:
             rows = self._prefill(seq_id, ticket, tokens)
@@ -264,7 +265,7 @@ class CarryRuntime:
     # ---- steps -----------------------------------------------------------------
 
     def _adopt(
-        self, seq_id: int, ticket: int, tokens: list[int], outcome: CarryOutcome.Adopted,
+        self, seq_id: int, ticket: int, tokens: list[int], outcome: Adopted,
         start: float,
     ) -> DrafterPrep:
         """Move the kept rows to the sequence (zero copy), then append the planned span."""
