@@ -177,3 +177,28 @@ def test_engine_config_rejects_bad_values():
         EngineConfig(draft_len=5)
     with pytest.raises(ValueError, match="unknown drafter policy 'x'"):
         EngineConfig(policy="x")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from trtllm_mtp_carry.engine.model import load_reference
+
+    model, _ = load_reference(dtype=torch.float64)
+    return model
+
+
+@pytest.mark.parametrize("draft_len", [1, 2, 3])
+def test_shipped_weights_speculative_equals_greedy(shipped, draft_len):
+    eng = engine(shipped, draft_len=draft_len)
+    messages = [{"role": "user", "content": "Here is some code:\n\n```python\ndef add(a, b):\n"
+                 "    return a + b\n```"}]
+    turn1 = TOK.render_chat(messages)
+    r1 = eng.generate("s", turn1, max_new_tokens=40)
+    assert r1.output == greedy_oracle(shipped, turn1, 40)
+    turn2 = (turn1 + r1.output + ([] if r1.output[-1] == TOK.eos_id else [TOK.eos_id])
+             + TOK.encode("\n") + TOK.render_message("user", "Show the first 1 line of `add`.")
+             + [TOK.im_start_id, TOK.assistant_id])
+    r2 = eng.generate("s", turn2, max_new_tokens=40)
+    assert r2.output == greedy_oracle(shipped, turn2, 40)
+    assert r1.stats.accepted > 0 and r2.stats.accepted > 0
+    eng.check()
