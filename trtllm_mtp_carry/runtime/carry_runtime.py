@@ -47,8 +47,8 @@ from ..core import (
     mtp_max_seqs,
     plan_append,
 )
-from ..core.session import TicketCounter
 from ..core.outcome import Adopted
+from ..core.session import TicketCounter
 from .backend import CarryBackend
 from .policy import DrafterPolicy
 
