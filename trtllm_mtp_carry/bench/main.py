@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.model import load_reference
     from ..runtime.policy import DrafterPolicy
     from . import report
-    from .replay import replay
+    from .replay import replay_lockstep
     from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
 
     policies = [DrafterPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip()]
@@ -71,12 +71,9 @@ def run(args: argparse.Namespace) -> int:
     )
     total = len(policies) * sum(1 + len(s.followups) for s in sessions)
     bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
-    runs = []
     started = time.perf_counter()
-    for policy in policies:
-        bar.set_postfix_str(policy.value)
-        runs.append(replay(model, tokenizer, sessions, policy, config, args.max_new_tokens,
-                           args.concurrency, args.interleave, on_turn=lambda: bar.update(1)))
+    runs = replay_lockstep(model, tokenizer, sessions, policies, config, args.max_new_tokens,
+                           args.concurrency, args.interleave, on_turn=lambda: bar.update(1))
     bar.close()
     summary = {r.policy: report.summaries(r) for r in runs}
     identical = report.outputs_identical(runs)

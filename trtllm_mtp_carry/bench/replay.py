@@ -7,11 +7,11 @@ policies too, and `outputs_identical` checks exactly that.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.engine import EngineConfig, ReferenceEngine, TurnResult
+from ..engine.engine import EngineConfig, ReferenceEngine
 from ..engine.model import HybridLM
 from ..engine.tokenizer import ChatTokenizer
 from ..runtime.policy import DrafterPolicy
@@ -47,9 +47,13 @@ def next_prompt(tokenizer: ChatTokenizer, prompt: list[int], output: list[int], 
 def replay(
     model: HybridLM, tokenizer: ChatTokenizer, sessions: Sequence[BenchSession],
     policy: DrafterPolicy, config: EngineConfig, max_new_tokens: int, concurrency: int,
-    interleave: bool, on_turn: Callable[[], None] | None = None,
-) -> PolicyRun:
-    """Run every session's turns under `policy`; `interleave` alternates sessions turn by turn."""
+    interleave: bool,
+) -> Iterator[PolicyRun]:
+    """Run every session's turns under `policy`, yielding the growing run after each turn.
+
+    `interleave` alternates sessions turn by turn; the caller drives the
+    generator, so several policies can advance in lockstep.
+    """
     engine = ReferenceEngine(model, tokenizer, config)
     engine.generate(None, tokenizer.render_chat([{"role": "user", "content": "warm up"}]),
                     max_new_tokens=4, policy=policy)  # first-call costs stay out of the figures
@@ -79,18 +83,39 @@ def replay(
             break
         for result in engine.step():
             name = inflight.pop(result.request_id)
-            _record(run, name, next_turn[name], result)
+            run.turns.append(TurnRecord(name, next_turn[name], result.stats.as_dict(), result.output))
             followups = by_name[name].followups
             if next_turn[name] < len(followups):
                 prompts[name] = next_prompt(tokenizer, result.prompt, result.output,
                                             followups[next_turn[name]])
             next_turn[name] += 1
-            if on_turn is not None:
-                on_turn()
+            yield run
     engine.check()
     run.runtime = engine.runtime.stats().__dict__
-    return run
+    yield run
 
 
-def _record(run: PolicyRun, name: str, turn: int, result: TurnResult) -> None:
-    run.turns.append(TurnRecord(name, turn, result.stats.as_dict(), result.output))
+def replay_lockstep(
+    model: HybridLM, tokenizer: ChatTokenizer, sessions: Sequence[BenchSession],
+    policies: Sequence[DrafterPolicy], config: EngineConfig, max_new_tokens: int,
+    concurrency: int, interleave: bool, on_turn: Callable[[], None] | None = None,
+) -> list[PolicyRun]:
+    """Replay under every policy at once, one turn of each in turn.
+
+    Lockstep keeps slow drift of the machine (other load, allocator state,
+    frequency) from favouring whichever policy happened to run first.
+    """
+    runners = [replay(model, tokenizer, sessions, p, config, max_new_tokens, concurrency, interleave)
+               for p in policies]
+    runs: list[PolicyRun | None] = [None] * len(runners)
+    active = list(range(len(runners)))
+    while active:
+        for i in list(active):
+            try:
+                before = len(runs[i].turns) if runs[i] is not None else 0
+                runs[i] = next(runners[i])
+                if on_turn is not None and len(runs[i].turns) > before:
+                    on_turn()
+            except StopIteration:
+                active.remove(i)
+    return [r for r in runs if r is not None]

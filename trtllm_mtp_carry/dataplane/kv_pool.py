@@ -319,9 +319,9 @@ class DrafterKVPool:
         state.rows += n
         return state.snapshot()
 
-    def gather(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(k [R, Hkv, D], v [R, Hkv, D], keys [R] int64)` of the sequence's rows, in row order."""
-        return self._gather(self._live(seq_id))
+    def gather(self, seq_id: int, start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(k [R', Hkv, D], v [R', Hkv, D], keys [R'] int64)` of rows `start_row ..`, in row order."""
+        return self._gather(self._live(seq_id), start_row)
 
     def gather_slot(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like `gather`, for the carry slot; RuntimeError if it is empty."""
@@ -384,9 +384,11 @@ class DrafterKVPool:
         self._free.extend(freed)
         return len(freed)
 
-    def _gather(self, state: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _gather(self, state: _Rows, start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not 0 <= start_row <= state.rows:
+            raise ValueError(f"start_row must be in [0, {state.rows}], got {start_row}")
         dev = self.device
-        rows = torch.arange(state.rows, dtype=torch.int64, device=dev)
+        rows = torch.arange(start_row, state.rows, dtype=torch.int64, device=dev)
         table = torch.tensor(state.block_table, dtype=torch.int64, device=dev)
         slots = slots_for_rows(table, rows, self.block_size)
         k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_select(0, slots)
@@ -394,5 +396,5 @@ class DrafterKVPool:
         keys = torch.cat(
             [torch.arange(k0, k0 + c, dtype=torch.int64) for k0, c in state.runs]
             or [torch.empty(0, dtype=torch.int64)]
-        ).to(dev)
+        )[start_row:].to(dev)
         return k, v, keys

@@ -190,10 +190,36 @@ class _Sequence:
     cold: bool = True
     finish_reason: str = ""
     t_first: float = 0.0
+    mirror: _RowMirror | None = None  # the drafter's rows in the model dtype, for attention
 
     @property
     def num_output(self) -> int:
         return len(self.tokens) - len(self.prompt)
+
+
+class _RowMirror:
+    """A sequence's drafter rows as dense model-dtype tensors, grown in place.
+
+    The drafter attends to every row at every draft step; reading them back
+    from the paged bf16 pool each step would copy all rows each time, so only
+    rows the pool gained since the last step are read (the pool stays the
+    owner; this is a cache of its contents for one live sequence).
+    """
+
+    def __init__(self, capacity: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.k = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.keys = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.rows = 0
+
+    def sync(self, pool: DrafterKVPool, seq_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read the rows the pool gained; return views `(k, v, keys)` of every row."""
+        k, v, keys = pool.gather(seq_id, start_row=self.rows)
+        end = self.rows + keys.shape[0]
+        self.k[self.rows:end], self.v[self.rows:end], self.keys[self.rows:end] = k, v, keys
+        self.rows = end
+        return self.k[:end], self.v[:end], self.keys[:end]
 
 
 @dataclass
@@ -514,23 +540,29 @@ class ReferenceEngine:
         x = drafter.project(token, hidden)
         q, k, v = drafter.qkv(x, keys)
         self._pool.append_rows(seq.request_id, keys, k.to(torch.bfloat16), v.to(torch.bfloat16))
-        k_rows, v_rows, row_keys = self._pool.gather(seq.request_id)
-        k_rows, v_rows = k_rows.to(self.dtype), v_rows.to(self.dtype)
         cfg = self.model.cfg
+        if seq.mirror is None:  # every key of the prompt and the answer fits
+            capacity = len(seq.prompt) + seq.max_new_tokens + MAX_DRAFT_LEN + 1
+            seq.mirror = _RowMirror(capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        mirror = seq.mirror
+        real = mirror.sync(self._pool, seq.request_id)[2].shape[0]
         drafts: list[int] = []
         h_out = hidden  # each later draft reads the drafter's own output hidden
         for j in range(seq.draft_len):
-            if j:  # a speculative row: drafted token, drafter hidden; never enters the pool
+            if j:  # a speculative row (drafted token, drafter hidden): in the mirror's spare
+                # room past the real rows, never in the pool; the next sync overwrites it
                 key = key0 + j
                 keys = torch.tensor([key], dtype=torch.int64, device=self.device)
                 x = drafter.project(token, h_out)
                 q, k, v = drafter.qkv(x, keys)
                 k_roped = apply_rope_reference(k.to(torch.bfloat16), keys + 1, cfg.rotary_dim,
                                                cfg.rope_theta)
-                k_rows = torch.cat([k_rows, k_roped.to(self.dtype)])
-                v_rows = torch.cat([v_rows, v.to(torch.bfloat16).to(self.dtype)])
-                row_keys = torch.cat([row_keys, keys])
-            h_out, logits = drafter.finish(x, q, k_rows, v_rows, row_keys, keys)
+                row = real + j - 1
+                mirror.k[row], mirror.v[row] = k_roped[0], v[0].to(torch.bfloat16)
+                mirror.keys[row] = key
+            end = real + j
+            h_out, logits = drafter.finish(x, q, mirror.k[:end], mirror.v[:end], mirror.keys[:end],
+                                           keys)
             drafts.append(int(logits[0].argmax()))
             token = torch.tensor([drafts[-1]], dtype=torch.int64, device=self.device)
         seq.stats.drafted += len(drafts)
