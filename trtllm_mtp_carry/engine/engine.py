@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,125 +48,19 @@ from ..dataplane.rope import RopeConfig, apply_rope_reference
 from ..runtime.carry_runtime import CarryRuntime, DrafterPrep
 from ..runtime.policy import DrafterPolicy
 from .block_manager import TargetBlockManager
+from .config import DTYPES, MAX_DRAFT_LEN, EngineConfig
 from .model import DenseTargetCache, HybridLM
 from .prefix_hash import PrefixKeys
 from .snapshot_cache import SnapshotCache, plan_resume
 from .target_kv import PagedTargetKV, SequenceKV
 from .tokenizer import ChatTokenizer
+from .turn import TurnResult, TurnStats
+
+__all__ = ["EngineConfig", "ReferenceEngine", "TurnResult", "TurnStats"]
 
 logger = logging.getLogger("trtllm_mtp_carry")
 
-MAX_DRAFT_LEN = 3
-
 Prompt = Sequence[int] | Sequence[dict[str, str]] | str
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine sizes and policies; every field is validated on construction."""
-
-    block_size: int = 16
-    num_target_blocks: int = 4096
-    drafter_block_size: int = 16
-    num_drafter_blocks: int = 4096
-    max_model_len: int | None = None  # None: the model's max_position
-    hidden_capacity: int | None = None  # hidden-store rows; None: max_model_len
-    prefill_chunk: int = 512
-    snapshot_budget_mb: float = 64.0
-    draft_len: int = 2
-    policy: DrafterPolicy | str = DrafterPolicy.CARRY
-    max_num_seqs: int = 8
-    mtp_max_seqs: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_target_blocks", "drafter_block_size",
-                     "num_drafter_blocks", "prefill_chunk",
-                     "max_num_seqs", "mtp_max_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-        if self.max_model_len is not None and (
-                isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
-                or self.max_model_len <= 0):
-            raise ValueError(
-                f"EngineConfig.max_model_len must be a positive int or None, got {self.max_model_len!r}"
-            )
-        if self.hidden_capacity is not None and (
-                isinstance(self.hidden_capacity, bool) or not isinstance(self.hidden_capacity, int)
-                or self.hidden_capacity <= 0):
-            raise ValueError(
-                f"EngineConfig.hidden_capacity must be a positive int or None, got {self.hidden_capacity!r}"
-            )
-        if self.prefill_chunk % self.block_size:
-            raise ValueError(
-                f"EngineConfig.prefill_chunk={self.prefill_chunk} must be a multiple of "
-                f"block_size={self.block_size} (snapshots land on block boundaries)"
-            )
-        if not 0 <= self.draft_len <= MAX_DRAFT_LEN:
-            raise ValueError(f"EngineConfig.draft_len must be in [0, {MAX_DRAFT_LEN}], got {self.draft_len}")
-        if not self.snapshot_budget_mb >= 0:
-            raise ValueError(f"EngineConfig.snapshot_budget_mb must be >= 0, got {self.snapshot_budget_mb}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        object.__setattr__(self, "policy", DrafterPolicy.parse(self.policy))
-
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-
-
-@dataclass
-class TurnStats:
-    """What one turn cost and bought (times in milliseconds)."""
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    snapshot_restored: bool = False
-    policy: str = ""
-    outcome: str = ""  # the drafter preparation, as a log line
-    outcome_kind: str = ""  # the CarryOutcome's kind when one was decided, else the mode
-    drafter_rows_kept: int = 0
-    drafter_rows_computed: int = 0
-    keys_skipped: int = 0
-    drafter_prep_ms: float = 0.0
-    prefill_ms: float = 0.0
-    ttft_ms: float = 0.0
-    decode_ms: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-    verify_steps: int = 0
-    output_tokens: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        """Accepted drafts / drafted tokens (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def accepted_per_step(self) -> float:
-        """Accepted draft tokens per verify step."""
-        return self.accepted / self.verify_steps if self.verify_steps else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["acceptance"] = self.acceptance
-        d["accepted_per_step"] = self.accepted_per_step
-        return d
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    """A finished (or cancelled) request: output tokens, text and statistics."""
-
-    request_id: int
-    session_id: str | int | None
-    prompt: list[int]
-    output: list[int]
-    text: str
-    finish_reason: str  # "stop" (end of turn), "length" or "cancelled"
-    stats: TurnStats
 
 
 @dataclass
@@ -233,16 +127,6 @@ class _Request:
     policy: DrafterPolicy
 
 
-@dataclass
-class _Accepted:
-    """One verify step's result: the tokens kept and how many drafts matched."""
-
-    tokens: list[int]
-    num_accepted: int
-    finish: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class ReferenceEngine:
     """Greedy speculative decoding of a hybrid MTP model with prefix caching and the carry."""
 
@@ -257,7 +141,7 @@ class ReferenceEngine:
                 f"max_position={cfg.max_position}"
             )
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.tokenizer = tokenizer
         if not set_mtp_max_seqs(config.mtp_max_seqs):
@@ -480,8 +364,7 @@ class ReferenceEngine:
             seq.last_hidden = hidden[-1]
             seq.tokens.append(int(logits[-1].argmax()))
             seq.phase = "decode"
-            if self._stop_reason(seq):
-                seq.finish_reason = self._stop_reason(seq)
+            seq.finish_reason = self._stop_reason(seq)
 
     def _capture_hiddens(self, ticket: int, start: int, hidden: torch.Tensor) -> None:
         # hidden: [T, H] at positions start ..; rows past the store's capacity are dropped
@@ -521,12 +404,9 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         drafting = seq.policy.drafts and seq.draft_len > 0
         drafts = self._draft(seq) if drafting else []
-        accepted = self._verify(seq, drafts)
+        seq.finish_reason = self._verify(seq, drafts)
         seq.stats.decode_ms += (time.perf_counter() - t0) * 1e3
-        if accepted.finish:
-            seq.finish_reason = accepted.finish
-            return True
-        return False
+        return bool(seq.finish_reason)
 
     def _draft(self, seq: _Sequence) -> list[int]:
         """Propose `draft_len` tokens; the first draft key's row is real and stays in the pool."""
@@ -568,8 +448,11 @@ class ReferenceEngine:
         seq.stats.drafted += len(drafts)
         return drafts
 
-    def _verify(self, seq: _Sequence, drafts: list[int]) -> _Accepted:
-        """One target forward over the newest token and the drafts; keep the accepted path."""
+    def _verify(self, seq: _Sequence, drafts: list[int]) -> str:
+        """One target forward over the newest token and the drafts; keep the accepted path.
+
+        Returns the finish reason ("stop", "length") or "" to go on.
+        """
         n = len(seq.tokens)
         start = n - 1  # position of the newest token, not yet computed
         inp = [seq.tokens[-1], *drafts]
@@ -604,7 +487,7 @@ class ReferenceEngine:
             seq.stats.verify_steps += 1
             if kept > 1:  # real rows for the accepted positions (keys n-1 .. n+kept-3)
                 self._append_real_rows(seq, n - 1, hidden[: kept - 1])
-        return _Accepted(new, num_accepted, finish)
+        return finish
 
     def _append_real_rows(self, seq: _Sequence, first_key: int, hidden: torch.Tensor) -> None:
         # hidden: [m, H] target hidden states for keys first_key .. first_key + m - 1

@@ -1,0 +1,58 @@
+"""What a turn returns: its output and its statistics (times in milliseconds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost and bought (times in milliseconds)."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    snapshot_restored: bool = False
+    policy: str = ""
+    outcome: str = ""  # the drafter preparation, as a log line
+    outcome_kind: str = ""  # the CarryOutcome's kind when one was decided, else the mode
+    drafter_rows_kept: int = 0
+    drafter_rows_computed: int = 0
+    keys_skipped: int = 0
+    drafter_prep_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    output_tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted drafts / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Accepted draft tokens per verify step."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["acceptance"] = self.acceptance
+        d["accepted_per_step"] = self.accepted_per_step
+        return d
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """A finished (or cancelled) request: output tokens, text and statistics."""
+
+    request_id: int
+    session_id: str | int | None
+    prompt: list[int]
+    output: list[int]
+    text: str
+    finish_reason: str  # "stop" (end of turn), "length" or "cancelled"
+    stats: TurnStats
