@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import threading
 
-_U64 = 1 << 64
+from ._checks import U64_LIMIT
+
 _ZERO_STANDIN = 0x9E3779B97F4A7C15  # a digest of 0 maps here (probability 2**-64)
 
 
@@ -35,7 +36,7 @@ def session_hash(session_id: str | int) -> int:
             raise ValueError("session id must be a non-empty string, got ''")
         data = b"s" + session_id.encode("utf-8", "surrogatepass")
     else:
-        if not 0 <= session_id < _U64:
+        if not 0 <= session_id < U64_LIMIT:
             raise ValueError(f"session id int must be in [0, 2**64), got {session_id}")
         data = b"i" + int(session_id).to_bytes(8, "little")
     digest = hashlib.blake2b(data, digest_size=8, person=b"mtpcarry-session").digest()
@@ -52,7 +53,7 @@ class TicketCounter:
     def draw(self) -> int:
         """The next ticket: each value once, in increasing order (RuntimeError past 2**64 - 1)."""
         with self._lock:
-            if self._last == _U64 - 1:
+            if self._last == U64_LIMIT - 1:
                 raise RuntimeError("ticket counter exhausted 2**64 - 1 tickets")
             self._last += 1
             return self._last

@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from ..core._checks import check_u64
 from ..core.plan import hidden_row_offset
 from ..core.store_range import StoreRange, stamped_merge
 from .ops import hidden_row_copy
 
 __all__ = ["HiddenRowsNotVisible", "HiddenStore"]
 
-_U64_MAX = (1 << 64) - 1
 
 
 class HiddenRowsNotVisible(RuntimeError):
     """A read asked for hidden rows its ticket did not write (a caller bug: plan first)."""
-
-
-def _check_ticket(ticket: int) -> None:
-    if not isinstance(ticket, int) or isinstance(ticket, bool) or not 0 <= ticket <= _U64_MAX:
-        raise ValueError(f"ticket must be an unsigned 64-bit int, got {ticket!r}")
 
 
 class HiddenStore:
@@ -91,7 +86,7 @@ class HiddenStore:
 
         The range is stamped with `stamped_merge(range, ticket, start, n)`.
         """
-        _check_ticket(ticket)
+        check_u64("ticket", ticket)
         if rows.dim() != 2 or rows.shape[1] != self.hidden_size:
             raise ValueError(
                 f"rows must have shape [n, hidden_size={self.hidden_size}], got {tuple(rows.shape)}"
@@ -117,7 +112,7 @@ class HiddenStore:
         out: torch.Tensor | None = None,  # [>= b - a, hidden_size] bf16, same device
     ) -> torch.Tensor:  # [b - a, hidden_size] bf16 (a view of `out` when given)
         """Copy rows `[a, b)` into a contiguous tensor; only inside `visible_to(ticket)`."""
-        _check_ticket(ticket)
+        check_u64("ticket", ticket)
         if not 0 <= a <= b:
             raise ValueError(f"read needs 0 <= a <= b, got a={a} b={b}")
         lo, hi = self._range.visible_to(ticket)
