@@ -111,11 +111,13 @@ def replay_lockstep(
     active = list(range(len(runners)))
     while active:
         for i in list(active):
+            before = runs[i]
+            seen = len(before.turns) if before is not None else 0
             try:
-                before = len(runs[i].turns) if runs[i] is not None else 0
-                runs[i] = next(runners[i])
-                if on_turn is not None and len(runs[i].turns) > before:
-                    on_turn()
+                run = runs[i] = next(runners[i])
             except StopIteration:
                 active.remove(i)
+                continue
+            if on_turn is not None and len(run.turns) > seen:
+                on_turn()
     return [r for r in runs if r is not None]

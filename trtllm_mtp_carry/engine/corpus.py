@@ -185,7 +185,7 @@ def build_sessions(n: int, heldout: bool, seed: int, root: Path | None = None,
         raise ValueError(f"no usable stdlib files found under {root or stdlib_root()}")
     rng = random.Random(seed)
     order = list(range(len(groups)))
-    out = []
+    out: list[Session] = []
     while len(out) < n:
         rng.shuffle(order)
         for i in order[: n - len(out)]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -306,15 +307,22 @@ class ReferenceEngine:
         if len(prompt) == 0:
             raise ValueError("prompt is empty")
         if all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
+            messages: list[dict[str, str]] = list(prompt)  # type: ignore[arg-type]
+            for m in messages:
                 if set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
                     raise ValueError(f"a message needs a role and a string content, got {m!r}")
-            tokens = self.tokenizer.render_chat(list(prompt))  # type: ignore[arg-type]
+            tokens = self.tokenizer.render_chat(messages)
         else:
             tokens = list(prompt)  # type: ignore[arg-type]
             vocab = self.model.cfg.vocab_size
-            bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
+            try:  # C-speed checks: array() refuses non-ints, min/max bound the ids
+                ids = array("q", tokens)
+                ok = min(ids) >= 0 and max(ids) < vocab
+            except (TypeError, OverflowError):
+                ok = False
+            if not ok:  # only now look for the offending ids, to name them
+                bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int)
+                       or not 0 <= t < vocab]
                 raise ValueError(f"token ids must be ints in [0, {vocab}); got {bad[:5]}")
         return tokens
 
