@@ -28,7 +28,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -327,7 +327,10 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = p.split([2 * Dk + Dv, Dv, 1, 1], -1)
         xs = torch.cat([win, qkv.reshape(B, T, self.conv_channels)], 1)  # [B, K-1+T, C]
         if K:  # causal depthwise conv: tap K-1 multiplies the current token
-            qkv = F.silu(sum(self.conv_weight[:, i] * xs[:, i:i + T] for i in range(K)))
+            acc = self.conv_weight[:, 0] * xs[:, 0:T]
+            for i in range(1, K):  # K conv taps (4), not tokens
+                acc = acc + self.conv_weight[:, i] * xs[:, i:i + T]
+            qkv = F.silu(acc)
             qkv = qkv.view(B, T, Hh, 2 * Dk + Dv)
         q, k, v = qkv.split([Dk, Dk, Dv], -1)
         q = F.normalize(q, dim=-1) / math.sqrt(Dk)
@@ -477,6 +480,8 @@ class MTPDrafter(nn.Module):
     rows to its pool) -> `finish`; `forward_dense` runs all three for training.
     """
 
+    _embed: nn.Embedding  # the target's embedding, shared (not a submodule here)
+
     def __init__(self, cfg: HybridConfig, embed: nn.Embedding) -> None:
         super().__init__()
         self.cfg = cfg
@@ -563,6 +568,11 @@ class HybridLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.drafter = MTPDrafter(cfg, self.embed_tokens)
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The target's layers, typed (an `nn.ModuleList` is untyped)."""
+        return cast("list[DecoderLayer]", list(self.layers))
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         # tokens: [T] -> [T, H]
         return self.embed_tokens(tokens)
@@ -591,7 +601,7 @@ class HybridLM(nn.Module):
                              f"{self.cfg.max_position}")
         positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
         h = self.embed_tokens(tokens)[None]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             x = layer.input_layernorm(h)
             if layer.kind == "full":
                 k_past, v_past = cache.attn_past(i)
@@ -613,7 +623,7 @@ class HybridLM(nn.Module):
         # tokens: [B, T] -> hidden [B, T, H] (before the final norm)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.embed_tokens(tokens)
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             x = layer.input_layernorm(h)
             if layer.kind == "full":
                 out = layer.mixer(x, positions, None)[0]
