@@ -38,6 +38,8 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
     """Flags that pin the process-wide settings (shared by every subcommand)."""
     p.add_argument(
         "--marconi-min-tokens",
+        "--restore-threshold",
+        dest="marconi_min_tokens",
         type=_non_negative,
         metavar="N",
         help="SSM snapshot restore floor in matched tokens (0 removes it); "
