@@ -202,3 +202,19 @@ def test_shipped_weights_speculative_equals_greedy(shipped, draft_len):
     assert r2.output == greedy_oracle(shipped, turn2, 40)
     assert r1.stats.accepted > 0 and r2.stats.accepted > 0
     eng.check()
+
+
+def test_drafter_pool_exhaustion_falls_back_to_plain_decoding(model, caplog):
+    """Two 16-row blocks cannot hold a 60-token prompt's rows: no drafts, same tokens."""
+    gen = torch.Generator().manual_seed(14)
+    eng = engine(model, num_drafter_blocks=2)
+    prompt = random_prompt(gen, 60)
+    r = eng.generate("s", prompt, max_new_tokens=12)
+    assert r.output == greedy_oracle(model, prompt, 12)
+    assert (r.stats.outcome, r.stats.drafted) == ("exhausted", 0)
+    assert "drafter off for the rest of the turn" in caplog.text
+    eng.check()
+    assert eng.drafter_pool.stats().num_free_blocks == 2 and eng.runtime.entry is None
+    short = random_prompt(gen, 10)  # fits: the next request drafts again
+    r2 = eng.generate("t", short, max_new_tokens=6)
+    assert r2.output == greedy_oracle(model, short, 6) and r2.stats.drafted > 0

@@ -44,7 +44,7 @@ import torch
 from ..core import marconi_min_tokens, set_mtp_max_seqs
 from ..core.session import session_hash
 from ..dataplane.hidden_store import HiddenStore
-from ..dataplane.kv_pool import DrafterKVPool
+from ..dataplane.kv_pool import DrafterKVPool, PoolExhaustedError
 from ..dataplane.rope import RopeConfig, apply_rope_reference
 from ..runtime.carry_runtime import CarryRuntime, DrafterPrep
 from ..runtime.policy import DrafterPolicy
@@ -86,6 +86,7 @@ class _Sequence:
     finish_reason: str = ""
     t_first: float = 0.0
     mirror: _RowMirror | None = None  # the drafter's rows in the model dtype, for attention
+    drafter_off: bool = False  # the drafter pool ran out: decode on without drafts
 
     @property
     def num_output(self) -> int:
@@ -396,8 +397,14 @@ class ReferenceEngine:
     def _decode_step(self, seq: _Sequence) -> bool:
         """Prepare the drafter on the first call, then one speculative step; True when done."""
         if seq.prep is None:
-            seq.prep = self.runtime.prepare(seq.request_id, seq.ticket, seq.session_hash,
-                                            seq.prompt, seq.cold, seq.policy)
+            t_prep = time.perf_counter()
+            try:
+                seq.prep = self.runtime.prepare(seq.request_id, seq.ticket, seq.session_hash,
+                                                seq.prompt, seq.cold, seq.policy)
+            except PoolExhaustedError as exc:
+                self._drop_drafter(seq, exc)
+                seq.prep = DrafterPrep("exhausted", None, 0, 0, 0,
+                                       (time.perf_counter() - t_prep) * 1e3)
             s = seq.stats
             s.outcome = seq.prep.describe()
             s.outcome_kind = seq.prep.outcome.kind if seq.prep.outcome else seq.prep.mode
@@ -410,8 +417,12 @@ class ReferenceEngine:
         if seq.finish_reason:
             return True
         t0 = time.perf_counter()
-        drafting = seq.policy.drafts and seq.draft_len > 0
-        drafts = self._draft(seq) if drafting else []
+        drafts: list[int] = []
+        if seq.policy.drafts and seq.draft_len > 0 and not seq.drafter_off:
+            try:
+                drafts = self._draft(seq)
+            except PoolExhaustedError as exc:
+                self._drop_drafter(seq, exc)
         seq.finish_reason = self._verify(seq, drafts)
         seq.stats.decode_ms += (time.perf_counter() - t0) * 1e3
         return bool(seq.finish_reason)
@@ -494,8 +505,22 @@ class ReferenceEngine:
             seq.stats.accepted += num_accepted
             seq.stats.verify_steps += 1
             if kept > 1:  # real rows for the accepted positions (keys n-1 .. n+kept-3)
-                self._append_real_rows(seq, n - 1, hidden[: kept - 1])
+                try:
+                    self._append_real_rows(seq, n - 1, hidden[: kept - 1])
+                except PoolExhaustedError as exc:
+                    self._drop_drafter(seq, exc)
         return finish
+
+    def _drop_drafter(self, seq: _Sequence, why: Exception) -> None:
+        """The drafter pool ran out: free this sequence's rows and decode on without drafts.
+
+        Drafts only ever cost acceptance, so output is unchanged; the turn
+        deposits nothing, and the pool is left consistent (a refused grow
+        changes nothing).
+        """
+        logger.warning("request %d: drafter off for the rest of the turn: %s", seq.request_id, why)
+        self.runtime.release(seq.request_id)
+        seq.drafter_off, seq.mirror = True, None
 
     def _append_real_rows(self, seq: _Sequence, first_key: int, hidden: torch.Tensor) -> None:
         # hidden: [m, H] target hidden states for keys first_key .. first_key + m - 1
@@ -515,7 +540,10 @@ class ReferenceEngine:
             last_key = len(seq.tokens) - 2
             rows = self._pool.sequence(seq.request_id)
             if rows.last_pair_key is None or rows.last_pair_key < last_key:
-                self._append_real_rows(seq, last_key, seq.last_hidden[None])
+                try:
+                    self._append_real_rows(seq, last_key, seq.last_hidden[None])
+                except PoolExhaustedError as exc:
+                    self._drop_drafter(seq, exc)
         self.runtime.finish(seq.request_id, seq.session_hash, seq.tokens, seq.policy, seq.ticket)
         done = seq.tokens[:computed]
         self._put_snapshot(PrefixKeys(done, self.config.block_size), computed, seq.kv)
