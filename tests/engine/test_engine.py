@@ -218,3 +218,20 @@ def test_drafter_pool_exhaustion_falls_back_to_plain_decoding(model, caplog):
     short = random_prompt(gen, 10)  # fits: the next request drafts again
     r2 = eng.generate("t", short, max_new_tokens=6)
     assert r2.output == greedy_oracle(model, short, 6) and r2.stats.drafted > 0
+
+
+def test_admission_reserves_answer_slots_so_decoding_never_runs_out(model):
+    """12 blocks of 16 hold one 60+60-token request at a time: the second waits, none fails."""
+    gen = torch.Generator().manual_seed(15)
+    eng = engine(model, num_target_blocks=12, max_num_seqs=2)
+    prompts = [random_prompt(gen, 60), random_prompt(gen, 60)]
+    ids = [eng.submit(f"s{i}", p, max_new_tokens=60) for i, p in enumerate(prompts)]
+    eng.step()
+    assert [s.request_id for s in eng._running] == ids[:1]  # 8 blocks reserved, 4 left
+    results = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            results[r.request_id] = r
+        eng.check()
+    for rid, p in zip(ids, prompts, strict=True):
+        assert results[rid].output == greedy_oracle(model, p, 60)

@@ -334,7 +334,9 @@ class ReferenceEngine:
             match = self.blocks.match_prefix(keys)
             plan = plan_resume(keys, match, self.snapshots.best_for, marconi_min_tokens())
             trimmed = match.trimmed(plan.depth)
-            if self.blocks.can_allocate(len(req.prompt), trimmed) is None:
+            # reserve the answer's slots now, so decoding never runs out of blocks
+            reserve = req.max_new_tokens + req.draft_len
+            if self.blocks.can_allocate(len(req.prompt) + reserve, trimmed) is None:
                 if not self._running:
                     raise RuntimeError(f"request {req.request_id} cannot fit in an idle engine")
                 return  # wait for running sequences to free blocks
@@ -342,7 +344,8 @@ class ReferenceEngine:
             alloc = self.blocks.allocate(req.request_id, req.prompt, trimmed)
             for src, dst in alloc.copies:
                 self.target_kv.copy_block(src, dst)
-            kv = SequenceKV(self.target_kv, list(alloc.block_table), alloc.num_cached_tokens)
+            table = [*alloc.block_table, *self.blocks.append_slots(req.request_id, reserve)]
+            kv = SequenceKV(self.target_kv, table, alloc.num_cached_tokens)
             if plan.restore:
                 assert plan.snapshot is not None
                 kv.restore_ssm(plan.snapshot)
@@ -475,9 +478,6 @@ class ReferenceEngine:
         n = len(seq.tokens)
         start = n - 1  # position of the newest token, not yet computed
         inp = [seq.tokens[-1], *drafts]
-        need = start + len(inp) - self.blocks.num_tokens(seq.request_id)
-        if need > 0:
-            seq.kv.block_table.extend(self.blocks.append_slots(seq.request_id, need))
         ids = torch.tensor(inp, dtype=torch.int64, device=self.device)
         hidden, logits = self.model.forward_target(ids, start, seq.kv, ssm_trace=True)
         seq.kv.advance(len(inp))
@@ -497,8 +497,6 @@ class ReferenceEngine:
         kept = len(new)
         computed = start + kept  # positions [0, start + kept) are computed; the newest is not
         seq.kv.rewind(computed, trace_index=kept - 1)
-        self.blocks.truncate(seq.request_id, computed)
-        del seq.kv.block_table[len(self.blocks.block_table(seq.request_id)):]
         seq.tokens.extend(new)
         seq.last_hidden = hidden[kept - 1]
         if drafts:
