@@ -1,6 +1,8 @@
 """decide_adopt: every step of SPEC.md's decision, in order, with exact outcomes."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trtllm_mtp_carry import CarriedDrafter, CarryOutcome, StoreRange, decide_adopt
 
@@ -126,3 +128,35 @@ def test_outcomes_compare_by_fields_and_kind():
     assert CarryOutcome.Adopted(1, 2, 3).adopted and not CarryOutcome.NoCarry().adopted
     assert isinstance(CarryOutcome.NoHiddens(), CarryOutcome)
     assert CarryOutcome.ForeignHiddens(1, 2).kind == "foreign_hiddens"
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2), min_size=2, max_size=30),
+    extra=st.lists(st.integers(0, 2), max_size=30),
+    cut=st.integers(0, 30),
+    data=st.data(),
+)
+def test_adopted_only_own_session_and_own_hidden_rows(tokens, extra, cut, data):
+    """Whatever the inputs, an adoption keeps this session's rows and reads this ticket's rows."""
+    key = data.draw(st.integers(0, len(tokens) - 2))
+    rows = data.draw(st.integers(0, key + 1))
+    entry_session = data.draw(st.sampled_from([0, 1, 2]))
+    session, ticket = data.draw(st.sampled_from([0, 1, 2])), data.draw(st.sampled_from([0, 5, 6]))
+    owner = data.draw(st.sampled_from([0, 5, 6]))
+    lo = data.draw(st.integers(0, 70))
+    store = StoreRange(owner, lo, lo + data.draw(st.integers(0, 70)))
+    entry = CarriedDrafter([], rows, key, tokens, entry_session)
+    prompt = tokens[:cut] + extra
+    out = decide_adopt(entry, prompt, session, ticket, store)
+    if isinstance(out, CarryOutcome.Adopted):
+        assert session == entry_session != 0
+        assert 1 <= out.rows <= rows
+        kept_key = key - (rows - out.rows)
+        assert kept_key <= entry.common_prefix_len(prompt) - 2
+        if out.appended:
+            assert store.owner == ticket != 0
+            assert store.lo <= out.first_key and out.first_key + out.appended <= store.hi
+            assert out.first_key + out.appended == len(prompt) - 1  # up to the last key
+            assert out.first_key > kept_key
+        else:
+            assert out.first_key == kept_key + 1 >= len(prompt) - 1
