@@ -4,6 +4,26 @@ from __future__ import annotations
 
 import torch
 
+from trtllm_mtp_carry.dataplane.reference import (
+    drafter_row_append_reference,
+    hidden_row_copy_reference,
+)
+
+IMPLS = ["reference", "triton", "op"]
+"""Every implementation of a kernel: the torch reference, the Triton kernel, the custom op."""
+
+
+def copy_impl(name: str, tk):  # tk: the triton_kernels module (fixture)
+    """The `hidden_row_copy` implementation called `name`."""
+    return {"reference": hidden_row_copy_reference, "triton": tk.hidden_row_copy_triton,
+            "op": torch.ops.trtllm_mtp_carry.hidden_row_copy}[name]
+
+
+def append_impl(name: str, tk):
+    """The `drafter_row_append` implementation called `name`."""
+    return {"reference": drafter_row_append_reference, "triton": tk.drafter_row_append_triton,
+            "op": torch.ops.trtllm_mtp_carry.drafter_row_append}[name]
+
 
 def rand(gen: torch.Generator, *shape: int, dtype=torch.bfloat16, device: str = "cpu") -> torch.Tensor:
     """Random normal values, never all zeros, made on CPU then moved."""

@@ -10,25 +10,9 @@ import re
 
 import pytest
 import torch
-from dp_helpers import bits, poison, rand
+from dp_helpers import IMPLS, append_impl, bits, copy_impl, poison, rand
 
-from trtllm_mtp_carry.dataplane.reference import (
-    drafter_row_append_reference,
-    hidden_row_copy_reference,
-)
-
-IMPLS = ["reference", "triton", "op"]
-
-
-def _copy(impl, tk):
-    return {"reference": hidden_row_copy_reference, "triton": tk.hidden_row_copy_triton,
-            "op": torch.ops.trtllm_mtp_carry.hidden_row_copy}[impl]
-
-
-def _append(impl, tk):
-    return {"reference": drafter_row_append_reference, "triton": tk.drafter_row_append_triton,
-            "op": torch.ops.trtllm_mtp_carry.drafter_row_append}[impl]
-
+from trtllm_mtp_carry.dataplane.reference import hidden_row_copy_reference
 
 # Each mutation: (id, function(args dict) -> None mutating it, message fragment).
 COPY_BAD = [
@@ -53,7 +37,7 @@ def test_hidden_row_copy_refuses(impl, bad, tk, gen):
     mutate(args)
     dst_before = bits(args["dst"]) if args["dst"].device.type != "meta" else None
     with pytest.raises(ValueError, match=re.escape(msg)):
-        _copy(impl, tk)(args["src"], args["src_row"], args["dst"], args["dst_row"], args["n"])
+        copy_impl(impl, tk)(args["src"], args["src_row"], args["dst"], args["dst_row"], args["n"])
     if dst_before is not None:
         assert torch.equal(bits(args["dst"]), dst_before)
 
@@ -109,7 +93,7 @@ def test_drafter_row_append_refuses(impl, bad, tk, gen):
     mutate(args)
     before = (bits(args["k_cache"]), bits(args["v_cache"]))
     with pytest.raises(ValueError, match=re.escape(msg)):
-        _append(impl, tk)(*args.values())
+        append_impl(impl, tk)(*args.values())
     assert torch.equal(bits(args["k_cache"]), before[0])
     assert torch.equal(bits(args["v_cache"]), before[1])
 
@@ -128,12 +112,12 @@ def test_check_data_false_still_checks_metadata(impl, tk, gen, device):
     args = _append_args(gen)
     args["k_new"] = args["k_new"].half()
     with pytest.raises(ValueError, match="k_new dtype"):
-        _append(impl, tk)(*args.values(), False)
+        append_impl(impl, tk)(*args.values(), False)
     args = _append_args(gen)
     args["start_row"] = 8
     with pytest.raises(ValueError, match="past the block table"):
-        _append(impl, tk)(*args.values(), False)
+        append_impl(impl, tk)(*args.values(), False)
     dev = "cpu" if impl == "reference" else device
     args = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _append_args(gen).items()}
     args["keys"] = torch.tensor([9, 4, 5, 8, 20], device=dev)  # not increasing, but not read
-    _append(impl, tk)(*args.values(), False)
+    append_impl(impl, tk)(*args.values(), False)

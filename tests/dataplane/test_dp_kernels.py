@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dp_helpers import bits, increasing_keys, poison, rand
+from dp_helpers import IMPLS, append_impl, bits, copy_impl, increasing_keys, poison, rand
 from test_dp_rope import assert_rope_close, rope_f64
 
 from trtllm_mtp_carry.dataplane import ops
@@ -16,18 +16,6 @@ from trtllm_mtp_carry.dataplane.reference import (
     drafter_row_append_reference,
     hidden_row_copy_reference,
 )
-
-IMPLS = ["reference", "triton", "op"]
-
-
-def copy_impl(name, tk):
-    return {"reference": hidden_row_copy_reference, "triton": tk.hidden_row_copy_triton,
-            "op": torch.ops.trtllm_mtp_carry.hidden_row_copy}[name]
-
-
-def append_impl(name, tk):
-    return {"reference": drafter_row_append_reference, "triton": tk.drafter_row_append_triton,
-            "op": torch.ops.trtllm_mtp_carry.drafter_row_append}[name]
 
 
 def impl_device(name: str, device: str) -> str:
