@@ -51,3 +51,12 @@ def greedy_oracle(model: HybridLM, prompt: list[int], max_new_tokens: int) -> li
 def random_prompt(gen: torch.Generator, n: int) -> list[int]:
     """`n` byte tokens (no specials), deterministic under `gen`."""
     return torch.randint(32, 127, (n,), generator=gen).tolist()
+
+
+def first_turn_then(eng: ReferenceEngine, gen: torch.Generator, session: str, history: int,
+                    max_new_tokens: int, span: int):
+    """Run a first turn of `history` random tokens; return it, its result, and the next
+    turn's prompt (that turn, its answer, then `span` new tokens)."""
+    turn1 = random_prompt(gen, history)
+    r1 = eng.generate(session, turn1, max_new_tokens=max_new_tokens)
+    return turn1, r1, turn1 + r1.output + random_prompt(gen, span)

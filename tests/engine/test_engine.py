@@ -8,7 +8,7 @@ verify path and single-token decoding agree to ~1e-12.
 
 import pytest
 import torch
-from engine_factories import TOK, engine, greedy_oracle, random_prompt, tiny_model
+from engine_factories import TOK, engine, first_turn_then, greedy_oracle, random_prompt, tiny_model
 
 from trtllm_mtp_carry import marconi_min_tokens
 from trtllm_mtp_carry.engine.engine import EngineConfig
@@ -53,9 +53,7 @@ def test_cold_turn_builds_a_row_for_every_prompt_key(model):
 def test_warm_turn_restored_snapshot_equals_from_scratch(model):
     gen = torch.Generator().manual_seed(9)
     eng = engine(model)
-    turn1 = random_prompt(gen, 64)
-    r1 = eng.generate("a", turn1, max_new_tokens=10)
-    turn2 = turn1 + r1.output + random_prompt(gen, 20)
+    turn1, r1, turn2 = first_turn_then(eng, gen, "a", 64, 10, 20)
     warm = eng.generate("a", turn2, max_new_tokens=12)
     cold = engine(model).generate("a", turn2, max_new_tokens=12)
     assert warm.stats.snapshot_restored
@@ -70,9 +68,7 @@ def test_restored_logits_match_recomputed_logits(model):
 
     gen = torch.Generator().manual_seed(10)
     eng = engine(model)
-    turn1 = random_prompt(gen, 48)
-    r1 = eng.generate("a", turn1, max_new_tokens=6)
-    turn2 = turn1 + r1.output + random_prompt(gen, 10)
+    turn1, r1, turn2 = first_turn_then(eng, gen, "a", 48, 6, 10)
     rid = eng.submit("a", turn2, max_new_tokens=3)
     eng._admit()
     seq = eng._running[0]

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from engine_factories import engine, greedy_oracle, random_prompt, tiny_model
+from engine_factories import engine, first_turn_then, greedy_oracle, random_prompt, tiny_model
 
 from trtllm_mtp_carry import CarryOutcome
 from trtllm_mtp_carry.runtime import ALL_POLICIES, CarryRuntime
@@ -41,9 +41,7 @@ def prompt_rows(eng, seq):
 def test_carried_rows_equal_a_cold_prefill_and_only_the_new_span_is_computed(model):
     gen = torch.Generator().manual_seed(1)
     eng = engine(model)
-    turn1 = random_prompt(gen, 60)
-    r1 = eng.generate("s", turn1, max_new_tokens=12)
-    turn2 = turn1 + r1.output + random_prompt(gen, 25)
+    turn1, r1, turn2 = first_turn_then(eng, gen, "s", 60, 12, 25)
     warm = first_decode_unit(eng, "s", turn2)
     first_key = len(turn1) + len(r1.output) - 1  # the first key the previous turn never computed
     assert warm.prep.outcome == CarryOutcome.Adopted(
@@ -236,9 +234,7 @@ def warm_turn_with_a_rival(model, rival_prompt_len, steps_before_rival, **config
     gen = torch.Generator().manual_seed(21)
     eng = engine(model, max_num_seqs=2, prefill_chunk=16, **config)
     seen = watch_runtime(eng)
-    turn1 = random_prompt(gen, 60)
-    r1 = eng.generate("a", turn1, max_new_tokens=6)
-    warm = turn1 + r1.output + random_prompt(gen, 56)
+    turn1, r1, warm = first_turn_then(eng, gen, "a", 60, 6, 56)
     eng.submit("a", warm, max_new_tokens=4)
     for _ in range(steps_before_rival):
         eng.step()
