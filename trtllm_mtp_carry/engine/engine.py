@@ -84,7 +84,6 @@ class _Sequence:
     last_hidden: torch.Tensor | None = None  # [H]: hidden of the newest computed position
     cold: bool = True
     finish_reason: str = ""
-    t_first: float = 0.0
     mirror: _RowMirror | None = None  # the drafter's rows in the model dtype, for attention
     drafter_off: bool = False  # the drafter pool ran out: decode on without drafts
 
@@ -415,8 +414,7 @@ class ReferenceEngine:
             s.drafter_rows_computed = seq.prep.rows_computed
             s.keys_skipped = seq.prep.keys_skipped
             s.drafter_prep_ms = seq.prep.prep_ms
-            seq.t_first = time.perf_counter()
-            s.ttft_ms = (seq.t_first - seq.t_admit) * 1e3
+            s.ttft_ms = (time.perf_counter() - seq.t_admit) * 1e3
         if seq.finish_reason:
             return True
         t0 = time.perf_counter()

@@ -19,8 +19,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from .model import HybridConfig
@@ -42,11 +40,9 @@ class PagedTargetKV:
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in full}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in full}
 
-    def slots(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """Flat slot ids of positions `[start, end)` through `block_table` (int64 `[end - start]`)."""
-        device = next(iter(self.k.values())).device if self.k else "cpu"
-        pos = torch.arange(start, end, device=device)
-        table = torch.as_tensor(list(block_table), dtype=torch.int64, device=device)
+    def slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids of positions `[start, end)` through block `table` (int64 `[end - start]`)."""
+        pos = torch.arange(start, end, device=table.device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -65,7 +61,9 @@ class SequenceKV:
 
     def __init__(self, kv: PagedTargetKV, block_table: list[int], num_tokens: int) -> None:
         self.kv = kv
-        self.block_table = block_table  # shared with the engine; grows with append_slots
+        # fixed for the sequence's life: admission reserves the answer's slots
+        device = next(iter(kv.k.values())).device if kv.k else "cpu"
+        self.table = torch.as_tensor(block_table, dtype=torch.int64, device=device)
         self._num_tokens = num_tokens
         self._linear = [i for i, t in enumerate(kv.cfg.layer_types) if t == "linear"]
         self._ssm: dict[int, torch.Tensor] = {}
@@ -77,7 +75,7 @@ class SequenceKV:
 
     def attn_past(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         # -> k, v: [num_tokens, Hkv, D] (k roped)
-        slots = self.kv.slots(self.block_table, 0, self._num_tokens)
+        slots = self.kv.slots(self.table, 0, self._num_tokens)
         k = self.kv.k[layer_idx].flatten(0, 1).index_select(0, slots)
         v = self.kv.v[layer_idx].flatten(0, 1).index_select(0, slots)
         return k, v
@@ -86,12 +84,12 @@ class SequenceKV:
         # k_new, v_new: [T, Hkv, D] at positions [num_tokens, num_tokens + T)
         t = k_new.shape[0]
         needed = -(-(self._num_tokens + t) // self.kv.block_size)
-        if needed > len(self.block_table):
+        if needed > len(self.table):
             raise RuntimeError(
                 f"positions up to {self._num_tokens + t} need {needed} blocks, "
-                f"the sequence holds {len(self.block_table)}: allocate slots first"
+                f"the sequence holds {len(self.table)}: reserve slots at admission"
             )
-        slots = self.kv.slots(self.block_table, self._num_tokens, self._num_tokens + t)
+        slots = self.kv.slots(self.table, self._num_tokens, self._num_tokens + t)
         self.kv.k[layer_idx].flatten(0, 1).index_copy_(0, slots, k_new.to(self.kv.k[layer_idx].dtype))
         self.kv.v[layer_idx].flatten(0, 1).index_copy_(0, slots, v_new.to(self.kv.v[layer_idx].dtype))
 
