@@ -231,3 +231,19 @@ def test_admission_reserves_answer_slots_so_decoding_never_runs_out(model):
         eng.check()
     for rid, p in zip(ids, prompts, strict=True):
         assert results[rid].output == greedy_oracle(model, p, 60)
+
+
+def test_output_so_far_streams_exactly_the_final_output(model):
+    eng = engine(model)
+    prompt = random_prompt(torch.Generator().manual_seed(7), 40)
+    rid = eng.submit("s", prompt, max_new_tokens=9)
+    assert eng.output_so_far(rid) == []
+    seen: list[list[int]] = []
+    while True:
+        results = eng.step()
+        if results:
+            break
+        seen.append(list(eng.output_so_far(rid)))
+    final = results[0].output
+    assert all(final[: len(s)] == s for s in seen)  # every partial is a prefix of the answer
+    assert eng.output_so_far(rid) is None  # finished: no longer known

@@ -264,3 +264,14 @@ def test_span_past_the_hidden_store_capacity_is_no_hiddens(model):
     seen, eng = warm_turn_with_a_rival(model, rival_prompt_len=8, steps_before_rival=6,
                                        hidden_capacity=100)
     assert seen == ["no_carry", "no_hiddens", "foreign_session"]
+
+
+def test_forget_session_frees_only_that_sessions_carried_rows(model):
+    gen = torch.Generator().manual_seed(3)
+    eng = engine(model)
+    eng.generate("a", random_prompt(gen, 40), max_new_tokens=6)
+    rows = eng.runtime.entry.rows
+    assert eng.runtime.forget_session(eng.runtime.entry.session_hash ^ 1) == 0  # another session
+    assert eng.runtime.forget_session(eng.runtime.entry.session_hash) == rows
+    assert eng.runtime.entry is None and eng.drafter_pool.slot is None
+    eng.check()

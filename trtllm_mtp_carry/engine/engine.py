@@ -266,6 +266,17 @@ class ReferenceEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def output_so_far(self, request_id: int) -> list[int] | None:
+        """The tokens a running request has produced so far (`[]` while queued or in
+        prefill), or None for an id that is neither queued nor running. For streaming:
+        call after each `step()` and send what is new; only verified tokens appear."""
+        for seq in self._running:
+            if seq.request_id == request_id:
+                return seq.tokens[len(seq.prompt):]
+        if any(req.request_id == request_id for req in self._waiting):
+            return []
+        return None
+
     def drain_finished(self) -> list[TurnResult]:
         """Results that finished while `generate` waited for another request."""
         out, self._finished = self._finished, []

@@ -239,6 +239,17 @@ class CarryRuntime:
             self.backend.drafter_pool.free_slot()
         self._entry = None
 
+    def forget_session(self, session_hash: int) -> int:
+        """Drop the rows carried for `session_hash` (the session ended); returns the rows freed.
+
+        A session that holds no carried rows is a no-op returning 0.
+        """
+        entry = self._entry
+        if entry is None or session_hash == 0 or entry.session_hash != session_hash:
+            return 0
+        self.clear_slot()
+        return entry.rows
+
     @property
     def entry(self) -> CarriedDrafter | None:
         """What the carry slot holds (bookkeeping only)."""
