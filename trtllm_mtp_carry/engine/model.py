@@ -102,13 +102,13 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
     """
     if x.dtype != torch.float64:  # positions per token, shared by heads: [..., T]
         return apply_rope_reference(x, positions.expand(x.shape[:-2]), rotary_dim, rope_theta)
-    # x: [T, H, D] (or [B, T, H, D]); positions: [T] absolute positions
+    # x: [T, H, D] (or [B, T, H, D]); positions: [T] (or [B, T]) absolute positions
     rd = rotary_dim
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv_freq = rope_theta ** (-torch.arange(0, rd, 2, dtype=cdt, device=x.device) / rd)
-    angle = positions.to(cdt)[:, None] * inv_freq[None, :]  # [T, rd/2]
-    cos = torch.cat([angle.cos(), angle.cos()], -1)[:, None, :]  # [T, 1, rd]
-    sin = torch.cat([angle.sin(), angle.sin()], -1)[:, None, :]
+    angle = positions.to(cdt)[..., None] * inv_freq  # [..., T, rd/2]
+    cos = torch.cat([angle.cos(), angle.cos()], -1)[..., None, :]  # [..., T, 1, rd]
+    sin = torch.cat([angle.sin(), angle.sin()], -1)[..., None, :]
     xr = x[..., :rd].to(cdt)
     rot = torch.cat([-xr[..., rd // 2:], xr[..., : rd // 2]], -1)
     out = (xr * cos + rot * sin).to(x.dtype)
@@ -394,6 +394,31 @@ class TargetCache(Protocol):
         ...
 
 
+class BatchTargetCache(Protocol):
+    """What `forward_target_batch` needs: B sequences' caches seen as one padded batch."""
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """`[B]` int64: each sequence's first new position (its cached token count)."""
+        ...
+
+    def attn_past_padded(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Past (k roped, v) `[B, S, Hkv, D]` padded to the longest, and `valid` `[B, S]` bool."""
+        ...
+
+    def attn_write(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write each sequence's real new rows (`[B, T, Hkv, D]`, k roped) at its positions."""
+        ...
+
+    def ssm_states(self, layer_idx: int) -> torch.Tensor:
+        """`[B, state_size]` recurrent states of a linear layer (zeros where unset)."""
+        ...
+
+    def set_ssm_traces(self, layer_idx: int, states: torch.Tensor) -> None:
+        """Per-token states `[B, T, state_size]` of a linear layer, for verify."""
+        ...
+
+
 class DenseTargetCache:
     """Contiguous per-layer cache for one sequence; `num_tokens` = cached K rows."""
 
@@ -617,6 +642,50 @@ class HybridLM(nn.Module):
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h[0], self.lm_head(h[0])
+
+    def forward_target_batch(self, tokens: torch.Tensor, cache: BatchTargetCache
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_target(..., ssm_trace=True)` for B sequences in one forward.
+
+        Row b holds `cache.lengths[b]` real tokens at positions `cache.starts[b]..`,
+        then padding. Padding never reaches a real token (attention is causal within
+        the new tokens and padding comes last; recurrences run left to right), so each
+        real row equals that sequence's own `forward_target` (to rounding: float64
+        ~1e-12). Returns (hidden [B, T, H], logits [B, T, V]); padded rows are junk.
+        """
+        # tokens: [B, T] int64
+        B, T = tokens.shape
+        c = self.cfg
+        starts = cache.starts  # [B] int64
+        positions = starts[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
+        if int(positions[:, -1].max()) >= c.max_position:
+            raise ValueError(f"positions up to {int(positions[:, -1].max()) + 1} exceed "
+                             f"max_position={c.max_position}")
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        h = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer.input_layernorm(h)
+            if layer.kind == "full":
+                attn = cast(FullAttention, layer.mixer)
+                q, k, v = attn.qkv(x)
+                q = _rope(q, positions, c.rotary_dim, c.rope_theta)
+                k = _rope(k, positions, c.rotary_dim, c.rope_theta)
+                k_past, v_past, valid = cache.attn_past_padded(i)  # [B, S, Hkv, D], [B, S]
+                kk, vv = torch.cat([k_past, k], 1), torch.cat([v_past, v], 1)
+                S = k_past.shape[1]
+                mask = torch.cat([valid[:, None, :].expand(B, T, S), causal.expand(B, T, T)], -1)
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                    attn_mask=mask[:, None], enable_gqa=True)
+                out = attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+                cache.attn_write(i, k, v)
+            else:
+                trace: list[torch.Tensor] = []
+                out, _ = layer.mixer(x, cache.ssm_states(i), trace=trace)
+                cache.set_ssm_traces(i, torch.stack(trace, 1))  # [B, T, state_size]
+            h = h + out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, self.lm_head(h)
 
     def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
         """Batched full-sequence forward from position 0 without a cache; returns hidden."""

@@ -131,3 +131,69 @@ class SequenceKV:
 
     def ssm_nbytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self._ssm.values())
+
+
+class BatchKV:
+    """B sequences' `SequenceKV`s as one padded batch (`BatchTargetCache`) for one forward.
+
+    Each sequence `b` runs `lengths[b]` real tokens from its own `num_tokens`;
+    only those are written, so padding never lands in any block. After the
+    forward the engine calls `advance`/`rewind` on each `SequenceKV` as usual.
+    """
+
+    def __init__(self, seqs: list[SequenceKV], lengths: list[int]) -> None:
+        if not seqs or len(seqs) != len(lengths):
+            raise ValueError(f"need one length per sequence, got {len(seqs)} and {len(lengths)}")
+        self.seqs = seqs
+        self.kv = seqs[0].kv
+        device = self.kv.k[next(iter(self.kv.k))].device if self.kv.k else torch.device("cpu")
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+        self._starts = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device)
+        bs = self.kv.block_size
+        S = int(self._starts.max())
+        pos = torch.arange(S, device=device)
+        self._valid = pos[None, :] < self._starts[:, None]  # [B, S]
+        # padded slot ids [B, S]: each sequence's table, padding (masked) at slot 0
+        width = max(len(s.table) for s in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
+        for b, s in enumerate(seqs):  # bookkeeping over sequences, not tokens
+            tables[b, : len(s.table)] = s.table
+        blk = (pos // bs).clamp(max=width - 1)
+        self._past_slots = torch.where(self._valid, tables[:, blk] * bs + pos % bs, 0)
+        T = max(lengths)
+        new_pos = self._starts[:, None] + torch.arange(T, device=device)  # [B, T]
+        self._new_real = torch.arange(T, device=device)[None, :] < self.lengths[:, None]
+        p = new_pos[self._new_real]
+        rows = torch.arange(len(seqs), device=device)[:, None].expand(-1, T)[self._new_real]
+        if bool((p // bs >= torch.tensor([len(s.table) for s in seqs], device=device)[rows]).any()):
+            raise RuntimeError("a sequence's new positions run past its block table: "
+                               "reserve slots at admission")
+        self._new_slots = tables[rows, p // bs] * bs + p % bs
+        self._linear = seqs[0]._linear
+
+    @property
+    def starts(self) -> torch.Tensor:
+        return self._starts
+
+    def attn_past_padded(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        flat = self._past_slots.flatten()
+        B, S = self._past_slots.shape
+        k = self.kv.k[layer_idx].flatten(0, 1).index_select(0, flat).view(B, S, *self.kv.k[layer_idx].shape[2:])
+        v = self.kv.v[layer_idx].flatten(0, 1).index_select(0, flat).view(B, S, *self.kv.v[layer_idx].shape[2:])
+        return k, v, self._valid
+
+    def attn_write(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        kc, vc = self.kv.k[layer_idx], self.kv.v[layer_idx]
+        kc.flatten(0, 1).index_copy_(0, self._new_slots, k_new[self._new_real].to(kc.dtype))
+        vc.flatten(0, 1).index_copy_(0, self._new_slots, v_new[self._new_real].to(vc.dtype))
+
+    def ssm_states(self, layer_idx: int) -> torch.Tensor:
+        states = [s.ssm_state(layer_idx) for s in self.seqs]
+        ref = next((x for x in states if x is not None), None)
+        if ref is None:
+            raise RuntimeError(f"no sequence holds a state for linear layer {layer_idx}")
+        return torch.stack([x if x is not None else torch.zeros_like(ref) for x in states])
+
+    def set_ssm_traces(self, layer_idx: int, states: torch.Tensor) -> None:
+        for b, s in enumerate(self.seqs):
+            s.set_ssm_trace(layer_idx, states[b])

@@ -1,32 +1,42 @@
-"""The carry runtime: the single carry slot, sequence tickets, adopt and deposit.
+"""The carry runtime: the carry slot, sequence tickets, the admission plan, adopt and deposit.
 
-What it is for: it keeps the `CarriedDrafter` (and, through the backend's
-hidden store, the `StoreRange`) between executor requests, and on each turn
-prepares the drafter according to the policy. It decides; the backend computes.
+What it is for: it keeps the `CarriedDrafter` between executor requests and,
+when a sequence is admitted, decides how its drafter gets rows (`prepare`);
+the engine then calls `build_chunk` right after each prefill chunk's target
+forward, and the rows of that chunk's keys are built from its hidden rows
+while the ticket still owns them. It decides; the backend computes.
 
-A warm turn under `carry`, in pair-key space:
+A warm turn under `carry`, in pair-key space (the appended rows are built
+chunk by chunk as the prefill of `[prefill_from, L)` runs):
 
 ```
   | carried rows (kept) | skipped keys | appended rows |
-  0              last_pair_key   hidden_lo        L - 2
+  0              last_pair_key   prefill_from     L - 2
 ```
+
+What each policy builds on a warm turn (prefix cache serves `[0, prefill_from)`):
+- `carry`: adopted rows + the new span's rows; refused -> as `blind`;
+- `blind` (TensorRT-LLM's): the new span's rows only (keys `prefill_from..L-2`);
+- `rebuild`: the engine ignores the prefix cache, so the prefill runs once from
+  position 0 and every key's row is built (full context, full cost);
+- cold turn, every policy but `off`: every key's row (the drafter prompt prefill).
 
 Invariants:
 - Every drafter block is owned by exactly one of: a live sequence, the slot,
   the free pool (`DrafterKVPool.check()` proves it); adoption moves blocks
   out of the slot (zero copy), so two sequences never own the same rows.
 - Rows are adopted only by the slot's own non-zero session, and hidden rows
-  are read only under the reading sequence's own ticket (`decide_adopt`).
-- Any refusal falls back to the no-carry path: a cold turn still gets its full
-  drafter prefill, a warm turn runs blind. Output never depends on the carry,
-  because the target verifies every draft.
-- The carry acts only when armed (configured and MTP dispatching one sequence
-  per step); an unarmed runtime says so once, naming the dispatch cap.
+  are read only under the reading sequence's own ticket (the store refuses
+  any other read). The adopt decision is taken at admission against the
+  rows this ticket's prefill will write, so it never depends on timing.
+- Any refusal falls back to the no-carry path. Output never depends on the
+  carry, because the target verifies every draft.
+- The carry is armed whenever configured, at any MTP dispatch cap: per-chunk
+  rows make the model-level hidden store safe under interleaved prefills.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -48,12 +58,10 @@ from ..core import (
     plan_append,
 )
 from ..core.outcome import Adopted
+from ..core.store_range import StoreRange
 from ..core.session import TicketCounter
 from .backend import CarryBackend
 from .policy import DrafterPolicy
-
-logger = logging.getLogger("trtllm_mtp_carry")
-
 
 @dataclass(frozen=True)
 class DrafterPrep:
@@ -77,6 +85,28 @@ class DrafterPrep:
         if self.mode == "carry":
             return str(self.outcome)
         return f"{self.mode} ({self.outcome})"
+
+
+@dataclass
+class DrafterBuild:
+    """What admission decided for one sequence's drafter rows, filled in chunk by chunk.
+
+    `next_key` is the next pair key to build (None: nothing left to build);
+    `prep()` freezes it into the turn's `DrafterPrep` once the prefill is done.
+    """
+
+    mode: str
+    outcome: CarryOutcome | None
+    rows_kept: int
+    next_key: int | None
+    rows_computed: int
+    keys_skipped: int
+    prep_ms: float
+
+    def prep(self) -> DrafterPrep:
+        """The frozen record of how this turn's drafter was prepared."""
+        return DrafterPrep(self.mode, self.outcome, self.rows_kept, self.rows_computed,
+                           self.keys_skipped, self.prep_ms)
 
 
 @dataclass(frozen=True)
@@ -109,36 +139,19 @@ class _Counters:
 
 
 class CarryRuntime:
-    """Owns the carry slot and the tickets; prepares and deposits each sequence's drafter rows.
+    """Owns the carry slot and the tickets; plans and deposits each sequence's drafter rows.
 
-    `multi_seq` overrides the live dispatch-cap check (tests); by default the
-    carry is armed with `carry_armed_with(cfg, mtp_max_seqs() > 1)`.
+    The carry is armed whenever configured (`carry_armed_with`), at any MTP
+    dispatch cap: rows are built right after each prefill chunk from that
+    chunk's hidden rows, read under the sequence's own ticket, so another
+    sequence's chunk can never overwrite them first.
     """
 
-    def __init__(
-        self,
-        backend: CarryBackend,
-        policy: DrafterPolicy | str = DrafterPolicy.CARRY,
-        multi_seq: bool | None = None,
-    ) -> None:
+    def __init__(self, backend: CarryBackend, policy: DrafterPolicy | str = DrafterPolicy.CARRY) -> None:
         self.backend = backend
         self.policy = DrafterPolicy.parse(policy)
-        cap = mtp_max_seqs()
-        multi = cap > 1 if multi_seq is None else multi_seq
         self.config = DrafterContext(prefill=True, carry=self.policy is DrafterPolicy.CARRY)
-        self.armed = carry_armed_with(self.config, multi)
-        if self.config.carry and not self.armed:
-            why = (
-                f"MTP dispatch cap is {cap}" if multi_seq is None
-                else "MTP dispatches several sequences per step"
-            )
-            source = "" if multi_seq is None else ", set by the engine"
-            logger.warning(
-                "mtp carry configured but not armed: %s (multi-sequence mode%s); "
-                "warm turns will run the drafter blind",
-                why,
-                source,
-            )
+        self.armed = carry_armed_with(self.config, mtp_max_seqs() > 1)
         self._tickets = TicketCounter()
         self._entry: CarriedDrafter | None = None
         self._counters = _Counters()
@@ -156,45 +169,82 @@ class CarryRuntime:
         ticket: int,
         session_hash: int,
         prompt: Sequence[int],
-        cold: bool,
+        prefill_from: int,
         policy: DrafterPolicy | str | None = None,
-    ) -> DrafterPrep:
-        """Give sequence `seq_id` its drafter rows for `prompt` (after its target prefill).
+        warm: bool | None = None,
+    ) -> DrafterBuild:
+        """Decide, at admission, how sequence `seq_id` gets its drafter rows for `prompt`.
 
-        `cold` means the prefill ran from position 0, so the hidden store holds
-        the whole prompt under `ticket` (unless another sequence overwrote it).
+        `prefill_from` is the first position the target prefill will compute (the
+        prefix cache serves `[0, prefill_from)`); the rows of every key the plan
+        needs are then built by `build_chunk` right after each prefill chunk, from
+        that chunk's hidden rows. `warm` (default `prefill_from > 0`) says the prefix
+        cache held part of the prompt (a rebuild turn ignores it: `prefill_from == 0`).
         """
         start = time.perf_counter()
         policy = self.policy if policy is None else DrafterPolicy.parse(policy)
-        pool = self.backend.drafter_pool
+        warm = prefill_from > 0 if warm is None else warm
         if policy is DrafterPolicy.OFF:
-            return DrafterPrep("off", None, 0, 0, 0, 0.0)
-        pool.allocate_sequence(seq_id)
+            return DrafterBuild("off", None, 0, None, 0, 0, 0.0)
+        pool = self.backend.drafter_pool
         tokens = list(prompt)
+        # the hidden rows this ticket's prefill will write: [prefill_from, min(L, capacity))
+        hi = max(prefill_from, min(len(tokens), self.backend.hidden_store.capacity))
+        projected = StoreRange(ticket, prefill_from, hi)
         outcome: CarryOutcome | None = None
         if policy is DrafterPolicy.CARRY and self.armed:
-            store = self.backend.hidden_store.range
-            outcome = decide_adopt(self._entry, tokens, session_hash, ticket, store)
+            outcome = decide_adopt(self._candidate(session_hash), tokens, session_hash, ticket,
+                                   projected)
             log_adopt(outcome, session_hash, ticket, len(tokens))
             with self._lock:
                 self._counters.outcomes[outcome.kind] += 1
             if isinstance(outcome, Adopted):
-                return self._adopt(seq_id, ticket, tokens, outcome, start)
-        if cold:
-            rows = self._prefill(seq_id, ticket, tokens)
-            if rows:
-                with self._lock:
-                    self._counters.rows_prefilled += rows
-                return DrafterPrep("prefill", outcome, 0, rows, 0, _ms(start))
-        if policy is DrafterPolicy.REBUILD and not cold:
-            self.backend.recompute_hiddens(ticket, tokens)
-            rows = self._prefill(seq_id, ticket, tokens)
-            with self._lock:
-                self._counters.rows_rebuilt += rows
-            return DrafterPrep("rebuild", outcome, 0, rows, 0, _ms(start))
+                return self._adopt(seq_id, session_hash, outcome, start)
+        pool.allocate_sequence(seq_id)
+        plan = plan_append(None, len(tokens), prefill_from, hi)
+        first = None if plan is None else plan.first_key
+        if prefill_from == 0 and first is not None:  # the prefill runs from position 0
+            mode = "rebuild" if policy is DrafterPolicy.REBUILD and warm else "prefill"
+            return DrafterBuild(mode, outcome, 0, first, 0, 0, _ms(start))
+        # faithful blind (TensorRT-LLM's): no rows over the reused prefix, rows for the
+        # new span the prefill computes (its context phase runs the MTP layer over it)
         with self._lock:
             self._counters.turns_blind += 1
-        return DrafterPrep("blind", outcome, 0, 0, 0, _ms(start))
+        return DrafterBuild("blind", outcome, 0, first, 0, 0, _ms(start))
+
+    def build_chunk(
+        self, seq_id: int, ticket: int, build: DrafterBuild, prompt: Sequence[int],
+        start: int, end: int,
+    ) -> int:
+        """Build the rows `build` still needs among keys `[start, end)`; returns how many.
+
+        Call right after the target forward of prompt positions `[start, end)`
+        wrote their hidden rows under `ticket`: the rows are read back under the
+        ticket (the guard), so another sequence's rows can never be read.
+        """
+        if build.next_key is None:
+            return 0
+        t0 = time.perf_counter()
+        last_needed = len(prompt) - 2
+        a, b = max(build.next_key, start), min(end - 1, last_needed)
+        if a > b:
+            return 0
+        if a != build.next_key:
+            raise RuntimeError(f"sequence {seq_id}: chunk [{start}, {end}) skips key "
+                               f"{build.next_key} (chunks must run in order)")
+        self._append(seq_id, ticket, prompt, a, b - a + 1)
+        rows = b - a + 1
+        build.next_key = None if b >= last_needed else b + 1
+        build.rows_computed += rows
+        build.prep_ms += _ms(t0)
+        with self._lock:
+            if build.mode == "carry":
+                self._counters.rows_appended += rows
+            elif build.mode == "rebuild":
+                self._counters.rows_rebuilt += rows
+            else:  # cold prefill, or a blind turn's new span
+                self._counters.rows_prefilled += rows
+        return rows
 
     def finish(
         self,
@@ -275,35 +325,19 @@ class CarryRuntime:
 
     # ---- steps -----------------------------------------------------------------
 
-    def _adopt(
-        self, seq_id: int, ticket: int, tokens: list[int], outcome: Adopted,
-        start: float,
-    ) -> DrafterPrep:
-        """Move the kept rows to the sequence (zero copy), then append the planned span."""
-        pool = self.backend.drafter_pool
-        pool.free_sequence(seq_id)  # registered empty by prepare; adopt re-registers it
-        held = pool.adopt_from_slot(seq_id, rows_kept=outcome.rows)
-        self._entry = None
+    def _adopt(self, seq_id: int, session_hash: int, outcome: Adopted, start: float) -> DrafterBuild:
+        """Move the kept rows to the sequence (zero copy); the planned span is built per chunk."""
+        held = self._take(seq_id, session_hash, outcome.rows)
         kept_key = held.last_pair_key
         assert kept_key is not None and kept_key < outcome.first_key
-        if outcome.appended:
-            self._append(seq_id, ticket, tokens, outcome.first_key, outcome.appended)
         skipped = outcome.first_key - (kept_key + 1) if outcome.appended else 0
         with self._lock:
             self._counters.rows_adopted += outcome.rows
-            self._counters.rows_appended += outcome.appended
             self._counters.keys_skipped += skipped
-        return DrafterPrep("carry", outcome, outcome.rows, outcome.appended, skipped, _ms(start))
+        first = outcome.first_key if outcome.appended else None
+        return DrafterBuild("carry", outcome, outcome.rows, first, 0, skipped, _ms(start))
 
-    def _prefill(self, seq_id: int, ticket: int, tokens: list[int]) -> int:
-        """The drafter prompt prefill: rows for every key the store holds for `ticket`."""
-        plan = plan_append(None, len(tokens), *self.backend.hidden_store.visible_to(ticket))
-        if plan is None or plan.first_key != 0:
-            return 0  # the store lost rows of this prompt to another sequence: run blind
-        self._append(seq_id, ticket, tokens, 0, plan.rows)
-        return plan.rows
-
-    def _append(self, seq_id: int, ticket: int, tokens: list[int], first_key: int, rows: int) -> None:
+    def _append(self, seq_id: int, ticket: int, tokens: Sequence[int], first_key: int, rows: int) -> None:
         """Compute and write drafter rows for keys `first_key .. first_key + rows - 1`."""
         store = self.backend.hidden_store
         pool = self.backend.drafter_pool
