@@ -49,6 +49,7 @@ from ..core import (
 )
 from ..core.outcome import Adopted
 from ..core.session import TicketCounter
+from ..dataplane.kv_pool import CarriedBlocks
 from .backend import CarryBackend
 from .policy import DrafterPolicy
 
@@ -174,12 +175,12 @@ class CarryRuntime:
         outcome: CarryOutcome | None = None
         if policy is DrafterPolicy.CARRY and self.armed:
             store = self.backend.hidden_store.range
-            outcome = decide_adopt(self._entry, tokens, session_hash, ticket, store)
+            outcome = decide_adopt(self._candidate(session_hash), tokens, session_hash, ticket, store)
             log_adopt(outcome, session_hash, ticket, len(tokens))
             with self._lock:
                 self._counters.outcomes[outcome.kind] += 1
             if isinstance(outcome, Adopted):
-                return self._adopt(seq_id, ticket, tokens, outcome, start)
+                return self._adopt(seq_id, ticket, tokens, outcome, start, session_hash)
         if cold:
             rows = self._prefill(seq_id, ticket, tokens)
             if rows:
@@ -273,17 +274,40 @@ class CarryRuntime:
                 slot_rows=self._entry.rows if self._entry is not None else 0,
             )
 
+    # ---- carried entries (the seam with the engine: signatures are stable) -----
+
+    def _candidate(self, session_hash: int) -> CarriedDrafter | None:
+        """The carried entry `decide_adopt` must judge for `session_hash` (None: nothing carried).
+
+        May be another session's entry: `decide_adopt` then refuses it as ForeignSession.
+        """
+        return self._entry
+
+    def _take(self, seq_id: int, session_hash: int, rows_kept: int) -> CarriedBlocks:
+        """Move the candidate entry's first `rows_kept` rows to `seq_id` (zero copy).
+
+        The entry leaves the store; `seq_id` must not be live in the pool (or be live
+        with no blocks). Returns what the sequence now holds.
+        """
+        entry = self._entry
+        if entry is None or not entry.session_matches(session_hash):
+            raise RuntimeError(
+                f"no carried entry of session 0x{session_hash:016x} for sequence {seq_id} to take"
+            )
+        held = self.backend.drafter_pool.adopt_from_slot(seq_id, rows_kept=rows_kept)
+        self._entry = None
+        return held
+
     # ---- steps -----------------------------------------------------------------
 
     def _adopt(
         self, seq_id: int, ticket: int, tokens: list[int], outcome: Adopted,
-        start: float,
+        start: float, session_hash: int,
     ) -> DrafterPrep:
         """Move the kept rows to the sequence (zero copy), then append the planned span."""
         pool = self.backend.drafter_pool
         pool.free_sequence(seq_id)  # registered empty by prepare; adopt re-registers it
-        held = pool.adopt_from_slot(seq_id, rows_kept=outcome.rows)
-        self._entry = None
+        held = self._take(seq_id, session_hash, outcome.rows)
         kept_key = held.last_pair_key
         assert kept_key is not None and kept_key < outcome.first_key
         if outcome.appended:
