@@ -15,17 +15,20 @@ from .outcome import OUTCOME_KINDS, CarryOutcome
 from .plan import AppendPlan, hidden_row_offset, plan_append
 from .session import TicketCounter, session_hash
 from .settings import (
+    DEFAULT_CARRY_SLOTS,
     DEFAULT_MARCONI_MIN_TOKENS,
     DEFAULT_MTP_MAX_SEQS,
     DrafterContext,
     PinnedSetting,
     carry_armed,
     carry_armed_with,
+    carry_slots,
     marconi_min_tokens,
     mtp_carry_debug,
     mtp_carry_drafter_enabled,
     mtp_max_seqs,
     mtp_multi_seq_mode,
+    set_carry_slots,
     set_marconi_min_tokens,
     set_mtp_max_seqs,
 )
@@ -33,6 +36,7 @@ from .store_range import StoreRange, merge_interval, stamped_merge
 from .tokens import common_prefix_len
 
 __all__ = [
+    "DEFAULT_CARRY_SLOTS",
     "DEFAULT_MARCONI_MIN_TOKENS",
     "DEFAULT_MTP_MAX_SEQS",
     "OUTCOME_KINDS",
@@ -45,6 +49,7 @@ __all__ = [
     "TicketCounter",
     "carry_armed",
     "carry_armed_with",
+    "carry_slots",
     "common_prefix_len",
     "decide_adopt",
     "hidden_row_offset",
@@ -58,6 +63,7 @@ __all__ = [
     "mtp_multi_seq_mode",
     "plan_append",
     "session_hash",
+    "set_carry_slots",
     "set_marconi_min_tokens",
     "set_mtp_max_seqs",
     "stamped_merge",

@@ -60,6 +60,7 @@ from ..core import (
 from ..core.outcome import Adopted
 from ..core.store_range import StoreRange
 from ..core.session import TicketCounter
+from ..dataplane.kv_pool import CarriedBlocks
 from .backend import CarryBackend
 from .policy import DrafterPolicy
 
@@ -322,6 +323,30 @@ class CarryRuntime:
                 deposits=c.deposits,
                 slot_rows=self._entry.rows if self._entry is not None else 0,
             )
+
+    # ---- carried entries (the seam with the engine: signatures are stable) -----
+
+    def _candidate(self, session_hash: int) -> CarriedDrafter | None:
+        """The carried entry `decide_adopt` must judge for `session_hash` (None: nothing carried).
+
+        May be another session's entry: `decide_adopt` then refuses it as ForeignSession.
+        """
+        return self._entry
+
+    def _take(self, seq_id: int, session_hash: int, rows_kept: int) -> CarriedBlocks:
+        """Move the candidate entry's first `rows_kept` rows to `seq_id` (zero copy).
+
+        The entry leaves the store; `seq_id` must not be live in the pool (or be live
+        with no blocks). Returns what the sequence now holds.
+        """
+        entry = self._entry
+        if entry is None or not entry.session_matches(session_hash):
+            raise RuntimeError(
+                f"no carried entry of session 0x{session_hash:016x} for sequence {seq_id} to take"
+            )
+        held = self.backend.drafter_pool.adopt_from_slot(seq_id, rows_kept=rows_kept)
+        self._entry = None
+        return held
 
     # ---- steps -----------------------------------------------------------------
 
