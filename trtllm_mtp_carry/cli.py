@@ -49,7 +49,7 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         "--mtp-max-seqs",
         type=_positive,
         metavar="N",
-        help="MTP dispatch cap (sequences per MTP step); the carry is armed only at 1; "
+        help="MTP dispatch cap (sequences per MTP step); the carry is armed at any cap; "
         f"default env {settings.ENV_MTP_MAX_SEQS}, else {settings.DEFAULT_MTP_MAX_SEQS}",
     )
     p.add_argument(
@@ -99,11 +99,10 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
     cap = settings.mtp_max_seqs()
     armed = settings.carry_armed(cfg)
     if armed:
-        why = "configured, and MTP dispatches one sequence per step"
-    elif not cfg.carry:
-        why = "not configured"
+        why = (f"configured; armed at any MTP dispatch cap ({cap} here): drafter rows are "
+               "built per prefill chunk under the sequence's own ticket")
     else:
-        why = f"MTP dispatch cap {cap} > 1 (multi-sequence mode)"
+        why = "not configured"
     return {
         "version": __version__,
         "marconi_min_tokens": threshold,

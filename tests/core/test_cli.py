@@ -18,14 +18,17 @@ def run_cli(*args, **env):
     )
 
 
-def test_info_defaults_configured_but_not_armed():
+def test_info_defaults_configured_and_armed_at_the_default_dispatch_cap():
     out = run_cli("info", "--json")
     report = json.loads(out.stdout)
     assert report["marconi_min_tokens"] == 256
     assert report["marconi_min_tokens_source"] == "default"
     assert report["mtp_max_seqs"] == 32
-    assert (report["carry_configured"], report["carry_armed"]) == (True, False)
-    assert report["carry_armed_reason"] == "MTP dispatch cap 32 > 1 (multi-sequence mode)"
+    assert (report["carry_configured"], report["carry_armed"]) == (True, True)
+    assert report["carry_armed_reason"] == (
+        "configured; armed at any MTP dispatch cap (32 here): drafter rows are built per "
+        "prefill chunk under the sequence's own ticket"
+    )
 
 
 def test_info_flags_pin_and_arm():
@@ -45,7 +48,7 @@ def test_info_env_source_and_table():
     threshold = next(line for line in lines if line.startswith("restore threshold"))
     assert threshold.split()[-3:] == ["99", "env", "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS"]
     assert any(line.startswith("carry configured") and "yes" in line for line in lines)
-    assert any(line.startswith("carry armed") and " no " in line for line in lines)
+    assert any(line.startswith("carry armed") and " yes " in line for line in lines)
 
 
 def test_info_without_carry():

@@ -119,7 +119,7 @@ def test_drafter_context_rejects_carry_without_prefill():
 def test_carry_armed_with():
     on, off = DrafterContext(True, True), DrafterContext(True, False)
     assert carry_armed_with(on, multi_seq=False) is True
-    assert carry_armed_with(on, multi_seq=True) is False
+    assert carry_armed_with(on, multi_seq=True) is True  # per-chunk rows: armed at any cap
     assert carry_armed_with(off, multi_seq=False) is False
     assert carry_armed_with(off, multi_seq=True) is False
 
@@ -166,7 +166,7 @@ def test_module_dispatch_cap_and_armed_state():
         "print(t.mtp_max_seqs(), t.mtp_multi_seq_mode(), t.carry_armed(cfg), "
         "t.mtp_carry_drafter_enabled(Levers()))"
     )
-    assert run_py(code).stdout.split() == ["32", "True", "False", "False"]
+    assert run_py(code).stdout.split() == ["32", "True", "True", "True"]
     assert run_py(code, TRTLLM_MTP_CARRY_MAX_SEQS="1").stdout.split() == [
         "1",
         "False",

@@ -1,5 +1,6 @@
 """The carry runtime on the reference engine: adopted rows equal a cold prefill's,
-outputs never change, and every refusal path is reached and safe.
+rows are built per prefill chunk under the sequence's own ticket, outputs never
+change, each policy builds what it claims, and every refusal path is reached and safe.
 
 Engines run in float64 so that generated tokens compare exactly.
 """
@@ -21,13 +22,13 @@ def model():
 
 
 def first_decode_unit(eng, session, prompt, max_new_tokens=4):
-    """Submit and step until the drafter is prepared; returns the live sequence."""
+    """Submit and step until the prefill (and so the drafter rows) is done; returns the sequence."""
     rid = eng.submit(session, prompt, max_new_tokens=max_new_tokens)
     while True:
         eng.step()
         seq = next((s for s in eng._running if s.request_id == rid), None)
-        assert seq is not None, "finished before its drafter was prepared"
-        if seq.prep is not None:
+        assert seq is not None, "finished before its prefill was done"
+        if seq.phase == "decode":
             return seq
 
 
@@ -44,14 +45,14 @@ def test_carried_rows_equal_a_cold_prefill_and_only_the_new_span_is_computed(mod
     turn1, r1, turn2 = first_turn_then(eng, gen, "s", 60, 12, 25)
     warm = first_decode_unit(eng, "s", turn2)
     first_key = len(turn1) + len(r1.output) - 1  # the first key the previous turn never computed
-    assert warm.prep.outcome == CarryOutcome.Adopted(
+    assert warm.build.outcome == CarryOutcome.Adopted(
         rows=first_key, appended=len(turn2) - 1 - first_key, first_key=first_key
     )
     assert warm.stats.drafter_rows_computed == len(turn2) - 1 - first_key
 
     cold_eng = engine(model)
     cold = first_decode_unit(cold_eng, "s", turn2)
-    assert cold.prep.mode == "prefill" and cold.stats.drafter_rows_computed == len(turn2) - 1
+    assert cold.build.mode == "prefill" and cold.stats.drafter_rows_computed == len(turn2) - 1
     wk, wv, wkeys = prompt_rows(eng, warm)
     ck, cv, ckeys = prompt_rows(cold_eng, cold)
     assert wkeys.tolist() == ckeys.tolist() == list(range(len(turn2) - 1))
@@ -67,24 +68,72 @@ def session_turns(gen, turns, history, span):
 def test_generated_tokens_identical_across_policies(model):
     gen = torch.Generator().manual_seed(2)
     spans = session_turns(gen, turns=4, history=50, span=20)
-    outputs = {}
-    rows = {}
+    outputs, rows, reused = {}, {}, {}
     for policy in ALL_POLICIES:
         eng = engine(model, policy=policy)
-        prompt, outs, computed = [], [], []
+        prompt, outs, computed, cached = [], [], [], []
         for span in spans:
             prompt = prompt + span
             r = eng.generate("chat", prompt, max_new_tokens=10)
             outs.append(r.output)
             computed.append(r.stats.drafter_rows_computed)
+            cached.append(r.stats.reused_tokens)
             prompt = prompt + r.output
             eng.check()
-        outputs[policy.value], rows[policy.value] = outs, computed
+        outputs[policy.value], rows[policy.value], reused[policy.value] = outs, computed, cached
     assert outputs["carry"] == outputs["rebuild"] == outputs["blind"] == outputs["off"]
     # turn 1 is cold everywhere (full drafter prefill); warm turns differ by policy
     assert rows["carry"][0] == rows["rebuild"][0] == rows["blind"][0] == 49
-    assert rows["off"] == [0, 0, 0, 0] and rows["blind"][1:] == [0, 0, 0]
-    assert all(c < r for c, r in zip(rows["carry"][1:], rows["rebuild"][1:], strict=True))
+    assert rows["off"] == [0, 0, 0, 0]
+    # faithful blind builds exactly the new span's rows, as the carry appends them
+    assert rows["blind"][1:] == rows["carry"][1:]
+    assert rows["blind"][1:] == [20, 20, 20]  # keys from the first uncached position to L - 2
+    # rebuild runs one target pass from position 0: no reuse, a row for every key
+    assert reused["rebuild"] == [0, 0, 0, 0] and reused["blind"][1:] == reused["carry"][1:]
+    prompt_lens = [len(r) for r in _prompts(spans, outputs["carry"])]
+    assert rows["rebuild"] == [n - 1 for n in prompt_lens]
+
+
+def _prompts(spans, outputs):
+    prompt, out = [], []
+    for span, answer in zip(spans, outputs, strict=True):
+        prompt = prompt + span
+        out.append(prompt)
+        prompt = prompt + answer
+    return out
+
+
+def test_blind_warm_turn_builds_rows_for_the_new_span_only(model):
+    gen = torch.Generator().manual_seed(11)
+    eng = engine(model, policy="blind")
+    turn1, r1, turn2 = first_turn_then(eng, gen, "s", 64, 8, 40)
+    seq = first_decode_unit(eng, "s", turn2)
+    start = seq.stats.reused_tokens
+    assert start == len(turn1) + len(r1.output) - 1
+    _, _, keys = eng.drafter_pool.gather(seq.request_id)
+    assert keys.tolist() == list(range(start, len(turn2) - 1))
+    assert seq.build.mode == "blind" and eng.runtime.stats().turns_blind == 1
+
+
+def test_rebuild_warm_turn_computes_the_prompt_once_from_position_zero(model, monkeypatch):
+    gen = torch.Generator().manual_seed(12)
+    eng = engine(model, policy="rebuild")
+    turn1, r1, turn2 = first_turn_then(eng, gen, "s", 64, 8, 40)
+    computed = []
+    forward = eng.model.forward_target
+
+    def counting(tokens, start_pos, cache, ssm_trace=False):
+        computed.append((start_pos, start_pos + tokens.shape[0]))
+        return forward(tokens, start_pos, cache, ssm_trace)
+
+    monkeypatch.setattr(eng.model, "forward_target", counting)
+    seq = first_decode_unit(eng, "s", turn2)
+    # every prompt position computed exactly once, from 0, in chunks
+    assert [p for a, b in computed for p in range(a, b)] == list(range(len(turn2)))
+    assert seq.build.mode == "rebuild" and seq.stats.reused_tokens == 0
+    _, _, keys = eng.drafter_pool.gather(seq.request_id)
+    assert keys.tolist() == list(range(len(turn2) - 1))
+    assert eng.runtime.stats().rows_rebuilt == len(turn2) - 1
 
 
 def test_retokenized_answer_tail_truncates_instead_of_refusing(model):
@@ -96,8 +145,8 @@ def test_retokenized_answer_tail_truncates_instead_of_refusing(model):
     common = len(turn1) + len(r1.output) - 3
     turn2 = turn1 + r1.output[:-3] + [ord("#")] * 3 + random_prompt(gen, 20)
     seq = first_decode_unit(eng, "s", turn2)
-    assert isinstance(seq.prep.outcome, CarryOutcome.Adopted)
-    assert seq.prep.outcome.rows == common - 1  # keys 0 .. common-2 survive
+    assert isinstance(seq.build.outcome, CarryOutcome.Adopted)
+    assert seq.build.outcome.rows == common - 1  # keys 0 .. common-2 survive
     r2_tokens = []
     while eng.has_unfinished():
         r2_tokens += [r.output for r in eng.step()]
@@ -105,22 +154,23 @@ def test_retokenized_answer_tail_truncates_instead_of_refusing(model):
     eng.check()
 
 
-def test_unarmed_runtime_runs_warm_turns_blind_and_says_why(model, caplog):
-    eng = engine(model)
-    with caplog.at_level(logging.WARNING, logger="trtllm_mtp_carry"):
-        eng.runtime = CarryRuntime(eng, "carry", multi_seq=True)
-    assert [r.getMessage() for r in caplog.records] == [
-        "mtp carry configured but not armed: MTP dispatches several sequences per step "
-        "(multi-sequence mode, set by the engine); warm turns will run the drafter blind"
-    ]
+def test_carry_is_armed_at_any_dispatch_cap_and_adopts_beside_other_sequences(model):
+    from trtllm_mtp_carry.core import DrafterContext, carry_armed_with
+
+    assert carry_armed_with(DrafterContext(prefill=True, carry=True), multi_seq=True) is True
     gen = torch.Generator().manual_seed(4)
+    eng = engine(model, max_num_seqs=4)
     turn1 = random_prompt(gen, 60)
     r1 = eng.generate("s", turn1, max_new_tokens=6)
-    r2 = eng.generate("s", turn1 + r1.output + random_prompt(gen, 10), max_new_tokens=6)
-    assert r2.stats.reused_tokens == len(turn1) + len(r1.output) - 1
-    assert (r2.stats.outcome, r2.stats.drafter_rows_computed) == ("blind", 0)
-    assert eng.runtime.stats().armed is False and eng.runtime.stats().deposits == 0
-    eng.check()
+    rid = eng.submit("s", turn1 + r1.output + random_prompt(gen, 40), max_new_tokens=6)
+    for name in ("x", "y", "z"):  # rivals prefill in the same steps, chunk for chunk
+        eng.submit(name, random_prompt(gen, 70), max_new_tokens=6)
+    results = {}
+    while eng.has_unfinished():
+        results.update((r.request_id, r) for r in eng.step())
+        eng.check()
+    assert results[rid].stats.outcome_kind == "adopted"
+    assert eng.runtime.stats().armed is True
 
 
 def test_debug_log_one_line_per_store_and_adopt(model, monkeypatch, caplog):
@@ -173,8 +223,8 @@ def watch_runtime(eng):
     seen, deposited = [], {}  # outcome kinds; session hash -> k rows it deposited
     prepare, finish = eng.runtime.prepare, eng.runtime.finish
 
-    def checked_prepare(seq_id, ticket, session_hash, prompt, cold, policy=None):
-        prep = prepare(seq_id, ticket, session_hash, prompt, cold, policy)
+    def checked_prepare(seq_id, ticket, session_hash, prompt, prefill_from, policy=None, warm=None):
+        prep = prepare(seq_id, ticket, session_hash, prompt, prefill_from, policy, warm)
         if prep.outcome is not None:
             seen.append(prep.outcome.kind)
             if prep.outcome.adopted:  # the kept rows are exactly this session's own rows
@@ -222,7 +272,8 @@ def test_isolation_under_random_interleavings(model):
     while eng.has_unfinished():
         eng.step()
         eng.check()
-    assert {"adopted", "foreign_session", "foreign_hiddens", "prefix_mismatch", "no_hiddens"} <= set(seen)
+    assert {"adopted", "foreign_session", "prefix_mismatch", "no_hiddens"} <= set(seen)
+    assert "foreign_hiddens" not in seen  # rows are built per chunk under the ticket
     assert spy.reads and all(t == o for t, o in spy.reads)
     eng.runtime.clear_slot()
     eng.check()
@@ -245,25 +296,20 @@ def warm_turn_with_a_rival(model, rival_prompt_len, steps_before_rival, **config
     return seen, eng
 
 
-def test_rival_chunks_before_the_last_chunk_skip_keys_below_the_store_floor(model):
-    # b's chunks land between a's first chunks; a's later chunks replace b's stamp,
-    # so the store's floor rises and the keys below it are skipped (no hole)
-    seen, eng = warm_turn_with_a_rival(model, rival_prompt_len=32, steps_before_rival=0)
-    assert seen == ["no_carry", "foreign_session", "adopted"]
-    assert eng.runtime.stats().keys_skipped == 96 - 65  # floor at a's third chunk (96)
-
-
-def test_rival_prefill_between_last_chunk_and_adopt_is_foreign_hiddens(model):
-    # b's first chunk lands right after a's last chunk, before a's drafter is prepared
-    seen, eng = warm_turn_with_a_rival(model, rival_prompt_len=64, steps_before_rival=3)
-    assert seen == ["no_carry", "foreign_hiddens", "foreign_session"]
-    assert eng.runtime.stats().turns_blind == 1  # a's warm turn fell back to blind
+@pytest.mark.parametrize("steps_before_rival", [0, 1, 2, 3])
+def test_rival_prefill_chunks_anywhere_never_refuse_or_skip_keys(model, steps_before_rival):
+    # b's chunks land between a's chunks (or right after a's last one): the decision
+    # was taken at admission and each chunk's rows are built before b can write
+    seen, eng = warm_turn_with_a_rival(model, rival_prompt_len=64,
+                                       steps_before_rival=steps_before_rival)
+    assert seen == ["no_carry", "adopted", "no_carry"]
+    assert eng.runtime.stats().keys_skipped == 0 and eng.runtime.stats().turns_blind == 0
 
 
 def test_span_past_the_hidden_store_capacity_is_no_hiddens(model):
     seen, eng = warm_turn_with_a_rival(model, rival_prompt_len=8, steps_before_rival=6,
                                        hidden_capacity=100)
-    assert seen == ["no_carry", "no_hiddens", "foreign_session"]
+    assert seen == ["no_carry", "no_hiddens", "no_carry"]
 
 
 def test_forget_session_frees_only_that_sessions_carried_rows(model):

@@ -6,8 +6,11 @@ Invariants:
   a later `set_*` changes nothing and returns `False` so the caller can warn.
 - A malformed environment value is a `ValueError` naming the variable and the
   value, raised at the first read; never a silent fallback to the default.
-- Configured is not armed: the carry is armed only when configured and MTP is
-  not in multi-sequence mode. Anything reporting the carry reports `armed`.
+- Anything reporting the carry reports `armed` beside `configured`. Since
+  drafter rows are built right after each prefill chunk's target forward,
+  from that chunk's hidden rows read under the sequence's own ticket, no other
+  sequence can overwrite them first: the carry is armed whenever configured,
+  at any MTP dispatch cap (the seed disarmed it in multi-sequence mode).
 """
 
 from __future__ import annotations
@@ -177,8 +180,14 @@ class HasDrafterContext(Protocol):
 
 
 def carry_armed_with(cfg: DrafterContext, multi_seq: bool) -> bool:
-    """Whether the carry is armed: configured (`cfg.carry`) and MTP not in multi-sequence mode."""
-    return cfg.carry and not multi_seq
+    """Whether the carry is armed: exactly when configured (`cfg.carry`), whatever `multi_seq`.
+
+    Per-chunk drafter rows make the model-level hidden store safe when MTP
+    dispatches several sequences per step, so the dispatch mode no longer disarms
+    the carry; `multi_seq` is kept so callers can keep passing the mode they report.
+    """
+    del multi_seq  # armed at any dispatch cap: rows are built per prefill chunk
+    return cfg.carry
 
 
 def carry_armed(cfg: DrafterContext) -> bool:

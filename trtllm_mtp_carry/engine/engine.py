@@ -1,5 +1,5 @@
 """The reference engine: a hybrid MTP model served with prefix caching and
-greedy speculative decoding, in plain torch.
+greedy speculative decoding, in plain torch, with in-flight batching.
 
 What it is for: the embedded default (runs on a laptop CPU, or a GPU through
 the same code) and the oracle every faster path is checked against. It
@@ -7,26 +7,39 @@ reproduces the situation the carry exists for: a warm turn restores an SSM
 snapshot and reuses attention KV, so the target never recomputes the prefix
 and the MTP drafter has no hidden states for it.
 
-A sequence's life: admission (ticket, prefix match, resume plan) -> chunked
-prefill (each chunk's hidden rows go to the hidden store under the ticket;
-SSM snapshots at chunk ends) -> first decode unit (drafter preparation by the
-carry runtime, per policy) -> speculative steps (draft, verify in one target
-forward, accept greedily) -> finish (prefix blocks and a turn-end snapshot are
-cached; the drafter rows are deposited in the carry slot or freed).
+A sequence's life: admission (ticket, prefix match, resume plan, the carry
+runtime's drafter plan: adopt or not, which keys to build) -> chunked prefill
+(each chunk's hidden rows go to the hidden store under the ticket and that
+chunk's drafter rows are built right away; SSM snapshots at chunk ends) ->
+speculative steps (draft, verify in one target forward, accept greedily),
+batched over every decoding sequence -> finish (prefix blocks and a turn-end
+snapshot are cached; the drafter rows are deposited in the carry store or freed).
+
+One `step()`:
+
+```
+  prefill seqs:  [chunk fwd -> rows]  [chunk fwd -> rows]  ...   one sequence per forward
+  decode seqs:   [draft k, B rows per forward] -> [verify B x (1 + k) in one forward]
+```
 
 Invariants:
-- Greedy speculative output equals plain greedy decoding: the target verifies
-  every draft, and the recurrent state follows exactly the accepted path (the
-  verify forward records the state after every position; the accepted one is
-  kept). Attention writes are indexed by position, so rejection needs no
-  rollback there.
+- Greedy speculative output equals plain greedy decoding per sequence, whatever
+  the batch: the target verifies every draft; padding comes after each row's
+  real tokens and is masked out of attention and never written, so a row sees
+  only its own sequence; the recurrent state follows exactly the accepted path
+  (the verify forward records the state after every position; the accepted
+  one is kept). Attention writes are indexed by position, so rejection needs
+  no rollback there.
 - The drafter pool holds only real rows (pair keys whose hidden state came from
-  the target); speculative draft rows live in local tensors for one step.
-  Before a step of a sequence of N tokens, its rows cover keys up to N - 3.
+  the target); speculative draft rows live in each sequence's mirror for one
+  step. Before a step of a sequence of N tokens, its rows cover keys up to N - 3.
+- Drafter rows of a prefill chunk are read from the hidden store under the
+  sequence's ticket in the same step that wrote them, so the carry is safe
+  (armed) at any MTP dispatch cap.
 - Only computed tokens are cached (never the last sampled one), and an SSM
   snapshot is restored only at a depth of at least `marconi_min_tokens()`.
-- Sequences are interleaved one unit of work at a time (a prefill chunk or a
-  decode step), so MTP dispatches one sequence per step.
+- Admission reserves every target block a request will hold; anything `submit`
+  accepts fits an idle engine, so the queue never wedges.
 """
 
 from __future__ import annotations
@@ -46,14 +59,14 @@ from ..core.session import session_hash
 from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import DrafterKVPool, PoolExhaustedError
 from ..dataplane.rope import RopeConfig, apply_rope_reference
-from ..runtime.carry_runtime import CarryRuntime, DrafterPrep
+from ..runtime.carry_runtime import CarryRuntime, DrafterBuild
 from ..runtime.policy import DrafterPolicy
-from .block_manager import TargetBlockManager
+from .block_manager import PrefixMatch, TargetBlockManager
 from .config import DTYPES, MAX_DRAFT_LEN, EngineConfig
-from .model import DenseTargetCache, HybridLM
+from .model import HybridLM
 from .prefix_hash import PrefixKeys
-from .snapshot_cache import SnapshotCache, plan_resume
-from .target_kv import PagedTargetKV, SequenceKV
+from .snapshot_cache import ResumePlan, SnapshotCache, plan_resume
+from .target_kv import BatchKV, PagedTargetKV, SequenceKV
 from .tokenizer import ChatTokenizer
 from .turn import TurnResult, TurnStats
 
@@ -79,10 +92,9 @@ class _Sequence:
     kv: SequenceKV
     stats: TurnStats
     t_admit: float
+    build: DrafterBuild  # the admission plan for the drafter rows, filled per chunk
     phase: str = "prefill"  # prefill -> decode
-    prep: DrafterPrep | None = None
     last_hidden: torch.Tensor | None = None  # [H]: hidden of the newest computed position
-    cold: bool = True
     finish_reason: str = ""
     mirror: _RowMirror | None = None  # the drafter's rows in the model dtype, for attention
     drafter_off: bool = False  # the drafter pool ran out: decode on without drafts
@@ -131,8 +143,7 @@ class _Request:
 class ReferenceEngine:
     """Greedy speculative decoding of a hybrid MTP model with prefix caching and the carry."""
 
-    def __init__(self, model: HybridLM, tokenizer: ChatTokenizer, config: EngineConfig | None = None,
-                 multi_seq: bool | None = None) -> None:
+    def __init__(self, model: HybridLM, tokenizer: ChatTokenizer, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         cfg = model.cfg
         self.max_model_len = config.max_model_len or cfg.max_position
@@ -159,14 +170,14 @@ class ReferenceEngine:
         self.snapshots: SnapshotCache[list[torch.Tensor | None]] = SnapshotCache(
             int(config.snapshot_budget_mb * 2**20), config.block_size)
         # Positions past the store's capacity are not captured (as with a fixed-size
-        # mtp_prefill_hidden buffer); a span they cut short is refused with NoHiddens.
+        # mtp_prefill_hidden buffer); a span they cut short gets no drafter rows.
         capacity = config.hidden_capacity or self.max_model_len
         self._store = HiddenStore(capacity, cfg.hidden_size, device=self.device)
         self._pool = DrafterKVPool(
             config.num_drafter_blocks, config.drafter_block_size, cfg.num_kv_heads, cfg.head_dim,
             RopeConfig(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta), device=self.device,
         )
-        self.runtime = CarryRuntime(self, config.policy, multi_seq=multi_seq)
+        self.runtime = CarryRuntime(self, config.policy)
         self._waiting: list[_Request] = []
         self._running: list[_Sequence] = []
         self._finished: list[TurnResult] = []
@@ -199,20 +210,16 @@ class ReferenceEngine:
         _, k, v = drafter.qkv(x, keys)
         return k.to(self._pool.k_cache.dtype), v.to(self._pool.v_cache.dtype)
 
-    @torch.no_grad()
-    def recompute_hiddens(self, ticket: int, tokens: Sequence[int]) -> None:
-        ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
-        cache = DenseTargetCache(self.model.cfg)
-        chunk = self.config.prefill_chunk
-        for start in range(0, len(ids), chunk):
-            hidden, _ = self.model.forward_target(ids[start:start + chunk], start, cache)
-            self._capture_hiddens(ticket, start, hidden)
-
     # ---- requests -----------------------------------------------------------------
 
     def submit(self, session_id: str | int | None, prompt: Prompt, max_new_tokens: int = 128,
                draft_len: int | None = None, policy: DrafterPolicy | str | None = None) -> int:
-        """Queue a request; returns its id. Bad input raises ValueError/TypeError naming it."""
+        """Queue a request; returns its id. Bad input raises ValueError/TypeError naming it.
+
+        A request is refused here when it can never fit: its prompt, answer and
+        drafts past `max_model_len`, or more target KV blocks than the engine has.
+        Anything accepted fits in an idle engine, so nothing queued waits forever.
+        """
         tokens = self._prompt_tokens(prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -249,7 +256,11 @@ class ReferenceEngine:
                 self._finished.append(result)
 
     def cancel(self, request_id: int) -> TurnResult | None:
-        """Stop a queued or running request now and free everything it holds."""
+        """Stop a queued or running request now and free everything it holds.
+
+        The other running sequences are untouched: each owns its own blocks,
+        drafter rows and states, and the next batched step simply leaves this one out.
+        """
         for i, req in enumerate(self._waiting):
             if req.request_id == request_id:
                 del self._waiting[i]
@@ -283,17 +294,24 @@ class ReferenceEngine:
         return out
 
     def step(self) -> list[TurnResult]:
-        """One unit of work for every running sequence (a prefill chunk or a decode step)."""
+        """One unit of work for every running sequence.
+
+        Each sequence in prefill runs one chunk (its drafter rows for that chunk
+        are built right after); every sequence already decoding takes one
+        speculative step, all of them in one batched draft and one batched verify.
+        """
         self._admit()
         finished = []
-        for seq in list(self._running):
-            if seq.phase == "prefill":
-                self._prefill_chunk(seq)
-            else:
-                done = self._decode_step(seq)
-                if done:
-                    self._running.remove(seq)
-                    finished.append(self._finish(seq))
+        decoding = [seq for seq in self._running if seq.phase == "decode"]
+        for seq in [seq for seq in self._running if seq.phase == "prefill"]:
+            self._prefill_chunk(seq)
+            if seq.phase == "decode" and seq.finish_reason:  # the first token ended the turn
+                self._running.remove(seq)
+                finished.append(self._finish(seq))
+        if decoding:
+            for seq in self._decode_batch(decoding):
+                self._running.remove(seq)
+                finished.append(self._finish(seq))
         return finished
 
     def check(self) -> None:
@@ -320,15 +338,16 @@ class ReferenceEngine:
         if all(isinstance(m, dict) for m in prompt):
             messages: list[dict[str, str]] = list(prompt)  # type: ignore[arg-type]
             for m in messages:
-                if set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
-                    raise ValueError(f"a message needs a role and a string content, got {m!r}")
+                if (set(m) != {"role", "content"} or not isinstance(m["role"], str)
+                        or not isinstance(m["content"], str)):
+                    raise ValueError(f"a message needs a string role and a string content, got {m!r}")
             tokens = self.tokenizer.render_chat(messages)
         else:
             tokens = list(prompt)  # type: ignore[arg-type]
             vocab = self.model.cfg.vocab_size
-            try:  # C-speed checks: array() refuses non-ints, min/max bound the ids
+            try:  # C-speed checks: array() refuses non-ints (not bools), min/max bound the ids
                 ids = array("q", tokens)
-                ok = min(ids) >= 0 and max(ids) < vocab
+                ok = bool not in map(type, tokens) and min(ids) >= 0 and max(ids) < vocab
             except (TypeError, OverflowError):
                 ok = False
             if not ok:  # only now look for the offending ids, to name them
@@ -338,18 +357,33 @@ class ReferenceEngine:
         return tokens
 
     def _admit(self) -> None:
+        """Admit queued requests in order while a sequence slot and their blocks are free.
+
+        A warm plan pins its shared blocks and the copy-on-write source while it
+        draws new ones, so it may not fit even in an idle engine; then the request
+        is admitted cold (no reuse), which always fits an idle engine (`submit`
+        refused anything larger). With sequences running it waits for them.
+        """
+        bs = self.config.block_size
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             req = self._waiting[0]
-            keys = PrefixKeys(req.prompt, self.config.block_size)
+            keys = PrefixKeys(req.prompt, bs)
             match = self.blocks.match_prefix(keys)
             plan = plan_resume(keys, match, self.snapshots.best_for, marconi_min_tokens())
+            warm = plan.restore  # the other policies would resume at plan.depth
             trimmed = match.trimmed(plan.depth)
+            if req.policy is DrafterPolicy.REBUILD and warm:  # one target pass from position 0
+                plan, trimmed = ResumePlan(0, False, "rebuild: recompute from 0"), PrefixMatch.empty(bs)
             # reserve the answer's slots now, so decoding never runs out of blocks
             reserve = req.max_new_tokens + req.draft_len
-            if self.blocks.can_allocate(len(req.prompt) + reserve, trimmed) is None:
-                if not self._running:
+            total = len(req.prompt) + reserve
+            if self.blocks.can_allocate(total, trimmed) is None:
+                if self._running:
+                    return  # wait for running sequences to free blocks
+                plan = ResumePlan(0, False, "the warm plan cannot fit: admitted cold")
+                trimmed = PrefixMatch.empty(bs)
+                if self.blocks.can_allocate(total, trimmed) is None:  # submit's check prevents it
                     raise RuntimeError(f"request {req.request_id} cannot fit in an idle engine")
-                return  # wait for running sequences to free blocks
             self._waiting.pop(0)
             alloc = self.blocks.allocate(req.request_id, req.prompt, trimmed)
             for src, dst in alloc.copies:
@@ -361,10 +395,13 @@ class ReferenceEngine:
                 kv.restore_ssm(plan.snapshot)
             stats = TurnStats(prompt_tokens=len(req.prompt), reused_tokens=alloc.num_cached_tokens,
                               snapshot_restored=plan.restore, policy=req.policy.value)
+            ticket = self.runtime.draw_ticket()
+            build = self.runtime.prepare(req.request_id, ticket, req.session_hash, req.prompt,
+                                         alloc.num_cached_tokens, req.policy, warm=warm)
             seq = _Sequence(
-                req.request_id, req.session_id, req.session_hash, self.runtime.draw_ticket(),
+                req.request_id, req.session_id, req.session_hash, ticket,
                 req.policy, req.draft_len, req.max_new_tokens, req.prompt, list(req.prompt), keys,
-                kv, stats, time.perf_counter(), cold=alloc.num_cached_tokens == 0,
+                kv, stats, time.perf_counter(), build=build,
             )
             self._running.append(seq)
 
@@ -378,15 +415,34 @@ class ReferenceEngine:
         hidden, logits = self.model.forward_target(ids, start, seq.kv)
         seq.kv.advance(end - start)
         self._capture_hiddens(seq.ticket, start, hidden)
+        t_rows = time.perf_counter()
+        build = seq.build
+        if build.next_key is not None and not seq.drafter_off:
+            # this chunk's drafter rows, while the store rows are still this ticket's
+            try:
+                self.runtime.build_chunk(seq.request_id, seq.ticket, build, seq.prompt, start, end)
+            except PoolExhaustedError as exc:
+                self._drop_drafter(seq, exc)
+                build.mode, build.outcome, build.next_key = "exhausted", None, None
+        t_done = time.perf_counter()
         self.blocks.commit_full_blocks(seq.request_id, seq.prompt[:end])
         if end < len(seq.prompt) and end % chunk == 0:
             self._put_snapshot(seq.keys, end, seq.kv)
-        seq.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+        seq.stats.prefill_ms += (t_rows - t0 + time.perf_counter() - t_done) * 1e3
         if end == len(seq.prompt):
             seq.last_hidden = hidden[-1]
             seq.tokens.append(int(logits[-1].argmax()))
             seq.phase = "decode"
             seq.finish_reason = self._stop_reason(seq)
+            prep = build.prep()
+            s = seq.stats
+            s.outcome = prep.describe()
+            s.outcome_kind = prep.outcome.kind if prep.outcome else prep.mode
+            s.drafter_rows_kept = prep.rows_kept
+            s.drafter_rows_computed = prep.rows_computed
+            s.keys_skipped = prep.keys_skipped
+            s.drafter_prep_ms = prep.prep_ms
+            s.ttft_ms = (time.perf_counter() - seq.t_admit) * 1e3
 
     def _capture_hiddens(self, ticket: int, start: int, hidden: torch.Tensor) -> None:
         # hidden: [T, H] at positions start ..; rows past the store's capacity are dropped
@@ -407,116 +463,144 @@ class ReferenceEngine:
         return ""
 
     @torch.no_grad()
-    def _decode_step(self, seq: _Sequence) -> bool:
-        """Prepare the drafter on the first call, then one speculative step; True when done."""
-        if seq.prep is None:
-            t_prep = time.perf_counter()
-            try:
-                seq.prep = self.runtime.prepare(seq.request_id, seq.ticket, seq.session_hash,
-                                                seq.prompt, seq.cold, seq.policy)
-            except PoolExhaustedError as exc:
-                self._drop_drafter(seq, exc)
-                seq.prep = DrafterPrep("exhausted", None, 0, 0, 0,
-                                       (time.perf_counter() - t_prep) * 1e3)
-            s = seq.stats
-            s.outcome = seq.prep.describe()
-            s.outcome_kind = seq.prep.outcome.kind if seq.prep.outcome else seq.prep.mode
-            s.drafter_rows_kept = seq.prep.rows_kept
-            s.drafter_rows_computed = seq.prep.rows_computed
-            s.keys_skipped = seq.prep.keys_skipped
-            s.drafter_prep_ms = seq.prep.prep_ms
-            s.ttft_ms = (time.perf_counter() - seq.t_admit) * 1e3
-        if seq.finish_reason:
-            return True
-        t0 = time.perf_counter()
-        drafts: list[int] = []
-        if seq.policy.drafts and seq.draft_len > 0 and not seq.drafter_off:
-            try:
-                drafts = self._draft(seq)
-            except PoolExhaustedError as exc:
-                self._drop_drafter(seq, exc)
-        seq.finish_reason = self._verify(seq, drafts)
-        seq.stats.decode_ms += (time.perf_counter() - t0) * 1e3
-        return bool(seq.finish_reason)
+    def _decode_batch(self, seqs: list[_Sequence]) -> list[_Sequence]:
+        """One speculative step for every sequence in `seqs`, batched; returns those done.
 
-    def _draft(self, seq: _Sequence) -> list[int]:
-        """Propose `draft_len` tokens; the first draft key's row is real and stays in the pool."""
+        Each sequence's decode time counts the whole batched step (it waited that long).
+        """
+        t0 = time.perf_counter()
+        drafting = [s for s in seqs if s.policy.drafts and s.draft_len > 0 and not s.drafter_off]
+        drafts = self._draft_batch(drafting) if drafting else {}
+        self._verify_batch(seqs, drafts)
+        ms = (time.perf_counter() - t0) * 1e3
+        for s in seqs:
+            s.stats.decode_ms += ms
+        return [s for s in seqs if s.finish_reason]
+
+    def _draft_batch(self, seqs: list[_Sequence]) -> dict[int, list[int]]:
+        """Propose up to `draft_len` tokens per sequence, all sequences in one forward per draft.
+
+        Each sequence's first draft key (n - 2) gets a real row in the pool; later
+        draft keys get speculative rows in its mirror's spare room, never in the pool.
+        """
         drafter = self.model.drafter
-        n = len(seq.tokens)
-        key0 = n - 2
-        assert seq.last_hidden is not None
-        hidden = seq.last_hidden.to(torch.bfloat16).to(self.dtype)[None]  # as the store rounds it
-        token = torch.tensor([seq.tokens[-1]], dtype=torch.int64, device=self.device)
-        keys = torch.tensor([key0], dtype=torch.int64, device=self.device)
-        x = drafter.project(token, hidden)
-        q, k, v = drafter.qkv(x, keys)
-        self._pool.append_rows(seq.request_id, keys, k.to(torch.bfloat16), v.to(torch.bfloat16))
         cfg = self.model.cfg
-        if seq.mirror is None:  # every key of the prompt and the answer fits
-            capacity = len(seq.prompt) + seq.max_new_tokens + MAX_DRAFT_LEN + 1
-            seq.mirror = _RowMirror(capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        mirror = seq.mirror
-        real = mirror.sync(self._pool, seq.request_id)[2].shape[0]
-        drafts: list[int] = []
-        h_out = hidden  # each later draft reads the drafter's own output hidden
-        for j in range(seq.draft_len):
-            if j:  # a speculative row (drafted token, drafter hidden): in the mirror's spare
-                # room past the real rows, never in the pool; the next sync overwrites it
-                key = key0 + j
-                keys = torch.tensor([key], dtype=torch.int64, device=self.device)
+        dev = self.device
+        key0 = torch.tensor([len(s.tokens) - 2 for s in seqs], dtype=torch.int64, device=dev)
+        hidden = torch.stack([s.last_hidden for s in seqs if s.last_hidden is not None])
+        hidden = hidden.to(torch.bfloat16).to(self.dtype)  # as the store rounds it
+        token = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int64, device=dev)
+        x = drafter.project(token, hidden)
+        q, k, v = drafter.qkv(x, key0)
+        k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        live: list[int] = []
+        for b, s in enumerate(seqs):  # bookkeeping per sequence: its own pool rows
+            try:
+                self._pool.append_rows(s.request_id, key0[b:b + 1], k16[b:b + 1], v16[b:b + 1])
+            except PoolExhaustedError as exc:
+                self._drop_drafter(s, exc)
+                continue
+            live.append(b)
+        if not live:
+            return {}
+        if len(live) < len(seqs):
+            idx = torch.tensor(live, device=dev)
+            seqs = [seqs[b] for b in live]
+            key0, hidden, token, x, q = (t.index_select(0, idx) for t in (key0, hidden, token, x, q))
+        mirrors, real = [], []
+        for s in seqs:
+            if s.mirror is None:  # every key of the prompt and the answer fits
+                capacity = len(s.prompt) + s.max_new_tokens + MAX_DRAFT_LEN + 1
+                s.mirror = _RowMirror(capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype, dev)
+            real.append(s.mirror.sync(self._pool, s.request_id)[2].shape[0])
+            mirrors.append(s.mirror)
+        out: list[list[int]] = []
+        h_out, keys = hidden, key0  # each later draft reads the drafter's own output hidden
+        for j in range(max(s.draft_len for s in seqs)):
+            if j:  # speculative rows (drafted token, drafter hidden) past each mirror's real rows
+                keys = key0 + j
                 x = drafter.project(token, h_out)
                 q, k, v = drafter.qkv(x, keys)
                 k_roped = apply_rope_reference(k.to(torch.bfloat16), keys + 1, cfg.rotary_dim,
                                                cfg.rope_theta)
-                row = real + j - 1
-                mirror.k[row], mirror.v[row] = k_roped[0], v[0].to(torch.bfloat16)
-                mirror.keys[row] = key
-            end = real + j
-            h_out, logits = drafter.finish(x, q, mirror.k[:end], mirror.v[:end], mirror.keys[:end],
-                                           keys)
-            drafts.append(int(logits[0].argmax()))
-            token = torch.tensor([drafts[-1]], dtype=torch.int64, device=self.device)
-        seq.stats.drafted += len(drafts)
+                v16 = v.to(torch.bfloat16)
+                for b, m in enumerate(mirrors):
+                    row = real[b] + j - 1
+                    m.k[row], m.v[row], m.keys[row] = k_roped[b], v16[b], keys[b]
+            rows = [(m.k[:real[b] + j], m.v[:real[b] + j], m.keys[:real[b] + j])
+                    for b, m in enumerate(mirrors)]
+            h_out, logits = drafter.finish_batch(x, q, rows, keys)
+            token = logits.argmax(-1)
+            out.append(token.tolist())
+        drafts: dict[int, list[int]] = {}
+        for b, s in enumerate(seqs):
+            drafts[s.request_id] = [step[b] for step in out[: s.draft_len]]
+            s.stats.drafted += s.draft_len
         return drafts
 
-    def _verify(self, seq: _Sequence, drafts: list[int]) -> str:
-        """One target forward over the newest token and the drafts; keep the accepted path.
+    def _verify_batch(self, seqs: list[_Sequence], drafts: dict[int, list[int]]) -> None:
+        """One target forward over each sequence's newest token and drafts; keep each accepted path.
 
-        Returns the finish reason ("stop", "length") or "" to go on.
+        Sets each sequence's `finish_reason` ("stop", "length") or leaves it "".
         """
-        n = len(seq.tokens)
-        start = n - 1  # position of the newest token, not yet computed
-        inp = [seq.tokens[-1], *drafts]
-        ids = torch.tensor(inp, dtype=torch.int64, device=self.device)
-        hidden, logits = self.model.forward_target(ids, start, seq.kv, ssm_trace=True)
-        seq.kv.advance(len(inp))
-        target = logits.argmax(-1).tolist()  # target's greedy token after each input
-        num_accepted = 0
-        while num_accepted < len(drafts) and drafts[num_accepted] == target[num_accepted]:
-            num_accepted += 1
-        new = [*drafts[:num_accepted], target[num_accepted]]
-        finish = ""
-        for i, tok in enumerate(new):  # cut at end of turn or length (at most 4 tokens)
-            if tok == self.tokenizer.eos_id:
-                new, finish = new[: i + 1], "stop"
-                break
-            if seq.num_output + i + 1 >= seq.max_new_tokens:
-                new, finish = new[: i + 1], "length"
-                break
-        kept = len(new)
-        computed = start + kept  # positions [0, start + kept) are computed; the newest is not
-        seq.kv.rewind(computed, trace_index=kept - 1)
-        seq.tokens.extend(new)
-        seq.last_hidden = hidden[kept - 1]
-        if drafts:
-            seq.stats.accepted += num_accepted
-            seq.stats.verify_steps += 1
-            if kept > 1:  # real rows for the accepted positions (keys n-1 .. n+kept-3)
-                try:
-                    self._append_real_rows(seq, n - 1, hidden[: kept - 1])
-                except PoolExhaustedError as exc:
-                    self._drop_drafter(seq, exc)
-        return finish
+        inputs = [[s.tokens[-1], *drafts.get(s.request_id, ())] for s in seqs]
+        lengths = [len(i) for i in inputs]
+        T = max(lengths)
+        ids = torch.tensor([i + [0] * (T - len(i)) for i in inputs], dtype=torch.int64,
+                           device=self.device)
+        hidden, logits = self.model.forward_target_batch(ids, BatchKV([s.kv for s in seqs], lengths))
+        target = logits.argmax(-1)  # [B, T]: the target's greedy token after each input
+        if T > 1:  # accepted drafts: the leading run where draft j equals target j
+            real = torch.arange(1, T, device=self.device)[None, :] < torch.tensor(
+                lengths, device=self.device)[:, None]
+            match = (ids[:, 1:] == target[:, :-1]) & real
+            accepted = match.long().cumprod(1).sum(1).tolist()
+        else:
+            accepted = [0] * len(seqs)
+        target_ids = target.tolist()
+        eos = self.tokenizer.eos_id
+        row_seqs: list[tuple[_Sequence, int, int, int]] = []  # (seq, batch row, first key, rows)
+        for b, s in enumerate(seqs):  # bookkeeping per sequence (at most 4 tokens each)
+            d = inputs[b][1:]
+            a = accepted[b]
+            new = [*d[:a], target_ids[b][a]]
+            room = s.max_new_tokens - s.num_output
+            stop = new.index(eos) if eos in new else len(new)
+            if stop < room:
+                new, s.finish_reason = new[:stop + 1], "stop" if stop < len(new) else ""
+            else:
+                new, s.finish_reason = new[:room], "length" if room <= len(new) else ""
+            n = len(s.tokens)
+            kept = len(new)
+            s.kv.advance(lengths[b])
+            s.kv.rewind(n - 1 + kept, trace_index=kept - 1)  # [0, n - 1 + kept) computed
+            s.tokens.extend(new)
+            s.last_hidden = hidden[b, kept - 1]
+            if d:
+                s.stats.accepted += a
+                s.stats.verify_steps += 1
+                if kept > 1 and not s.drafter_off:  # real rows for keys n-1 .. n+kept-3
+                    row_seqs.append((s, b, n - 1, kept - 1))
+        if row_seqs:
+            self._append_real_rows_batch(row_seqs, hidden)
+
+    def _append_real_rows_batch(self, row_seqs: list[tuple[_Sequence, int, int, int]],
+                                hidden: torch.Tensor) -> None:
+        """Real drafter rows for accepted positions of several sequences, in one forward."""
+        # hidden: [B, T, H]; row_seqs: (seq, batch row, first key, number of rows)
+        dev = self.device
+        h = torch.cat([hidden[b, :m] for _, b, _, m in row_seqs])
+        keys = torch.cat([torch.arange(k0, k0 + m, device=dev) for _, _, k0, m in row_seqs])
+        nxt = torch.tensor([t for s, _, k0, m in row_seqs for t in s.tokens[k0 + 1:k0 + 1 + m]],
+                           dtype=torch.int64, device=dev)
+        k, v = self.drafter_kv(nxt, h.to(torch.bfloat16), keys)
+        at = 0
+        for s, _, _, m in row_seqs:
+            try:
+                self._pool.append_rows(s.request_id, keys[at:at + m], k[at:at + m], v[at:at + m])
+            except PoolExhaustedError as exc:
+                self._drop_drafter(s, exc)
+            at += m
 
     def _drop_drafter(self, seq: _Sequence, why: Exception) -> None:
         """The drafter pool ran out: free this sequence's rows and decode on without drafts.

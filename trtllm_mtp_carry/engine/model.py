@@ -555,6 +555,24 @@ class MTPDrafter(nn.Module):
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, self.norm(h) @ self._embed.weight.t()
 
+    def finish_batch(self, x: torch.Tensor, q: torch.Tensor,
+                     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     query_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`finish` for B sequences at once: query b attends only its own `rows[b]`.
+
+        Attention runs per sequence (each over its own rows, no padding copies);
+        everything after it runs batched. Each row equals `finish` on that row alone.
+        """
+        # x: [B, H]; q: [B, Hq, D]; rows[b] = (k roped [R_b, Hkv, D], v, row_keys [R_b]);
+        # query_keys: [B] -> h_out [B, H], logits [B, V]
+        outs = []
+        for b, (k_rows, v_rows, row_keys) in enumerate(rows):  # one attention per sequence
+            mask = row_keys[None, :] <= query_keys[b:b + 1, None]  # [1, R_b]
+            outs.append(attend(q[b:b + 1][None], k_rows[None], v_rows[None], mask)[0])
+        h = x + self.self_attn.o_proj(torch.cat(outs))
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, self.norm(h) @ self._embed.weight.t()
+
     def forward_dense(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for pair keys 0..L-2 (row k predicts t_{k+2}), every key seeing keys <= it."""
         # tokens: [L]; hidden: [L, H] -> [L-1, V]

@@ -2,12 +2,12 @@
 
 The runtime is engine-agnostic: it owns the carry slot and decides, the
 engine computes. An engine (the reference engine, the TensorRT-LLM adapter)
-exposes its drafter KV pool and hidden store, and two model computations.
+exposes its drafter KV pool and hidden store, and one model computation (a
+rebuild turn's full target pass is the engine's own prefill from position 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -37,8 +37,4 @@ class CarryBackend(Protocol):
         keys: torch.Tensor,  # [n] int64: the pair keys
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's K (not roped) and V for these pair keys, `[n, Hkv, D]` in the pool dtype."""
-        ...
-
-    def recompute_hiddens(self, ticket: int, tokens: Sequence[int]) -> None:
-        """Run the target over `tokens` from position 0 and write every hidden row under `ticket`."""
         ...

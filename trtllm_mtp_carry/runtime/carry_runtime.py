@@ -58,11 +58,12 @@ from ..core import (
     plan_append,
 )
 from ..core.outcome import Adopted
-from ..core.store_range import StoreRange
 from ..core.session import TicketCounter
+from ..core.store_range import StoreRange
 from ..dataplane.kv_pool import CarriedBlocks
 from .backend import CarryBackend
 from .policy import DrafterPolicy
+
 
 @dataclass(frozen=True)
 class DrafterPrep:
