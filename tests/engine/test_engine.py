@@ -117,6 +117,13 @@ def test_restore_threshold_boundary(model):
         ([1, 2], {"session_id": 2.5}, TypeError, "2.5"),
         ([1, 2], {"policy": "fast"}, ValueError, "unknown drafter policy 'fast'"),
         ([{"role": "robot", "content": "hi"}], {}, ValueError, "unknown role 'robot'"),
+        ([72, True, 33], {}, ValueError, r"token ids must be ints in \[0, 264\); got \[True\]"),
+        ([False, 1], {}, ValueError, r"got \[False\]"),
+        ([{"content": "hi"}], {}, ValueError,
+         r"a message needs a string role and a string content, got \{'content': 'hi'\}"),
+        ([{"role": "user"}], {}, ValueError,
+         r"a message needs a string role and a string content, got \{'role': 'user'\}"),
+        ([{"role": 3, "content": "hi"}], {}, ValueError, "a message needs a string role"),
     ],
 )
 def test_bad_requests_fail_clearly_and_the_engine_serves_the_next(model, prompt, kwargs, error, match):

@@ -307,9 +307,10 @@ def test_rival_prefill_chunks_anywhere_never_refuse_or_skip_keys(model, steps_be
 
 
 def test_span_past_the_hidden_store_capacity_is_no_hiddens(model):
+    # refused at admission: a's entry stays carried, so b's turn is judged against it
     seen, eng = warm_turn_with_a_rival(model, rival_prompt_len=8, steps_before_rival=6,
                                        hidden_capacity=100)
-    assert seen == ["no_carry", "no_hiddens", "no_carry"]
+    assert seen == ["no_carry", "no_hiddens", "foreign_session"]
 
 
 def test_forget_session_frees_only_that_sessions_carried_rows(model):
