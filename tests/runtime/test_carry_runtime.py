@@ -244,7 +244,8 @@ def watch_runtime(eng):
 
 
 def test_isolation_under_random_interleavings(model):
-    """Seeded interleavings of sessions and concurrent sequences reach every refusal."""
+    """Seeded interleavings of sessions and concurrent sequences (submit, step, cancel,
+    finish) reach every refusal; outputs equal greedy, nothing leaks, every decision counted."""
     rng = random.Random(1234)
     gen = torch.Generator().manual_seed(1234)
     # conversations outgrow the 200-row hidden store: their warm spans are not captured
@@ -254,6 +255,7 @@ def test_isolation_under_random_interleavings(model):
     sessions = {name: [] for name in ("a", "b", "c")}  # session -> its conversation so far
     inflight = {}  # request id -> session
     last = "a"
+    cancelled = 0
     for _ in range(300):
         if len(inflight) < 3 and rng.random() < 0.6:
             name = last if rng.random() < 0.7 else rng.choice(sorted(sessions))
@@ -265,15 +267,25 @@ def test_isolation_under_random_interleavings(model):
                     prompt = history + random_prompt(gen, rng.choice([8, 20, 56]))
                 rid = eng.submit(name, prompt, max_new_tokens=rng.choice([3, 6]))
                 inflight[rid] = name
+        if inflight and rng.random() < 0.05:  # a user hangs up mid-turn
+            rid = rng.choice(sorted(inflight))
+            assert eng.cancel(rid).finish_reason == "cancelled"
+            del inflight[rid]
+            cancelled += 1
+            eng.check()
         for result in eng.step():
             last = inflight.pop(result.request_id)
             sessions[last] = result.prompt + result.output
+            n = len(result.output) if result.finish_reason == "stop" else 6
+            assert result.output == greedy_oracle(model, result.prompt, n)[: len(result.output)]
         eng.check()
     while eng.has_unfinished():
         eng.step()
         eng.check()
+    assert cancelled > 0
     assert {"adopted", "foreign_session", "prefix_mismatch", "no_hiddens"} <= set(seen)
     assert "foreign_hiddens" not in seen  # rows are built per chunk under the ticket
+    assert sum(eng.runtime.stats().outcomes.values()) == len(seen)  # every decision counted
     assert spy.reads and all(t == o for t, o in spy.reads)
     eng.runtime.clear_slot()
     eng.check()
