@@ -32,7 +32,8 @@ Invariants:
   no rollback there.
 - The drafter pool holds only real rows (pair keys whose hidden state came from
   the target); speculative draft rows live in each sequence's mirror for one
-  step. Before a step of a sequence of N tokens, its rows cover keys up to N - 3.
+  step. After a verify of a drafting sequence of N tokens, its rows cover keys
+  up to N - 2 (the next draft's first key included, built in the same batch).
 - Drafter rows of a prefill chunk are read from the hidden store under the
   sequence's ticket in the same step that wrote them, so the carry is safe
   (armed) at any MTP dispatch cap.
@@ -495,11 +496,13 @@ class ReferenceEngine:
         k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
         live: list[int] = []
         for b, s in enumerate(seqs):  # bookkeeping per sequence: its own pool rows
-            try:
-                self._pool.append_rows(s.request_id, key0[b:b + 1], k16[b:b + 1], v16[b:b + 1])
-            except PoolExhaustedError as exc:
-                self._drop_drafter(s, exc)
-                continue
+            last = self._pool.sequence(s.request_id).last_pair_key
+            if last is None or last < len(s.tokens) - 2:  # first step: key0's row (later
+                try:  # steps got it from the previous verify)
+                    self._pool.append_rows(s.request_id, key0[b:b + 1], k16[b:b + 1], v16[b:b + 1])
+                except PoolExhaustedError as exc:
+                    self._drop_drafter(s, exc)
+                    continue
             live.append(b)
         if not live:
             return {}
@@ -579,8 +582,8 @@ class ReferenceEngine:
             if d:
                 s.stats.accepted += a
                 s.stats.verify_steps += 1
-                if kept > 1 and not s.drafter_off:  # real rows for keys n-1 .. n+kept-3
-                    row_seqs.append((s, b, n - 1, kept - 1))
+            if d and not s.drafter_off:  # real rows for keys n-1 .. n+kept-2: the accepted
+                row_seqs.append((s, b, n - 1, kept))  # positions and the next draft's key0
         if row_seqs:
             self._append_real_rows_batch(row_seqs, hidden)
 
