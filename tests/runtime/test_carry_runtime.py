@@ -13,7 +13,7 @@ import torch
 from engine_factories import engine, first_turn_then, greedy_oracle, random_prompt, tiny_model
 
 from trtllm_mtp_carry import CarryOutcome
-from trtllm_mtp_carry.runtime import ALL_POLICIES, CarryRuntime
+from trtllm_mtp_carry.runtime import ALL_POLICIES
 
 
 @pytest.fixture(scope="module")
