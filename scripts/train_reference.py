@@ -12,9 +12,12 @@ files, and writes `engine/weights/reference.{safetensors,json}`,
 
 Metrics (held-out files, assistant answers after the first turn, teacher
 forced): target next-token accuracy; drafter top-1 agreement with the target's
-greedy token with all drafter rows ("full") or only rows from the answer's
-first key on ("blind", a warm turn without the carry); and greedy speculative
-decoding with 3 recurrent drafts: accepted drafts per verify step, full vs blind.
+greedy token with all drafter rows ("full") or with TensorRT-LLM's faithful
+"blind" rows (a warm turn without the carry: no rows over the reused prefix,
+i.e. the previous turn through its answer, but rows for the new span the
+prefill computes, from the key of the previous turn's last token on); and
+greedy speculative decoding with 3 recurrent drafts: accepted drafts per
+verify step, full vs blind.
 
 Same machine + same stdlib + same flags -> same weights (fixed seed, 2 threads).
 """
@@ -79,14 +82,27 @@ def losses(model: HybridLM, tokens: torch.Tensor, pad: int) -> tuple[torch.Tenso
 
 def answer_spans(tok: ChatTokenizer, messages: list[dict]) -> list[tuple[int, int]]:
     """[P, E) token ranges of each assistant answer after the first user turn (P = prompt len)."""
-    spans, seen_user = [], 0
+    return [(P, E) for P, E, _ in answer_turns(tok, messages)]
+
+
+def answer_turns(tok: ChatTokenizer, messages: list[dict]) -> list[tuple[int, int, int]]:
+    """`(P, E, R)` per answer after the first user turn: the answer is [P, E), and R is
+    the first position a warm turn's prefill computes (the prefix cache holds the
+    previous turn through its answer's <|im_end|> except that last sampled token:
+    the engine's reused_tokens). The faithful blind drafter has rows for keys R..P-2."""
+    turns, seen_user, prev_end = [], 0, 0
+    nl = len(tok.encode("\n"))
     for i, m in enumerate(messages):
         if m["role"] == "user":
             seen_user += 1
-        if m["role"] == "assistant" and seen_user >= 2:
+        if m["role"] == "assistant":
             P = len(tok.render_chat(messages[:i], add_generation_prompt=True))
-            spans.append((P, P + len(tok.encode(m["content"])) + 1))  # + <|im_end|>
-    return spans
+            E = P + len(tok.encode(m["content"])) + 1  # + <|im_end|>
+            if seen_user >= 2:
+                turns.append((P, E, max(prev_end - 1, 0)))
+            prev_end = len(tok.render_chat(messages[:i + 1], add_generation_prompt=False)) - nl
+            assert prev_end == E
+    return turns
 
 
 @torch.no_grad()
@@ -107,7 +123,7 @@ def evaluate(model: HybridLM, tok: ChatTokenizer, sessions: list[list[dict]]) ->
         q, k, v = d.qkv(x, keys)
         k = _rope(k, keys + 1, c.rotary_dim, c.rope_theta)
         full = d.finish(x, q, k, v, keys, keys)[1].argmax(-1)  # key j predicts t_{j+2}
-        for P, E in answer_spans(tok, msgs):
+        for P, E, R in answer_turns(tok, msgs):
             # answer tokens t_P..t_{E-1}; the drafter's first key is P-1 (pair (t_P, hidden_{P-1}))
             tgt_ok += int((greedy[P - 1:E - 1] == ids[P:E]).sum())
             ks = torch.arange(P - 1, E - 2)  # keys whose draft t_{k+2} lies in the answer
@@ -115,7 +131,9 @@ def evaluate(model: HybridLM, tok: ChatTokenizer, sessions: list[list[dict]]) ->
                 continue
             want = greedy[ks + 1]
             full_ok += int((full[ks] == want).sum())
-            blind = d.finish(x[ks], q[ks], k[ks], v[ks], ks, ks)[1].argmax(-1)
+            # faithful blind: rows from key R on (the new span's and the answer's), none below
+            vis = torch.arange(R, E - 2)
+            blind = d.finish(x[vis], q[vis], k[vis], v[vis], vis, vis)[1].argmax(-1)[P - 1 - R:]
             blind_ok += int((blind == want).sum())
             n += len(ks)
     ntgt = sum(E - P for s in sessions for P, E in answer_spans(tok, s))
@@ -126,13 +144,14 @@ def evaluate(model: HybridLM, tok: ChatTokenizer, sessions: list[list[dict]]) ->
 
 @torch.no_grad()
 def spec_decode(model: HybridLM, prompt: list[int], max_new: int, draft_len: int,
-                blind: bool, eos: int) -> tuple[list[int], int, int]:
+                blind_from: int | None, eos: int) -> tuple[list[int], int, int]:
     """Greedy speculative decoding with the recurrent MTP drafter; returns (output, steps, accepted).
 
     Drafter rows hold pair keys with target hiddens only; draft rows past the
     first key of a step are dropped after verify and the accepted pairs appended.
-    `blind` starts with no rows for the prompt (keys < L - 1), as a warm turn
-    without the carry would.
+    `blind_from` R starts with rows for prompt keys R..L-2 only (TensorRT-LLM's
+    blind warm turn: the prefill of the new span [R, L) runs the MTP layer over
+    it); None starts with every prompt key's row.
     """
     d, c = model.drafter, model.cfg
     cache = DenseTargetCache(c)
@@ -147,8 +166,9 @@ def spec_decode(model: HybridLM, prompt: list[int], max_new: int, draft_len: int
         return x, q, _rope(k, kt + 1, c.rotary_dim, c.rope_theta), v, kt
 
     rk, rv, rkeys = (torch.empty(0, c.num_kv_heads, c.head_dim),) * 2 + (torch.empty(0, dtype=torch.long),)
-    if not blind and len(seq) >= 2:
-        _, _, rk, rv, rkeys = rows_for(list(range(len(seq) - 1)))
+    first = 0 if blind_from is None else blind_from
+    if len(seq) - 1 > first:
+        _, _, rk, rv, rkeys = rows_for(list(range(first, len(seq) - 1)))
     seq.append(int(lg[-1].argmax()))
     out, steps, accepted = [seq[-1]], 0, 0
     while len(out) < max_new and out[-1] != eos:
@@ -204,7 +224,10 @@ def spec_eval(model: HybridLM, tok: ChatTokenizer, sessions: list[list[dict]],
         steps = acc = 0
         for msgs in sessions:
             prompt = tok.render_chat(msgs[:-1], add_generation_prompt=True)
-            _, s, a = spec_decode(model, prompt, max_new, draft_len, mode == "blind", tok.eos_id)
+            turns = answer_turns(tok, msgs)
+            R = turns[-1][2] if turns and turns[-1][0] == len(prompt) else 0  # 0: a cold turn
+            _, s, a = spec_decode(model, prompt, max_new, draft_len,
+                                  R if mode == "blind" else None, tok.eos_id)
             steps, acc = steps + s, acc + a
         res[f"spec{draft_len}_accepted_per_step_{mode}"] = acc / max(steps, 1)
     model.train()

@@ -1,14 +1,19 @@
 """Drafter policies: what a warm turn does about the drafter's lost context.
 
-- `carry`   adopt the previous turn's rows, append only the new span (default);
-- `rebuild` recompute the target over the whole prompt, then the full drafter
-            prefill: full context at full cost;
-- `blind`   the drafter starts empty over the reused prefix (what TensorRT-LLM
-            does today for hybrid models);
+- `carry`   adopt the previous turn's rows, build only the new span's (default);
+- `rebuild` ignore the prefix cache: one target pass over the whole prompt from
+            position 0, building every key's drafter row as it goes (full
+            context at full cost, nothing computed twice);
+- `blind`   TensorRT-LLM's behaviour for hybrid models today: no drafter rows
+            over the reused prefix, rows for the new span the prefill computes
+            (its context phase runs the MTP layer over the tokens it prefills);
 - `off`     no speculative decoding at all.
 
-Every policy runs the full drafter prefill on a cold turn (the prefill from
-position 0 fills the hidden store for the whole prompt anyway).
+Every policy but `off` builds every key's row on a cold turn (the prefill from
+position 0 computes the whole prompt anyway); on a warm turn a refused carry
+is `blind`.
+All of them build rows per prefill chunk, so each is what it claims at any
+concurrency; the generated tokens never depend on the policy.
 """
 
 from __future__ import annotations
