@@ -1,4 +1,4 @@
-"""The drafter KV of a finished turn, held in the model's single carry slot.
+"""The drafter KV of a finished turn, held in the carry store under its session hash.
 
 `CarriedDrafter` is bookkeeping only: the block ids it names hold the drafter
 rows in the data plane's pool, moved out of the finished sequence so that
