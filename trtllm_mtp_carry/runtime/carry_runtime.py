@@ -287,11 +287,13 @@ class CarryRuntime:
     @property
     def entry(self) -> CarriedDrafter | None:
         """The most recently deposited entry (with one slot: what the slot holds)."""
-        return self._store.newest()
+        with self._lock:
+            return self._store.newest()
 
     def carried(self) -> tuple[CarriedDrafter, ...]:
         """Every carried entry, least recently deposited first (bookkeeping only)."""
-        return self._store.entries()
+        with self._lock:
+            return self._store.entries()
 
     def check(self) -> None:
         """Raise RuntimeError unless the store and the pool carry the same entries, in order."""
