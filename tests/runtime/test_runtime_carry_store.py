@@ -125,6 +125,16 @@ def test_take_refuses_another_sessions_entry(model):
     check_all(eng)
 
 
+def test_a_second_runtime_refuses_a_pool_with_carried_entries(model):
+    eng = with_slots(engine(model), 2)
+    eng.generate("a", random_prompt(torch.Generator().manual_seed(13), 40), max_new_tokens=6)
+    with pytest.raises(RuntimeError, match="already carries 1 entries of another runtime"):
+        CarryRuntime(eng, "carry", slots=2)
+    eng.runtime.clear_slot()
+    assert with_slots(eng, 2).stats().slots_held == 0
+    check_all(eng)
+
+
 class Watch:
     """Spies on the seam: every take is the session's own, never twice; decisions are counted."""
 

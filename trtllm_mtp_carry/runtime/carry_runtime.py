@@ -138,7 +138,8 @@ class CarryRuntime:
     `multi_seq` overrides the live dispatch-cap check (tests); by default the
     carry is armed with `carry_armed_with(cfg, mtp_max_seqs() > 1)`. `slots`
     overrides `carry_slots()` (tests, engines that size the store themselves).
-    The runtime listens to its pool's evictions (`pool.on_evict`).
+    One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
+    and refuses a pool that already carries another runtime's entries.
     """
 
     def __init__(
@@ -165,6 +166,11 @@ class CarryRuntime:
                 "warm turns will run the drafter blind",
                 why,
                 source,
+            )
+        if backend.drafter_pool.carried_keys():
+            raise RuntimeError(
+                f"the drafter pool already carries {len(backend.drafter_pool.carried_keys())} entries "
+                "of another runtime: one runtime per pool (clear_slot() the old one first)"
             )
         self._tickets = TicketCounter()
         self._store = CarryStore(carry_slots() if slots is None else slots)
