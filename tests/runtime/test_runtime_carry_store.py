@@ -131,7 +131,7 @@ def test_a_second_runtime_refuses_a_pool_with_carried_entries(model):
     with pytest.raises(RuntimeError, match="already carries 1 entries of another runtime"):
         CarryRuntime(eng, "carry", slots=2)
     eng.runtime.clear_slot()
-    assert with_slots(eng, 2).stats().slots_held == 0
+    assert with_slots(eng, 2).runtime.stats().slots_held == 0
     check_all(eng)
 
 
