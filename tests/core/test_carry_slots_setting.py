@@ -35,7 +35,7 @@ def test_info_reports_slots_and_their_source():
     assert (report["carry_slots"], report["carry_slots_source"]) == (1, "--carry-slots")
     report = json.loads(run_cli("info", "--json", TRTLLM_MTP_CARRY_SLOTS="5").stdout)
     assert (report["carry_slots"], report["carry_slots_source"]) == (5, "env TRTLLM_MTP_CARRY_SLOTS")
-    assert "drafter blocks" in report["drafter_pool_budget"]
+    assert "num_drafter_blocks x drafter_block_size" in report["drafter_pool_budget"]
 
 
 def test_info_table_has_a_slots_row():

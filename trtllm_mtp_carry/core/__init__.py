@@ -9,6 +9,7 @@ Owner: the MTP drafter's model layer. Invariants across the core:
 """
 
 from .adopt import decide_adopt
+from .carry_store import EVICTION_CAUSES, CarryStore
 from .debuglog import log_adopt, log_store
 from .drafter import CarriedDrafter
 from .outcome import OUTCOME_KINDS, CarryOutcome
@@ -38,11 +39,13 @@ from .tokens import common_prefix_len
 __all__ = [
     "DEFAULT_CARRY_SLOTS",
     "DEFAULT_MARCONI_MIN_TOKENS",
+    "EVICTION_CAUSES",
     "DEFAULT_MTP_MAX_SEQS",
     "OUTCOME_KINDS",
     "AppendPlan",
     "CarriedDrafter",
     "CarryOutcome",
+    "CarryStore",
     "DrafterContext",
     "PinnedSetting",
     "StoreRange",
