@@ -251,9 +251,11 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-only", action="store_true",
                     help="evaluate the weights in --out on --heldout-jsonl; train nothing")
+    ap.add_argument("--eval-threads", type=int, default=2,
+                    help="torch threads for --eval-only (1 on a loaded machine)")
     args = ap.parse_args()
     if args.eval_only:
-        torch.set_num_threads(2)
+        torch.set_num_threads(args.eval_threads)
         model, tok = load_reference(path=args.out)
         held = corpus.read_jsonl(args.heldout_jsonl)
         metrics = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in
