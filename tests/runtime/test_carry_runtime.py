@@ -60,6 +60,30 @@ def test_carried_rows_equal_a_cold_prefill_and_only_the_new_span_is_computed(mod
     torch.testing.assert_close(wv, cv)
 
 
+def test_warm_turn_rows_are_built_chunk_by_chunk_beside_a_rival(model):
+    """After each prefill step the adopted sequence holds exactly the keys its chunks
+    computed so far, while a rival's chunks land in the same steps."""
+    gen = torch.Generator().manual_seed(13)
+    eng = engine(model, max_num_seqs=2, prefill_chunk=16)
+    turn1, r1, turn2 = first_turn_then(eng, gen, "a", 60, 6, 56)
+    rid = eng.submit("a", turn2, max_new_tokens=4)
+    eng.submit("b", random_prompt(gen, 80), max_new_tokens=4)
+    eng.step()  # admission: the adopt decision and the kept rows, then the first chunk
+    seq = next(s for s in eng._running if s.request_id == rid)
+    assert seq.build.mode == "carry" and seq.build.rows_kept == seq.stats.reused_tokens
+    last_keys = []
+    while seq.phase == "prefill":
+        last_keys.append(eng.drafter_pool.sequence(rid).last_pair_key)
+        eng.step()
+    last_keys.append(eng.drafter_pool.sequence(rid).last_pair_key)
+    L = len(turn2)
+    ends = [min(e - 1, L - 2) for e in range(16 * (seq.stats.reused_tokens // 16 + 1), L + 16, 16)]
+    assert last_keys == ends and len(ends) >= 4  # each step adds exactly that chunk's keys
+    while eng.has_unfinished():
+        eng.step()
+        eng.check()
+
+
 def session_turns(gen, turns, history, span):
     """A multi-turn session: each turn extends the previous prompt + answer."""
     return [random_prompt(gen, history)] + [random_prompt(gen, span) for _ in range(turns - 1)]
