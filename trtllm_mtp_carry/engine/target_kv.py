@@ -5,7 +5,8 @@ What it is for: the reference engine keeps every full-attention layer's K/V in
 torch-free `TargetBlockManager` hands out (prefix caching shares them across
 turns). `SequenceKV` is the `TargetCache` the model runs on: it reads and
 writes rows through the sequence's block table and holds the sequence's SSM
-states (one `[Hl, Dk, Dv]` tensor per linear layer).
+states (one `[Hl, Dk, Dv]` tensor per linear layer). `BatchKV` shows several
+sequences' `SequenceKV`s to one batched verify forward as a padded batch.
 
 Invariants:
 - Writes are indexed by position, so a rejected draft needs no rollback of
@@ -15,6 +16,8 @@ Invariants:
   `[num_tokens, num_tokens + T)`; `advance(T)` then commits them.
 - A sequence writes only blocks of its own table; the block manager guarantees
   that no other sequence can write them (copy-on-write of shared partial blocks).
+  In a batch, only each row's real new tokens are written; padding never is,
+  and a row's attention sees only its own sequence's past (a per-row mask).
 """
 
 from __future__ import annotations
