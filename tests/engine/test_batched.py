@@ -83,25 +83,31 @@ def test_decode_steps_dispatch_every_decoding_sequence_in_one_forward(model, mon
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_batch_compositions_equal_greedy(model, seed):
-    """Mixed prompt lengths, answer lengths, draft lengths, policies and arrival times."""
+    """Mixed prompt lengths, answer lengths, draft lengths, policies and arrival times;
+    finished sessions come back with a warm turn under a random policy."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     eng = engine(model, max_num_seqs=rng.choice([2, 3, 5]))
-    pending = []
-    for i in range(6):
-        policy = rng.choice(["carry", "blind", "rebuild", "off"])
-        pending.append((f"s{i}", random_prompt(gen, rng.randint(3, 70)), rng.randint(1, 25),
-                        rng.randint(0, 3), policy))
-    results, want = {}, {}
+    policies = ["carry", "blind", "rebuild", "off"]
+    pending = [(f"s{i}", random_prompt(gen, rng.randint(3, 70))) for i in range(6)]
+    results, want, session_of = {}, {}, {}
+    warm_turns = 0
     while pending or eng.has_unfinished():
         if pending and rng.random() < 0.5:
-            session, prompt, n, d, policy = pending.pop()
-            rid = eng.submit(session, prompt, max_new_tokens=n, draft_len=d, policy=policy)
-            want[rid] = greedy_oracle(model, prompt, n)
+            session, prompt = pending.pop(rng.randrange(len(pending)))
+            n = rng.randint(1, 25)
+            rid = eng.submit(session, prompt, max_new_tokens=n, draft_len=rng.randint(0, 3),
+                             policy=rng.choice(policies))
+            want[rid], session_of[rid] = greedy_oracle(model, prompt, n), session
         for r in eng.step():
             results[r.request_id] = r
+            if warm_turns < 6 and rng.random() < 0.6:  # the session's next turn
+                pending.append((session_of[r.request_id],
+                                r.prompt + r.output + random_prompt(gen, rng.randint(1, 40))))
+                warm_turns += 1
         eng.check()
     assert {rid: r.output for rid, r in results.items()} == want
+    assert any(r.stats.reused_tokens for r in results.values())  # warm turns were batched too
 
 
 def test_cancel_mid_batch_leaves_the_others_exact(model):
