@@ -25,8 +25,8 @@ class EngineConfig:
     snapshot_budget_mb: float = 64.0
     draft_len: int = 2
     policy: DrafterPolicy | str = DrafterPolicy.CARRY
-    max_num_seqs: int = 8
-    mtp_max_seqs: int = 1
+    max_num_seqs: int = 8  # sequences running at once; every decoding one joins each batched step
+    mtp_max_seqs: int = 1  # the dispatch cap pinned for reporting (`info`); the carry is armed at any
     device: str = "cpu"
     dtype: str = "float32"
 
