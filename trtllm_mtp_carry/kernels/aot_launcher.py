@@ -84,13 +84,13 @@ class _Store:
 
     def entry(self, kernel: str, dtype: str, variant: str, target: str,
               shape: tuple[int, int] | None) -> tuple[Path, dict]:
-        from .build import build, load_manifest
+        from .build import build, load_manifest, pick_artifact
 
         directory, on_demand = kernel_dir()
         for attempt in range(2):
             if self.manifest is None and (directory / "manifest.json").exists():
                 self.manifest = load_manifest(directory)
-            found = _pick(self.manifest, kernel, dtype, variant, target, shape)
+            found = pick_artifact(self.manifest, kernel, dtype, variant, target, shape)
             if found is not None:
                 return directory, found
             if not on_demand or attempt:
@@ -121,17 +121,6 @@ class _Store:
                             "cuModuleGetFunction")
             self.functions[key] = fn
         return fn
-
-
-def _pick(manifest: dict | None, kernel: str, dtype: str, variant: str, target: str,
-          shape: tuple[int, int] | None) -> dict | None:
-    if manifest is None:
-        return None
-    fits = [e for e in manifest["artifacts"]
-            if (e["kernel"], e["dtype"], e["variant"], e["target"]) == (kernel, dtype, variant, target)
-            and (shape is None or (e["constants"]["BLOCK_H"] >= shape[0]
-                                   and e["constants"]["BLOCK_D"] >= shape[1]))]
-    return min(fits, key=lambda e: sorted(e["constants"].values()), default=None)
 
 
 _STORE = _Store()

@@ -28,7 +28,9 @@ from typing import Any
 from . import abi
 from .ptx import assemble, entry_params, find_ptxas, fix_abi
 
-__all__ = ["DEFAULT_TARGETS", "DTYPES", "VARIANTS", "build", "capability", "load_manifest"]
+__all__ = [
+    "DEFAULT_TARGETS", "DTYPES", "VARIANTS", "build", "capability", "load_manifest", "pick_artifact",
+]
 
 DEFAULT_TARGETS = ("sm_121a", "sm_90a", "sm_100a")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -168,3 +170,19 @@ def load_manifest(directory: Path) -> dict:
             if _sha256(data) != e[f"{kind}_sha256"]:
                 raise ValueError(f"{e[kind]}: SHA-256 differs from {MANIFEST}")
     return manifest
+
+
+def pick_artifact(manifest: dict | None, kernel: str, dtype: str, variant: str, target: str,
+                  shape: tuple[int, int] | None = None) -> dict | None:
+    """The manifest entry for this kernel/dtype/variant/target, or None.
+
+    For the append kernel `shape = (num_kv_heads, head_dim)`: the entry with the smallest
+    baked tile that still covers it (lanes past the real shape are masked).
+    """
+    if manifest is None:
+        return None
+    fits = [e for e in manifest["artifacts"]
+            if (e["kernel"], e["dtype"], e["variant"], e["target"]) == (kernel, dtype, variant, target)
+            and (shape is None or (e["constants"]["BLOCK_H"] >= shape[0]
+                                   and e["constants"]["BLOCK_D"] >= shape[1]))]
+    return min(fits, key=lambda e: sorted(e["constants"].values()), default=None)
