@@ -34,6 +34,7 @@ Invariants: a row whose destination is out of range (a negative offset, a row
 past `dst_capacity`, a block-table index past `max_blocks`, a block id outside
 `[0, num_blocks)`) is skipped by the kernel, never written: inside an engine
 there is no error channel, so a bad offset must not become a stray write.
+The block table holds at least one entry (`max_blocks >= 1`).
 """
 
 from __future__ import annotations

@@ -36,10 +36,9 @@ def hidden_row_copy_abi(
 ):
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    first = tl.load(dst_row).to(tl.int64)
-    d_row = first + r
-    ok = (first >= 0) & (d_row < dst_capacity)
-    mask = (cols < hidden_size) & ok
+    # the destination row as a block: scalar & block masks trip Triton's interpreter
+    d_row = tl.load(dst_row).to(tl.int64) + r + tl.zeros([BLOCK], dtype=tl.int64)
+    mask = (cols < hidden_size) & (d_row >= r) & (d_row < dst_capacity)
     x = tl.load(src + r * src_stride + cols, mask=mask)
     tl.store(dst + d_row * dst_stride + cols, x, mask=mask)
 
@@ -70,8 +69,11 @@ def drafter_row_append_abi(
     row = first + i
     t = row // page_size
     in_table = (first >= 0) & (t < max_blocks)
-    blk = tl.load(block_table + t, mask=in_table, other=-1).to(tl.int64)
-    ok = in_table & (blk >= 0) & (blk < num_blocks)
+    blk = tl.load(block_table + tl.where(in_table, t, 0)).to(tl.int64)  # max_blocks >= 1
+    blk = tl.where(in_table, blk, -1)  # a row past the table has no block
+    # the row's validity as a [BLOCK_H, BLOCK_D] block (scalar & block masks trip the interpreter)
+    b = blk + tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64)
+    ok = (b >= 0) & (b < num_blocks)
     m = (h < num_kv_heads) & (d < head_dim) & ok
     slot = blk * page_size + row % page_size
     dst = slot * (num_kv_heads * head_dim) + h * head_dim + d
