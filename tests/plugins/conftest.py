@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_helpers import ROOT, TARGETS
 
-ROOT = Path(__file__).resolve().parents[2]
-TARGETS = ("sm_121a", "sm_90a", "sm_100a")
 HAS_CUDA = torch.cuda.is_available()
 _MOD = "trtllm_mtp_carry.kernels.abi_kernels"
 

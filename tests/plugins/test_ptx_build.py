@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TARGETS
+from plugin_helpers import ROOT, TARGETS
 
 from trtllm_mtp_carry.kernels import abi
 from trtllm_mtp_carry.kernels.build import load_manifest, pick_artifact
