@@ -113,7 +113,10 @@ class _Store:
             _check(drv.cuInit(0), "cuInit")
             torch.cuda.init()
             with torch.cuda.device(device):
-                torch.cuda.current_stream(device)  # makes the primary context current
+                # torch runs on the device's primary context; make it current for the driver API
+                dev = _check(drv.cuDeviceGet(device.index or 0), "cuDeviceGet")
+                ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
                 image = (directory / e["ptx"]).read_bytes() + b"\0"
                 buf = ctypes.create_string_buffer(image, len(image))
                 module = _check(drv.cuModuleLoadData(ctypes.addressof(buf)), "cuModuleLoadData")
