@@ -21,7 +21,7 @@ def _tensorrt_plugin_importable() -> bool:
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not torch.cuda.is_available() or not _tensorrt_plugin_importable(),
+    pytest.mark.skipif(torch.cuda.is_available() and not _tensorrt_plugin_importable(),
                        reason="needs tensorrt with tensorrt.plugin (the 'tensorrt' extra) and libnvinfer"),
 ]
 
