@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     check_copy(g)
     check_append(g)
     check_ops(g)
+    report(all(k == "ptx" for k in aot_launcher.loaded_images().values()),
+           f"ptx-loaded the driver JIT-compiled the PTX TensorRT receives: {aot_launcher.loaded_images()}")
     if not args.no_bandwidth:
         check_bandwidth(g, args.rounds, args.launches)
     print(f"gpu_check_aot: {len(FAILS)} failed check(s)")

@@ -33,7 +33,9 @@ from ..dataplane.checks import check_drafter_row_append, check_hidden_row_copy
 from ..dataplane.rope import rope_inv_freq
 from . import abi
 
-__all__ = ["KERNEL_DIR_ENV", "drafter_row_append_aot", "hidden_row_copy_aot", "kernel_dir"]
+__all__ = [
+    "KERNEL_DIR_ENV", "drafter_row_append_aot", "hidden_row_copy_aot", "kernel_dir", "loaded_images",
+]
 
 KERNEL_DIR_ENV = "TRTLLM_MTP_CARRY_KERNEL_DIR"
 _DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -79,8 +81,9 @@ class _Store:
     """Manifest entries and loaded CUfunctions of one kernel directory."""
 
     def __init__(self) -> None:
-        self.manifest: dict | None = None
+        self.manifests: dict[Path, dict] = {}
         self.functions: dict[tuple[int, str], Any] = {}
+        self.loaded: dict[str, str] = {}  # file stem -> "ptx" | "cubin" (which image loaded)
 
     def entry(self, kernel: str, dtype: str, variant: str, target: str,
               shape: tuple[int, int] | None) -> tuple[Path, dict]:
@@ -88,16 +91,17 @@ class _Store:
 
         directory, on_demand = kernel_dir()
         for attempt in range(2):
-            if self.manifest is None and (directory / "manifest.json").exists():
-                self.manifest = load_manifest(directory)
-            found = pick_artifact(self.manifest, kernel, dtype, variant, target, shape)
+            if directory not in self.manifests and (directory / "manifest.json").exists():
+                self.manifests[directory] = load_manifest(directory)
+            found = pick_artifact(self.manifests.get(directory), kernel, dtype, variant, target,
+                                  shape)
             if found is not None:
                 return directory, found
             if not on_demand or attempt:
                 break
             hkv, hd = shape or (2, 256)
             build(directory, [target], (dtype,), hkv, hd, (variant,), (kernel,))
-            self.manifest = None
+            self.manifests.pop(directory, None)
         raise RuntimeError(
             f"no built {kernel} kernel for dtype={dtype} variant={variant} target={target}"
             + (f" num_kv_heads/head_dim <= {shape}" if shape else "")
@@ -117,16 +121,35 @@ class _Store:
                 dev = _check(drv.cuDeviceGet(device.index or 0), "cuDeviceGet")
                 ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
                 _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-                image = (directory / e["ptx"]).read_bytes() + b"\0"
-                buf = ctypes.create_string_buffer(image, len(image))
-                module = _check(drv.cuModuleLoadData(ctypes.addressof(buf)), "cuModuleLoadData")
+                module, kind = _load_module(drv, directory, e)
+                self.loaded[e[kind]] = kind
                 fn = _check(drv.cuModuleGetFunction(module, e["entry"].encode()),
                             "cuModuleGetFunction")
             self.functions[key] = fn
         return fn
 
 
+def _load_module(drv: Any, directory: Path, e: dict) -> tuple[Any, str]:
+    """Load the PTX (what TensorRT receives); if this driver cannot JIT it (a PTX ISA newer
+    than the driver), load the cubin ptxas made from that same PTX."""
+    errors = []
+    for kind in ("ptx", "cubin"):
+        image = (directory / e[kind]).read_bytes() + (b"\0" if kind == "ptx" else b"")
+        buf = ctypes.create_string_buffer(image, len(image))
+        err, module = drv.cuModuleLoadData(ctypes.addressof(buf))
+        if int(err) == 0:
+            return module, kind
+        errors.append(f"{e[kind]}: {err}")
+    raise RuntimeError(f"cuModuleLoadData failed for {'; '.join(errors)}")
+
+
 _STORE = _Store()
+
+
+def loaded_images() -> dict[str, str]:
+    """Files loaded so far and which image each was (`ptx` normally; `cubin` if the driver
+    could not JIT the PTX)."""
+    return dict(_STORE.loaded)
 
 
 @lru_cache(maxsize=64)
