@@ -75,12 +75,13 @@ def register_plugins(kernel_dir: str | Path | None = None, target: str | None = 
     _, trtp = require_tensorrt()
     from . import definitions
 
-    directory = Path(kernel_dir or os.environ.get("TRTLLM_MTP_CARRY_KERNEL_DIR") or "")
-    if not str(directory) or not (directory / "manifest.json").exists():
+    given = kernel_dir or os.environ.get("TRTLLM_MTP_CARRY_KERNEL_DIR")
+    if not given or not (Path(given) / "manifest.json").exists():
         raise ValueError(
-            f"kernel_dir must be a build directory with manifest.json, got {str(directory)!r}: "
+            f"kernel_dir must be a build directory with manifest.json, got {given!r}: "
             "run builders/build_abi_kernels.py --out DIR"
         )
+    directory = Path(given)
     chosen = target or os.environ.get("TRTLLM_MTP_CARRY_TARGET") or definitions.device_target()
     config = {"kernel_dir": directory.resolve(), "target": chosen}
     if _registered:
