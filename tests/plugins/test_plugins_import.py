@@ -96,3 +96,16 @@ def test_aot_kernel_dir_comes_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(aot_launcher.KERNEL_DIR_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert aot_launcher.kernel_dir() == (tmp_path / "trtllm_mtp_carry" / "abi-kernels", True)
+
+
+def test_aot_launcher_picks_the_built_entry_and_names_a_missing_one(monkeypatch, abi_build):
+    from trtllm_mtp_carry.kernels import aot_launcher
+
+    out, _ = abi_build
+    monkeypatch.setenv(aot_launcher.KERNEL_DIR_ENV, str(out))
+    store = aot_launcher._Store()
+    directory, e = store.entry("drafter_row_append", "bf16", "any", "sm_100a", (2, 130))
+    assert directory == out and e["ptx"] == "drafter_row_append.h2d256.bf16.any.sm_100a.ptx"
+    with pytest.raises(RuntimeError, match=r"no built hidden_row_copy kernel for dtype=fp16 "
+                                           r"variant=a16 target=sm_121a in .*build_abi_kernels.py"):
+        store.entry("hidden_row_copy", "fp16", "a16", "sm_121a", None)
