@@ -33,12 +33,14 @@ def device_target() -> str:
     except ImportError as e:
         raise RuntimeError("pass target='sm_121a' (or set TRTLLM_MTP_CARRY_TARGET), or install "
                            "cuda-python to read it from the device") from e
-    driver.cuInit(0)
+    (err,) = driver.cuInit(0)
+    err_dev, dev = driver.cuDeviceGet(0)
     attr = driver.CUdevice_attribute
-    err, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0)
-    err2, minor = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, 0)
-    if int(err) or int(err2):
-        raise RuntimeError(f"cannot read the device's compute capability ({err}, {err2})")
+    err2, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+    err3, minor = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+    if int(err) or int(err_dev) or int(err2) or int(err3):
+        raise RuntimeError(f"cannot read the device's compute capability ({err}, {err_dev}, {err2}, "
+                           f"{err3}): pass target='sm_121a' or set TRTLLM_MTP_CARRY_TARGET")
     return f"sm_{major}{minor}a"
 
 
