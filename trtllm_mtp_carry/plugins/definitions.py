@@ -3,14 +3,15 @@
 What it is for: `@trtp.register` (output = the aliased cache, dtype checks) and
 `@trtp.aot_impl` (kernel name, ABI-fixed PTX from the build directory,
 `KernelLaunchParams` from `kernels.abi`'s launch rule evaluated on shape
-expressions, and the int32 extras in ABI order) for each plugin. Followed:
-TensorRT's `samples/python/quickly_deployable_plugins/qdp_defs.py`
-(`circ_pad_plugin_aot_impl`, `elemwise_add_plugin_` aliasing) and
-`python/packaging/bindings_wheel/tensorrt/plugin/_validate.py` (`_validate_aot_impl`:
-the aot_impl takes the input names, then `outputs, tactic`, and is annotated
-`Tuple[Union[str, bytes], Union[str, bytes], KernelLaunchParams, SymIntExprs]`),
-TensorRT 10.9 - 10.14 OSS.
-
+expressions, and the int32 extras in ABI order) for each plugin. Followed
+(NVIDIA/TensorRT OSS, the AOT-enabled `tensorrt.plugin` of TensorRT >= 10.9):
+`samples/python/quickly_deployable_plugins/qdp_defs.py` @5ca4580
+(`circ_pad_plugin_aot_impl`; `elemwise_add_plugin_` for `aliased()`),
+`python/packaging/bindings_wheel/tensorrt/plugin/_plugin_class.py` @5ca4580
+(`_TemplateAOTPlugin.get_launch_params`: the aot_impl gets the input descs, every
+attribute, `outputs`, `tactic`; extras must be `SymInt32`), `_validate.py` @8c6d69d
+(`_validate_aot_impl`: parameter names and the return annotation) and `_tensor.py`
+(`KernelLaunchParams`, `SymIntExprs.from_tuple`).
 `typing.Tuple`/`Union` (not `tuple`/`|`) as in NVIDIA's sample, which every
 10.x `_validate` accepts. No `from __future__ import annotations` here: `tensorrt.plugin` inspects the
 annotations as classes (`issubclass(param.annotation, TensorDesc)`).
