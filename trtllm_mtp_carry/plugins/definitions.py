@@ -12,9 +12,10 @@ expressions, and the int32 extras in ABI order) for each plugin. Followed
 attribute, `outputs`, `tactic`; extras must be `SymInt32`), `_validate.py` @8c6d69d
 (`_validate_aot_impl`: parameter names and the return annotation) and `_tensor.py`
 (`KernelLaunchParams`, `SymIntExprs.from_tuple`).
-`typing.Tuple`/`Union` (not `tuple`/`|`) as in NVIDIA's sample, which every
-10.x `_validate` accepts. No `from __future__ import annotations` here: `tensorrt.plugin` inspects the
-annotations as classes (`issubclass(param.annotation, TensorDesc)`).
+
+Annotations use `typing.Tuple`/`Union` (not `tuple`/`|`) as NVIDIA's sample
+does, which every 10.x `_validate` accepts; no `from __future__ import
+annotations` here: `tensorrt.plugin` inspects them as classes.
 """
 # ruff: noqa: UP006, UP007, UP035
 
