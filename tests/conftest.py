@@ -3,11 +3,16 @@
 `marconi_min_tokens` and `mtp_max_seqs` are pinned for the whole process at
 first use (SPEC.md), so the suite pins them once here, before any engine reads
 them; tests of the pinning itself run in subprocesses or on fresh instances.
+`carry_slots` is pinned to 1, the seed's single slot, so every engine test
+that does not ask for more slots (`CarryRuntime(..., slots=N)`) also pins that
+one slot behaves exactly as the seed did.
 """
 
 from trtllm_mtp_carry import (
+    carry_slots,
     marconi_min_tokens,
     mtp_max_seqs,
+    set_carry_slots,
     set_marconi_min_tokens,
     set_mtp_max_seqs,
 )
@@ -16,7 +21,8 @@ TEST_MARCONI_MIN_TOKENS = 48  # a multiple of the test engines' 16-token blocks 
 
 set_marconi_min_tokens(TEST_MARCONI_MIN_TOKENS)
 set_mtp_max_seqs(1)
-assert marconi_min_tokens() == TEST_MARCONI_MIN_TOKENS and mtp_max_seqs() == 1, (
+set_carry_slots(1)
+assert marconi_min_tokens() == TEST_MARCONI_MIN_TOKENS and mtp_max_seqs() == 1 and carry_slots() == 1, (
     "run the tests without TRTLLM_MTP_CARRY_* settings pinned elsewhere"
 )
 

@@ -52,6 +52,13 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         help="MTP dispatch cap (sequences per MTP step); the carry is armed only at 1; "
         f"default env {settings.ENV_MTP_MAX_SEQS}, else {settings.DEFAULT_MTP_MAX_SEQS}",
     )
+    p.add_argument(
+        "--carry-slots",
+        type=_positive,
+        metavar="N",
+        help="sessions whose drafter rows the carry keeps at once (LRU; 1 = the seed's single slot); "
+        f"default env {settings.ENV_CARRY_SLOTS}, else {settings.DEFAULT_CARRY_SLOTS}",
+    )
 
 
 def apply_settings_flags(args: argparse.Namespace) -> list[str]:
@@ -70,7 +77,20 @@ def apply_settings_flags(args: argparse.Namespace) -> list[str]:
         warnings.append(
             f"--mtp-max-seqs {args.mtp_max_seqs} not applied: already pinned to {settings.mtp_max_seqs()}"
         )
+    if args.carry_slots is not None and not settings.CARRY_SLOTS.set(
+        args.carry_slots, source="--carry-slots"
+    ):
+        warnings.append(
+            f"--carry-slots {args.carry_slots} not applied: already pinned to {settings.carry_slots()}"
+        )
     return warnings
+
+
+DRAFTER_POOL_BUDGET = (
+    "per engine: EngineConfig num_drafter_blocks x drafter_block_size rows; "
+    "CarryRuntime.stats() reports pool_blocks and blocks_held"
+)
+"""What `info` says of the drafter pool budget: it belongs to an engine, not to the process."""
 
 
 def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
@@ -91,6 +111,9 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "mtp_max_seqs": cap,
         "mtp_max_seqs_source": settings.MTP_MAX_SEQS.source,
         "multi_seq_mode": settings.mtp_multi_seq_mode(),
+        "carry_slots": settings.carry_slots(),
+        "carry_slots_source": settings.CARRY_SLOTS.source,
+        "drafter_pool_budget": DRAFTER_POOL_BUDGET,
         "drafter_prefill": cfg.prefill,
         "carry_configured": cfg.carry,
         "carry_armed": armed,
@@ -117,6 +140,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             report["marconi_min_tokens_source"],
         ),
         ("MTP dispatch cap (mtp_max_seqs)", report["mtp_max_seqs"], report["mtp_max_seqs_source"]),
+        ("carry slots (carry_slots)", report["carry_slots"], report["carry_slots_source"]),
+        ("drafter pool budget", "-", report["drafter_pool_budget"]),
         ("drafter prompt prefill", yes(report["drafter_prefill"]), ""),
         ("carry configured", yes(report["carry_configured"]), ""),
         ("carry armed", yes(report["carry_armed"]), report["carry_armed_reason"]),

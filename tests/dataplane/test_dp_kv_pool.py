@@ -1,6 +1,8 @@
-"""DrafterKVPool: block ownership, compacted rows, zero-copy carry slot, RoPE at key + 1."""
+"""DrafterKVPool: block ownership, compacted rows, zero-copy carried entries, RoPE at key + 1."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -48,11 +50,12 @@ def test_carry_round_trip_is_zero_copy_and_truncates(gen):
     pool.allocate_sequence(1)
     k, v = kv(gen, 7)
     pool.append_rows(1, torch.arange(7), k, v)
-    carried = pool.move_to_slot(1)
+    carried = pool.move_to_carried(1, key=0xA)
     assert carried == CarriedBlocks((0, 1), 7, 6) and not pool.has_sequence(1)
+    assert pool.carried(0xA) == carried and pool.slot == carried
     pool.check()
-    adopted = pool.adopt_from_slot(2, rows_kept=3)
-    assert adopted == CarriedBlocks((0,), 3, 2) and pool.slot is None
+    adopted = pool.adopt_carried(0xA, 2, rows_kept=3)
+    assert adopted == CarriedBlocks((0,), 3, 2) and pool.slot is None and pool.carried(0xA) is None
     assert pool.num_free_blocks == 5
     k2, v2 = kv(gen, 2)
     pool.append_rows(2, [3, 5], k2, v2)  # continues after the kept rows
@@ -69,21 +72,23 @@ def test_ownership_errors_name_the_owner(gen):
         pool.allocate_sequence(1)
     with pytest.raises(RuntimeError, match="sequence 9 is not live"):
         pool.free_sequence(9)
-    with pytest.raises(RuntimeError, match="carry slot is empty"):
-        pool.free_slot()
-    with pytest.raises(RuntimeError, match="carry slot is empty"):
-        pool.adopt_from_slot(1)
+    with pytest.raises(RuntimeError, match="nothing carried under 5: nothing to free"):
+        pool.free_carried(5)
+    with pytest.raises(RuntimeError, match="nothing carried under 5 for sequence 1 to adopt"):
+        pool.adopt_carried(5, 1)
+    with pytest.raises(RuntimeError, match="nothing carried under 5: nothing to gather"):
+        pool.gather_carried(5)
     pool.append_rows(1, [0], *kv(gen, 1))
-    pool.move_to_slot(1)
+    pool.move_to_carried(1, 5)
     pool.allocate_sequence(2)
     pool.append_rows(2, [0], *kv(gen, 1))
-    with pytest.raises(RuntimeError, match="carry slot already holds 1 blocks"):
-        pool.move_to_slot(2)
+    with pytest.raises(RuntimeError, match="carried entry 5 already holds 1 blocks"):
+        pool.move_to_carried(2, 5)
     with pytest.raises(RuntimeError, match="sequence 2 already holds 1 blocks"):
-        pool.adopt_from_slot(2)
+        pool.adopt_carried(5, 2)
     with pytest.raises(ValueError, match="rows_kept"):
-        pool.adopt_from_slot(3, rows_kept=2)
-    assert pool.slot is not None and not pool.has_sequence(3)
+        pool.adopt_carried(5, 3, rows_kept=2)
+    assert pool.carried(5) is not None and not pool.has_sequence(3)
     pool.check()
 
 
@@ -93,7 +98,7 @@ def test_exhaustion_leaves_pool_unchanged(gen):
     pool.append_rows(1, [0, 1, 2], *kv(gen, 3))
     stats, seq, kb = pool.stats(), pool.sequence(1), bits(pool.k_cache)
     assert not pool.can_grow(1, 4) and pool.num_blocks_needed(1, 4) == 2
-    with pytest.raises(PoolExhaustedError, match="needs 2 more blocks.*only 1 of 3"):
+    with pytest.raises(PoolExhaustedError, match="needs 2 more blocks.*only 1 of 3 blocks are free and 0"):
         pool.append_rows(1, [3, 4, 5, 6], *kv(gen, 4))
     assert pool.stats() == stats and pool.sequence(1) == seq
     assert torch.equal(bits(pool.k_cache), kb)
@@ -130,16 +135,75 @@ def test_truncate_frees_whole_blocks_only(gen):
     pool.check()
 
 
-def test_grow_reserves_and_move_to_slot_trims(gen):
+def test_grow_reserves_and_move_to_carried_trims(gen):
     pool = make_pool(block_size=2)
     pool.allocate_sequence(1)
     assert pool.grow(1, 5) == [0, 1, 2]
     pool.append_rows(1, [0], *kv(gen, 1))  # uses the reserved blocks
     assert pool.sequence(1).block_table == (0, 1, 2)
     pool.check()
-    assert pool.move_to_slot(1).block_table == (0,)
-    assert pool.num_free_blocks == 5
+    assert pool.move_to_carried(1, 9).block_table == (0,)
+    assert pool.num_free_blocks == 5 and pool.num_carried_blocks == 1
     pool.check()
+
+
+def carry(pool, gen, seq_id, key, rows):
+    """Give a new sequence `rows` rows and carry them under `key`."""
+    pool.allocate_sequence(seq_id)
+    pool.append_rows(seq_id, list(range(rows)), *kv(gen, rows))
+    return pool.move_to_carried(seq_id, key)
+
+
+def test_several_entries_are_carried_and_adopted_by_key(gen):
+    pool = make_pool(num_blocks=6, block_size=2)
+    a, b = carry(pool, gen, 1, 0xA, 3), carry(pool, gen, 2, 0xB, 2)
+    assert (a.block_table, b.block_table) == ((0, 1), (2,))
+    assert pool.carried_keys() == (0xA, 0xB) and pool.slot == b
+    k_a = pool.gather_carried(0xA)[0].clone()
+    assert pool.adopt_carried(0xA, 3) == a  # zero copy: the same blocks
+    assert torch.equal(bits(pool.gather(3)[0]), bits(k_a))
+    assert pool.carried_keys() == (0xB,) and pool.num_carried_blocks == 1
+    assert pool.free_carried(0xB) == 1 and pool.carried_keys() == ()
+    pool.check()
+
+
+def test_pool_pressure_evicts_oldest_entries_first_and_reports_them(gen):
+    pool = make_pool(num_blocks=6, block_size=2)
+    evicted = []
+    pool.on_evict = evicted.append
+    carry(pool, gen, 1, 0xA, 2)  # block 0
+    carry(pool, gen, 2, 0xB, 4)  # blocks 1, 2
+    carry(pool, gen, 3, 0xC, 2)  # block 3
+    pool.allocate_sequence(4)
+    pool.append_rows(4, [0, 1, 2], *kv(gen, 3))  # 2 free blocks: no eviction
+    assert evicted == [] and pool.num_free_blocks == 0
+    pool.append_rows(4, [3, 4, 5, 6, 7], *kv(gen, 5))  # 2 more blocks: A (1) then B (2) go
+    assert evicted == [0xA, 0xB] and pool.carried_keys() == (0xC,)
+    assert pool.num_free_blocks == 1 and pool.stats().evictions_for_pressure == 2
+    pool.check()
+
+
+def test_a_grow_no_eviction_could_serve_is_refused_and_evicts_nothing(gen):
+    pool = make_pool(num_blocks=3, block_size=2)
+    evicted = []
+    pool.on_evict = evicted.append
+    carry(pool, gen, 1, 0xA, 2)
+    pool.allocate_sequence(2)
+    stats = pool.stats()
+    assert pool.can_grow(2, 6) and not pool.can_grow(2, 7)
+    with pytest.raises(PoolExhaustedError, match="only 2 of 3 blocks are free and 1 are carried"):
+        pool.append_rows(2, list(range(7)), *kv(gen, 7))
+    assert pool.stats() == stats and evicted == [] and pool.carried_keys() == (0xA,)
+    pool.check()
+
+
+def test_check_names_a_block_owned_by_a_sequence_and_an_entry(gen):
+    pool = make_pool(num_blocks=4, block_size=2)
+    carry(pool, gen, 1, 0xA, 2)
+    pool.allocate_sequence(2)
+    pool._seqs[2].block_table.append(0)  # corrupt: block 0 is entry 0xA's
+    with pytest.raises(RuntimeError, match=r"block 0 is owned by \['sequence 2', 'carried entry 10'\]"):
+        pool.check()
 
 
 def test_fp16_pool(gen):
@@ -156,17 +220,45 @@ def test_fp16_pool(gen):
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random grow / append / truncate / move-to-slot / adopt / free against a plain model."""
+    """Random grow / append / truncate / carry / adopt / free against a plain model.
+
+    A grow the free list cannot serve must evict carried entries oldest first
+    (exactly as many as needed), or be refused with nothing evicted.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = DrafterKVPool(7, 2, HKV, D, ROPE)
+        self.pool = DrafterKVPool(5, 2, HKV, D, ROPE)
+        self.evicted: list[int] = []
+        self.pool.on_evict = self.evicted.append
         self.gen = torch.Generator().manual_seed(0)
-        self.model: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.slot: tuple[list[int], list[torch.Tensor], list[torch.Tensor]] | None = None
+        Rows = tuple[list[int], list[torch.Tensor], list[torch.Tensor]]
+        self.model: dict[int, Rows] = {}
+        self.carried: OrderedDict[int, Rows] = OrderedDict()  # oldest first
         self.next_id = 0
 
     seq = st.integers(0, 3)
+    key = st.integers(1, 3)
+
+    def expect_grow(self, sid, n):
+        """The keys a grow by `n` must evict, or None when it must be refused."""
+        need, free = self.pool.num_blocks_needed(sid, n), self.pool.num_free_blocks
+        sizes = [-(-len(rows[0]) // 2) for rows in self.carried.values()]
+        if need > free + sum(sizes):
+            return None
+        victims = []
+        for key, size in zip(self.carried, sizes, strict=True):
+            if need <= free:
+                break
+            victims.append(key)
+            free += size
+        return victims
+
+    def grew(self, victims):
+        assert self.evicted == victims
+        for key in victims:
+            del self.carried[key]
+        self.evicted.clear()
 
     @rule()
     def allocate(self):
@@ -175,33 +267,39 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
 
     @precondition(lambda self: self.model)
-    @rule(pick=seq, n=st.integers(1, 5), gap=st.integers(1, 3))
+    @rule(pick=seq, n=st.integers(1, 6), gap=st.integers(1, 3))
     def append(self, pick, n, gap):
         sid = sorted(self.model)[pick % len(self.model)]
         keys, ks, vs = self.model[sid]
         first = (keys[-1] + gap) if keys else gap - 1
         new = list(range(first, first + n))
         k, v = (torch.randn(n, HKV, D, generator=self.gen).bfloat16() for _ in range(2))
-        if not self.pool.can_grow(sid, n):
+        victims = self.expect_grow(sid, n)
+        assert self.pool.can_grow(sid, n) is (victims is not None)
+        if victims is None:
             before = self.pool.stats()
             with pytest.raises(PoolExhaustedError):
                 self.pool.append_rows(sid, new, k, v)
-            assert self.pool.stats() == before
+            assert self.pool.stats() == before and self.evicted == []
             return
         self.pool.append_rows(sid, new, k, v)
+        self.grew(victims)
         keys.extend(new)
         ks.extend(k)
         vs.extend(v)
 
     @precondition(lambda self: self.model)
-    @rule(pick=seq, n=st.integers(0, 6))
+    @rule(pick=seq, n=st.integers(0, 10))
     def grow(self, pick, n):
         sid = sorted(self.model)[pick % len(self.model)]
-        if self.pool.can_grow(sid, n):
+        victims = self.expect_grow(sid, n)
+        if victims is not None:
             self.pool.grow(sid, n)
+            self.grew(victims)
         else:
             with pytest.raises(PoolExhaustedError):
                 self.pool.grow(sid, n)
+            assert self.evicted == []
 
     @precondition(lambda self: self.model)
     @rule(pick=seq, frac=st.floats(0, 1))
@@ -213,26 +311,26 @@ class PoolMachine(RuleBasedStateMachine):
         del keys[kept:], ks[kept:], vs[kept:]
 
     @precondition(lambda self: self.model)
-    @rule(pick=seq)
-    def move_to_slot(self, pick):
+    @rule(pick=seq, key=key)
+    def move_to_carried(self, pick, key):
         sid = sorted(self.model)[pick % len(self.model)]
-        if self.slot is not None:
-            with pytest.raises(RuntimeError, match="carry slot already holds"):
-                self.pool.move_to_slot(sid)
-            self.pool.free_slot()
-            self.slot = None
-        carried = self.pool.move_to_slot(sid)
-        self.slot = self.model.pop(sid)
-        assert carried.rows == len(self.slot[0])
+        if key in self.carried:
+            with pytest.raises(RuntimeError, match=f"carried entry {key} already holds"):
+                self.pool.move_to_carried(sid, key)
+            self.pool.free_carried(key)
+            del self.carried[key]
+        carried = self.pool.move_to_carried(sid, key)
+        self.carried[key] = self.model.pop(sid)
+        assert carried.rows == len(self.carried[key][0])
 
-    @precondition(lambda self: self.slot is not None)
-    @rule(frac=st.floats(0, 1))
-    def adopt(self, frac):
-        keys, ks, vs = self.slot  # type: ignore[misc]
+    @precondition(lambda self: self.carried)
+    @rule(pick=key, frac=st.floats(0, 1))
+    def adopt(self, pick, frac):
+        key = sorted(self.carried)[pick % len(self.carried)]
+        keys, ks, vs = self.carried.pop(key)
         kept = int(len(keys) * frac)
-        self.pool.adopt_from_slot(self.next_id, rows_kept=kept)
+        self.pool.adopt_carried(key, self.next_id, rows_kept=kept)
         self.model[self.next_id] = (keys[:kept], ks[:kept], vs[:kept])
-        self.slot = None
         self.next_id += 1
 
     @precondition(lambda self: self.model)
@@ -242,21 +340,22 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.free_sequence(sid)
         del self.model[sid]
 
-    @precondition(lambda self: self.slot is not None)
-    @rule()
-    def free_slot(self):
-        self.pool.free_slot()
-        self.slot = None
+    @precondition(lambda self: self.carried)
+    @rule(pick=key)
+    def free_carried(self, pick):
+        key = sorted(self.carried)[pick % len(self.carried)]
+        self.pool.free_carried(key)
+        del self.carried[key]
 
     @invariant()
     def ownership_and_contents(self):
         self.pool.check()
         stats = self.pool.stats()
-        assert stats.num_free_blocks + stats.num_sequence_blocks + stats.num_slot_blocks == 7
+        assert stats.num_free_blocks + stats.num_sequence_blocks + stats.num_carried_blocks == 5
         assert stats.num_sequences == len(self.model)
+        assert self.pool.carried_keys() == tuple(self.carried)
         views = [(self.pool.gather(sid), m) for sid, m in self.model.items()]
-        if self.slot is not None:
-            views.append((self.pool.gather_slot(), self.slot))
+        views += [(self.pool.gather_carried(key), m) for key, m in self.carried.items()]
         for (gk, gv, gkeys), (keys, ks, vs) in views:
             assert gkeys.tolist() == keys
             if keys:

@@ -9,23 +9,27 @@ Owner: the MTP drafter's model layer. Invariants across the core:
 """
 
 from .adopt import decide_adopt
+from .carry_store import EVICTION_CAUSES, CarryStore
 from .debuglog import log_adopt, log_store
 from .drafter import CarriedDrafter
 from .outcome import OUTCOME_KINDS, CarryOutcome
 from .plan import AppendPlan, hidden_row_offset, plan_append
 from .session import TicketCounter, session_hash
 from .settings import (
+    DEFAULT_CARRY_SLOTS,
     DEFAULT_MARCONI_MIN_TOKENS,
     DEFAULT_MTP_MAX_SEQS,
     DrafterContext,
     PinnedSetting,
     carry_armed,
     carry_armed_with,
+    carry_slots,
     marconi_min_tokens,
     mtp_carry_debug,
     mtp_carry_drafter_enabled,
     mtp_max_seqs,
     mtp_multi_seq_mode,
+    set_carry_slots,
     set_marconi_min_tokens,
     set_mtp_max_seqs,
 )
@@ -33,18 +37,22 @@ from .store_range import StoreRange, merge_interval, stamped_merge
 from .tokens import common_prefix_len
 
 __all__ = [
+    "DEFAULT_CARRY_SLOTS",
     "DEFAULT_MARCONI_MIN_TOKENS",
+    "EVICTION_CAUSES",
     "DEFAULT_MTP_MAX_SEQS",
     "OUTCOME_KINDS",
     "AppendPlan",
     "CarriedDrafter",
     "CarryOutcome",
+    "CarryStore",
     "DrafterContext",
     "PinnedSetting",
     "StoreRange",
     "TicketCounter",
     "carry_armed",
     "carry_armed_with",
+    "carry_slots",
     "common_prefix_len",
     "decide_adopt",
     "hidden_row_offset",
@@ -58,6 +66,7 @@ __all__ = [
     "mtp_multi_seq_mode",
     "plan_append",
     "session_hash",
+    "set_carry_slots",
     "set_marconi_min_tokens",
     "set_mtp_max_seqs",
     "stamped_merge",

@@ -9,8 +9,6 @@ target verifies every draft (drafter rows cost acceptance, never correctness).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ._checks import check_u64
 from .drafter import CarriedDrafter
 from .outcome import (
@@ -24,12 +22,12 @@ from .outcome import (
 )
 from .plan import plan_append
 from .store_range import StoreRange
-from .tokens import as_token_list
+from .tokens import Tokens, as_token_buffer, as_token_list
 
 
 def decide_adopt(
     entry: CarriedDrafter | None,
-    prompt: Sequence[int],
+    prompt: Tokens,
     session_hash: int,
     ticket: int,
     store: StoreRange,
@@ -39,6 +37,9 @@ def decide_adopt(
     Call it only when the carry is armed. `Adopted(rows, appended, first_key)`
     means: keep the first `rows` carried rows, then compute `appended` rows for
     keys `first_key ..`; every other variant means "run without the carry".
+    `prompt` may be a list of ints or a token buffer (`array('q')`, a numpy
+    integer array, an integer tensor): a buffer is compared without a Python
+    loop or a per-token int compare (`tokens.py`).
     """
     check_u64("session_hash", session_hash)
     check_u64("ticket", ticket)
@@ -46,7 +47,8 @@ def decide_adopt(
         return NoCarry()
     if not entry.session_matches(session_hash):
         return ForeignSession(entry.session_hash, session_hash)
-    tokens = as_token_list(prompt)
+    buffer = as_token_buffer(prompt)
+    tokens = buffer if buffer is not None else as_token_list(prompt)
     common = entry.common_prefix_len(tokens)
     usable = entry.usable_at(common)
     if usable is None:

@@ -28,7 +28,7 @@ def log_adopt(outcome: CarryOutcome, session_hash: int, ticket: int, prompt_len:
 
 
 def log_store(entry: CarriedDrafter, ticket: int) -> None:
-    """Log one carry store (a finished sequence's rows entering the slot) when debug is on."""
+    """Log one carry store (a finished sequence's rows entering the carry store) when debug is on."""
     if mtp_carry_debug():
         logger.info(
             "mtp carry store: session=0x%016x ticket=%d rows=%d last_pair_key=%s blocks=%d tokens=%d",

@@ -1,4 +1,4 @@
-"""The drafter KV of a finished turn, held in the model's single carry slot.
+"""The drafter KV of a finished turn, held in the carry store under its session hash.
 
 `CarriedDrafter` is bookkeeping only: the block ids it names hold the drafter
 rows in the data plane's pool, moved out of the finished sequence so that
@@ -10,15 +10,19 @@ Invariants:
 - Pair key `k` consumed `tokens[0 ..= k + 1]`, so `last_pair_key <= len(tokens) - 2`.
 - Identity is the non-zero session hash, never a shared token prefix: two
   sessions agree on hundreds of chat-template tokens.
+- `token_buffer` holds the same tokens as `tokens`, as contiguous int64
+  (`array('q')`), built once at deposit, so a prompt given as a buffer is
+  compared in typed memory (None only if a token does not fit int64).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ._checks import check_non_negative, check_optional_key, check_u64
-from .tokens import as_token_list, common_prefix_len
+from .tokens import Tokens, as_token_buffer, as_token_list, common_prefix_len, token_buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,13 +34,14 @@ class CarriedDrafter:
     last_pair_key: int | None
     tokens: list[int] = field(repr=False)
     session_hash: int
+    token_buffer: array[int] | None = field(repr=False, compare=False)
 
     def __init__(
         self,
         block_table: Sequence[int],
         rows: int,
         last_pair_key: int | None,
-        tokens: Sequence[int],
+        tokens: Tokens,
         session_hash: int,
     ) -> None:
         object.__setattr__(self, "block_table", tuple(block_table))
@@ -46,6 +51,7 @@ class CarriedDrafter:
         )
         object.__setattr__(self, "tokens", list(as_token_list(tokens)))
         object.__setattr__(self, "session_hash", check_u64("session_hash", session_hash))
+        object.__setattr__(self, "token_buffer", token_buffer(self.tokens))
         if self.last_pair_key is None:
             if self.rows != 0:
                 raise ValueError(f"rows={self.rows} with last_pair_key=None: rows need keys")
@@ -61,15 +67,22 @@ class CarriedDrafter:
                     f"(len {len(self.tokens)}): key k consumes tokens[0 ..= k + 1]"
                 )
 
-    def common_prefix_len(self, prompt: Sequence[int]) -> int:
-        """Length of the common prefix of `tokens` and `prompt`."""
+    def common_prefix_len(self, prompt: Tokens) -> int:
+        """Length of the common prefix of `tokens` and `prompt`.
+
+        A prompt given as a buffer (`array('q')`, numpy, tensor) is compared with
+        `token_buffer`; anything else as a list with `tokens`.
+        """
+        buffer = as_token_buffer(prompt)
+        if buffer is not None and self.token_buffer is not None:
+            return common_prefix_len(self.token_buffer, buffer)
         return common_prefix_len(self.tokens, as_token_list(prompt))
 
     def session_matches(self, session_hash: int) -> bool:
         """`session_hash != 0 and session_hash == self.session_hash`."""
         return session_hash != 0 and session_hash == self.session_hash
 
-    def usable_by(self, prompt: Sequence[int], session_hash: int) -> tuple[int, int] | None:
+    def usable_by(self, prompt: Tokens, session_hash: int) -> tuple[int, int] | None:
         """`(rows_kept, key)` this session's `prompt` can adopt, or `None`.
 
         The kept key is `min(last_pair_key, common - 2)`; each key dropped from

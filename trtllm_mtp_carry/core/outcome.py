@@ -48,7 +48,7 @@ class Adopted(CarryOutcome):
 
 @dataclass(frozen=True, slots=True)
 class NoCarry(CarryOutcome):
-    """The carry slot was empty."""
+    """Nothing was carried (the store was empty)."""
 
     kind: ClassVar[str] = "no_carry"
 
@@ -70,7 +70,7 @@ class PrefixMismatch(CarryOutcome):
 
 @dataclass(frozen=True, slots=True)
 class ForeignSession(CarryOutcome):
-    """The slot holds another session's rows (or the prompt has no session)."""
+    """The store holds only other sessions' rows (or the prompt has no session)."""
 
     entry_session: int
     prompt_session: int

@@ -1,5 +1,5 @@
 """Process-wide carry settings: the SSM restore threshold, the MTP dispatch cap,
-the drafter policy and whether the carry is armed.
+the number of carry slots, the drafter policy and whether the carry is armed.
 
 Invariants:
 - A pinned setting is fixed by its first read or write, for the whole process:
@@ -26,7 +26,13 @@ DEFAULT_MARCONI_MIN_TOKENS = 256
 DEFAULT_MTP_MAX_SEQS = 32
 """Default MTP dispatch cap when neither the runtime nor the environment sets one."""
 
+DEFAULT_CARRY_SLOTS = 16
+"""Default number of carried entries (one per session): the bench's concurrency
+target is 16 sessions, and a slot costs nothing until it holds rows; the pool
+budget, not the slot count, bounds memory (pool pressure evicts entries LRU)."""
+
 ENV_MARCONI_MIN_TOKENS = "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS"
+ENV_CARRY_SLOTS = "TRTLLM_MTP_CARRY_SLOTS"
 ENV_MTP_MAX_SEQS = "TRTLLM_MTP_CARRY_MAX_SEQS"
 ENV_DEBUG = "TRTLLM_MTP_CARRY_DEBUG"
 
@@ -99,6 +105,7 @@ MARCONI_MIN_TOKENS = PinnedSetting(
     "marconi_min_tokens", ENV_MARCONI_MIN_TOKENS, DEFAULT_MARCONI_MIN_TOKENS
 )
 MTP_MAX_SEQS = PinnedSetting("mtp_max_seqs", ENV_MTP_MAX_SEQS, DEFAULT_MTP_MAX_SEQS, minimum=1)
+CARRY_SLOTS = PinnedSetting("carry_slots", ENV_CARRY_SLOTS, DEFAULT_CARRY_SLOTS, minimum=1)
 
 
 def marconi_min_tokens() -> int:
@@ -119,6 +126,19 @@ def mtp_max_seqs() -> int:
 def set_mtp_max_seqs(value: int) -> bool:
     """Pin the dispatch cap from the engine's configuration; `False` if already pinned."""
     return MTP_MAX_SEQS.set(value, source="engine configuration")
+
+
+def carry_slots() -> int:
+    """How many sessions' drafter rows the carry store keeps at once (runtime, else env, else 16).
+
+    1 is the seed's single slot: the newest finished session wins it.
+    """
+    return CARRY_SLOTS.get()
+
+
+def set_carry_slots(value: int) -> bool:
+    """Pin the carry store's slot count (at least 1); `False` (nothing changed) if already pinned."""
+    return CARRY_SLOTS.set(value)
 
 
 def mtp_multi_seq_mode() -> bool:

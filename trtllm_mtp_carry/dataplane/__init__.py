@@ -2,7 +2,7 @@
 
 What it is for: the tensors and kernels under the carry core. `HiddenStore` is
 the model-level BF16 hidden buffer with its stamped `StoreRange`;
-`DrafterKVPool` the drafter's paged KV of compacted rows plus the carry slot;
+`DrafterKVPool` the drafter's paged KV of compacted rows plus carried entries;
 `hidden_row_copy` and `drafter_row_append` the two kernels, each a torch custom
 op (Triton on CUDA, plain torch on CPU). `apply_rope_reference` is the one RoPE
 formula, shared with the model code.

@@ -1,32 +1,38 @@
-"""The drafter's paged KV pool: blocks of compacted rows, a free list, the carry slot.
+"""The drafter's paged KV pool: blocks of compacted rows, a free list, carried entries.
 
 What it is for: the MTP drafter's own attention KV. Each live sequence holds a
 block table of compacted rows (row `r` lives at `block_table[r // block_size]`,
 offset `r % block_size`; rows are dense in increasing pair-key order, RoPE
 applied at `key + 1` when written). When a turn ends its blocks can move, without
-copying, into the model's single carry slot; the next turn of the session adopts
-them back and truncates to the rows its prompt still agrees with::
+copying, into a carried entry under a caller's key (the runtime uses the session
+hash); the next turn of that session adopts them back and truncates to the rows
+its prompt still agrees with::
 
     | kept rows (adopted) | freed by truncate | appended this turn |
     0                 rows_kept           old rows            new rows
+
+Carried entries are kept least recently carried first. Live sequences always
+win: a grow the free list cannot serve evicts carried entries, oldest first,
+until it can (and reports each eviction to `on_evict`); a grow that even every
+carried block could not serve is refused and evicts nothing.
 
 Bookkeeping is plain ints and lists (like nano-vllm's block manager); tensors
 hold only the K/V data. Ownership calls name the owner and raise RuntimeError
 on a double claim or a release without a hold.
 
 Invariants (`check()` proves them):
-- every block is owned by exactly one of: a live sequence, the carry slot, the
-  free pool;
+- every block is owned by exactly one of: a live sequence, one carried entry,
+  the free pool;
 - an owner with `rows` rows holds at least `cdiv(rows, block_size)` blocks
-  (the slot exactly that many);
+  (a carried entry exactly that many);
 - an owner's keys are strictly increasing, one per row;
 - a refused call (bad input, caller bug, pool exhausted) leaves the pool unchanged.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,9 +66,11 @@ class PoolStats:
     block_size: int
     num_free_blocks: int
     num_sequence_blocks: int
-    num_slot_blocks: int
+    num_carried_blocks: int
     num_sequences: int
-    slot_rows: int
+    num_carried: int
+    carried_rows: int
+    evictions_for_pressure: int
 
 
 @dataclass
@@ -117,7 +125,11 @@ class DrafterKVPool:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._free: deque[int] = deque(range(num_blocks))
         self._seqs: dict[int, _Rows] = {}
-        self._slot: _Rows | None = None
+        self._carried: OrderedDict[int, _Rows] = OrderedDict()  # first = least recently carried
+        self._carried_blocks = 0
+        self._pressure_evictions = 0
+        self.on_evict: Callable[[int], None] | None = None
+        """Called with each carried key a grow evicted (after the pool is consistent again)."""
 
     # ---- queries -------------------------------------------------------------
 
@@ -130,9 +142,25 @@ class DrafterKVPool:
         return len(self._free)
 
     @property
+    def num_carried_blocks(self) -> int:
+        """Blocks held by carried entries (what pool pressure may evict)."""
+        return self._carried_blocks
+
+    def carried(self, key: int) -> CarriedBlocks | None:
+        """What the entry carried under `key` holds, or None."""
+        state = self._carried.get(key)
+        return state.snapshot() if state is not None else None
+
+    def carried_keys(self) -> tuple[int, ...]:
+        """Keys of the carried entries, least recently carried first (the eviction order)."""
+        return tuple(self._carried)
+
+    @property
     def slot(self) -> CarriedBlocks | None:
-        """What the carry slot holds, or None when it is empty."""
-        return self._slot.snapshot() if self._slot is not None else None
+        """The most recently carried entry, or None when nothing is carried."""
+        if not self._carried:
+            return None
+        return next(reversed(self._carried.values())).snapshot()
 
     def has_sequence(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -153,8 +181,8 @@ class DrafterKVPool:
         return max(0, _cdiv(state.rows + num_new_rows, self.block_size) - len(state.block_table))
 
     def can_grow(self, seq_id: int, num_new_rows: int) -> bool:
-        """Whether the free pool holds the blocks for `num_new_rows` more rows."""
-        return self.num_blocks_needed(seq_id, num_new_rows) <= len(self._free)
+        """Whether a grow by `num_new_rows` rows would succeed (evicting carried entries if need be)."""
+        return self.num_blocks_needed(seq_id, num_new_rows) <= len(self._free) + self._carried_blocks
 
     def stats(self) -> PoolStats:
         """A frozen snapshot of the block accounting."""
@@ -163,9 +191,11 @@ class DrafterKVPool:
             block_size=self.block_size,
             num_free_blocks=len(self._free),
             num_sequence_blocks=sum(len(s.block_table) for s in self._seqs.values()),
-            num_slot_blocks=len(self._slot.block_table) if self._slot else 0,
+            num_carried_blocks=self._carried_blocks,
             num_sequences=len(self._seqs),
-            slot_rows=self._slot.rows if self._slot else 0,
+            num_carried=len(self._carried),
+            carried_rows=sum(s.rows for s in self._carried.values()),
+            evictions_for_pressure=self._pressure_evictions,
         )
 
     # ---- ownership -----------------------------------------------------------
@@ -179,18 +209,31 @@ class DrafterKVPool:
     def grow(self, seq_id: int, num_new_rows: int) -> list[int]:
         """Allocate blocks so `seq_id` can hold `num_new_rows` more rows; return the new ids.
 
-        All or nothing: PoolExhaustedError (pool unchanged) when blocks run out.
+        Live sequences win: when the free list is short, carried entries are evicted,
+        least recently carried first, until it is not (`on_evict` hears each key).
+        All or nothing: PoolExhaustedError (pool unchanged, nothing evicted) when even
+        every carried block would not be enough.
         """
         need = self.num_blocks_needed(seq_id, num_new_rows)
-        if need > len(self._free):
+        if need > len(self._free) + self._carried_blocks:
             state = self._seqs[seq_id]
             raise PoolExhaustedError(
                 f"sequence {seq_id} needs {need} more blocks for {num_new_rows} new rows "
                 f"(has {state.rows} rows in {len(state.block_table)} blocks), "
-                f"only {len(self._free)} of {self.num_blocks} blocks are free"
+                f"only {len(self._free)} of {self.num_blocks} blocks are free "
+                f"and {self._carried_blocks} are carried"
             )
+        evicted: list[int] = []
+        while need > len(self._free):
+            key = next(iter(self._carried))
+            self._release_carried(key)
+            evicted.append(key)
+        self._pressure_evictions += len(evicted)
         new = [self._free.popleft() for _ in range(need)]
         self._seqs[seq_id].block_table.extend(new)
+        if self.on_evict is not None:
+            for key in evicted:
+                self.on_evict(key)
         return new
 
     def truncate(self, seq_id: int, rows_kept: int) -> int:
@@ -204,56 +247,57 @@ class DrafterKVPool:
         self._free.extend(state.block_table)
         return len(state.block_table)
 
-    def move_to_slot(self, seq_id: int) -> CarriedBlocks:
-        """Move `seq_id`'s rows into the empty carry slot without copying; end the sequence.
+    def move_to_carried(self, seq_id: int, key: int) -> CarriedBlocks:
+        """Move `seq_id`'s rows into a new carried entry under `key` (zero copy); end the sequence.
 
-        Reserved blocks past its rows are freed. RuntimeError if the slot is occupied
-        (call `free_slot()` first) or the sequence is not live.
+        Reserved blocks past its rows are freed; the entry becomes the most recently
+        carried. RuntimeError if `key` is already carried (free it first) or the
+        sequence is not live.
         """
         state = self._live(seq_id)
-        if self._slot is not None:
+        if key in self._carried:
             raise RuntimeError(
-                f"carry slot already holds {len(self._slot.block_table)} blocks; "
-                f"free_slot() before moving sequence {seq_id} in"
+                f"carried entry {key} already holds {len(self._carried[key].block_table)} blocks; "
+                f"free_carried({key}) before moving sequence {seq_id} in"
             )
         del self._seqs[seq_id]
         keep = _cdiv(state.rows, self.block_size)
         self._free.extend(state.block_table[keep:])
         del state.block_table[keep:]
-        self._slot = state
+        self._carried[key] = state
+        self._carried_blocks += keep
         return state.snapshot()
 
-    def adopt_from_slot(self, seq_id: int, rows_kept: int | None = None) -> CarriedBlocks:
-        """Give the slot's blocks to `seq_id` (zero copy), keeping `rows_kept` rows (all if None).
+    def adopt_carried(self, key: int, seq_id: int, rows_kept: int | None = None) -> CarriedBlocks:
+        """Give entry `key`'s blocks to `seq_id` (zero copy), keeping `rows_kept` rows (all if None).
 
-        `seq_id` must be new or live with no blocks; RuntimeError otherwise or if the slot
-        is empty. Returns what the sequence now holds.
+        The entry leaves the pool's carried set. `seq_id` must be new or live with no
+        blocks; RuntimeError otherwise or if nothing is carried under `key`. Returns
+        what the sequence now holds.
         """
-        if self._slot is None:
-            raise RuntimeError(f"carry slot is empty: nothing for sequence {seq_id} to adopt")
+        slot = self._carried.get(key)
+        if slot is None:
+            raise RuntimeError(f"nothing carried under {key} for sequence {seq_id} to adopt")
         existing = self._seqs.get(seq_id)
         if existing is not None and (existing.block_table or existing.rows):
             raise RuntimeError(
                 f"sequence {seq_id} already holds {len(existing.block_table)} blocks; "
-                "it cannot adopt the carry slot"
+                f"it cannot adopt carried entry {key}"
             )
-        slot = self._slot
         if rows_kept is not None and not 0 <= rows_kept <= slot.rows:
             raise ValueError(f"rows_kept must be in [0, {slot.rows}], got {rows_kept}")
-        self._slot = None
+        del self._carried[key]
+        self._carried_blocks -= len(slot.block_table)
         self._seqs[seq_id] = slot
         if rows_kept is not None:
             self._truncate(slot, rows_kept, f"sequence {seq_id}")
         return slot.snapshot()
 
-    def free_slot(self) -> int:
-        """Return the carry slot's blocks to the free pool; RuntimeError if it is empty."""
-        if self._slot is None:
-            raise RuntimeError("carry slot is empty: nothing to free")
-        freed = len(self._slot.block_table)
-        self._free.extend(self._slot.block_table)
-        self._slot = None
-        return freed
+    def free_carried(self, key: int) -> int:
+        """Return entry `key`'s blocks to the free pool; return #freed. RuntimeError if none."""
+        if key not in self._carried:
+            raise RuntimeError(f"nothing carried under {key}: nothing to free")
+        return self._release_carried(key)
 
     # ---- data ----------------------------------------------------------------
 
@@ -323,27 +367,38 @@ class DrafterKVPool:
         """`(k [R', Hkv, D], v [R', Hkv, D], keys [R'] int64)` of rows `start_row ..`, in row order."""
         return self._gather(self._live(seq_id), start_row)
 
+    def gather_carried(self, key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like `gather`, for the entry carried under `key`; RuntimeError if there is none."""
+        state = self._carried.get(key)
+        if state is None:
+            raise RuntimeError(f"nothing carried under {key}: nothing to gather")
+        return self._gather(state)
+
     def gather_slot(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Like `gather`, for the carry slot; RuntimeError if it is empty."""
-        if self._slot is None:
-            raise RuntimeError("carry slot is empty: nothing to gather")
-        return self._gather(self._slot)
+        """Like `gather`, for the most recently carried entry; RuntimeError if nothing is carried."""
+        if not self._carried:
+            raise RuntimeError("nothing is carried: nothing to gather")
+        return self._gather(next(reversed(self._carried.values())))
 
     # ---- invariants ----------------------------------------------------------
 
     def check(self) -> None:
         """Raise RuntimeError unless every block has exactly one owner and rows fit their blocks."""
         owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
-        named = [(f"sequence {sid}", s) for sid, s in self._seqs.items()]
-        if self._slot is not None:
-            named.append(("carry slot", self._slot))
-        for name, state in named:
+        named = [(f"sequence {sid}", s, False) for sid, s in self._seqs.items()]
+        named += [(f"carried entry {key}", s, True) for key, s in self._carried.items()]
+        carried_blocks = sum(len(s.block_table) for s in self._carried.values())
+        if carried_blocks != self._carried_blocks:
+            raise RuntimeError(
+                f"carried entries hold {carried_blocks} blocks, the count says {self._carried_blocks}"
+            )
+        for name, state, carried in named:
             for b in state.block_table:
                 if not 0 <= b < self.num_blocks:
                     raise RuntimeError(f"{name} holds block id {b} outside [0, {self.num_blocks})")
                 owners[b].append(name)
             need = _cdiv(state.rows, self.block_size)
-            if len(state.block_table) < need or (name == "carry slot" and len(state.block_table) != need):
+            if len(state.block_table) < need or (carried and len(state.block_table) != need):
                 raise RuntimeError(f"{name} has {state.rows} rows in {len(state.block_table)} blocks")
             if sum(c for _, c in state.runs) != state.rows:
                 raise RuntimeError(f"{name} has {state.rows} rows but key runs {state.runs}")
@@ -365,6 +420,12 @@ class DrafterKVPool:
         if state is None:
             raise RuntimeError(f"sequence {seq_id} is not live in the drafter pool")
         return state
+
+    def _release_carried(self, key: int) -> int:
+        state = self._carried.pop(key)
+        self._carried_blocks -= len(state.block_table)
+        self._free.extend(state.block_table)
+        return len(state.block_table)
 
     def _truncate(self, state: _Rows, rows_kept: int, name: str) -> int:
         if not 0 <= rows_kept <= state.rows:

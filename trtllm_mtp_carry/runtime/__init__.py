@@ -1,6 +1,6 @@
 """The carry runtime (layer 3): engine-agnostic, talks to an engine through `CarryBackend`.
 
-`CarryRuntime` keeps the single carry slot and the sequence tickets between
+`CarryRuntime` keeps the carry store (`carry_slots()` sessions) and the sequence tickets between
 requests; `DrafterPolicy` names what a warm turn does about the drafter.
 """
 

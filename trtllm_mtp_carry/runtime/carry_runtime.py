@@ -1,8 +1,10 @@
-"""The carry runtime: the single carry slot, sequence tickets, adopt and deposit.
+"""The carry runtime: the carry store, sequence tickets, adopt and deposit.
 
-What it is for: it keeps the `CarriedDrafter` (and, through the backend's
-hidden store, the `StoreRange`) between executor requests, and on each turn
-prepares the drafter according to the policy. It decides; the backend computes.
+What it is for: it keeps the carried entries (a `CarryStore` of `carry_slots()`
+`CarriedDrafter`s keyed by session hash; their rows live in the drafter pool
+under the same key) and, through the backend's hidden store, the `StoreRange`
+between executor requests, and on each turn prepares the drafter according
+to the policy. It decides; the backend computes.
 
 A warm turn under `carry`, in pair-key space:
 
@@ -12,11 +14,16 @@ A warm turn under `carry`, in pair-key space:
 ```
 
 Invariants:
-- Every drafter block is owned by exactly one of: a live sequence, the slot,
-  the free pool (`DrafterKVPool.check()` proves it); adoption moves blocks
-  out of the slot (zero copy), so two sequences never own the same rows.
-- Rows are adopted only by the slot's own non-zero session, and hidden rows
-  are read only under the reading sequence's own ticket (`decide_adopt`).
+- Every drafter block is owned by exactly one of: a live sequence, one carried
+  entry, the free pool (`DrafterKVPool.check()` proves it); adoption moves
+  blocks out of the entry (zero copy), so two sequences never own the same rows.
+- The store and the pool carry the same keys in the same order (`check()`);
+  live sequences always win: a pool grow that runs short evicts carried
+  entries oldest first (counted as `pool_pressure`) before any sequence
+  loses its drafter.
+- Rows are adopted only by the entry's own non-zero session, at most once (the
+  entry leaves the store), and hidden rows are read only under the reading
+  sequence's own ticket (`decide_adopt`).
 - Any refusal falls back to the no-carry path: a cold turn still gets its full
   drafter prefill, a warm turn runs blind. Output never depends on the carry,
   because the target verifies every draft.
@@ -39,8 +46,10 @@ from ..core import (
     OUTCOME_KINDS,
     CarriedDrafter,
     CarryOutcome,
+    CarryStore,
     DrafterContext,
     carry_armed_with,
+    carry_slots,
     decide_adopt,
     log_adopt,
     log_store,
@@ -49,6 +58,7 @@ from ..core import (
 )
 from ..core.outcome import Adopted
 from ..core.session import TicketCounter
+from ..dataplane.kv_pool import CarriedBlocks
 from .backend import CarryBackend
 from .policy import DrafterPolicy
 
@@ -81,7 +91,14 @@ class DrafterPrep:
 
 @dataclass(frozen=True)
 class CarryStats:
-    """A frozen snapshot of the runtime's counters."""
+    """A frozen snapshot of the runtime's counters.
+
+    `outcomes` counts each carry decision by kind (`adopted` and every refusal);
+    `evictions` counts carried entries that left unadopted, by cause
+    (`EVICTION_CAUSES`); `slots_held`/`blocks_held`/`slot_rows` describe what the
+    store holds now, out of `carry_slots` slots and a pool of `pool_blocks`
+    blocks of `pool_block_size` rows.
+    """
 
     armed: bool
     policy: str
@@ -94,6 +111,13 @@ class CarryStats:
     turns_blind: int
     deposits: int
     slot_rows: int
+    adoptions: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+    carry_slots: int = 1
+    slots_held: int = 0
+    blocks_held: int = 0
+    pool_blocks: int = 0
+    pool_block_size: int = 0
 
 
 @dataclass
@@ -109,10 +133,13 @@ class _Counters:
 
 
 class CarryRuntime:
-    """Owns the carry slot and the tickets; prepares and deposits each sequence's drafter rows.
+    """Owns the carry store and the tickets; prepares and deposits each sequence's drafter rows.
 
     `multi_seq` overrides the live dispatch-cap check (tests); by default the
-    carry is armed with `carry_armed_with(cfg, mtp_max_seqs() > 1)`.
+    carry is armed with `carry_armed_with(cfg, mtp_max_seqs() > 1)`. `slots`
+    overrides `carry_slots()` (tests, engines that size the store themselves).
+    One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
+    and refuses a pool that already carries another runtime's entries.
     """
 
     def __init__(
@@ -120,6 +147,7 @@ class CarryRuntime:
         backend: CarryBackend,
         policy: DrafterPolicy | str = DrafterPolicy.CARRY,
         multi_seq: bool | None = None,
+        slots: int | None = None,
     ) -> None:
         self.backend = backend
         self.policy = DrafterPolicy.parse(policy)
@@ -139,10 +167,16 @@ class CarryRuntime:
                 why,
                 source,
             )
+        if backend.drafter_pool.carried_keys():
+            raise RuntimeError(
+                f"the drafter pool already carries {len(backend.drafter_pool.carried_keys())} entries "
+                "of another runtime: one runtime per pool (clear_slot() the old one first)"
+            )
         self._tickets = TicketCounter()
-        self._entry: CarriedDrafter | None = None
+        self._store = CarryStore(carry_slots() if slots is None else slots)
         self._counters = _Counters()
-        self._lock = threading.Lock()  # stats() may be read from another thread
+        self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
+        backend.drafter_pool.on_evict = self._on_pool_evict
 
     # ---- per sequence ----------------------------------------------------------
 
@@ -174,12 +208,12 @@ class CarryRuntime:
         outcome: CarryOutcome | None = None
         if policy is DrafterPolicy.CARRY and self.armed:
             store = self.backend.hidden_store.range
-            outcome = decide_adopt(self._entry, tokens, session_hash, ticket, store)
+            outcome = decide_adopt(self._candidate(session_hash), tokens, session_hash, ticket, store)
             log_adopt(outcome, session_hash, ticket, len(tokens))
             with self._lock:
                 self._counters.outcomes[outcome.kind] += 1
             if isinstance(outcome, Adopted):
-                return self._adopt(seq_id, ticket, tokens, outcome, start)
+                return self._adopt(seq_id, ticket, tokens, outcome, start, session_hash)
         if cold:
             rows = self._prefill(seq_id, ticket, tokens)
             if rows:
@@ -204,8 +238,10 @@ class CarryRuntime:
         policy: DrafterPolicy | str | None = None,
         ticket: int = 0,
     ) -> None:
-        """End `seq_id`: deposit its rows in the slot (carry armed, non-zero session) or free them.
+        """End `seq_id`: deposit its rows in the store (carry armed, non-zero session) or free them.
 
+        The deposit is the newest entry; the session's older entry and, when every
+        slot is held, the least recently deposited entries are evicted first.
         `tokens` are the finished sequence's tokens (prompt plus output); its
         rows must cover pair keys up to at most `len(tokens) - 2`.
         """
@@ -215,15 +251,16 @@ class CarryRuntime:
             return  # policy off: the sequence never held drafter rows
         rows = pool.sequence(seq_id)
         if policy is DrafterPolicy.CARRY and self.armed and session_hash != 0 and rows.rows > 0:
-            if pool.slot is not None:
-                pool.free_slot()  # one slot: the newest finished session wins
-            carried = pool.move_to_slot(seq_id)
-            self._entry = CarriedDrafter(
-                carried.block_table, carried.rows, carried.last_pair_key, tokens, session_hash
-            )
-            log_store(self._entry, ticket)
             with self._lock:
+                for old in self._store.make_room(session_hash):  # one slot: the newest wins
+                    pool.free_carried(old.session_hash)
+                carried = pool.move_to_carried(seq_id, session_hash)
+                entry = CarriedDrafter(
+                    carried.block_table, carried.rows, carried.last_pair_key, tokens, session_hash
+                )
+                self._store.put(entry)
                 self._counters.deposits += 1
+            log_store(entry, ticket)
             return
         pool.free_sequence(seq_id)
 
@@ -234,26 +271,50 @@ class CarryRuntime:
             pool.free_sequence(seq_id)
 
     def clear_slot(self) -> None:
-        """Drop the carried entry and free its blocks."""
-        if self.backend.drafter_pool.slot is not None:
-            self.backend.drafter_pool.free_slot()
-        self._entry = None
+        """Drop every carried entry and free its blocks (counted as `cleared`)."""
+        with self._lock:
+            for old in self._store.clear():
+                self.backend.drafter_pool.free_carried(old.session_hash)
 
     def forget_session(self, session_hash: int) -> int:
         """Drop the rows carried for `session_hash` (the session ended); returns the rows freed.
 
         A session that holds no carried rows is a no-op returning 0.
         """
-        entry = self._entry
-        if entry is None or session_hash == 0 or entry.session_hash != session_hash:
+        if session_hash == 0:
             return 0
-        self.clear_slot()
+        with self._lock:
+            entry = self._store.evict(session_hash, "session_end")
+            if entry is None:
+                return 0
+            self.backend.drafter_pool.free_carried(session_hash)
         return entry.rows
 
     @property
     def entry(self) -> CarriedDrafter | None:
-        """What the carry slot holds (bookkeeping only)."""
-        return self._entry
+        """The most recently deposited entry (with one slot: what the slot holds)."""
+        with self._lock:
+            return self._store.newest()
+
+    def carried(self) -> tuple[CarriedDrafter, ...]:
+        """Every carried entry, least recently deposited first (bookkeeping only)."""
+        with self._lock:
+            return self._store.entries()
+
+    def check(self) -> None:
+        """Raise RuntimeError unless the store and the pool carry the same entries, in order."""
+        pool = self.backend.drafter_pool
+        with self._lock:
+            entries = self._store.entries()
+        keys = tuple(e.session_hash for e in entries)
+        if keys != pool.carried_keys():
+            raise RuntimeError(f"carry store keys {keys} differ from the pool's {pool.carried_keys()}")
+        for e in entries:
+            held = pool.carried(e.session_hash)
+            if held is None or (held.block_table, held.rows, held.last_pair_key) != (
+                e.block_table, e.rows, e.last_pair_key
+            ):
+                raise RuntimeError(f"carried entry 0x{e.session_hash:016x} differs from the pool's {held}")
 
     def stats(self) -> CarryStats:
         """A frozen snapshot of every counter (zeros listed for outcomes never seen)."""
@@ -270,20 +331,59 @@ class CarryRuntime:
                 rows_rebuilt=c.rows_rebuilt,
                 turns_blind=c.turns_blind,
                 deposits=c.deposits,
-                slot_rows=self._entry.rows if self._entry is not None else 0,
+                slot_rows=self._store.rows_held,
+                adoptions=self._store.adoptions,
+                evictions=self._store.evictions(),
+                carry_slots=self._store.slots,
+                slots_held=len(self._store),
+                blocks_held=self._store.blocks_held,
+                pool_blocks=self.backend.drafter_pool.num_blocks,
+                pool_block_size=self.backend.drafter_pool.block_size,
             )
+
+    # ---- carried entries (the seam with the engine: signatures are stable) -----
+
+    def _candidate(self, session_hash: int) -> CarriedDrafter | None:
+        """The carried entry `decide_adopt` must judge for `session_hash` (None: nothing carried).
+
+        The session's own entry when there is one; else the newest entry of another
+        session, which `decide_adopt` refuses as ForeignSession (with one slot:
+        exactly the seed's slot).
+        """
+        with self._lock:
+            return self._store.candidate(session_hash)
+
+    def _take(self, seq_id: int, session_hash: int, rows_kept: int) -> CarriedBlocks:
+        """Move `session_hash`'s entry's first `rows_kept` rows to `seq_id` (zero copy).
+
+        The entry leaves the store (never adopted twice); `seq_id` must not be live
+        in the pool (or be live with no blocks). Returns what the sequence now holds.
+        RuntimeError if the session has no entry.
+        """
+        with self._lock:
+            if self._store.get(session_hash) is None or session_hash == 0:
+                raise RuntimeError(
+                    f"no carried entry of session 0x{session_hash:016x} for sequence {seq_id} to take"
+                )
+            held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
+            self._store.take(session_hash)
+        return held
+
+    def _on_pool_evict(self, session_hash: int) -> None:
+        """The pool evicted `session_hash`'s rows for a live sequence: drop the entry too."""
+        with self._lock:
+            self._store.evict(session_hash, "pool_pressure")
 
     # ---- steps -----------------------------------------------------------------
 
     def _adopt(
         self, seq_id: int, ticket: int, tokens: list[int], outcome: Adopted,
-        start: float,
+        start: float, session_hash: int,
     ) -> DrafterPrep:
         """Move the kept rows to the sequence (zero copy), then append the planned span."""
         pool = self.backend.drafter_pool
         pool.free_sequence(seq_id)  # registered empty by prepare; adopt re-registers it
-        held = pool.adopt_from_slot(seq_id, rows_kept=outcome.rows)
-        self._entry = None
+        held = self._take(seq_id, session_hash, outcome.rows)
         kept_key = held.last_pair_key
         assert kept_key is not None and kept_key < outcome.first_key
         if outcome.appended:

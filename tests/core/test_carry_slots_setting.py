@@ -1,0 +1,56 @@
+"""The carry store's slot count: pinned like the other settings, on the CLI and in `info`."""
+
+import json
+
+from test_cli import run_cli
+from test_settings import run_py
+
+
+def test_carry_slots_default_is_16_and_env_pins_it():
+    code = "import trtllm_mtp_carry as t\nprint(t.carry_slots(), t.set_carry_slots(3), t.carry_slots())"
+    assert run_py(code).stdout.split() == ["16", "False", "16"]
+    assert run_py(code, TRTLLM_MTP_CARRY_SLOTS="4").stdout.split() == ["4", "False", "4"]
+
+
+def test_set_carry_slots_before_read_wins_over_env():
+    code = "import trtllm_mtp_carry as t\nprint(t.set_carry_slots(1), t.carry_slots())"
+    assert run_py(code, TRTLLM_MTP_CARRY_SLOTS="4").stdout.split() == ["True", "1"]
+
+
+def test_carry_slots_zero_or_malformed_is_a_clear_error():
+    out = run_py("import trtllm_mtp_carry as t; t.carry_slots()", TRTLLM_MTP_CARRY_SLOTS="0")
+    assert "environment variable TRTLLM_MTP_CARRY_SLOTS='0' must be at least 1" in out.stderr
+    out = run_py("import trtllm_mtp_carry as t; t.carry_slots()", TRTLLM_MTP_CARRY_SLOTS="2x")
+    assert "TRTLLM_MTP_CARRY_SLOTS='2x' is not a non-negative integer" in out.stderr
+    out = run_py("import trtllm_mtp_carry as t; t.set_carry_slots(0)")
+    assert "ValueError: carry_slots must be at least 1, got 0" in out.stderr
+    out = run_py("import trtllm_mtp_carry as t; t.set_carry_slots(True)")
+    assert "TypeError: carry_slots must be a non-negative int, got True" in out.stderr
+
+
+def test_info_reports_slots_and_their_source():
+    report = json.loads(run_cli("info", "--json").stdout)
+    assert (report["carry_slots"], report["carry_slots_source"]) == (16, "default")
+    report = json.loads(run_cli("info", "--json", "--carry-slots", "1").stdout)
+    assert (report["carry_slots"], report["carry_slots_source"]) == (1, "--carry-slots")
+    report = json.loads(run_cli("info", "--json", TRTLLM_MTP_CARRY_SLOTS="5").stdout)
+    assert (report["carry_slots"], report["carry_slots_source"]) == (5, "env TRTLLM_MTP_CARRY_SLOTS")
+    assert "num_drafter_blocks x drafter_block_size" in report["drafter_pool_budget"]
+
+
+def test_info_table_has_a_slots_row():
+    lines = run_cli("info", "--carry-slots", "7").stdout.splitlines()
+    row = next(line for line in lines if line.startswith("carry slots"))
+    assert row.split()[-2:] == ["7", "--carry-slots"]
+
+
+def test_carry_slots_flag_errors_name_the_flag():
+    out = run_cli("info", "--carry-slots", "0")
+    assert out.returncode == 2
+    assert "--carry-slots: must be at least 1, got 0" in out.stderr
+    out = run_cli("info", TRTLLM_MTP_CARRY_SLOTS="many")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "trtllm-mtp-carry: error: environment variable "
+        "TRTLLM_MTP_CARRY_SLOTS='many' is not a non-negative integer"
+    )
