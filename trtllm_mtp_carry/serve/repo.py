@@ -44,6 +44,7 @@ OUTPUTS = (
     ("accepted", "TYPE_INT32", "[ 1 ]"),
     ("ttft_ms", "TYPE_FP32", "[ 1 ]"),
     ("model_instance", "TYPE_STRING", "[ 1 ]"),
+    ("turn_stats", "TYPE_STRING", "[ 1 ]"),  # JSON of every TurnStats field
 )
 
 MODEL_PY = '''"""Triton Python-backend entry point written by `trtllm-mtp-carry triton-repo`.

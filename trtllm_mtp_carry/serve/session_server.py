@@ -180,11 +180,10 @@ class SessionServer:
         if sink is _ENDED:  # a malformed END request: end the session all the same
             self._forget(corrid, "end")
             return
-        if request.start:
-            if corrid in self._sessions:
-                self._forget(corrid, "restart")
-            self._sessions[corrid] = _Session()
-        session = self._sessions.get(corrid)
+        if request.start and corrid in self._sessions:
+            self._forget(corrid, "restart")
+        # a START turn opens the session only once the engine accepted it
+        session = _Session() if request.start else self._sessions.get(corrid)
         try:
             if session is None:
                 raise ValueError(f"unknown session CORRID={corrid}: its first request must set START")
@@ -211,6 +210,7 @@ class SessionServer:
             if request.end:
                 self._forget(corrid, "end")
             return
+        self._sessions[corrid] = session
         self._inflight[rid] = _InFlight(request, sink)
         self._busy.add(corrid)
 

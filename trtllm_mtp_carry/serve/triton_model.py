@@ -13,7 +13,8 @@ Request contract (names follow TensorRT-LLM's Triton models):
   `max_tokens` (int32), optional `drafter_policy`;
 - streamed `text_output`, `output_ids`; with the final response
   `carry_outcome`, `drafter_rows_computed`, `drafted`, `accepted`,
-  `ttft_ms` and `model_instance` (which instance served the turn).
+  `ttft_ms`, `model_instance` (which instance served the turn) and
+  `turn_stats` (JSON of every field of the turn's statistics).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class _TritonSink:
             self._pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
             self._pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
             self._pb.Tensor("model_instance", np.asarray([self._instance.encode()], dtype=np.object_)),
+            self._pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
         ]
         self._sender.send(self._pb.InferenceResponse(output_tensors=tensors),
                           flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
