@@ -42,8 +42,8 @@ class TurnRequest:
     """One request as the model parsed it: the session, its control flags and inputs."""
 
     corrid: int
-    start: bool
-    end: bool
+    start: bool = False
+    end: bool = False
     text_input: str | None = None
     input_ids: list[int] | None = None
     max_tokens: int | None = None
