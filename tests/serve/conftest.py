@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from serve_helpers import CARRY_SLOTS, MARCONI, MAX_TOKENS, MODEL, PROBE
 
 from trtllm_mtp_carry.serve.options import ServeOptions
 from trtllm_mtp_carry.serve.repo import RepoSpec, write_repository
 from trtllm_mtp_carry.serve.server import Endpoints, ServeError, TritonServer, find_tritonserver
-
-from serve_helpers import CARRY_SLOTS, MARCONI, MAX_TOKENS, MODEL, PROBE
 
 
 def free_ports(n: int) -> list[int]:

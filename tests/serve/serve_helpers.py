@@ -2,7 +2,6 @@
 
 import trtllm_mtp_carry.core as core
 
-
 MODEL = "mtp_carry"  # 2 instances, loaded at start
 PROBE = "mtp_carry_probe"  # loaded only with bad parameters
 MAX_TOKENS = 24  # the served default max_tokens

@@ -63,13 +63,13 @@ def test_concurrent_sessions_stream_partials_that_add_up_to_the_greedy_output(mo
     server = serve(model)
     try:
         sinks = [ListSink() for _ in prompts]
-        for i, (p, sink) in enumerate(zip(prompts, sinks)):
+        for i, (p, sink) in enumerate(zip(prompts, sinks, strict=True)):
             server.enqueue(TurnRequest(corrid=10 + i, start=True, end=True, input_ids=p), sink)
         for sink in sinks:
             assert sink.done.wait(120) and not sink.errors
     finally:
         server.stop()
-    for p, sink in zip(prompts, sinks):
+    for p, sink in zip(prompts, sinks, strict=True):
         out = greedy_oracle(model, p, 12)
         assert sink.result.output == out
         assert [t for ids in sink.partials for t in ids] == out

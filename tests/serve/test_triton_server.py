@@ -11,16 +11,14 @@ import re
 
 import numpy as np
 import pytest
+from serve_helpers import HAS_CARRY_SLOTS, MAX_TOKENS, MODEL, PROBE
 
 from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
+from trtllm_mtp_carry.core.outcome import OUTCOME_KINDS
 from trtllm_mtp_carry.engine.engine import ReferenceEngine
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.serve.client import StreamClient, bytes_input
-
-from serve_helpers import HAS_CARRY_SLOTS, MAX_TOKENS, MODEL, PROBE
-
-from trtllm_mtp_carry.core.outcome import OUTCOME_KINDS
 
 TOK = ChatTokenizer()
 

@@ -34,8 +34,11 @@ class ServingEngine(Protocol):
     `output_so_far` gives a running request's verified tokens, for streaming.
     """
 
-    tokenizer: Any
-    runtime: ServingRuntime
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def runtime(self) -> ServingRuntime: ...
 
     def submit(self, session_id: int, prompt: Sequence[int] | list[dict[str, str]],
                max_new_tokens: int, draft_len: int | None = None,
@@ -63,16 +66,17 @@ def apply_settings(options: ServeOptions) -> None:
                 f"already pinned to {core.marconi_min_tokens()} in this process"
             )
     if options.carry_slots is not None:
-        setter = getattr(core, "set_carry_slots", None)
-        if setter is None:
+        # several slots arrive with issue 9 (core.set_carry_slots); until then there is one
+        setter, getter = getattr(core, "set_carry_slots", None), getattr(core, "carry_slots", None)
+        if setter is None or getter is None:
             if options.carry_slots != 1:
                 raise ValueError(
                     f"parameter carry_slots={options.carry_slots}: this build's runtime has one carry slot"
                 )
-        elif not setter(options.carry_slots) and core.carry_slots() != options.carry_slots:
+        elif not setter(options.carry_slots) and getter() != options.carry_slots:
             raise ValueError(
                 f"parameter carry_slots={options.carry_slots} could not be applied: "
-                f"already pinned to {core.carry_slots()} in this process"
+                f"already pinned to {getter()} in this process"
             )
 
 

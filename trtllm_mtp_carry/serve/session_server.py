@@ -164,7 +164,8 @@ class SessionServer:
 
     def _take_ready(self) -> list[tuple[TurnRequest, ResponseSink]]:
         """Requests whose session has no turn in the engine, oldest first, one per session."""
-        ready, kept = [], deque()
+        ready: list[tuple[TurnRequest, ResponseSink]] = []
+        kept: deque[tuple[TurnRequest, ResponseSink]] = deque()
         taken: set[int] = set()
         for request, sink in self._pending:
             if request.corrid in self._busy or request.corrid in taken:
