@@ -171,6 +171,7 @@ def test_the_metrics_endpoint_shows_the_counters_moving(served):
         first.stats["drafter_rows_computed"] + second.stats["drafter_rows_computed"])
     assert moved("mtp_carry_drafter_rows_total", source="adopted") == second.stats["drafter_rows_kept"] > 0
     assert 'mtp_carry_runtime{field="rows_adopted"' in after
+    assert 'mtp_carry_runtime{field="outcomes.adopted"' in after
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 from ..bench.replay import PolicyRun, TurnRecord, next_prompt
 from ..bench.sessions import BenchSession
@@ -27,21 +28,25 @@ from .client import StreamClient, TurnReply
 
 
 def replay_on_server(
-    server: str, sessions: Sequence[BenchSession], policies: Sequence[str], max_new_tokens: int,
+    server: str, sessions: Sequence[BenchSession], policies: Sequence[Any], max_new_tokens: int,
     concurrency: int = 4, model: str = "mtp_carry", timeout_s: float = 600.0,
 ) -> list[PolicyRun]:
-    """Replay `sessions` under each policy through the server at `server` ("host:port", gRPC).
+    """Replay `sessions` under each policy (DrafterPolicy or name) through the server at
+    `server` ("host:port", gRPC). The engine's sizes (draft length, restore threshold)
+    are the server's parameters, not the client's.
 
     At most `concurrency` sessions of one policy are in flight at once. A turn
     the server refuses raises RuntimeError naming the session, turn and message.
     """
+    policies = [str(getattr(p, "value", p)) for p in policies]  # DrafterPolicy or its name
     if concurrency <= 0:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     tok = ChatTokenizer()
     nonce = secrets.randbits(40) << 20  # fresh sessions on a server that may have served others
     corrid = {(p, s.name): nonce | (i * len(sessions) + j + 1)
               for i, p in enumerate(policies) for j, s in enumerate(sessions)}
-    prompts = {key: tok.render_chat(s.history) for key in corrid for s in sessions if s.name == key[1]}
+    by_name = {s.name: s for s in sessions}
+    prompts = {key: tok.render_chat(by_name[key[1]].history) for key in corrid}
     runs = {p: PolicyRun(p) for p in policies}
     turns = 1 + max((len(s.followups) for s in sessions), default=0)
     with StreamClient(server, model) as client:
@@ -73,7 +78,8 @@ def replay_on_server(
                         if t < len(s.followups):
                             prompts[key] = next_prompt(tok, prompts[key], reply.output, s.followups[t])
     for policy, run in runs.items():
-        run.turns.sort(key=lambda r: (r.turn, [s.name for s in sessions].index(r.session)))
+        order = {s.name: i for i, s in enumerate(sessions)}
+        run.turns.sort(key=lambda r: (r.turn, order[r.session]))
         run.runtime = {"server": server, "model": model, "policy": policy}
     return [runs[p] for p in policies]
 

@@ -8,9 +8,9 @@ what the carry did and gauges of what it holds:
     mtp_carry_drafts_total{result}            drafts proposed / accepted
     mtp_carry_sessions_ended_total{cause}     end / restart / idle
     mtp_carry_rows_freed_total                carried rows freed by session ends
-    mtp_carry_runtime{field}                  every int field of the runtime's stats
-                                              (slot_rows now; slots and blocks held
-                                              appear as the runtime grows them)
+    mtp_carry_runtime{field}                  every int (and dict-of-int) field of the
+                                              runtime's stats: slot_rows now; slots and
+                                              blocks held appear as the runtime grows them
 
 Owned by the model instance's stepping thread (the only caller). `pb_utils`
 is passed in, as it exists only inside the Python backend's stub.
@@ -65,10 +65,13 @@ class CarryMetrics:
             self._metric("freed").increment(rows_freed)
 
     def refresh(self, runtime_stats: Any) -> None:
-        """Set a gauge for every int field of the runtime's frozen stats snapshot."""
+        """Set a gauge for every int field of the runtime's frozen stats snapshot, and for
+        every entry of its dict-of-int fields as `field="<name>.<key>"`."""
         if not is_dataclass(runtime_stats):
             return
         for f in fields(runtime_stats):
             value = getattr(runtime_stats, f.name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                self._metric("runtime", "field", f.name).set(value)
+            items = value.items() if isinstance(value, dict) else [("", value)]
+            for key, v in items:
+                if isinstance(v, int) and not isinstance(v, bool):
+                    self._metric("runtime", "field", f"{f.name}.{key}" if key else f.name).set(v)

@@ -290,7 +290,10 @@ class SessionServer:
 
     def _fail_all(self, message: str) -> None:
         for rid, flight in list(self._inflight.items()):
-            self.engine.cancel(rid)
+            try:
+                self.engine.cancel(rid)
+            except Exception:  # the engine already failed; the error response still goes out
+                logger.exception("cancel of request %d failed", rid)
             self._release(rid, flight)
             self._send_error(flight.sink, message)
         with self._cv:
