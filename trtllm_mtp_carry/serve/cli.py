@@ -83,7 +83,8 @@ def add_subcommands(sub: Any) -> None:
 
     serve = sub.add_parser("serve", help="serve the carry with tritonserver until Ctrl-C")
     serve.add_argument("--repository", default=None,
-                       help="serve this repository as is (default: write one to a temporary directory)")
+                       help="serve this repository as is (the model flags then only name the model to "
+                       "wait for, --name); default: write one to a temporary directory")
     serve.add_argument("--tritonserver", default=None, metavar="PATH",
                        help="server binary (default: nvidia-pytriton's, else tritonserver on PATH)")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
