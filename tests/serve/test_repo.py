@@ -129,3 +129,15 @@ def test_write_repository_overwrites_the_models_folder_only(tmp_path):
     write_repository(tmp_path, RepoSpec(instances=4))
     assert parse((tmp_path / "mtp_carry" / "config.pbtxt").read_text()).instance_group[0].count == 4
     assert other.read_text() == "keep"
+
+
+def test_serve_without_any_tritonserver_names_the_extra_to_install(tmp_path, capsys, monkeypatch):
+    from trtllm_mtp_carry.serve import server
+
+    monkeypatch.setattr(server, "_pytriton_dir", lambda: None)  # as if nvidia-pytriton were absent
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no tritonserver on PATH
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert err == ('trtllm-mtp-carry: error: no tritonserver found; install one with '
+                   'pip install -e ".[serve]" (nvidia-pytriton bundles tritonserver) '
+                   "or pass --tritonserver PATH\n")
