@@ -139,3 +139,22 @@ def test_a_bad_request_gets_one_error_and_the_next_request_is_served(model, requ
     assert len(bad.errors) == 1 and message in bad.errors[0] and bad.result is None
     assert not good.errors and good.result.output == greedy_oracle(model, [72, 105, 33], 12)
     server.engine.check()
+
+
+def test_a_malformed_start_still_ends_the_sessions_previous_conversation(model):
+    gen = torch.Generator().manual_seed(6)
+    prompt = random_prompt(gen, 40)
+    ended = []
+    server = serve(model, on_forget=lambda cause, rows: ended.append((cause, rows)))
+    try:
+        first, bad, cont = ListSink(), ListSink(), ListSink()
+        server.enqueue(TurnRequest(corrid=5, start=True, input_ids=prompt), first)
+        assert first.done.wait(120) and not first.errors
+        server.enqueue(TurnRequest(corrid=5, start=True, input_ids=[]), bad)
+        server.enqueue(TurnRequest(corrid=5, text_input="go on"), cont)
+        assert bad.done.wait(30) and cont.done.wait(30)
+    finally:
+        server.stop()
+    assert bad.errors == ["input_ids is empty"]
+    assert ended == [("restart", len(prompt) + len(first.result.output) - 1)]
+    assert cont.errors == ["unknown session CORRID=5: its first request must set START"]

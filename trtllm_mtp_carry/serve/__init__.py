@@ -7,6 +7,7 @@
 - `engines`: the engine seam (`reference` now, TensorRT-LLM later);
 - `metrics`: Triton custom metrics of the carry;
 - `server`: find, start and stop `tritonserver` (`trtllm-mtp-carry serve`);
+- `client`: a gRPC streaming client (one stream, many sessions);
 - `bench_client`: the session replay through a running server.
 
 Importing this package loads no torch; the engine is built inside the model.

@@ -15,7 +15,7 @@ Ownership and invariants:
   `input_ids` turn replaces it.
 - `END`, a new `START` on a known session, and the idle timeout free the
   session's carried rows (`runtime.forget_session`); a request that fails
-  with `END` still ends its session.
+  with `END` (or `START`) still ends its (previous) session.
 - A bad request gets exactly one error response and changes nothing else;
   an engine failure fails the requests in flight and cancels them.
 """
@@ -131,9 +131,9 @@ class SessionServer:
             request.check()
         except ValueError as exc:
             self._send_error(sink, str(exc))
-            if request.end:
+            if request.start or request.end:  # Triton started or ended the sequence all the same
                 with self._cv:
-                    self._pending.append((request, _ENDED))  # still ends the session, in order
+                    self._pending.append((request, _ENDED))  # in order with the session's turns
                     self._cv.notify()
             return
         with self._cv:
@@ -178,8 +178,9 @@ class SessionServer:
 
     def _dispatch(self, request: TurnRequest, sink: ResponseSink) -> None:
         corrid = request.corrid
-        if sink is _ENDED:  # a malformed END request: end the session all the same
-            self._forget(corrid, "end")
+        if sink is _ENDED:  # a malformed START/END request: the old session ends all the same
+            if corrid in self._sessions or request.end:
+                self._forget(corrid, "end" if request.end else "restart")
             return
         if request.start and corrid in self._sessions:
             self._forget(corrid, "restart")
