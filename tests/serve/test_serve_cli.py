@@ -63,8 +63,12 @@ def test_serve_prints_the_endpoints_serves_and_stops_the_server_on_sigterm(tmp_p
             time.sleep(0.2)
         assert processes_with(f"--grpc-port={grpc}") == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # the test failed midway: let serve stop its server first
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         for pid in processes_with(f"--grpc-port={grpc}"):  # the server this test started, if left
             os.kill(pid, signal.SIGKILL)
