@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Ahead-of-time build of the data plane's Triton kernels to PTX and cubin, without a GPU.
 
-What it is for: the TensorRT plugins (`plugins/`) embed these artifacts so an
-engine runs the kernels without Python (Triton Inference Server's C++ runtime).
+What it is for: the JIT kernels' PTX/cubin in Triton's own calling convention
+(scalars after the pointers, two trailing scratch pointers). The TensorRT
+plugins need TensorRT's parameter order instead: `build_abi_kernels.py`.
 For each kernel and each target (default `sm_121a` GB10, `sm_90a` H100/H200,
 `sm_100a`) it writes `<kernel>.<target>.ptx` and `.cubin` and one
 `manifest.json` listing, per artifact: kernel and entry name, target, the

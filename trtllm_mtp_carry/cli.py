@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(chat)
     add_chat_arguments(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from .serve.cli import add_subcommands as add_serve_subcommands
+
+    add_serve_subcommands(sub)  # triton-repo, serve
     return parser
 
 

@@ -4,7 +4,9 @@ What it is for: one entry point per kernel that `torch.compile` can trace
 (fake implementations give the shapes: both ops mutate their destination and
 return nothing) and that picks the implementation by device:
 
-- CUDA tensors: the Triton kernel (`triton_kernels.py`);
+- CUDA tensors: the Triton kernel (`triton_kernels.py`), or with
+  `TRTLLM_MTP_CARRY_KERNELS=aot` the TensorRT plugins' ahead-of-time PTX run
+  through the CUDA driver (`kernels/aot_launcher.py`, no Triton JIT);
 - CPU tensors: the plain-torch reference (`reference.py`).
 
 Invariants: both implementations run the same argument checks first, so a
@@ -20,12 +22,24 @@ devices, bounds), so tracing refuses what eager would.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .checks import check_drafter_row_append, check_hidden_row_copy
 from .reference import drafter_row_append_reference, hidden_row_copy_reference
 
-__all__ = ["drafter_row_append", "hidden_row_copy"]
+__all__ = ["KERNELS_ENV", "cuda_kernels", "drafter_row_append", "hidden_row_copy"]
+
+KERNELS_ENV = "TRTLLM_MTP_CARRY_KERNELS"
+
+
+def cuda_kernels() -> str:
+    """The CUDA backend `$TRTLLM_MTP_CARRY_KERNELS` picks: `triton` (default) or `aot`."""
+    choice = os.environ.get(KERNELS_ENV, "triton").strip() or "triton"
+    if choice not in ("triton", "aot"):
+        raise ValueError(f"{KERNELS_ENV} must be 'triton' or 'aot', got {choice!r}")
+    return choice
 
 
 @torch.library.custom_op("trtllm_mtp_carry::hidden_row_copy", mutates_args=("dst",))
@@ -42,9 +56,11 @@ def hidden_row_copy(
 
 @hidden_row_copy.register_kernel("cuda")
 def _hidden_row_copy_cuda(src, src_row, dst, dst_row, n):  # type: ignore[no-untyped-def]
-    from .triton_kernels import hidden_row_copy_triton
-
-    hidden_row_copy_triton(src, src_row, dst, dst_row, n)
+    if cuda_kernels() == "aot":
+        from ..kernels.aot_launcher import hidden_row_copy_aot as impl
+    else:
+        from .triton_kernels import hidden_row_copy_triton as impl
+    impl(src, src_row, dst, dst_row, n)
 
 
 @hidden_row_copy.register_fake
@@ -80,9 +96,11 @@ def drafter_row_append(
 
 @drafter_row_append.register_kernel("cuda")
 def _drafter_row_append_cuda(k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta, check_data=True):  # type: ignore[no-untyped-def]
-    from .triton_kernels import drafter_row_append_triton
-
-    drafter_row_append_triton(
+    if cuda_kernels() == "aot":
+        from ..kernels.aot_launcher import drafter_row_append_aot as impl
+    else:
+        from .triton_kernels import drafter_row_append_triton as impl
+    impl(
         k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
         check_data,
     )

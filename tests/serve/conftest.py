@@ -1,0 +1,76 @@
+"""A real `tritonserver` for the serve tests, started once and always stopped.
+
+The server (the one nvidia-pytriton ships, or one on PATH) listens on
+127.0.0.1 with free ports and serves a generated repository: `mtp_carry`
+(2 instances) loaded at start, and `mtp_carry_probe`, loaded only by the test
+of bad parameters. The fixture stops the server's whole process group, so no
+Python-backend stub outlives the session. Without a server the tests skip.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from serve_helpers import CARRY_SLOTS, MARCONI, MAX_TOKENS, MODEL, PROBE
+
+from trtllm_mtp_carry.serve.options import ServeOptions
+from trtllm_mtp_carry.serve.repo import RepoSpec, write_repository
+from trtllm_mtp_carry.serve.server import Endpoints, ServeError, TritonServer, find_tritonserver
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tritonserver_or_skip() -> Path:
+    try:
+        import tritonclient.grpc  # noqa: F401
+    except ImportError:
+        pytest.skip('tritonclient is not installed (pip install -e ".[serve]")')
+    try:
+        return find_tritonserver()
+    except ServeError as exc:
+        pytest.skip(str(exc))
+
+
+@dataclass
+class Served:
+    """The running server: its endpoints and repository."""
+
+    endpoints: Endpoints
+    repository: Path
+    server: TritonServer
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.endpoints.metrics, timeout=10) as r:
+            return str(r.read().decode())
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    binary = tritonserver_or_skip()
+    repo = tmp_path_factory.mktemp("repo")
+    options = ServeOptions(max_tokens=MAX_TOKENS, marconi_min_tokens=MARCONI, carry_slots=CARRY_SLOTS)
+    write_repository(repo, RepoSpec(name=MODEL, instances=2, options=options))
+    write_repository(repo, RepoSpec(name=PROBE, instances=1, options=options))
+    endpoints = Endpoints("127.0.0.1", *free_ports(3))
+    server = TritonServer(repo, endpoints, binary=binary, workdir=tmp_path_factory.mktemp("triton"),
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"])
+    server.start()
+    try:
+        server.wait_ready([MODEL], timeout_s=240)
+        yield Served(endpoints, repo, server)
+    finally:
+        server.stop()

@@ -1,0 +1,95 @@
+"""The served model's options: one typed record, parsed from Triton's `parameters`.
+
+What it is for: `config.pbtxt` carries every runtime option as a string
+parameter; `ServeOptions.from_parameters` turns them into typed values or
+raises one ValueError naming the parameter and its value, so a bad repository
+fails the model's load with a message an operator can act on. The same record
+writes the parameters back (`as_parameters`), so the generator and the model
+cannot disagree on names. Pure Python: importing this loads no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+POLICIES = ("carry", "rebuild", "blind", "off")
+ENGINES = ("reference",)  # the TensorRT-LLM engine registers here (serve/engines.py)
+MAX_DRAFT_LEN = 3  # the reference engine's EngineConfig bound
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Every option of the served model; `None` means "the engine's own default"."""
+
+    engine: str = "reference"
+    drafter_policy: str = "carry"
+    draft_len: int = 2
+    marconi_min_tokens: int | None = None
+    carry_slots: int | None = None
+    max_model_len: int | None = None
+    max_tokens: int = 64  # used when a request sends no max_tokens
+    max_num_seqs: int = 8
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _choice("engine", self.engine, ENGINES)
+        _choice("drafter_policy", self.drafter_policy, POLICIES)
+        if not 0 <= _int("draft_len", self.draft_len) <= MAX_DRAFT_LEN:
+            raise ValueError(f"parameter draft_len must be in [0, {MAX_DRAFT_LEN}], got {self.draft_len!r}")
+        for name in ("marconi_min_tokens",):
+            value = getattr(self, name)
+            if value is not None and _int(name, value) < 0:
+                raise ValueError(f"parameter {name} must be >= 0, got {value!r}")
+        for name in ("carry_slots", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and _int(name, value) <= 0:
+                raise ValueError(f"parameter {name} must be >= 1, got {value!r}")
+        for name in ("max_tokens", "max_num_seqs"):
+            if _int(name, getattr(self, name)) <= 0:
+                raise ValueError(f"parameter {name} must be >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"parameter device must be a device name like cpu or cuda, got {self.device!r}")
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, Any]) -> ServeOptions:
+        """Options from Triton's `parameters` (`{key: {"string_value": s}}` or `{key: s}`).
+
+        Unknown keys and malformed values raise ValueError naming the key; an
+        empty string means "default", as Triton has no null.
+        """
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in parameters.items():
+            text = raw.get("string_value", "") if isinstance(raw, dict) else raw
+            if key not in known:
+                raise ValueError(f"unknown parameter {key!r}; known: {', '.join(known)}")
+            if not isinstance(text, str):
+                raise ValueError(f"parameter {key} must be a string, got {text!r}")
+            text = text.strip()
+            if text == "":
+                continue
+            if known[key].type in ("str",):
+                values[key] = text
+                continue
+            try:
+                values[key] = int(text)
+            except ValueError:
+                raise ValueError(f"parameter {key} must be an integer, got {text!r}") from None
+        return cls(**values)
+
+    def as_parameters(self) -> dict[str, str]:
+        """The options as Triton string parameters (`""` for an engine default)."""
+        return {f.name: "" if getattr(self, f.name) is None else str(getattr(self, f.name))
+                for f in fields(self)}
+
+
+def _int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"parameter {name} must be an integer, got {value!r}")
+    return value
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"parameter {name} must be one of {', '.join(choices)}, got {value!r}")

@@ -1,0 +1,212 @@
+"""Find, start, watch and stop a `tritonserver` process for a model repository.
+
+What it is for: `trtllm-mtp-carry serve` and the tests start the real server
+through `TritonServer`. It owns the server's process group: `stop()` (and
+leaving the `with` block) signals the whole group, so the Python-backend
+stubs never outlive the server.
+
+The environment it sets up (facts checked with Triton 2.51 from
+`nvidia-pytriton`):
+- that wheel ships the stub per Python version apart from the backend, so a
+  backend directory is assembled with the stub for this interpreter;
+- the stub links the system `libpython3.x`: its directory goes on
+  `LD_LIBRARY_PATH` (with the wheel's own bundled libraries);
+- the stub imports the first `numpy` on `PATH`'s Python: this environment's
+  `bin` goes first on `PATH`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+INSTALL_HINT = 'pip install -e ".[serve]" (nvidia-pytriton bundles tritonserver)'
+
+
+class ServeError(RuntimeError):
+    """The server could not be found, started or made ready (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the server listens."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def http(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+
+def _pytriton_dir() -> Path | None:
+    spec = find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+
+
+def find_tritonserver(explicit: str | Path | None = None) -> Path:
+    """`explicit`, else the binary nvidia-pytriton ships, else `tritonserver` on PATH."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ServeError(f"--tritonserver {str(explicit)!r} is not an executable file")
+        return path
+    bundled = _pytriton_dir()
+    if bundled is not None and (bundled / "bin" / "tritonserver").is_file():
+        return bundled / "bin" / "tritonserver"
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return Path(on_path)
+    raise ServeError(f"no tritonserver found; install one with {INSTALL_HINT} or pass --tritonserver PATH")
+
+
+def backend_directory(binary: Path, workdir: Path) -> Path:
+    """The backends directory to serve with: the binary's own when it holds the Python
+    backend's stub, else one assembled in `workdir` with the stub for this Python."""
+    root = binary.resolve().parent.parent
+    own = root / "backends"
+    if (own / "python" / "triton_python_backend_stub").is_file():
+        return own
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not (own / "python" / "libtriton_python.so").is_file() or not stub.is_file():
+        raise ServeError(f"{binary} has no Python backend stub for Python {version}")
+    target = workdir / "backends" / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for src in (*(own / "python").iterdir(), stub):
+        dst = target / src.name
+        if src.is_file() and not dst.exists():
+            dst.symlink_to(src)
+    return workdir / "backends"
+
+
+def server_env(binary: Path) -> dict[str, str]:
+    """The environment the server and its Python stubs need (see the module header)."""
+    env = dict(os.environ)
+    libs = [sysconfig.get_config_var("LIBDIR") or ""]
+    bundled_libs = binary.resolve().parent.parent.parent.parent / "nvidia_pytriton.libs"
+    if bundled_libs.is_dir():
+        libs.append(str(bundled_libs))
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in libs if p)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return env
+
+
+class TritonServer:
+    """A running `tritonserver` on `endpoints`, serving `repository`; a context manager.
+
+    `extra_args` go to the server as given (e.g. `--model-control-mode=explicit`).
+    The log is kept in `log_path` (a file in the work directory).
+    """
+
+    def __init__(self, repository: str | Path, endpoints: Endpoints, binary: Path | None = None,
+                 extra_args: Sequence[str] = (), workdir: str | Path | None = None) -> None:
+        self.repository = Path(repository)
+        self.endpoints = endpoints
+        self.binary = binary or find_tritonserver()
+        self.extra_args = list(extra_args)
+        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="mtp-carry-triton-")
+        self.workdir = Path(workdir) if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        self.log_path = self.workdir / "tritonserver.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        e = self.endpoints
+        return [
+            str(self.binary), f"--model-repository={self.repository}",
+            f"--backend-directory={backend_directory(self.binary, self.workdir)}",
+            f"--http-address={e.host}", f"--http-port={e.http_port}",
+            f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}",
+            f"--metrics-address={e.host}", f"--metrics-port={e.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+            *self.extra_args,
+        ]
+
+    def start(self) -> None:
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            env=server_env(self.binary), start_new_session=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, models: Sequence[str], timeout_s: float = 180.0) -> None:
+        """Block until the server and `models` are ready; ServeError (with the log's tail)
+        if the server exits or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        urls = [f"http://{self.endpoints.http}/v2/models/{m}/ready" for m in models]
+        urls.insert(0, f"http://{self.endpoints.http}/v2/health/live")
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                raise ServeError(f"tritonserver exited before its models were ready:\n{self.log_tail()}")
+            if all(_http_ok(u) for u in urls):
+                return
+            time.sleep(0.5)
+        raise ServeError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`; idempotent."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGKILL)  # stubs left in the group, if any
+            proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,327 @@
+"""Serve turns of many sessions through one engine, from one stepping thread.
+
+What it is for: the Triton model hands every request here (`enqueue`) and
+returns at once (decoupled); one thread owns the engine, submits what can
+run, steps it, and streams each request's new tokens to its `ResponseSink`.
+Requests of several sessions run concurrently through the same engine.
+
+Ownership and invariants:
+- Only the stepping thread touches the engine and the session table.
+- A session (the correlation id) has at most one turn in the engine; a
+  session's later requests wait in arrival order (the next turn's prompt is
+  built from the previous turn's output).
+- A session's chat history is the last turn's prompt and output; a
+  `text_input` turn extends it with `bench.replay.next_prompt`, an
+  `input_ids` turn replaces it.
+- `END`, a new `START` on a known session, and the idle timeout free the
+  session's carried rows (`runtime.forget_session`); a request that fails
+  with `END` (or `START`) still ends its (previous) session.
+- A bad request gets exactly one error response and changes nothing else;
+  an engine failure fails the requests in flight and cancels them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..core.session import session_hash
+from .engines import ServingEngine
+from .options import POLICIES, ServeOptions
+
+logger = logging.getLogger("trtllm_mtp_carry.serve")
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One request as the model parsed it: the session, its control flags and inputs."""
+
+    corrid: int
+    start: bool = False
+    end: bool = False
+    text_input: str | None = None
+    input_ids: list[int] | None = None
+    max_tokens: int | None = None
+    drafter_policy: str | None = None
+
+    def check(self) -> None:
+        """ValueError naming what is wrong with the inputs (session state aside)."""
+        if self.text_input is None and self.input_ids is None:
+            raise ValueError("request needs text_input (the new user message) or input_ids (the full prompt)")
+        if self.text_input is not None and self.input_ids is not None:
+            raise ValueError("request has both text_input and input_ids; send one")
+        if self.input_ids is not None and len(self.input_ids) == 0:
+            raise ValueError("input_ids is empty")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.drafter_policy is not None and self.drafter_policy not in POLICIES:
+            raise ValueError(f"drafter_policy must be one of {', '.join(POLICIES)}, got {self.drafter_policy!r}")
+        if self.corrid == 0:
+            raise ValueError("CORRID 0 is not a session; send a non-zero correlation id")
+
+
+class ResponseSink(Protocol):
+    """Where one request's responses go (Triton's response sender, or a test's list)."""
+
+    def partial(self, ids: list[int], text: str) -> None: ...
+
+    def final(self, ids: list[int], text: str, result: Any) -> None: ...
+
+    def error(self, message: str) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Session:
+    prompt: list[int] | None = None  # the last finished turn's prompt and output
+    output: list[int] | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _InFlight:
+    request: TurnRequest
+    sink: ResponseSink
+    sent: int = 0  # output tokens already streamed
+    text_from: int = 0  # first output token not yet rendered as text
+
+
+class SessionServer:
+    """The engine's one driver: queues requests, steps the engine, streams the results.
+
+    `on_turn(result)` sees every finished turn and `on_forget(cause, rows)`
+    every session end (both from the stepping thread: metrics hook here).
+    """
+
+    def __init__(self, engine: ServingEngine, options: ServeOptions, idle_timeout_s: float | None = None,
+                 on_turn: Callable[[Any], None] | None = None,
+                 on_forget: Callable[[str, int], None] | None = None) -> None:
+        self.engine = engine
+        self.options = options
+        self.idle_timeout_s = idle_timeout_s
+        self._on_turn = on_turn or (lambda result: None)
+        self._on_forget = on_forget or (lambda cause, rows: None)
+        self._pending: deque[tuple[TurnRequest, ResponseSink]] = deque()
+        self._inflight: dict[int, _InFlight] = {}  # engine request id -> its request
+        self._busy: set[int] = set()  # sessions with a turn in the engine
+        self._sessions: dict[int, _Session] = {}
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mtp-carry-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the stepping thread; requests still queued or running get an error."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def enqueue(self, request: TurnRequest, sink: ResponseSink) -> None:
+        """Queue one request; malformed inputs get their error response right away."""
+        try:
+            request.check()
+        except ValueError as exc:
+            self._send_error(sink, str(exc))
+            if request.start or request.end:  # Triton started or ended the sequence all the same
+                with self._cv:
+                    self._pending.append((request, _ENDED))  # in order with the session's turns
+                    self._cv.notify()
+            return
+        with self._cv:
+            self._pending.append((request, sink))
+            self._cv.notify()
+
+    # ---- the stepping thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        tick = 0.5 if self.idle_timeout_s is None else min(0.5, self.idle_timeout_s / 4)
+        while True:
+            with self._cv:
+                while not self._stopping and not self._inflight and not self._ready():
+                    self._cv.wait(tick)
+                    self._expire_idle()
+                if self._stopping:
+                    break
+                ready = self._take_ready()
+            for request, sink in ready:
+                self._dispatch(request, sink)
+            self._expire_idle()
+            if self._inflight:
+                self._step()
+        self._fail_all("the model is shutting down")
+
+    def _ready(self) -> bool:
+        return any(r.corrid not in self._busy for r, _ in self._pending)
+
+    def _take_ready(self) -> list[tuple[TurnRequest, ResponseSink]]:
+        """Requests whose session has no turn in the engine, oldest first, one per session."""
+        ready: list[tuple[TurnRequest, ResponseSink]] = []
+        kept: deque[tuple[TurnRequest, ResponseSink]] = deque()
+        taken: set[int] = set()
+        for request, sink in self._pending:
+            if request.corrid in self._busy or request.corrid in taken:
+                kept.append((request, sink))
+            else:
+                taken.add(request.corrid)
+                ready.append((request, sink))
+        self._pending = kept
+        return ready
+
+    def _dispatch(self, request: TurnRequest, sink: ResponseSink) -> None:
+        corrid = request.corrid
+        if sink is _ENDED:  # a malformed START/END request: the old session ends all the same
+            if corrid in self._sessions or request.end:
+                self._forget(corrid, "end" if request.end else "restart")
+            return
+        if request.start and corrid in self._sessions:
+            self._forget(corrid, "restart")
+        # a START turn opens the session only once the engine accepted it
+        session = _Session() if request.start else self._sessions.get(corrid)
+        try:
+            if session is None:
+                raise ValueError(f"unknown session CORRID={corrid}: its first request must set START")
+            session.last_seen = time.monotonic()
+            if request.text_input is not None:
+                if session.prompt is None or session.output is None:
+                    prompt = self.engine.tokenizer.render_chat(
+                        [{"role": "user", "content": request.text_input}])
+                else:
+                    from ..bench.replay import next_prompt
+
+                    prompt = next_prompt(self.engine.tokenizer, session.prompt, session.output,
+                                         request.text_input)
+            else:
+                assert request.input_ids is not None
+                prompt = request.input_ids
+            rid = self.engine.submit(
+                corrid, prompt,
+                max_new_tokens=request.max_tokens or self.options.max_tokens,
+                policy=request.drafter_policy,
+            )
+        except (ValueError, TypeError) as exc:
+            self._send_error(sink, str(exc))
+            if request.end:
+                self._forget(corrid, "end")
+            return
+        self._sessions[corrid] = session
+        self._inflight[rid] = _InFlight(request, sink)
+        self._busy.add(corrid)
+
+    def _step(self) -> None:
+        try:
+            finished = {r.request_id: r for r in self.engine.step()}
+        except Exception as exc:  # an engine bug: fail what is in flight, keep serving
+            logger.exception("engine step failed")
+            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            return
+        for rid, flight in list(self._inflight.items()):
+            result = finished.get(rid)
+            if result is not None:
+                self._finish(rid, flight, result)
+                continue
+            if flight.sink.cancelled():
+                self.engine.cancel(rid)
+                self._release(rid, flight)
+                continue
+            out = self.engine.output_so_far(rid)
+            if out and len(out) > flight.sent:
+                ids, text = self._delta(flight, out, final=False)
+                try:
+                    flight.sink.partial(ids, text)
+                except Exception as exc:  # the client went away: stop its turn
+                    logger.warning("dropping request %d: %s", rid, exc)
+                    self.engine.cancel(rid)
+                    self._release(rid, flight)
+
+    def _finish(self, rid: int, flight: _InFlight, result: Any) -> None:
+        request = flight.request
+        ids, text = self._delta(flight, result.output, final=True)
+        session = self._sessions.get(request.corrid)
+        if session is not None and result.finish_reason != "cancelled":
+            session.prompt, session.output = list(result.prompt), list(result.output)
+            session.last_seen = time.monotonic()
+        self._release(rid, flight)
+        self._on_turn(result)
+        try:
+            flight.sink.final(ids, text, result)
+        except Exception as exc:
+            logger.warning("final response of request %d not delivered: %s", rid, exc)
+
+    def _release(self, rid: int, flight: _InFlight) -> None:
+        del self._inflight[rid]
+        self._busy.discard(flight.request.corrid)
+        if flight.request.end:
+            self._forget(flight.request.corrid, "end")
+
+    def _delta(self, flight: _InFlight, out: list[int], final: bool) -> tuple[list[int], str]:
+        """The tokens not yet sent, and their text; an incomplete UTF-8 tail waits."""
+        ids = list(out[flight.sent:])
+        flight.sent = len(out)
+        tok = self.engine.tokenizer
+        body = out[flight.text_from:]
+        if final and body and body[-1] == tok.eos_id:
+            body = body[:-1]  # the end-of-turn token is not text
+        text = tok.decode(body)
+        if text.endswith("\ufffd") and not final:
+            return ids, ""
+        flight.text_from = len(out)
+        return ids, text
+
+    def _forget(self, corrid: int, cause: str) -> None:
+        self._sessions.pop(corrid, None)
+        rows = self.engine.runtime.forget_session(session_hash(corrid))
+        self._on_forget(cause, rows)
+
+    def _expire_idle(self) -> None:
+        if self.idle_timeout_s is None:
+            return
+        now = time.monotonic()
+        for corrid, session in list(self._sessions.items()):
+            if corrid not in self._busy and now - session.last_seen > self.idle_timeout_s:
+                self._forget(corrid, "idle")
+
+    def _fail_all(self, message: str) -> None:
+        for rid, flight in list(self._inflight.items()):
+            try:
+                self.engine.cancel(rid)
+            except Exception:  # the engine already failed; the error response still goes out
+                logger.exception("cancel of request %d failed", rid)
+            self._release(rid, flight)
+            self._send_error(flight.sink, message)
+        with self._cv:
+            pending, self._pending = list(self._pending), deque()
+        for _, sink in pending:
+            if sink is not _ENDED:
+                self._send_error(sink, message)
+
+    @staticmethod
+    def _send_error(sink: ResponseSink, message: str) -> None:
+        try:
+            sink.error(message)
+        except Exception as exc:
+            logger.warning("error response not delivered (%s): %s", message, exc)
+
+
+class _Ended:
+    """Stands for the sink of a malformed END request (already answered)."""
+
+    def partial(self, ids: list[int], text: str) -> None: ...
+
+    def final(self, ids: list[int], text: str, result: Any) -> None: ...
+
+    def error(self, message: str) -> None: ...
+
+    def cancelled(self) -> bool:
+        return True
+
+
+_ENDED = _Ended()

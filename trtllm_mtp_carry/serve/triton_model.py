@@ -1,0 +1,158 @@
+"""The Triton Python-backend model: requests in, streamed responses out.
+
+What it is for: `TritonPythonModel` is what the generated `model.py`
+exports. `initialize` validates the `parameters` (a bad value fails the load
+with a message naming it), builds the engine the `engine` parameter names and
+starts the `SessionServer` that owns it; `execute` only parses requests and
+queues them (the transaction policy is decoupled), so several sessions run
+through one engine concurrently; `finalize` stops the stepping thread.
+
+Request contract (names follow TensorRT-LLM's Triton models):
+- control: `CORRID` (uint64, the session), `START`, `END`;
+- `text_input` (the new user message) or `input_ids` (the full prompt),
+  `max_tokens` (int32), optional `drafter_policy`;
+- streamed `text_output`, `output_ids`; with the final response
+  `carry_outcome`, `drafter_rows_computed`, `drafted`, `accepted`,
+  `ttft_ms`, `model_instance` (which instance served the turn) and
+  `turn_stats` (JSON of every field of the turn's statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from .options import ServeOptions
+from .session_server import SessionServer, TurnRequest
+
+logger = logging.getLogger("trtllm_mtp_carry.serve")
+
+
+def _scalar(request: Any, pb_utils: Any, name: str) -> Any:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    array = tensor.as_numpy().reshape(-1)
+    if array.size != 1:
+        raise ValueError(f"{name} must hold exactly one value, got {array.size}")
+    return array[0]
+
+
+def _text(request: Any, pb_utils: Any, name: str) -> str | None:
+    value = _scalar(request, pb_utils, name)
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{name} is not valid UTF-8") from None
+    return str(value)
+
+
+def parse_request(request: Any, pb_utils: Any) -> TurnRequest:
+    """A TurnRequest from one Triton request; ValueError naming a malformed input."""
+    corrid = _scalar(request, pb_utils, "CORRID")
+    if corrid is None:
+        raise ValueError("request has no CORRID (send a sequence id)")
+    ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    max_tokens = _scalar(request, pb_utils, "max_tokens")
+    start, end = _scalar(request, pb_utils, "START"), _scalar(request, pb_utils, "END")
+    return TurnRequest(
+        corrid=int(corrid),
+        start=bool(start) if start is not None else False,
+        end=bool(end) if end is not None else False,
+        text_input=_text(request, pb_utils, "text_input"),
+        input_ids=None if ids_tensor is None else [int(i) for i in ids_tensor.as_numpy().reshape(-1).tolist()],
+        max_tokens=None if max_tokens is None else int(max_tokens),
+        drafter_policy=_text(request, pb_utils, "drafter_policy"),
+    )
+
+
+class _TritonSink:
+    """One request's response sender; the final response carries the turn's statistics."""
+
+    def __init__(self, pb_utils: Any, request: Any, instance: str) -> None:
+        self._pb = pb_utils
+        self._request = request
+        self._sender = request.get_response_sender()
+        self._instance = instance
+
+    def _stream(self, ids: list[int], text: str) -> list[Any]:
+        import numpy as np
+
+        return [self._pb.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
+                self._pb.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
+
+    def partial(self, ids: list[int], text: str) -> None:
+        self._sender.send(self._pb.InferenceResponse(output_tensors=self._stream(ids, text)))
+
+    def final(self, ids: list[int], text: str, result: Any) -> None:
+        import numpy as np
+
+        s = result.stats
+        tensors = self._stream(ids, text) + [
+            self._pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)),
+            self._pb.Tensor("drafter_rows_computed", np.asarray([s.drafter_rows_computed], dtype=np.int32)),
+            self._pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
+            self._pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
+            self._pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
+            self._pb.Tensor("model_instance", np.asarray([self._instance.encode()], dtype=np.object_)),
+            self._pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
+        ]
+        self._sender.send(self._pb.InferenceResponse(output_tensors=tensors),
+                          flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def error(self, message: str) -> None:
+        self._sender.send(self._pb.InferenceResponse(error=self._pb.TritonError(message)),
+                          flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def cancelled(self) -> bool:
+        return bool(self._request.is_cancelled())
+
+
+class TritonPythonModel:
+    """One model instance: its own engine, carry runtime, metrics and stepping thread."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        from .engines import build_engine
+        from .metrics import CarryMetrics
+
+        self._pb = pb_utils
+        config = json.loads(args["model_config"])
+        options = ServeOptions.from_parameters(config.get("parameters", {}))
+        idle_us = config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
+        idle_s = int(idle_us) / 1e6 if idle_us else None
+        self._instance = args["model_instance_name"]
+        engine = build_engine(options)
+        metrics = CarryMetrics(pb_utils, args["model_name"], self._instance)
+        metrics.refresh(engine.runtime.stats())
+
+        def on_turn(result: Any) -> None:
+            metrics.record_turn(result.stats)
+            metrics.refresh(engine.runtime.stats())
+
+        def on_forget(cause: str, rows: int) -> None:
+            metrics.record_session_end(cause, rows)
+            metrics.refresh(engine.runtime.stats())
+
+        self._server = SessionServer(engine, options, idle_s, on_turn=on_turn, on_forget=on_forget)
+        self._server.start()
+        logger.info("%s ready: %s", self._instance, options)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sink = _TritonSink(self._pb, request, self._instance)
+            try:
+                turn = parse_request(request, self._pb)
+            except ValueError as exc:
+                sink.error(str(exc))
+                continue
+            self._server.enqueue(turn, sink)
+        return None
+
+    def finalize(self) -> None:
+        self._server.stop()
