@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from . import __version__
 from .core import settings
@@ -128,8 +129,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one error line: `trtllm-mtp-carry: error: ...`, exit 2 (subparsers too)."""
+
+    def error(self, message: str) -> NoReturn:
+        sub = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
+        self.exit(2, f"trtllm-mtp-carry: error: {message} (see trtllm-mtp-carry {sub}--help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trtllm-mtp-carry",
         description="Carry the MTP drafter's KV across turns of a session (hybrid MTP models).",
     )
@@ -188,9 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for warning in apply_settings_flags(args):
             print(f"warning: {warning}", file=sys.stderr)
         result: int = args.func(args)
-    except ValueError as exc:  # malformed env values and the like: say what is wrong, no traceback
+    except ValueError as exc:  # bad values (flags, env, files): one line, no traceback
         print(f"trtllm-mtp-carry: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the bench's own handling (loading, printing)
+        print("trtllm-mtp-carry: interrupted", file=sys.stderr)
+        return 130
     return result
 
 
