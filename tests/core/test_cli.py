@@ -110,8 +110,10 @@ def test_cuda_device_without_cuda_is_one_line():
 
 
 def test_chat_device_is_checked_the_same_way():
+    line = one_error_line(run_cli("chat", "--device", "meta"))
+    assert line == "trtllm-mtp-carry: error: --device 'meta': only cpu and cuda[:N] are supported"
     line = one_error_line(run_cli("chat", "--device", "tpu"))
-    assert line == "trtllm-mtp-carry: error: --device 'tpu': only cpu and cuda[:N] are supported"
+    assert line == "trtllm-mtp-carry: error: --device 'tpu' is not a device; use cpu, cuda or cuda:N"
 
 
 def test_threads_zero_names_the_flag():
