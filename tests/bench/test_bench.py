@@ -163,3 +163,20 @@ def test_bench_rejects_bad_options(capsys):
     assert capsys.readouterr().err == (
         "trtllm-mtp-carry: error: argument --turns: must be at least 1, got 0 "
         "(see trtllm-mtp-carry bench --help)\n")
+
+
+def test_bench_at_concurrency_reports_adoption_refusals_evictions_and_throughput(tmp_path):
+    out = tmp_path / "conc.json"
+    rc = main(["bench", "--sessions", "2", "--turns", "2", "--history", "200", "--new-span", "32",
+               "--max-new-tokens", "6", "--repeat", "1", "--concurrency", "2", "--interleave",
+               "--policies", "carry,blind", "--no-progress", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["outputs_identical"] is True
+    assert data["config"]["concurrency"] == 2 and data["first_measured_replay"] == 0
+    carry = data["summary"]["carry"]
+    assert carry["turns"] == 2  # one warm turn per session
+    outcomes = sum(carry["outcomes"].values())
+    assert carry["adoption_rate"] == carry["outcomes"].get("adopted", 0) / outcomes
+    assert sum(carry["refusals"].values()) + carry["outcomes"].get("adopted", 0) <= outcomes
+    assert isinstance(carry["evictions"], dict) and carry["output_tokens_per_s"] > 0
+    assert data["summary"]["ratios"]["carry/blind"]["pairs"] == 2

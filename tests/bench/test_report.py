@@ -1,5 +1,7 @@
 """Summaries and paired ratios of synthetic benchmark runs (exact values, no engine)."""
 
+import pytest
+
 from trtllm_mtp_carry.bench.replay import PolicyRun, TurnRecord
 from trtllm_mtp_carry.bench.report import (
     outputs_identical,
@@ -102,3 +104,15 @@ def test_tables_mark_the_warm_up_and_name_refusals_and_evictions():
     assert "carry: refusals foreign_session=2" in text
     assert "carry: evictions {'evictions': {'lru': 1, 'pool': 2}, 'evicted_blocks': 10}" in text
     assert "30.0 [27.5-30.0]" in text
+
+
+def test_plot_writes_a_png_of_every_measured_turn(tmp_path):
+    pytest.importorskip("matplotlib")
+    from trtllm_mtp_carry.bench.report import plot
+
+    carry, blind = carry_and_blind()
+    same = PolicyRun("same", turns=[turn(t.replay, t.session, t.turn, t.stats["ttft_ms"])
+                                    for t in carry.turns])  # coincides with carry everywhere
+    path = tmp_path / "ttft.png"
+    plot([carry, blind, same], str(path), first_measured=1)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
