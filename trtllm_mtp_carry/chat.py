@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from .bench.options import draft_len, positive_int, resolve_device
+from .bench.options import draft_len, positive_int, resolve_device, weights_dir
 
 HELP = """commands (never sent to the model):
   /help    this list
@@ -125,6 +125,7 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sy
     from .runtime.policy import DrafterPolicy
 
     policy = DrafterPolicy.parse(args.policy)
+    weights_dir(args.weights)
     device = resolve_device(args.device)
     engine = ReferenceEngine.from_pretrained(args.weights, policy=policy, draft_len=args.draft_len,
                                              device=str(device))

@@ -150,3 +150,13 @@ def test_conflicting_dispatch_cap_names_both_flags():
 def test_missing_subcommand_is_one_line():
     line = one_error_line(run_cli())
     assert line.startswith("trtllm-mtp-carry: error: the following arguments are required: command")
+
+
+def test_weights_folder_without_weights_is_one_line(tmp_path):
+    line = one_error_line(run_cli("bench", "--weights", str(tmp_path)))
+    assert line == f"trtllm-mtp-carry: error: --weights {tmp_path}: no reference.json there"
+
+
+def test_sessions_longer_than_the_model_name_the_flags():
+    line = one_error_line(run_cli("bench", "--history", "100000", "--no-progress"))
+    assert "past the model's" in line and "lower --history, --turns, --new-span or --max-new-tokens" in line

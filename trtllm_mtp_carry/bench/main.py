@@ -22,7 +22,14 @@ from typing import Any
 
 from .. import __version__
 from ..core import marconi_min_tokens, mtp_max_seqs, settings
-from .options import draft_len, output_path, positive_int, prefill_chunk, resolve_device
+from .options import (
+    draft_len,
+    output_path,
+    positive_int,
+    prefill_chunk,
+    resolve_device,
+    weights_dir,
+)
 
 DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
@@ -134,6 +141,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--policies names a policy twice: {args.policies!r}")
     if args.conversations is not None and not Path(args.conversations).is_file():
         raise ValueError(f"--conversations {args.conversations}: no such file")
+    weights_dir(args.weights)
     output_path(args.json, "--json")
     output_path(args.plot, "--plot")
     if args.plot:
@@ -183,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
     first_lens = [len(tokenizer.render_chat(s.history)) for s in sessions]
     longest = max(n + len(s.followups) * (args.new_span + args.max_new_tokens + 8)
                   for n, s in zip(first_lens, sessions, strict=True))
+    if longest > model.cfg.max_position:
+        raise ValueError(
+            f"sessions reach {longest} tokens (history {max(first_lens)} + turns x (--new-span + "
+            f"--max-new-tokens)), past the model's {model.cfg.max_position}; lower --history, "
+            "--turns, --new-span or --max-new-tokens")
     max_len = min(model.cfg.max_position, max(4096, 1 << (longest - 1).bit_length()))
     per_seq = -(-max_len // 16)
     slots = _carry_slots() or 1

@@ -73,3 +73,12 @@ def output_path(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: folder {parent} does not exist")
     if Path(path).is_dir():
         raise ValueError(f"{flag} {path}: is a folder, expected a file name")
+
+
+def weights_dir(path: str | None, flag: str = "--weights") -> None:
+    """A `--weights` folder must hold both files the loader reads."""
+    if path is None:
+        return
+    for name in ("reference.json", "reference.safetensors"):
+        if not (Path(path) / name).is_file():
+            raise ValueError(f"{flag} {path}: no {name} there")
