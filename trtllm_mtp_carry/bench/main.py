@@ -200,7 +200,11 @@ def run(args: argparse.Namespace) -> int:
     per_seq = -(-max_len // 16)
     slots = _carry_slots() or 1
     config = EngineConfig(
-        max_model_len=max_len, num_target_blocks=max(4096, 2 * per_seq * args.concurrency),
+        max_model_len=max_len,
+        # room for every in-flight sequence plus every session's cached prefix, so the
+        # prefix cache does not evict a session between its turns (that would make warm
+        # turns cold and say nothing about the carry)
+        num_target_blocks=max(4096, per_seq * (args.concurrency + len(sessions))),
         num_drafter_blocks=args.drafter_blocks or max(
             1024, per_seq * (args.concurrency + min(slots, len(sessions)))),
         prefill_chunk=args.chunk, draft_len=args.draft_len, max_num_seqs=args.concurrency,
