@@ -116,3 +116,9 @@ def test_plot_writes_a_png_of_every_measured_turn(tmp_path):
     path = tmp_path / "ttft.png"
     plot([carry, blind, same], str(path), first_measured=1)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_turn_table_orders_sessions_naturally():
+    run = PolicyRun("carry", turns=[turn(0, "s10", 0, 1.0), turn(0, "s2", 0, 1.0), turn(0, "s1", 1, 1.0)])
+    rows = turn_table([run], first_measured=0).splitlines()[2:]
+    assert [r.split()[1] for r in rows] == ["s1", "s2", "s10"]

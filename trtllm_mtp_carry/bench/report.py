@@ -12,6 +12,7 @@ turn), see `stats.py`.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from itertools import combinations
@@ -138,6 +139,11 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _natural(name: str) -> tuple[tuple[int, str], ...]:
+    """Sort key putting `s2` before `s10`."""
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", name) if p)
+
+
 def turn_table(runs: Sequence[PolicyRun], first_measured: int) -> str:
     """One line per turn and policy, paired turns together; warm-up replays are marked `w`."""
     head = (f"{'rep':>4} {'sess':<6} {'turn':>4} {'policy':<8} {'prompt':>7} {'reused':>7} "
@@ -145,7 +151,7 @@ def turn_table(runs: Sequence[PolicyRun], first_measured: int) -> str:
     lines = [head, "-" * len(head)]
     order = {r.policy: i for i, r in enumerate(runs)}
     rows = sorted(((t, run.policy) for run in runs for t in run.turns),
-                  key=lambda x: (*x[0].key, order[x[1]]))
+                  key=lambda x: (x[0].replay, _natural(x[0].session), x[0].turn, order[x[1]]))
     for t, policy in rows:
         s = t.stats
         rep = f"{t.replay}{'w' if t.replay < first_measured else ''}"
