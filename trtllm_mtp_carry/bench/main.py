@@ -156,17 +156,46 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
+def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, sessions: list[Any],
+                  device: str) -> Any:
+    """Engine sizes for this run: every turn fits, every session's cached prefix stays,
+    and the drafter pool holds the in-flight sequences plus the carried sessions
+    (unless `--drafter-blocks` shrinks it to force evictions)."""
+    from ..engine.engine import EngineConfig
+
+    first_lens = [len(tokenizer.render_chat(s.history)) for s in sessions]
+    longest = max(n + len(s.followups) * (args.new_span + args.max_new_tokens + 8)
+                  for n, s in zip(first_lens, sessions, strict=True))
+    if longest > max_position:
+        raise ValueError(
+            f"sessions reach {longest} tokens (history {max(first_lens)} + turns x (--new-span + "
+            f"--max-new-tokens)), past the model's {max_position}; lower --history, "
+            "--turns, --new-span or --max-new-tokens")
+    max_len = min(max_position, max(4096, 1 << (longest - 1).bit_length()))
+    per_seq = -(-max_len // 16)
+    slots = _carry_slots() or 1
+    return EngineConfig(
+        max_model_len=max_len,
+        # room for every in-flight sequence plus every session's cached prefix, so the
+        # prefix cache does not evict a session between its turns (that would make warm
+        # turns cold and say nothing about the carry)
+        num_target_blocks=max(4096, per_seq * (args.concurrency + len(sessions))),
+        num_drafter_blocks=args.drafter_blocks or max(
+            1024, per_seq * (args.concurrency + min(slots, len(sessions)))),
+        prefill_chunk=args.chunk, draft_len=args.draft_len, max_num_seqs=args.concurrency,
+        mtp_max_seqs=args.concurrency, device=device, dtype=args.dtype, snapshot_budget_mb=256,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
     import torch
     from tqdm import tqdm
 
-    from ..engine.engine import EngineConfig
     from ..engine.model import load_reference
     from ..runtime.policy import DrafterPolicy
     from . import report
     from .replay import PolicyRun, replay_lockstep
-    from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
 
     policies = [DrafterPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip()]
     device = resolve_device(args.device)
@@ -176,40 +205,10 @@ def run(args: argparse.Namespace) -> int:
     env = environment(device)
     started = time.perf_counter()
     model, tokenizer = load_reference(path=args.weights)
-    if args.conversations:
-        try:
-            conversations = load_conversations(args.conversations)
-        except OSError as exc:
-            raise ValueError(f"--conversations {args.conversations}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"--conversations: {exc}") from None
-        sessions = sessions_from_conversations(conversations)
-    else:
-        sessions = builtin_sessions(args.sessions, args.turns, args.history, args.new_span, tokenizer)
+    sessions = _sessions(args, tokenizer)
     print(environment_line(env))
     _note_below_threshold(sessions, tokenizer)
-    first_lens = [len(tokenizer.render_chat(s.history)) for s in sessions]
-    longest = max(n + len(s.followups) * (args.new_span + args.max_new_tokens + 8)
-                  for n, s in zip(first_lens, sessions, strict=True))
-    if longest > model.cfg.max_position:
-        raise ValueError(
-            f"sessions reach {longest} tokens (history {max(first_lens)} + turns x (--new-span + "
-            f"--max-new-tokens)), past the model's {model.cfg.max_position}; lower --history, "
-            "--turns, --new-span or --max-new-tokens")
-    max_len = min(model.cfg.max_position, max(4096, 1 << (longest - 1).bit_length()))
-    per_seq = -(-max_len // 16)
-    slots = _carry_slots() or 1
-    config = EngineConfig(
-        max_model_len=max_len,
-        # room for every in-flight sequence plus every session's cached prefix, so the
-        # prefix cache does not evict a session between its turns (that would make warm
-        # turns cold and say nothing about the carry)
-        num_target_blocks=max(4096, per_seq * (args.concurrency + len(sessions))),
-        num_drafter_blocks=args.drafter_blocks or max(
-            1024, per_seq * (args.concurrency + min(slots, len(sessions)))),
-        prefill_chunk=args.chunk, draft_len=args.draft_len, max_num_seqs=args.concurrency,
-        mtp_max_seqs=args.concurrency, device=str(device), dtype=args.dtype, snapshot_budget_mb=256,
-    )
+    config = engine_config(args, model.cfg.max_position, tokenizer, sessions, str(device))
     first_measured = 1 if args.repeat > 1 else 0
     total = args.repeat * len(policies) * sum(1 + len(s.followups) for s in sessions)
     bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
@@ -228,10 +227,36 @@ def run(args: argparse.Namespace) -> int:
     env["load_avg_end"] = _loadavg()
     if partial and not any(report.measured(r, first_measured) for r in runs):
         first_measured = 0  # stopped during the warm-up: summarise what there is
+    identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started)
+    if partial:
+        print("partial: interrupted by Ctrl-C", file=sys.stderr)
+        return 130
+    return 0 if identical else 1
+
+
+def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    """The built-in sessions, or the user's `--conversations` (errors name the flag)."""
+    from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
+
+    if not args.conversations:
+        return builtin_sessions(args.sessions, args.turns, args.history, args.new_span, tokenizer)
+    try:
+        conversations = load_conversations(args.conversations)
+    except OSError as exc:
+        raise ValueError(f"--conversations {args.conversations}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--conversations: {exc}") from None
+    return sessions_from_conversations(conversations)
+
+
+def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], first_measured: int,
+            partial: bool, wall: float) -> bool:
+    """Print the tables and ratios, write the JSON and plot; returns outputs_identical."""
+    from . import report
+
     summary = {r.policy: report.policy_summary(r, first_measured) for r in runs}
     ratios = report.paired(runs, first_measured)
     identical = report.outputs_identical(runs)
-    wall = time.perf_counter() - started
     print(report.turn_table(runs, first_measured))
     print()
     what = "partial: interrupted, " if partial else ""
@@ -251,10 +276,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and runs:
         report.plot(runs, args.plot, first_measured)
         print(f"wrote {args.plot}")
-    if partial:
-        print("partial: interrupted by Ctrl-C", file=sys.stderr)
-        return 130
-    return 0 if identical else 1
+    return identical
 
 
 def _note_below_threshold(sessions: list[Any], tokenizer: Any) -> None:
