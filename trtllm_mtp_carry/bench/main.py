@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated drafter policies to compare, first is the numerator of "
                         f"every ratio (carry, rebuild, blind, off; default {DEFAULT_POLICIES})")
-    p.add_argument("--sessions", type=positive_int, default=3, help="number of built-in sessions")
+    p.add_argument("--sessions", type=positive_int, default=4, help="number of built-in sessions")
     p.add_argument("--turns", type=positive_int, default=4,
                    help="turns per built-in session (the first is cold)")
     p.add_argument("--history", type=positive_int, default=1024, help="tokens of history before turn 1")
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sessions in flight at once; also the MTP dispatch cap the bench arms")
     p.add_argument("--interleave", action="store_true",
                    help="start sessions round-robin turn by turn, so carried entries are contested")
-    p.add_argument("--repeat", type=positive_int, default=3,
+    p.add_argument("--repeat", type=positive_int, default=4,
                    help="replay the session set N times; with N > 1 the first is a warm-up, "
                         "shown but left out of the summary")
     p.add_argument("--drafter-blocks", type=positive_int, default=None, metavar="N",
@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sequence and carried session; smaller forces evictions)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch intra-op threads (default 1: the reference model's ops are too small "
+                        "to gain from more, and extra threads on a busy CPU make timings erratic)")
     p.add_argument("--weights", metavar="DIR", help="reference.safetensors + reference.json directory")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
@@ -200,8 +202,7 @@ def run(args: argparse.Namespace) -> int:
     policies = [DrafterPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip()]
     device = resolve_device(args.device)
     settings.MTP_MAX_SEQS.set(args.concurrency, source="--concurrency")  # the cap the bench arms
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     env = environment(device)
     started = time.perf_counter()
     model, tokenizer = load_reference(path=args.weights)
