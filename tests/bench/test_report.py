@@ -122,3 +122,12 @@ def test_turn_table_orders_sessions_naturally():
     run = PolicyRun("carry", turns=[turn(0, "s10", 0, 1.0), turn(0, "s2", 0, 1.0), turn(0, "s1", 1, 1.0)])
     rows = turn_table([run], first_measured=0).splitlines()[2:]
     assert [r.split()[1] for r in rows] == ["s1", "s2", "s10"]
+
+
+def test_summary_says_when_the_carry_was_not_armed():
+    carry, _ = carry_and_blind()
+    carry.runtime = {1: {"armed": False}}
+    text = summary_table({"carry": policy_summary(carry, 1)})
+    assert "carry: not armed in this run" in text
+    carry.runtime = {1: {"armed": True}}
+    assert "not armed" not in summary_table({"carry": policy_summary(carry, 1)})

@@ -187,6 +187,9 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
             f"{_mid(s, 'acceptance', '.3f'):>19} {adopted + '%':>7} "
             f"{_f(s['output_tokens_per_s'], '.1f'):>7}  {outcomes}"
         )
+        if policy == "carry" and s.get("carry_armed") is False:
+            notes.append("carry: not armed in this run (see `trtllm-mtp-carry info`): "
+                         "its warm turns ran without carried rows")
         if s["refusals"]:
             notes.append(f"{policy}: refusals " + " ".join(f"{k}={v}" for k, v in s["refusals"].items()))
         flat = {k: v for k, v in s["evictions"].items() if v}
