@@ -52,8 +52,8 @@ COMMAND = re.compile(r"^/\w+$")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="carry", help="drafter policy: carry, rebuild, blind or off")
-    p.add_argument("--max-new-tokens", type=positive_int, default=200, help="answer length cap")
-    p.add_argument("--draft-len", type=draft_len, default=2, help="draft tokens per verify step, 1..3")
+    p.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=200, help="answer length cap")
+    p.add_argument("--draft-len", type=draft_len, metavar="N", default=2, help="draft tokens per verify step, 1..3")
     p.add_argument("--system", default=None, help="an optional system message")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--weights", metavar="DIR", help="reference.safetensors + reference.json directory")

@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.main import add_arguments
 
     bench = sub.add_parser(
-        "bench", help="replay multi-turn sessions under each drafter policy (carry/rebuild/blind)"
+        "bench", help="replay multi-turn sessions under each drafter policy (carry/rebuild/blind/off)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_settings_flags(bench)
     add_arguments(bench)
@@ -169,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .chat import add_arguments as add_chat_arguments
 
-    chat = sub.add_parser("chat", help="chat with the reference model, showing each turn's carry")
+    chat = sub.add_parser("chat", help="chat with the reference model, showing each turn's carry",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_settings_flags(chat)
     add_chat_arguments(chat)
     chat.set_defaults(func=cmd_chat)

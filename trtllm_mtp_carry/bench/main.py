@@ -36,24 +36,24 @@ DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
+    p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                    help="comma-separated drafter policies to compare, first is the numerator of "
                         f"every ratio (carry, rebuild, blind, off; default {DEFAULT_POLICIES})")
-    p.add_argument("--sessions", type=positive_int, default=4, help="number of built-in sessions")
-    p.add_argument("--turns", type=positive_int, default=4,
+    p.add_argument("--sessions", type=positive_int, metavar="N", default=4, help="number of built-in sessions")
+    p.add_argument("--turns", type=positive_int, metavar="N", default=4,
                    help="turns per built-in session (the first is cold)")
-    p.add_argument("--history", type=positive_int, default=1024, help="tokens of history before turn 1")
-    p.add_argument("--new-span", type=positive_int, default=128, help="tokens each warm turn adds")
+    p.add_argument("--history", type=positive_int, metavar="N", default=1024, help="tokens of history before turn 1")
+    p.add_argument("--new-span", type=positive_int, metavar="N", default=128, help="tokens each warm turn adds")
     p.add_argument("--conversations", metavar="PATH.jsonl",
                    help="replay your own chat conversations ({'messages': [...]} per line) instead")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="answer length cap per turn")
-    p.add_argument("--draft-len", type=draft_len, default=2, help="draft tokens per verify step, 1..3")
-    p.add_argument("--chunk", type=prefill_chunk, default=512, help="prefill chunk size (multiple of 16)")
-    p.add_argument("--concurrency", type=positive_int, default=1,
+    p.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=32, help="answer length cap per turn")
+    p.add_argument("--draft-len", type=draft_len, metavar="N", default=2, help="draft tokens per verify step, 1..3")
+    p.add_argument("--chunk", type=prefill_chunk, metavar="N", default=512, help="prefill chunk size (multiple of 16)")
+    p.add_argument("--concurrency", type=positive_int, metavar="N", default=1,
                    help="sessions in flight at once; also the MTP dispatch cap the bench arms")
     p.add_argument("--interleave", action="store_true",
                    help="start sessions round-robin turn by turn, so carried entries are contested")
-    p.add_argument("--repeat", type=positive_int, default=4,
+    p.add_argument("--repeat", type=positive_int, metavar="N", default=4,
                    help="replay the session set N times; with N > 1 the first is a warm-up, "
                         "shown but left out of the summary")
     p.add_argument("--drafter-blocks", type=positive_int, default=None, metavar="N",
@@ -61,9 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sequence and carried session; smaller forces evictions)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--threads", type=positive_int, default=1,
-                   help="torch intra-op threads (default 1: the reference model's ops are too small "
-                        "to gain from more, and extra threads on a busy CPU make timings erratic)")
+    p.add_argument("--threads", type=positive_int, metavar="N", default=1,
+                   help="torch intra-op threads; one by default: the reference model's ops are too "
+                        "small to gain from more, and extra threads on a busy CPU make timings erratic")
     p.add_argument("--weights", metavar="DIR", help="reference.safetensors + reference.json directory")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
