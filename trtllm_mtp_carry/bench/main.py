@@ -272,7 +272,7 @@ def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], firs
     if args.json:
         data = _json(args, env, runs, summary, ratios, identical, first_measured, partial)
         with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
+            json.dump(data, f, indent=1, default=str)  # counters the runtime may add: never fail here
         print(f"wrote {args.json}")
     if args.plot and runs:
         report.plot(runs, args.plot, first_measured)

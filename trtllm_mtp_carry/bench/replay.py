@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any
 
 from ..engine.engine import EngineConfig, ReferenceEngine
@@ -115,7 +115,8 @@ def replay(
             next_turn[name] += 1
             yield run
     engine.check()
-    run.runtime[replay_index] = dict(vars(engine.runtime.stats()))
+    stats = engine.runtime.stats()  # a dataclass of counters (nested ones too), whatever it holds
+    run.runtime[replay_index] = asdict(stats) if is_dataclass(stats) else dict(vars(stats))
     yield run
 
 
