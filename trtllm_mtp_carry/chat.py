@@ -24,6 +24,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
 from typing import Any, TextIO
 
 from .bench.options import draft_len, positive_int, resolve_device, weights_dir
@@ -82,7 +83,8 @@ def _sigint_as_flag() -> Iterator[list[bool]]:
 def stats_table(stats: Any) -> str:
     """The runtime's counters as a two-column table (nested counts as `name.kind`, zeros left out)."""
     rows: list[tuple[str, str]] = []
-    for name, value in vars(stats).items():
+    fields = asdict(stats) if is_dataclass(stats) and not isinstance(stats, type) else vars(stats)
+    for name, value in fields.items():
         if isinstance(value, dict):
             rows += [(f"{name}.{k}", str(v)) for k, v in value.items() if v]
         elif isinstance(value, bool):
