@@ -160,3 +160,9 @@ def test_weights_folder_without_weights_is_one_line(tmp_path):
 def test_sessions_longer_than_the_model_name_the_flags():
     line = one_error_line(run_cli("bench", "--history", "100000", "--no-progress"))
     assert "past the model's" in line and "lower --history, --turns, --new-span or --max-new-tokens" in line
+
+
+def test_chat_unknown_policy_is_one_line():
+    line = one_error_line(run_cli("chat", "--policy", "turbo"))
+    assert line == ("trtllm-mtp-carry: error: unknown drafter policy 'turbo'; "
+                    "expected one of carry, rebuild, blind, off")
