@@ -131,3 +131,11 @@ def test_summary_says_when_the_carry_was_not_armed():
     assert "carry: not armed in this run" in text
     carry.runtime = {1: {"armed": True}}
     assert "not armed" not in summary_table({"carry": policy_summary(carry, 1)})
+
+
+def test_a_turn_whose_drafter_was_off_counts_as_zero_acceptance_not_left_out():
+    run = PolicyRun("carry", turns=[turn(1, "s0", 1, 5.0, acc=(3, 4)), turn(1, "s0", 2, 5.0, acc=(0, 0)),
+                                    turn(1, "s0", 3, 5.0, acc=(1, 4))])
+    s = policy_summary(run, first_measured=1)
+    assert (s["acceptance_median"], s["acceptance_p25"], s["acceptance_p75"]) == (0.25, 0.125, 0.5)
+    assert s["acceptance_pooled"] == 0.5

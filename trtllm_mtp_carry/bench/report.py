@@ -34,11 +34,12 @@ def _spread(prefix: str, values: Sequence[float]) -> dict[str, float | None]:
     return {f"{prefix}_median": s.median, f"{prefix}_p25": s.p25, f"{prefix}_p75": s.p75}
 
 
-def summarize(turns: Sequence[TurnRecord]) -> dict[str, Any]:
+def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any]:
     """Medians (p25-p75) per turn and pooled totals over `turns`.
 
-    `acceptance_*` are over turns that drafted anything (`None` for `off`);
-    `acceptance_pooled` is accepted / drafted over all of them.
+    `acceptance_*` cover every turn of a policy that `drafts` (a turn whose
+    drafter was turned off counts as 0, it is not left out) and are `None`
+    for `off`; `acceptance_pooled` is accepted / drafted over all of them.
     """
     s = [t.stats for t in turns]
     drafted = sum(x["drafted"] for x in s)
@@ -48,7 +49,7 @@ def summarize(turns: Sequence[TurnRecord]) -> dict[str, Any]:
     out: dict[str, Any] = {"turns": len(s)}
     out |= _spread("ttft_ms", [x["ttft_ms"] for x in s])
     out |= _spread("drafter_prep_ms", [x["drafter_prep_ms"] for x in s])
-    out |= _spread("acceptance", [x["acceptance"] for x in s if x["drafted"]])
+    out |= _spread("acceptance", [x["acceptance"] for x in s] if drafts else [])
     out["drafter_rows_computed_median"] = Spread.of([x["drafter_rows_computed"] for x in s]).median
     out["reused_tokens_median"] = Spread.of([x["reused_tokens"] for x in s]).median
     out["prompt_tokens_median"] = Spread.of([x["prompt_tokens"] for x in s]).median
@@ -92,9 +93,10 @@ def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
     `*evict*` (whatever the runtime reports), over the measured replays.
     """
     turns = measured(run, first_measured)
-    out = summarize([t for t in turns if t.turn > 0])
+    drafts = run.policy != "off"
+    out = summarize([t for t in turns if t.turn > 0], drafts)
     out["policy"] = run.policy
-    out["cold"] = summarize([t for t in turns if t.turn == 0])
+    out["cold"] = summarize([t for t in turns if t.turn == 0], drafts)
     busy = sum(s for r, s in run.busy_s.items() if r >= first_measured)
     tokens = sum(t.stats["output_tokens"] for t in turns)
     out["output_tokens_per_s"] = tokens / busy if busy > 0 else None
