@@ -209,8 +209,8 @@ def ratio_lines(ratios: dict[str, dict[str, Any]]) -> list[str]:
         for fig in PAIRED_FIGURES:
             key = f"{fig}_paired_median"
             if r[key] is not None:
-                parts.append(f"{fig} x{r[key]:.3f} [{r[f'{fig}_paired_p25']:.3f}-"
-                             f"{r[f'{fig}_paired_p75']:.3f}]")
+                parts.append(f"{fig} x{r[key]:#.3g} [{r[f'{fig}_paired_p25']:#.3g}-"
+                             f"{r[f'{fig}_paired_p75']:#.3g}]")
             elif fig != "drafter_prep":
                 parts.append(f"{fig} n/a ({r['null_reasons'].get(key, 'no pairs')})")
         lines.append(f"{name} ({r['pairs']} paired warm turns): " + ", ".join(parts))
