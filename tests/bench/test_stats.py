@@ -1,6 +1,10 @@
 """Quantiles, spreads and paired ratios: exact values on small hand-checked inputs."""
 
+import statistics
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trtllm_mtp_carry.bench.stats import NEAR_ZERO, Spread, paired_ratio, quantile
 
@@ -48,3 +52,13 @@ def test_paired_ratio_without_pairs_or_with_unequal_lengths():
     assert paired_ratio([], [], "ttft_ms").reason == "no paired turns"
     with pytest.raises(ValueError, match="differ in length: 2 and 1"):
         paired_ratio([1.0, 2.0], [1.0], "ttft_ms")
+
+
+@given(st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), min_size=2, max_size=40))
+def test_spread_agrees_with_the_standard_librarys_inclusive_quartiles(xs):
+    p25, p50, p75 = statistics.quantiles(xs, n=4, method="inclusive")
+    s = Spread.of(xs)
+    assert s.n == len(xs)
+    assert s.median == pytest.approx(p50, rel=1e-9, abs=1e-6)
+    assert s.p25 == pytest.approx(p25, rel=1e-9, abs=1e-6)
+    assert s.p75 == pytest.approx(p75, rel=1e-9, abs=1e-6)
