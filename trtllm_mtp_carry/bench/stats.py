@@ -6,16 +6,17 @@ the median and the inter-quartile range (p25-p75) are not, and a ratio taken
 per paired turn (the same session and turn under two policies, run in
 lockstep) cancels the drift both policies saw.
 
-Invariants: pure Python, no torch. Quantiles use linear interpolation between
-order statistics (numpy's default, `statistics.quantiles(method="inclusive")`),
-so the median of an even count is the mean of the middle two. A ratio whose
+Invariants: pure Python, no torch. Quartiles are the standard library's
+`statistics.quantiles(method="inclusive")` (linear interpolation between order
+statistics, numpy's default), so the median of an even count is the mean of
+the middle two. A ratio whose
 denominator is zero or below its metric's floor (`NEAR_ZERO`) is never
 computed: the figure is `None` and a reason says which turns had it.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,19 +27,6 @@ NEAR_ZERO: dict[str, float] = {
     "acceptance": 0.01,
     "drafter_rows_computed": 0.5,
 }
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The `q`-quantile (0..1) by linear interpolation between order statistics."""
-    if not values:
-        raise ValueError("quantile of no values")
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile q must be in [0, 1], got {q}")
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)
@@ -54,7 +42,10 @@ class Spread:
     def of(cls, values: Sequence[float]) -> Spread:
         if not values:
             return cls(None, None, None, 0)
-        return cls(quantile(values, 0.5), quantile(values, 0.25), quantile(values, 0.75), len(values))
+        if len(values) == 1:  # statistics.quantiles needs two points; one point is every quantile
+            return cls(values[0], values[0], values[0], 1)
+        p25, p50, p75 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(p50, p25, p75, len(values))
 
 
 @dataclass(frozen=True)
