@@ -25,7 +25,6 @@ from .stats import Spread, paired_ratio
 REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k != "adopted")
 """Carry decisions that kept a warm turn from adopting rows (the runtime's counter names)."""
 
-SPREAD_FIGURES = ("ttft_ms", "drafter_prep_ms", "acceptance")
 PAIRED_FIGURES = {"ttft": "ttft_ms", "acceptance": "acceptance", "drafter_prep": "drafter_prep_ms"}
 
 
