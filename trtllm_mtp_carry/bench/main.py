@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sessions in flight at once; also the MTP dispatch cap the bench arms")
     p.add_argument("--interleave", action="store_true",
                    help="start sessions round-robin turn by turn, so carried entries are contested")
-    p.add_argument("--repeat", type=positive_int, metavar="N", default=4,
+    p.add_argument("--repeat", type=positive_int, metavar="N", default=5,
                    help="replay the session set N times; with N > 1 the first is a warm-up, "
                         "shown but left out of the summary")
     p.add_argument("--drafter-blocks", type=positive_int, default=None, metavar="N",
