@@ -159,10 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     from .bench.main import add_arguments
+    from .bench.options import DefaultsHelpFormatter
 
     bench = sub.add_parser(
         "bench", help="replay multi-turn sessions under each drafter policy (carry/rebuild/blind/off)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_settings_flags(bench)
     add_arguments(bench)
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .chat import add_arguments as add_chat_arguments
 
     chat = sub.add_parser("chat", help="chat with the reference model, showing each turn's carry",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=DefaultsHelpFormatter)
     add_settings_flags(chat)
     add_chat_arguments(chat)
     chat.set_defaults(func=cmd_chat)

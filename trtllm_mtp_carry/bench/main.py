@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                    help="comma-separated drafter policies to compare, first is the numerator of "
-                        f"every ratio (carry, rebuild, blind, off; default {DEFAULT_POLICIES})")
+                        "every ratio (carry, rebuild, blind, off)")
     p.add_argument("--sessions", type=positive_int, metavar="N", default=4, help="number of built-in sessions")
     p.add_argument("--turns", type=positive_int, metavar="N", default=4,
                    help="turns per built-in session (the first is cold)")
@@ -62,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--threads", type=positive_int, metavar="N", default=1,
-                   help="torch intra-op threads; one by default: the reference model's ops are too "
-                        "small to gain from more, and extra threads on a busy CPU make timings erratic")
+                   help="torch intra-op threads (the reference model's ops are too small to gain "
+                        "from more, and extra threads on a busy CPU make timings erratic)")
     p.add_argument("--weights", metavar="DIR", help="reference.safetensors + reference.json directory")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")

@@ -82,3 +82,14 @@ def weights_dir(path: str | None, flag: str = "--weights") -> None:
     for name in ("reference.json", "reference.safetensors"):
         if not (Path(path) / name).is_file():
             raise ValueError(f"{flag} {path}: no {name} there")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows a flag's default when it has a real one (not None, not a bare switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("%(default)" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return action.help
+        return f"{text} (default: %(default)s)"
