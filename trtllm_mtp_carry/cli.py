@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from . import __version__
 from .core import settings
@@ -152,8 +153,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one error line: `trtllm-mtp-carry: error: ...`, exit 2 (subparsers too)."""
+
+    def error(self, message: str) -> NoReturn:
+        sub = self.prog.split(" ", 1)[1] + " " if " " in self.prog else ""
+        self.exit(2, f"trtllm-mtp-carry: error: {message} (see trtllm-mtp-carry {sub}--help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trtllm-mtp-carry",
         description="Carry the MTP drafter's KV across turns of a session (hybrid MTP models).",
     )
@@ -174,9 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     from .bench.main import add_arguments
+    from .bench.options import DefaultsHelpFormatter
 
     bench = sub.add_parser(
-        "bench", help="replay multi-turn sessions under each drafter policy (carry/rebuild/blind)"
+        "bench", help="replay multi-turn sessions under each drafter policy (carry/rebuild/blind/off)",
+        formatter_class=DefaultsHelpFormatter,
     )
     add_settings_flags(bench)
     add_arguments(bench)
@@ -184,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .chat import add_arguments as add_chat_arguments
 
-    chat = sub.add_parser("chat", help="chat with the reference model, showing each turn's carry")
+    chat = sub.add_parser("chat", help="chat with the reference model, showing each turn's carry",
+                          formatter_class=DefaultsHelpFormatter)
     add_settings_flags(chat)
     add_chat_arguments(chat)
     chat.set_defaults(func=cmd_chat)
@@ -216,9 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for warning in apply_settings_flags(args):
             print(f"warning: {warning}", file=sys.stderr)
         result: int = args.func(args)
-    except ValueError as exc:  # malformed env values and the like: say what is wrong, no traceback
+    except ValueError as exc:  # bad values (flags, env, files): one line, no traceback
         print(f"trtllm-mtp-carry: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the bench's own handling (loading, printing)
+        print("trtllm-mtp-carry: interrupted", file=sys.stderr)
+        return 130
     return result
 
 

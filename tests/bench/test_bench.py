@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from trtllm_mtp_carry import marconi_min_tokens
 from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.sessions import (
     builtin_sessions,
@@ -57,33 +58,125 @@ def test_malformed_conversation_line_is_named(tmp_path):
         load_conversations(path)
 
 
+SMALL = ["bench", "--sessions", "1", "--turns", "3", "--history", "300", "--new-span", "48",
+         "--max-new-tokens", "8", "--repeat", "2", "--no-progress"]
+
+
 def test_bench_writes_every_figure_and_outputs_match(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--sessions", "1", "--turns", "3", "--history", "300", "--new-span", "48",
-               "--max-new-tokens", "8", "--no-progress", "--json", str(out)])
+    rc = main([*SMALL, "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["outputs_identical"] is True
-    assert sorted(data["policies"]) == ["blind", "carry", "rebuild"]
+    assert data["outputs_identical"] is True and data["partial"] is False
+    assert list(data["policies"]) == ["carry", "rebuild", "blind", "off"]  # off: plain greedy
+    assert set(data["environment"]) == {"package", "torch", "python", "device", "threads",
+                                        "load_avg_start", "load_avg_end", "timestamp"}
+    assert data["config"]["marconi_min_tokens"] == marconi_min_tokens()  # resolved, not None
+    assert data["config"]["mtp_max_seqs"] == 1
     carry = data["policies"]["carry"]
-    fields = {"prompt_tokens", "reused_tokens", "drafter_rows_computed", "drafter_prep_ms",
+    fields = {"replay", "prompt_tokens", "reused_tokens", "drafter_rows_computed", "drafter_prep_ms",
               "ttft_ms", "drafted", "accepted", "outcome", "output_tokens"}
     assert all(fields <= set(t) for t in carry["turns"])
+    assert [t["replay"] for t in carry["turns"]] == [0, 0, 0, 1, 1, 1]
     warm = [t for t in carry["turns"] if t["turn"] > 0]
-    assert [t["outcome_kind"] for t in warm] == ["adopted", "adopted"]
+    assert [t["outcome_kind"] for t in warm] == ["adopted"] * 4
     # a warm carry turn computes exactly the keys its prefill added
     for t in warm:
         assert t["drafter_rows_computed"] == t["prompt_tokens"] - 1 - t["reused_tokens"]
     rebuild_warm = [t for t in data["policies"]["rebuild"]["turns"] if t["turn"] > 0]
     assert all(t["drafter_rows_computed"] == t["prompt_tokens"] - 1 for t in rebuild_warm)
-    assert set(data["ratios"]) == {"carry/rebuild", "carry/blind"}
-    assert data["ratios"]["carry/rebuild"]["acceptance"] == pytest.approx(1.0, abs=0.05)
+    # each policy's block describes that policy
+    for policy, block in data["policies"].items():
+        assert {r["policy"] for r in block["runtime"].values()} == {policy}
+        assert {r["armed"] for r in block["runtime"].values()} == {policy == "carry"}
+    summary = data["summary"]
+    for policy in ("carry", "rebuild", "blind", "off"):
+        s = summary[policy]
+        assert s["policy"] == policy and s["turns"] == 2  # the warm-up replay is left out
+        for key in ("ttft_ms_median", "ttft_ms_p25", "ttft_ms_p75", "acceptance_median",
+                    "drafter_rows_computed_median"):
+            assert key in s
+    assert summary["off"]["acceptance_median"] is None
+    assert summary["carry"]["adoption_rate"] == 1.0
+    assert set(summary["ratios"]) == {"carry/rebuild", "carry/blind", "carry/off", "rebuild/blind",
+                                      "rebuild/off", "blind/off"}
+    cr = summary["ratios"]["carry/rebuild"]
+    assert cr["pairs"] == 2 and cr["acceptance_paired_median"] == pytest.approx(1.0, abs=0.05)
+    assert cr["ttft_paired_median"] > 0
+    off = summary["ratios"]["carry/off"]
+    assert off["acceptance_paired_median"] is None
+    assert off["null_reasons"]["acceptance_paired_median"].startswith("off has acceptance at or near zero")
     printed = capsys.readouterr().out
-    assert "outputs identical across policies: True" in printed and "carry/blind:" in printed
+    assert "outputs identical across policies: True" in printed
+    assert "carry/blind (2 paired warm turns): ttft x" in printed
+    assert printed.startswith("environment: trtllm_mtp_carry ")
+    assert f"wrote {out}" in printed.splitlines()
+
+
+def test_ctrl_c_prints_a_partial_summary_writes_json_and_exits_130(tmp_path, capsys, monkeypatch):
+    from trtllm_mtp_carry.bench import replay as replay_module
+
+    real = replay_module.replay_lockstep
+
+    def interrupted(*args, **kwargs):
+        for runs in real(*args, **kwargs):
+            yield runs
+            if sum(len(r.turns) for r in runs) == 9:  # replay 0 (4 x 2 turns) and one more
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_module, "replay_lockstep", interrupted)
+    out = tmp_path / "partial.json"
+    rc = main([*SMALL[:4], "2", *SMALL[5:], "--json", str(out)])  # 2 turns per session
+    assert rc == 130
+    data = json.loads(out.read_text())
+    assert data["partial"] is True
+    assert [len(p["turns"]) for p in data["policies"].values()] == [3, 2, 2, 2]
+    assert data["outputs_identical"] is True
+    captured = capsys.readouterr()
+    assert "partial: interrupted" in captured.out and "Traceback" not in captured.err
+    assert captured.err.strip().endswith("partial: interrupted by Ctrl-C")
+
+
+def test_below_threshold_history_is_noted_once_naming_the_flag(capsys):
+    from trtllm_mtp_carry.bench.main import _note_below_threshold
+    from trtllm_mtp_carry.bench.sessions import BenchSession
+
+    short = [BenchSession(f"s{i}", [{"role": "user", "content": "hi"}], ["more"]) for i in range(3)]
+    _note_below_threshold(short, TOK)
+    n = len(TOK.render_chat(short[0].history))
+    assert capsys.readouterr().out == (
+        f"note: session s0's history is {n} tokens (and 2 more), below the restore threshold "
+        f"{marconi_min_tokens()}: its warm turns reuse nothing and run cold; lower the threshold "
+        "with --marconi-min-tokens N\n")
+    _note_below_threshold([BenchSession("s0", short[0].history, [])], TOK)  # no warm turn: quiet
+    assert capsys.readouterr().out == ""
 
 
 def test_bench_rejects_bad_options(capsys):
     assert main(["bench", "--policies", "carry,turbo", "--no-progress"]) == 2
     assert "unknown drafter policy 'turbo'" in capsys.readouterr().err
-    assert main(["bench", "--turns", "0", "--no-progress"]) == 2
-    assert "--turns must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["bench", "--policies", "carry,carry", "--no-progress"]) == 2
+    assert "--policies names a policy twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--turns", "0", "--no-progress"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "trtllm-mtp-carry: error: argument --turns: must be at least 1, got 0 "
+        "(see trtllm-mtp-carry bench --help)\n")
+
+
+def test_bench_at_concurrency_reports_adoption_refusals_evictions_and_throughput(tmp_path):
+    out = tmp_path / "conc.json"
+    rc = main(["bench", "--sessions", "2", "--turns", "2", "--history", "200", "--new-span", "32",
+               "--max-new-tokens", "6", "--repeat", "1", "--concurrency", "2", "--interleave",
+               "--policies", "carry,blind", "--no-progress", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["outputs_identical"] is True
+    assert data["config"]["concurrency"] == 2 and data["first_measured_replay"] == 0
+    carry = data["summary"]["carry"]
+    assert carry["turns"] == 2  # one warm turn per session
+    outcomes = sum(carry["outcomes"].values())
+    assert carry["adoption_rate"] == carry["outcomes"].get("adopted", 0) / outcomes
+    assert sum(carry["refusals"].values()) + carry["outcomes"].get("adopted", 0) <= outcomes
+    assert isinstance(carry["evictions"], dict) and carry["output_tokens_per_s"] > 0
+    assert data["summary"]["ratios"]["carry/blind"]["pairs"] == 2

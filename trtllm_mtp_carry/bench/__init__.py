@@ -1,4 +1,9 @@
 """The session benchmark (`trtllm-mtp-carry bench`): replay multi-turn sessions under
-each drafter policy in one run and compare warm time to first token, drafter
-preparation, and acceptance side by side (carry vs rebuild vs blind).
+each drafter policy in lockstep and compare warm time to first token, drafter
+preparation and acceptance side by side, as medians with p25-p75 and as
+paired per-turn ratios (`stats.py`), over replays after a warm-up.
+
+Modules: `sessions` (what is replayed), `replay` (running it), `report`
+(summaries, tables, plot), `stats` (quantiles, paired ratios), `options`
+(flag checks shared with `chat`), `main` (the command).
 """

@@ -1,110 +1,317 @@
-"""`trtllm-mtp-carry bench`: replay sessions under each policy and report side by side."""
+"""`trtllm-mtp-carry bench`: replay sessions under each policy and report side by side.
+
+Flow: check every option (one error line naming the flag, before any model
+loads) -> print the environment line -> replay the session set `--repeat`
+times, all policies in lockstep (replay 0 is the warm-up) -> per-turn table,
+warm-turn summary (medians [p25-p75]), paired ratios -> JSON and plot.
+Ctrl-C stops the replay: what finished is summarised, marked partial, and the
+command exits 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from ..core import marconi_min_tokens
+from .. import __version__
+from ..core import marconi_min_tokens, mtp_max_seqs, settings
+from .options import (
+    draft_len,
+    output_path,
+    positive_int,
+    prefill_chunk,
+    resolve_device,
+    weights_dir,
+)
+
+DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
-    p.add_argument("--policies", default="carry,rebuild,blind",
-                   help="comma-separated drafter policies to compare (carry, rebuild, blind, off)")
-    p.add_argument("--sessions", type=int, default=2, help="number of built-in sessions")
-    p.add_argument("--turns", type=int, default=3, help="turns per built-in session (first is cold)")
-    p.add_argument("--history", type=int, default=1024, help="tokens of history before turn 1")
-    p.add_argument("--new-span", type=int, default=128, help="tokens each warm turn adds")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
+                   help="comma-separated drafter policies to compare, first is the numerator of "
+                        "every ratio (carry, rebuild, blind, off)")
+    p.add_argument("--sessions", type=positive_int, metavar="N", default=4, help="number of built-in sessions")
+    p.add_argument("--turns", type=positive_int, metavar="N", default=4,
+                   help="turns per built-in session (the first is cold)")
+    p.add_argument("--history", type=positive_int, metavar="N", default=1024, help="tokens of history before turn 1")
+    p.add_argument("--new-span", type=positive_int, metavar="N", default=128, help="tokens each warm turn adds")
     p.add_argument("--conversations", metavar="PATH.jsonl",
                    help="replay your own chat conversations ({'messages': [...]} per line) instead")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap per turn")
-    p.add_argument("--draft-len", type=int, default=2, help="draft tokens per verify step (1..3)")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (multiple of 16)")
-    p.add_argument("--concurrency", type=int, default=1, help="sessions in flight at once")
+    p.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=32, help="answer length cap per turn")
+    p.add_argument("--draft-len", type=draft_len, metavar="N", default=2, help="draft tokens per verify step, 1..3")
+    p.add_argument("--chunk", type=prefill_chunk, metavar="N", default=512, help="prefill chunk size (multiple of 16)")
+    p.add_argument("--concurrency", type=positive_int, metavar="N", default=1,
+                   help="sessions in flight at once; also the MTP dispatch cap the bench arms")
     p.add_argument("--interleave", action="store_true",
-                   help="alternate sessions turn by turn, so the single carry slot is contested")
-    p.add_argument("--device", default="cpu", help="torch device (cuda where there is one)")
+                   help="start sessions round-robin turn by turn, so carried entries are contested")
+    p.add_argument("--repeat", type=positive_int, metavar="N", default=5,
+                   help="replay the session set N times; with N > 1 the first is a warm-up, "
+                        "shown but left out of the summary")
+    p.add_argument("--drafter-blocks", type=positive_int, default=None, metavar="N",
+                   help="drafter KV pool size in 16-row blocks (default: room for every in-flight "
+                        "sequence and carried session; smaller forces evictions)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--threads", type=positive_int, metavar="N", default=1,
+                   help="torch intra-op threads (the reference model's ops are too small to gain "
+                        "from more, and extra threads on a busy CPU make timings erratic)")
     p.add_argument("--weights", metavar="DIR", help="reference.safetensors + reference.json directory")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="plot per-turn drafter prep and acceptance")
+    p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _device_name(device: Any) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"cpu ({model or platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not on every platform
+        return None
+
+
+def environment(device: Any) -> dict[str, Any]:
+    """What the figures were measured on: versions, device, threads, load, time (UTC)."""
+    import torch
+
+    return {
+        "package": f"trtllm_mtp_carry {__version__}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": _device_name(device),
+        "threads": torch.get_num_threads(),
+        "load_avg_start": _loadavg(),
+        "load_avg_end": None,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    return (f"environment: {env['package']}, torch {env['torch']}, Python {env['python']}, "
+            f"{env['device']}, {env['threads']} threads, load average {env['load_avg_start']} at start"
+            + (f", {env['load_avg_end']} at end" if env["load_avg_end"] is not None else "")
+            + f", {env['timestamp']}")
+
+
+def _carry_slots() -> int | None:
+    """The carry store's slot count where the core has that setting (a process-wide value)."""
+    from .. import core
+
+    slots = getattr(core, "carry_slots", None)
+    return int(slots()) if callable(slots) else None
+
+
+def _settings() -> dict[str, Any]:
+    """The process-wide settings as resolved (whatever the core exposes)."""
+    out: dict[str, Any] = {"marconi_min_tokens": marconi_min_tokens(), "mtp_max_seqs": mtp_max_seqs()}
+    slots = _carry_slots()
+    if slots is not None:
+        out["carry_slots"] = slots
+    return out
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Everything that can be checked before the model loads; ValueError naming the flag."""
+    from ..runtime.policy import DrafterPolicy
+
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--policies names no policy: {args.policies!r}")
+    for name in names:
+        DrafterPolicy.parse(name)
+    if len(set(names)) != len(names):
+        raise ValueError(f"--policies names a policy twice: {args.policies!r}")
+    if args.conversations is not None and not Path(args.conversations).is_file():
+        raise ValueError(f"--conversations {args.conversations}: no such file")
+    weights_dir(args.weights)
+    output_path(args.json, "--json")
+    output_path(args.plot, "--plot")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'trtllm-mtp-carry[plot]'") from None
+    if args.mtp_max_seqs is not None and args.mtp_max_seqs != args.concurrency:
+        raise ValueError(
+            f"--mtp-max-seqs {args.mtp_max_seqs} differs from --concurrency {args.concurrency}: "
+            "the bench sets the MTP dispatch cap from --concurrency"
+        )
+
+
+def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, sessions: list[Any],
+                  device: str) -> Any:
+    """Engine sizes for this run: every turn fits, every session's cached prefix stays,
+    and the drafter pool holds the in-flight sequences plus the carried sessions
+    (unless `--drafter-blocks` shrinks it to force evictions)."""
+    from ..engine.engine import EngineConfig
+
+    first_lens = [len(tokenizer.render_chat(s.history)) for s in sessions]
+    longest = max(n + len(s.followups) * (args.new_span + args.max_new_tokens + 8)
+                  for n, s in zip(first_lens, sessions, strict=True))
+    if longest > max_position:
+        raise ValueError(
+            f"sessions reach {longest} tokens (history {max(first_lens)} + turns x (--new-span + "
+            f"--max-new-tokens)), past the model's {max_position}; lower --history, "
+            "--turns, --new-span or --max-new-tokens")
+    max_len = min(max_position, max(4096, 1 << (longest - 1).bit_length()))
+    per_seq = -(-max_len // 16)
+    slots = _carry_slots() or 1
+    return EngineConfig(
+        max_model_len=max_len,
+        # room for every in-flight sequence plus every session's cached prefix, so the
+        # prefix cache does not evict a session between its turns (that would make warm
+        # turns cold and say nothing about the carry)
+        num_target_blocks=max(4096, per_seq * (args.concurrency + len(sessions))),
+        num_drafter_blocks=args.drafter_blocks or max(
+            1024, per_seq * (args.concurrency + min(slots, len(sessions)))),
+        prefill_chunk=args.chunk, draft_len=args.draft_len, max_num_seqs=args.concurrency,
+        mtp_max_seqs=args.concurrency, device=device, dtype=args.dtype, snapshot_budget_mb=256,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    _check(args)
     import torch
     from tqdm import tqdm
 
-    from ..engine.engine import EngineConfig
     from ..engine.model import load_reference
     from ..runtime.policy import DrafterPolicy
     from . import report
-    from .replay import replay_lockstep
-    from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
+    from .replay import PolicyRun, replay_lockstep
 
     policies = [DrafterPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        raise ValueError(f"--policies names no policy: {args.policies!r}")
-    for name in ("sessions", "turns", "history", "new_span", "max_new_tokens", "concurrency"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_reference(path=args.weights)
-    if args.conversations:
-        sessions = sessions_from_conversations(load_conversations(args.conversations))
-    else:
-        sessions = builtin_sessions(args.sessions, args.turns, args.history, args.new_span, tokenizer)
-    longest = max(len(tokenizer.render_chat(s.history)) + len(s.followups) * (args.new_span + args.max_new_tokens + 8)
-                  for s in sessions)
-    max_len = min(model.cfg.max_position, max(4096, 1 << (longest - 1).bit_length()))
-    config = EngineConfig(
-        max_model_len=max_len, num_target_blocks=max(4096, 2 * max_len * args.concurrency // 16),
-        num_drafter_blocks=max(1024, 2 * max_len * args.concurrency // 16),
-        prefill_chunk=args.chunk, draft_len=args.draft_len, max_num_seqs=args.concurrency,
-        device=args.device, dtype=args.dtype, snapshot_budget_mb=256,
-    )
-    total = len(policies) * sum(1 + len(s.followups) for s in sessions)
-    bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
+    device = resolve_device(args.device)
+    settings.MTP_MAX_SEQS.set(args.concurrency, source="--concurrency")  # the cap the bench arms
+    torch.set_num_threads(args.threads)
+    env = environment(device)
     started = time.perf_counter()
-    runs = replay_lockstep(model, tokenizer, sessions, policies, config, args.max_new_tokens,
-                           args.concurrency, args.interleave, on_turn=lambda: bar.update(1))
+    model, tokenizer = load_reference(path=args.weights)
+    sessions = _sessions(args, tokenizer)
+    print(environment_line(env))
+    _note_below_threshold(sessions, tokenizer)
+    config = engine_config(args, model.cfg.max_position, tokenizer, sessions, str(device))
+    first_measured = 1 if args.repeat > 1 else 0
+    total = args.repeat * len(policies) * sum(1 + len(s.followups) for s in sessions)
+    bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
+    runs: list[PolicyRun] = []
+    partial = False
+    done = 0
+    try:
+        for runs in replay_lockstep(model, tokenizer, sessions, policies, config, args.max_new_tokens,
+                                    args.concurrency, args.interleave, args.repeat):
+            now = sum(len(r.turns) for r in runs)
+            bar.update(now - done)
+            done = now
+    except KeyboardInterrupt:
+        partial = True
     bar.close()
-    summary = {r.policy: report.summaries(r) for r in runs}
-    identical = report.outputs_identical(runs)
-    print(report.turn_table(runs))
-    print()
-    print(report.summary_table(summary))
-    print(f"\noutputs identical across policies: {identical}   "
-          f"(restore threshold {marconi_min_tokens()}, {time.perf_counter() - started:.1f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(_json(args, runs, summary, identical), f, indent=1)
-    if args.plot:
-        report.plot(runs, args.plot)
+    env["load_avg_end"] = _loadavg()
+    if partial and not any(report.measured(r, first_measured) for r in runs):
+        first_measured = 0  # stopped during the warm-up: summarise what there is
+    identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started)
+    if partial:
+        print("partial: interrupted by Ctrl-C", file=sys.stderr)
+        return 130
     return 0 if identical else 1
 
 
-def _json(args: argparse.Namespace, runs: list[Any], summary: dict[str, Any],
-          identical: bool) -> dict[str, Any]:
+def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    """The built-in sessions, or the user's `--conversations` (errors name the flag)."""
+    from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
+
+    if not args.conversations:
+        return builtin_sessions(args.sessions, args.turns, args.history, args.new_span, tokenizer)
+    try:
+        conversations = load_conversations(args.conversations)
+    except OSError as exc:
+        raise ValueError(f"--conversations {args.conversations}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--conversations: {exc}") from None
+    return sessions_from_conversations(conversations)
+
+
+def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], first_measured: int,
+            partial: bool, wall: float) -> bool:
+    """Print the tables and ratios, write the JSON and plot; returns outputs_identical."""
     from . import report
+
+    summary = {r.policy: report.policy_summary(r, first_measured) for r in runs}
+    ratios = report.paired(runs, first_measured)
+    identical = report.outputs_identical(runs)
+    print(report.turn_table(runs, first_measured))
+    print()
+    what = "partial: interrupted, " if partial else ""
+    excluded = "" if first_measured == 0 else ", warm-up replay 0 excluded"
+    print(f"warm turns, median [p25-p75] ({what}replays {first_measured}..{args.repeat - 1}{excluded})")
+    print(report.summary_table(summary))
+    print()
+    for line in report.ratio_lines(ratios):
+        print(line)
+    print(f"\noutputs identical across policies: {identical}   ({wall:.1f} s)")
+    print(environment_line(env))
+    if args.json:
+        data = _json(args, env, runs, summary, ratios, identical, first_measured, partial)
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1, default=str)  # counters the runtime may add: never fail here
+        print(f"wrote {args.json}")
+    if args.plot and runs:
+        report.plot(runs, args.plot, first_measured)
+        print(f"wrote {args.plot}")
+    return identical
+
+
+def _note_below_threshold(sessions: list[Any], tokenizer: Any) -> None:
+    """Say once when some session's history is below the restore threshold: its warm
+    turns reuse nothing (the SSM snapshot is not restored), so they are really cold."""
+    threshold = marconi_min_tokens()
+    short = [(s.name, n) for s in sessions
+             if (n := len(tokenizer.render_chat(s.history))) < threshold and s.followups]
+    if short:
+        name, n = short[0]
+        more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
+        print(f"note: session {name}'s history is {n} tokens{more}, below the restore threshold "
+              f"{threshold}: its warm turns reuse nothing and run cold; lower the threshold with "
+              "--marconi-min-tokens N")
+
+
+def _json(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], summary: dict[str, Any],
+          ratios: dict[str, Any], identical: bool, first_measured: int, partial: bool) -> dict[str, Any]:
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config |= _settings()  # resolved values, not the flags' None
     return {
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
-        "marconi_min_tokens": marconi_min_tokens(),
+        "environment": env,
+        "config": config,
+        "partial": partial,
+        "first_measured_replay": first_measured,
+        "summary": {**summary, "ratios": ratios},
         "policies": {
             r.policy: {
-                "turns": [{"session": t.session, "turn": t.turn, **t.stats,
+                "turns": [{"replay": t.replay, "session": t.session, "turn": t.turn, **t.stats,
                            "output": t.output} for t in r.turns],
-                "summary": summary[r.policy],
-                "runtime": r.runtime,
+                "busy_s": {str(k): v for k, v in sorted(r.busy_s.items())},
+                "runtime": {str(k): v for k, v in sorted(r.runtime.items())},
             }
             for r in runs
         },
-        "ratios": {f"carry/{o}": report.ratios(summary, "carry", o) for o in ("rebuild", "blind")},
         "outputs_identical": identical,
     }

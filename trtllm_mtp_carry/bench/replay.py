@@ -1,14 +1,24 @@
-"""Replay benchmark sessions on the reference engine, one fresh engine per policy.
+"""Replay benchmark sessions on the reference engine, every policy in lockstep.
 
 Every policy sees the same sessions in the same order; since the policies
 never change generated tokens, the prompts of every turn are identical across
 policies too, and `outputs_identical` checks exactly that.
+
+Each replay of the session set gets a fresh engine per policy (so a replay's
+first turns are really cold: no prefix cache or carried rows left over from
+the one before), while torch's own first-call costs are paid once per
+process. Replay 0 of a run with `repeat > 1` is the warm-up: it is recorded
+but the summaries leave it out.
+
+    replay 0 (warm-up)   replay 1            ...  replay repeat-1
+    | s0 t0 t1 t2 | s1 ..| s0 t0 t1 t2 | s1 ..|    (t0 cold, t1.. warm)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any
 
 from ..engine.engine import EngineConfig, ReferenceEngine
@@ -20,21 +30,28 @@ from .sessions import BenchSession
 
 @dataclass
 class TurnRecord:
-    """One replayed turn: where it sits, its statistics and its output tokens."""
+    """One replayed turn: which replay, session and turn, its statistics and output."""
 
     session: str
     turn: int
     stats: dict[str, Any]
     output: list[int]
+    replay: int = 0
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        """What pairs this turn with the same turn under another policy."""
+        return (self.replay, self.session, self.turn)
 
 
 @dataclass
 class PolicyRun:
-    """All turns of one policy, plus the runtime's counters at the end."""
+    """All turns of one policy, with its engine's busy time and counters per replay."""
 
     policy: str
     turns: list[TurnRecord] = field(default_factory=list)
-    runtime: dict[str, Any] = field(default_factory=dict)
+    busy_s: dict[int, float] = field(default_factory=dict)  # replay -> seconds in submit/step
+    runtime: dict[int, dict[str, Any]] = field(default_factory=dict)  # replay -> runtime stats
 
 
 def next_prompt(tokenizer: ChatTokenizer, prompt: list[int], output: list[int], user: str) -> list[int]:
@@ -47,22 +64,25 @@ def next_prompt(tokenizer: ChatTokenizer, prompt: list[int], output: list[int], 
 def replay(
     model: HybridLM, tokenizer: ChatTokenizer, sessions: Sequence[BenchSession],
     policy: DrafterPolicy, config: EngineConfig, max_new_tokens: int, concurrency: int,
-    interleave: bool,
+    interleave: bool, run: PolicyRun, replay_index: int = 0,
 ) -> Iterator[PolicyRun]:
-    """Run every session's turns under `policy`, yielding the growing run after each turn.
+    """Run every session's turns under `policy` on a fresh engine, appending to `run`;
+    yields after each finished turn.
 
-    `interleave` alternates sessions turn by turn; the caller drives the
+    Up to `concurrency` sessions are in flight at once (one turn each);
+    `interleave` starts sessions round-robin turn by turn instead of
+    finishing the first session's turns first. The caller drives the
     generator, so several policies can advance in lockstep.
     """
-    engine = ReferenceEngine(model, tokenizer, config)
+    engine = ReferenceEngine(model, tokenizer, replace(config, policy=policy))
     engine.generate(None, tokenizer.render_chat([{"role": "user", "content": "warm up"}]),
                     max_new_tokens=4, policy=policy)  # first-call costs stay out of the figures
-    run = PolicyRun(policy.value)
     prompts = {s.name: tokenizer.render_chat(s.history) for s in sessions}
     next_turn = {s.name: 0 for s in sessions}
     by_name = {s.name: s for s in sessions}
     inflight: dict[int, str] = {}
     cursor = 0
+    run.busy_s.setdefault(replay_index, 0.0)
 
     def candidate() -> str | None:
         nonlocal cursor
@@ -76,14 +96,18 @@ def replay(
         return None
 
     while True:
+        t0 = time.perf_counter()
         while len(inflight) < concurrency and (name := candidate()) is not None:
             rid = engine.submit(name, prompts[name], max_new_tokens=max_new_tokens, policy=policy)
             inflight[rid] = name
         if not inflight:
             break
-        for result in engine.step():
+        results = engine.step()
+        run.busy_s[replay_index] += time.perf_counter() - t0
+        for result in results:
             name = inflight.pop(result.request_id)
-            run.turns.append(TurnRecord(name, next_turn[name], result.stats.as_dict(), result.output))
+            run.turns.append(TurnRecord(name, next_turn[name], result.stats.as_dict(), result.output,
+                                        replay_index))
             followups = by_name[name].followups
             if next_turn[name] < len(followups):
                 prompts[name] = next_prompt(tokenizer, result.prompt, result.output,
@@ -91,33 +115,33 @@ def replay(
             next_turn[name] += 1
             yield run
     engine.check()
-    run.runtime = engine.runtime.stats().__dict__
+    stats = engine.runtime.stats()  # a dataclass of counters (nested ones too), whatever it holds
+    run.runtime[replay_index] = asdict(stats) if is_dataclass(stats) else dict(vars(stats))
     yield run
 
 
 def replay_lockstep(
     model: HybridLM, tokenizer: ChatTokenizer, sessions: Sequence[BenchSession],
     policies: Sequence[DrafterPolicy], config: EngineConfig, max_new_tokens: int,
-    concurrency: int, interleave: bool, on_turn: Callable[[], None] | None = None,
-) -> list[PolicyRun]:
-    """Replay under every policy at once, one turn of each in turn.
+    concurrency: int, interleave: bool, repeat: int = 1,
+) -> Iterator[list[PolicyRun]]:
+    """Replay the session set `repeat` times under every policy, one turn of each in turn;
+    yields the runs so far after every finished turn (so an interrupted caller keeps them).
 
     Lockstep keeps slow drift of the machine (other load, allocator state,
     frequency) from favouring whichever policy happened to run first.
     """
-    runners = [replay(model, tokenizer, sessions, p, config, max_new_tokens, concurrency, interleave)
-               for p in policies]
-    runs: list[PolicyRun | None] = [None] * len(runners)
-    active = list(range(len(runners)))
-    while active:
-        for i in list(active):
-            before = runs[i]
-            seen = len(before.turns) if before is not None else 0
-            try:
-                run = runs[i] = next(runners[i])
-            except StopIteration:
-                active.remove(i)
-                continue
-            if on_turn is not None and len(run.turns) > seen:
-                on_turn()
-    return [r for r in runs if r is not None]
+    runs = [PolicyRun(p.value) for p in policies]
+    for r in range(repeat):
+        runners = [replay(model, tokenizer, sessions, p, config, max_new_tokens, concurrency,
+                          interleave, run, r) for p, run in zip(policies, runs, strict=True)]
+        active = list(range(len(runners)))
+        while active:
+            for i in list(active):
+                try:
+                    next(runners[i])
+                except StopIteration:
+                    active.remove(i)
+                    continue
+                yield runs
+    yield runs

@@ -1,134 +1,260 @@
-"""Summaries, ratios, the per-turn table, JSON and the plot of a benchmark run.
+"""Summaries, paired ratios, the tables and the plot of a benchmark run.
 
 Warm turns (a turn after the first of its session) are where the policies
-differ; the summary covers them, and the cold first turns are reported apart.
+differ; each policy's summary covers them, and its cold first turns are
+summarised apart under `cold`. Replays before `first_measured` (the
+warm-up) are printed in the per-turn table but left out of every summary.
+
+Figures are medians with their p25-p75 spread; ratios between two policies
+are medians of per-turn ratios over paired turns (same replay, session and
+turn), see `stats.py`.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
-from statistics import mean
+from itertools import combinations
 from typing import Any
 
+from ..core.outcome import OUTCOME_KINDS
 from .replay import PolicyRun, TurnRecord
+from .stats import Spread, paired_ratio
+
+REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k != "adopted")
+"""Carry decisions that kept a warm turn from adopting rows (the runtime's counter names)."""
+
+PAIRED_FIGURES = {"ttft": "ttft_ms", "acceptance": "acceptance", "drafter_prep": "drafter_prep_ms"}
 
 
-def summarize(turns: Sequence[TurnRecord]) -> dict[str, Any]:
-    """Means and totals over `turns` (empty turns give zeros)."""
-    if not turns:
-        return {"turns": 0}
+def _spread(prefix: str, values: Sequence[float]) -> dict[str, float | None]:
+    s = Spread.of(values)
+    return {f"{prefix}_median": s.median, f"{prefix}_p25": s.p25, f"{prefix}_p75": s.p75}
+
+
+def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any]:
+    """Medians (p25-p75) per turn and pooled totals over `turns`.
+
+    `acceptance_*` cover every turn of a policy that `drafts` (a turn whose
+    drafter was turned off counts as 0, it is not left out) and are `None`
+    for `off`; `acceptance_pooled` is accepted / drafted over all of them.
+    """
     s = [t.stats for t in turns]
     drafted = sum(x["drafted"] for x in s)
     accepted = sum(x["accepted"] for x in s)
     steps = sum(x["verify_steps"] for x in s)
-    out_tokens = sum(x["output_tokens"] for x in s)
-    busy_ms = sum(x["ttft_ms"] + x["decode_ms"] for x in s)
-    return {
-        "turns": len(s),
-        "prompt_tokens": mean(x["prompt_tokens"] for x in s),
-        "reused_tokens": mean(x["reused_tokens"] for x in s),
-        "ttft_ms": mean(x["ttft_ms"] for x in s),
-        "drafter_prep_ms": mean(x["drafter_prep_ms"] for x in s),
-        "drafter_rows_computed": mean(x["drafter_rows_computed"] for x in s),
-        "acceptance": accepted / drafted if drafted else 0.0,
-        "accepted_per_step": accepted / steps if steps else 0.0,
-        "tokens_per_s": out_tokens / (busy_ms / 1e3) if busy_ms else 0.0,
-        "outcomes": dict(Counter(x["outcome_kind"] for x in s)),
-    }
+    kinds = Counter(x["outcome_kind"] for x in s)
+    out: dict[str, Any] = {"turns": len(s)}
+    out |= _spread("ttft_ms", [x["ttft_ms"] for x in s])
+    out |= _spread("drafter_prep_ms", [x["drafter_prep_ms"] for x in s])
+    out |= _spread("acceptance", [x["acceptance"] for x in s] if drafts else [])
+    out["drafter_rows_computed_median"] = Spread.of([x["drafter_rows_computed"] for x in s]).median
+    out["reused_tokens_median"] = Spread.of([x["reused_tokens"] for x in s]).median
+    out["prompt_tokens_median"] = Spread.of([x["prompt_tokens"] for x in s]).median
+    out["acceptance_pooled"] = accepted / drafted if drafted else None
+    out["accepted_per_step"] = accepted / steps if steps else None
+    out["output_tokens"] = sum(x["output_tokens"] for x in s)
+    out["outcomes"] = dict(sorted(kinds.items()))
+    out["adoption_rate"] = kinds.get("adopted", 0) / len(s) if s else None
+    out["refusals"] = {k: kinds[k] for k in REFUSAL_KINDS if kinds.get(k)}
+    return out
 
 
-def summaries(run: PolicyRun) -> dict[str, Any]:
-    """`{"warm": ..., "cold": ...}` summaries of one policy's run."""
-    return {
-        "warm": summarize([t for t in run.turns if t.turn > 0]),
-        "cold": summarize([t for t in run.turns if t.turn == 0]),
-    }
+def _sum_counters(dicts: Sequence[dict[str, Any]], match: str) -> dict[str, Any]:
+    """Sum every counter whose name contains `match` (ints, or dicts of ints) over `dicts`."""
+    total: dict[str, Any] = {}
+    for d in dicts:
+        for name, value in d.items():
+            if match not in name or isinstance(value, bool):
+                continue
+            if isinstance(value, int):
+                total[name] = total.get(name, 0) + value
+            elif isinstance(value, dict):
+                inner = total.setdefault(name, {})
+                for k, v in value.items():
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        inner[k] = inner.get(k, 0) + v
+    return total
 
 
-RATIO_KEYS = ("ttft_ms", "drafter_prep_ms", "drafter_rows_computed", "acceptance",
-              "accepted_per_step", "tokens_per_s")
+def measured(run: PolicyRun, first_measured: int) -> list[TurnRecord]:
+    """The turns the summary covers: every replay from `first_measured` on."""
+    return [t for t in run.turns if t.replay >= first_measured]
 
 
-def ratios(summary: dict[str, dict[str, Any]], a: str, b: str) -> dict[str, float | None]:
-    """`a / b` of each warm-turn figure, `None` where `b` is zero or a policy is missing."""
-    if a not in summary or b not in summary:
-        return {}
-    wa, wb = summary[a]["warm"], summary[b]["warm"]
-    return {k: (wa[k] / wb[k] if wb.get(k) else None) for k in RATIO_KEYS if k in wa}
+def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
+    """One policy's block: warm-turn figures at the top, `cold`, throughput and evictions.
+
+    `output_tokens_per_s` is every measured turn's output over the engine's
+    busy time (submit + step) in those replays: the aggregate rate at the
+    run's concurrency. `evictions` sums the runtime's counters named
+    `*evict*` (whatever the runtime reports), over the measured replays.
+    """
+    turns = measured(run, first_measured)
+    drafts = run.policy != "off"
+    out = summarize([t for t in turns if t.turn > 0], drafts)
+    out["policy"] = run.policy
+    out["cold"] = summarize([t for t in turns if t.turn == 0], drafts)
+    busy = sum(s for r, s in run.busy_s.items() if r >= first_measured)
+    tokens = sum(t.stats["output_tokens"] for t in turns)
+    out["output_tokens_per_s"] = tokens / busy if busy > 0 else None
+    runtimes = [d for r, d in sorted(run.runtime.items()) if r >= first_measured]
+    out["evictions"] = _sum_counters(runtimes, "evict")
+    if runtimes:
+        out["carry_armed"] = runtimes[-1].get("armed")
+    return out
+
+
+def paired(runs: Sequence[PolicyRun], first_measured: int) -> dict[str, dict[str, Any]]:
+    """For each pair of policies `a/b` (in run order), median and p25-p75 of per-turn
+    `a / b` over the warm turns both completed; `None` with a reason in
+    `null_reasons` where `b` was near zero."""
+    warm = [{t.key: t.stats for t in measured(r, first_measured) if t.turn > 0} for r in runs]
+    out: dict[str, dict[str, Any]] = {}
+    for (i, a), (j, b) in combinations(enumerate(runs), 2):
+        keys = sorted(warm[i].keys() & warm[j].keys())
+        entry: dict[str, Any] = {"pairs": len(keys)}
+        reasons: dict[str, str] = {}
+        for name, metric in PAIRED_FIGURES.items():
+            r = paired_ratio([warm[i][k][metric] for k in keys], [warm[j][k][metric] for k in keys],
+                             metric, b.policy)
+            entry[f"{name}_paired_median"] = r.spread.median
+            entry[f"{name}_paired_p25"] = r.spread.p25
+            entry[f"{name}_paired_p75"] = r.spread.p75
+            if r.reason is not None:
+                reasons[f"{name}_paired_median"] = r.reason
+        entry["null_reasons"] = reasons
+        out[f"{a.policy}/{b.policy}"] = entry
+    return out
 
 
 def outputs_identical(runs: Sequence[PolicyRun]) -> bool:
-    """Whether every policy generated the same tokens for every (session, turn)."""
-    keyed = [{(t.session, t.turn): t.output for t in run.turns} for run in runs]
-    return all(k == keyed[0] for k in keyed[1:])
+    """Whether every policy generated the same tokens for every turn they all completed."""
+    keyed = [{t.key: t.output for t in run.turns} for run in runs]
+    common = set.intersection(*(set(k) for k in keyed)) if keyed else set()
+    return all(k[key] == keyed[0][key] for k in keyed[1:] for key in common)
 
 
-def turn_table(runs: Sequence[PolicyRun]) -> str:
-    """One line per turn and policy."""
-    head = (f"{'policy':<8} {'sess':<5} {'turn':>4} {'prompt':>7} {'reused':>7} {'rows':>6} "
-            f"{'prep ms':>8} {'ttft ms':>8} {'acc':>5}  outcome")
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _natural(name: str) -> tuple[tuple[int, str], ...]:
+    """Sort key putting `s2` before `s10`."""
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", name) if p)
+
+
+def turn_table(runs: Sequence[PolicyRun], first_measured: int) -> str:
+    """One line per turn and policy, paired turns together; warm-up replays are marked `w`."""
+    head = (f"{'rep':>4} {'sess':<6} {'turn':>4} {'policy':<8} {'prompt':>7} {'reused':>7} "
+            f"{'rows':>6} {'prep ms':>8} {'ttft ms':>8} {'acc':>5}  outcome")
     lines = [head, "-" * len(head)]
-    for run in runs:
-        for t in sorted(run.turns, key=lambda t: (t.session, t.turn)):
-            s = t.stats
-            lines.append(
-                f"{run.policy:<8} {t.session:<5} {t.turn:>4} {s['prompt_tokens']:>7} "
-                f"{s['reused_tokens']:>7} {s['drafter_rows_computed']:>6} "
-                f"{s['drafter_prep_ms']:>8.1f} {s['ttft_ms']:>8.1f} {s['acceptance']:>5.2f}  "
-                f"{s['outcome']}"
-            )
+    order = {r.policy: i for i, r in enumerate(runs)}
+    rows = sorted(((t, run.policy) for run in runs for t in run.turns),
+                  key=lambda x: (x[0].replay, _natural(x[0].session), x[0].turn, order[x[1]]))
+    for t, policy in rows:
+        s = t.stats
+        rep = f"{t.replay}{'w' if t.replay < first_measured else ''}"
+        acc = f"{s['acceptance']:>5.2f}" if s["drafted"] else f"{'-':>5}"
+        lines.append(
+            f"{rep:>4} {t.session:<6} {t.turn:>4} {policy:<8} {s['prompt_tokens']:>7} "
+            f"{s['reused_tokens']:>7} {s['drafter_rows_computed']:>6} "
+            f"{s['drafter_prep_ms']:>8.1f} {s['ttft_ms']:>8.1f} {acc}  {s['outcome']}"
+        )
     return "\n".join(lines)
+
+
+def _mid(s: dict[str, Any], prefix: str, fmt: str) -> str:
+    return (f"{_f(s[f'{prefix}_median'], fmt)} "
+            f"[{_f(s[f'{prefix}_p25'], fmt)}-{_f(s[f'{prefix}_p75'], fmt)}]")
 
 
 def summary_table(summary: dict[str, dict[str, Any]]) -> str:
-    """Warm-turn summary per policy, and the carry ratios."""
-    head = (f"{'policy':<8} {'warm ttft ms':>12} {'prep ms':>8} {'rows':>7} {'accept':>7} "
-            f"{'acc/step':>8} {'tok/s':>7}  outcomes")
-    lines = ["warm turns", head, "-" * len(head)]
+    """Warm-turn medians [p25-p75] per policy, then refusals and evictions where there were any."""
+    head = (f"{'policy':<8} {'turns':>5} {'warm TTFT ms':>22} {'drafter prep ms':>20} "
+            f"{'rows':>6} {'acceptance':>19} {'adopted':>7} {'tok/s':>7}  outcomes")
+    lines = [head, "-" * len(head)]
+    notes = []
     for policy, s in summary.items():
-        w = s["warm"]
-        if not w.get("turns"):
+        if not s.get("turns"):
+            lines.append(f"{policy:<8} {0:>5}  (no warm turns measured)")
             continue
-        outcomes = " ".join(f"{k}={v}" for k, v in sorted(w["outcomes"].items()))
+        outcomes = " ".join(f"{k}={v}" for k, v in s["outcomes"].items())
+        adopted = _f(None if s["adoption_rate"] is None else 100 * s["adoption_rate"], ".0f")
         lines.append(
-            f"{policy:<8} {w['ttft_ms']:>12.1f} {w['drafter_prep_ms']:>8.1f} "
-            f"{w['drafter_rows_computed']:>7.0f} {w['acceptance']:>7.3f} "
-            f"{w['accepted_per_step']:>8.2f} {w['tokens_per_s']:>7.1f}  {outcomes}"
+            f"{policy:<8} {s['turns']:>5} {_mid(s, 'ttft_ms', '.1f'):>22} "
+            f"{_mid(s, 'drafter_prep_ms', '.1f'):>20} {_f(s['drafter_rows_computed_median'], '.0f'):>6} "
+            f"{_mid(s, 'acceptance', '.3f'):>19} {adopted + '%':>7} "
+            f"{_f(s['output_tokens_per_s'], '.1f'):>7}  {outcomes}"
         )
-    for other in ("rebuild", "blind"):
-        r = ratios(summary, "carry", other)
-        if r:
-            parts = [f"{k}={v:.3f}" if v is not None else f"{k}=n/a" for k, v in r.items()]
-            lines.append(f"carry/{other}: " + " ".join(parts))
-    return "\n".join(lines)
+        if policy == "carry" and s.get("carry_armed") is False:
+            notes.append("carry: not armed in this run (see `trtllm-mtp-carry info`): "
+                         "its warm turns ran without carried rows")
+        if s["refusals"]:
+            notes.append(f"{policy}: refusals " + " ".join(f"{k}={v}" for k, v in s["refusals"].items()))
+        flat = {k: v for k, v in s["evictions"].items() if v}
+        if flat:
+            notes.append(f"{policy}: evictions {flat}")
+    return "\n".join(lines + notes)
 
 
-def plot(runs: Sequence[PolicyRun], path: str) -> None:
-    """Per-turn drafter preparation time and acceptance, one line per policy (needs matplotlib)."""
+def ratio_lines(ratios: dict[str, dict[str, Any]]) -> list[str]:
+    """The headline: paired medians [p25-p75] of TTFT and acceptance for each pair
+    (drafter prep too where it has one); `n/a` with the reason where null."""
+    lines = []
+    for name, r in ratios.items():
+        parts = []
+        for fig in PAIRED_FIGURES:
+            key = f"{fig}_paired_median"
+            if r[key] is not None:
+                parts.append(f"{fig} x{r[key]:#.3g} [{r[f'{fig}_paired_p25']:#.3g}-"
+                             f"{r[f'{fig}_paired_p75']:#.3g}]")
+            elif fig != "drafter_prep":
+                parts.append(f"{fig} n/a ({r['null_reasons'].get(key, 'no pairs')})")
+        lines.append(f"{name} ({r['pairs']} paired warm turns): " + ", ".join(parts))
+    return lines
+
+
+def plot(runs: Sequence[PolicyRun], path: str, first_measured: int) -> None:
+    """Time to first token per measured turn, one series per policy; cold turns hollow,
+    warm filled; each policy has its own marker and a small x offset so coinciding
+    series stay visible (needs matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError(
-            "--plot needs matplotlib: pip install 'trtllm-mtp-carry[plot]'"
-        ) from None
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for run in runs:
-        turns = sorted(run.turns, key=lambda t: (t.session, t.turn))
-        labels = [f"{t.session}/{t.turn}" for t in turns]
-        ax1.plot(labels, [t.stats["drafter_prep_ms"] for t in turns], marker="o", label=run.policy)
-        ax2.plot(labels, [t.stats["acceptance"] for t in turns], marker="o", label=run.policy)
-    ax1.set_ylabel("drafter prep (ms)")
-    ax1.set_yscale("symlog")
-    ax2.set_ylabel("acceptance")
-    ax2.set_xlabel("session / turn")
-    ax1.legend()
-    ax1.set_title("MTP drafter context: carry vs rebuild vs blind")
-    for label in ax2.get_xticklabels():
-        label.set_rotation(60)
+        raise ValueError("--plot needs matplotlib: pip install 'trtllm-mtp-carry[plot]'") from None
+    markers = "osD^vP*X"
+    keys = sorted({t.key for run in runs for t in measured(run, first_measured)})
+    x_of = {k: i for i, k in enumerate(keys)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(keys) + 2), 4.5))
+    width = 0.5 / max(1, len(runs))
+    for n, run in enumerate(runs):
+        turns = sorted(measured(run, first_measured), key=lambda t: t.key)
+        if not turns:
+            continue
+        offset = (n - (len(runs) - 1) / 2) * width
+        xs = [x_of[t.key] + offset for t in turns]
+        ys = [t.stats["ttft_ms"] for t in turns]
+        marker = markers[n % len(markers)]
+        line = ax.plot(xs, ys, linestyle=":", linewidth=1, marker=marker, markersize=0,
+                       label=run.policy)[0]
+        color = line.get_color()
+        warm = [i for i, t in enumerate(turns) if t.turn > 0]
+        cold = [i for i, t in enumerate(turns) if t.turn == 0]
+        ax.scatter([xs[i] for i in warm], [ys[i] for i in warm], marker=marker, color=color, zorder=3)
+        ax.scatter([xs[i] for i in cold], [ys[i] for i in cold], marker=marker, facecolors="none",
+                   edgecolors=color, zorder=3)
+    ax.set_xticks(range(len(keys)), [f"r{r} {s}/{t}" for r, s, t in keys], rotation=60, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token (ms, log)")
+    ax.set_xlabel("replay session/turn (hollow: cold first turn, filled: warm)")
+    ax.set_title("Time to first token per turn, by drafter policy")
+    ax.legend(handles=[plt.Line2D([], [], color=h.get_color(), marker=h.get_marker(), linestyle=":")
+                       for h in ax.get_lines()], labels=[r.policy for r in runs if measured(r, first_measured)])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,141 @@
+"""Summaries and paired ratios of synthetic benchmark runs (exact values, no engine)."""
+
+import pytest
+
+from trtllm_mtp_carry.bench.replay import PolicyRun, TurnRecord
+from trtllm_mtp_carry.bench.report import (
+    outputs_identical,
+    paired,
+    policy_summary,
+    summary_table,
+    turn_table,
+)
+
+
+def turn(replay, session, t, ttft, acc=(2, 4), kind="adopted", rows=128, prep=2.0, out=(1, 2)):
+    accepted, drafted = acc
+    stats = {"prompt_tokens": 1000 + t, "reused_tokens": 900 if t else 0, "ttft_ms": ttft,
+             "drafter_prep_ms": prep, "drafter_rows_computed": rows, "drafted": drafted,
+             "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
+             "verify_steps": 2, "output_tokens": len(out), "outcome_kind": kind, "outcome": kind}
+    return TurnRecord(session, t, stats, list(out), replay)
+
+
+def carry_and_blind():
+    carry = PolicyRun("carry", busy_s={0: 9.0, 1: 2.0, 2: 2.0})
+    blind = PolicyRun("blind", busy_s={0: 9.0, 1: 1.0, 2: 1.0})
+    for r in range(3):
+        # replay 0 is the warm-up: its huge times must not reach any summary
+        slow = 1000.0 if r == 0 else 0.0
+        carry.turns += [turn(r, "s0", 0, 500.0 + slow, kind="no_carry", rows=999),
+                        turn(r, "s0", 1, 10.0 * (r + 1) + slow, acc=(3, 4)),
+                        turn(r, "s0", 2, 30.0 + slow, acc=(4, 4), kind="foreign_session")]
+        blind.turns += [turn(r, "s0", 0, 400.0 + slow, kind="prefill", rows=999),
+                        turn(r, "s0", 1, 20.0 + slow, acc=(2, 4), kind="blind", rows=0, prep=0.0),
+                        turn(r, "s0", 2, 60.0 + slow, acc=(1, 4), kind="blind", rows=0, prep=0.0)]
+    carry.runtime = {0: {"armed": True, "evictions": {"lru": 5}, "evicted_blocks": 50},
+                     1: {"armed": True, "evictions": {"lru": 1, "pool": 2}, "evicted_blocks": 7},
+                     2: {"armed": True, "evictions": {"lru": 0}, "evicted_blocks": 3, "deposits": 4}}
+    return carry, blind
+
+
+def test_policy_summary_medians_spread_and_counts_exclude_the_warm_up():
+    carry, _ = carry_and_blind()
+    s = policy_summary(carry, first_measured=1)
+    # warm ttfts of replays 1 and 2: 20, 30, 30, 30 -> median 30, p25 27.5
+    assert (s["turns"], s["ttft_ms_median"], s["ttft_ms_p25"], s["ttft_ms_p75"]) == (4, 30.0, 27.5, 30.0)
+    assert (s["acceptance_median"], s["acceptance_p25"], s["acceptance_p75"]) == (0.875, 0.75, 1.0)
+    assert s["acceptance_pooled"] == 14 / 16
+    assert s["drafter_rows_computed_median"] == 128
+    assert s["outcomes"] == {"adopted": 2, "foreign_session": 2}
+    assert s["adoption_rate"] == 0.5
+    assert s["refusals"] == {"foreign_session": 2}
+    assert s["cold"]["ttft_ms_median"] == 500.0 and s["cold"]["refusals"] == {"no_carry": 2}
+    assert s["output_tokens_per_s"] == 12 / 4.0  # 6 turns x 2 tokens over replays 1-2's 4 s
+    assert s["evictions"] == {"evictions": {"lru": 1, "pool": 2}, "evicted_blocks": 10}
+    assert (s["policy"], s["carry_armed"]) == ("carry", True)
+
+
+def test_off_has_no_acceptance_median():
+    off = PolicyRun("off", turns=[turn(1, "s0", 1, 5.0, acc=(0, 0), kind="off", rows=0)])
+    s = policy_summary(off, first_measured=1)
+    assert (s["acceptance_median"], s["acceptance_pooled"], s["accepted_per_step"]) == (None, None, 0.0)
+
+
+def test_paired_ratios_pair_the_same_replay_session_and_turn():
+    carry, blind = carry_and_blind()
+    r = paired([carry, blind], first_measured=1)
+    assert list(r) == ["carry/blind"]
+    entry = r["carry/blind"]
+    # ttft pairs: 20/20, 30/60 (replay 1), 30/20, 30/60 (replay 2) -> 1, .5, 1.5, .5
+    assert entry["pairs"] == 4
+    assert (entry["ttft_paired_median"], entry["ttft_paired_p25"], entry["ttft_paired_p75"]) == (
+        0.75, 0.5, 1.125)
+    # acceptance pairs: .75/.5, 1/.25, .75/.5, 1/.25 -> 1.5, 4, 1.5, 4
+    assert entry["acceptance_paired_median"] == 2.75
+    assert entry["drafter_prep_paired_median"] is None
+    assert entry["null_reasons"] == {
+        "drafter_prep_paired_median": "blind has drafter_prep_ms at or near zero (<= 0.05) on 4 of 4 turns"}
+
+
+def test_paired_ratios_of_an_interrupted_run_use_only_turns_both_policies_finished():
+    carry, blind = carry_and_blind()
+    blind.turns = blind.turns[:5]  # stopped after replay 1's first warm turn
+    entry = paired([carry, blind], first_measured=1)["carry/blind"]
+    assert entry["pairs"] == 1 and entry["ttft_paired_median"] == 1.0
+
+
+def test_outputs_identical_compares_the_turns_every_policy_finished():
+    carry, blind = carry_and_blind()
+    assert outputs_identical([carry, blind])
+    blind.turns = blind.turns[:4]
+    assert outputs_identical([carry, blind])
+    carry.turns[2] = turn(0, "s0", 2, 1.0, out=(9,))
+    assert not outputs_identical([carry, blind])
+
+
+def test_tables_mark_the_warm_up_and_name_refusals_and_evictions():
+    carry, blind = carry_and_blind()
+    table = turn_table([carry, blind], first_measured=1).splitlines()
+    assert table[2].split()[:4] == ["0w", "s0", "0", "carry"]
+    assert table[3].split()[:4] == ["0w", "s0", "0", "blind"]
+    assert table[8].split()[:4] == ["1", "s0", "0", "carry"]
+    text = summary_table({"carry": policy_summary(carry, 1), "blind": policy_summary(blind, 1)})
+    assert "carry: refusals foreign_session=2" in text
+    assert "carry: evictions {'evictions': {'lru': 1, 'pool': 2}, 'evicted_blocks': 10}" in text
+    assert "30.0 [27.5-30.0]" in text
+
+
+def test_plot_writes_a_png_of_every_measured_turn(tmp_path):
+    pytest.importorskip("matplotlib")
+    from trtllm_mtp_carry.bench.report import plot
+
+    carry, blind = carry_and_blind()
+    same = PolicyRun("same", turns=[turn(t.replay, t.session, t.turn, t.stats["ttft_ms"])
+                                    for t in carry.turns])  # coincides with carry everywhere
+    path = tmp_path / "ttft.png"
+    plot([carry, blind, same], str(path), first_measured=1)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_turn_table_orders_sessions_naturally():
+    run = PolicyRun("carry", turns=[turn(0, "s10", 0, 1.0), turn(0, "s2", 0, 1.0), turn(0, "s1", 1, 1.0)])
+    rows = turn_table([run], first_measured=0).splitlines()[2:]
+    assert [r.split()[1] for r in rows] == ["s1", "s2", "s10"]
+
+
+def test_summary_says_when_the_carry_was_not_armed():
+    carry, _ = carry_and_blind()
+    carry.runtime = {1: {"armed": False}}
+    text = summary_table({"carry": policy_summary(carry, 1)})
+    assert "carry: not armed in this run" in text
+    carry.runtime = {1: {"armed": True}}
+    assert "not armed" not in summary_table({"carry": policy_summary(carry, 1)})
+
+
+def test_a_turn_whose_drafter_was_off_counts_as_zero_acceptance_not_left_out():
+    run = PolicyRun("carry", turns=[turn(1, "s0", 1, 5.0, acc=(3, 4)), turn(1, "s0", 2, 5.0, acc=(0, 0)),
+                                    turn(1, "s0", 3, 5.0, acc=(1, 4))])
+    s = policy_summary(run, first_measured=1)
+    assert (s["acceptance_median"], s["acceptance_p25"], s["acceptance_p75"]) == (0.25, 0.125, 0.5)
+    assert s["acceptance_pooled"] == 0.5
