@@ -9,5 +9,5 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,serve,plot]"  # serve: a real tritonserver for tests/serve; plot: the bench plot test
 python -m pytest tests "$@"
