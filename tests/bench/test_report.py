@@ -33,9 +33,9 @@ def carry_and_blind():
         blind.turns += [turn(r, "s0", 0, 400.0 + slow, kind="prefill", rows=999),
                         turn(r, "s0", 1, 20.0 + slow, acc=(2, 4), kind="blind", rows=0, prep=0.0),
                         turn(r, "s0", 2, 60.0 + slow, acc=(1, 4), kind="blind", rows=0, prep=0.0)]
-    carry.runtime = {0: {"armed": True, "evictions": {"lru": 5}, "evicted_blocks": 50},
-                     1: {"armed": True, "evictions": {"lru": 1, "pool": 2}, "evicted_blocks": 7},
-                     2: {"armed": True, "evictions": {"lru": 0}, "evicted_blocks": 3, "deposits": 4}}
+    carry.runtime = {0: {"armed": True, "evictions": {"capacity": 5}},
+                     1: {"armed": True, "evictions": {"capacity": 1, "pool_pressure": 2}},
+                     2: {"armed": True, "evictions": {"capacity": 0}, "deposits": 4}}
     return carry, blind
 
 
@@ -52,7 +52,7 @@ def test_policy_summary_medians_spread_and_counts_exclude_the_warm_up():
     assert s["refusals"] == {"foreign_session": 2}
     assert s["cold"]["ttft_ms_median"] == 500.0 and s["cold"]["refusals"] == {"no_carry": 2}
     assert s["output_tokens_per_s"] == 12 / 4.0  # 6 turns x 2 tokens over replays 1-2's 4 s
-    assert s["evictions"] == {"evictions": {"lru": 1, "pool": 2}, "evicted_blocks": 10}
+    assert s["evictions"] == {"capacity": 1, "pool_pressure": 2}  # replay 0 is the warm-up: left out
     assert (s["policy"], s["carry_armed"]) == ("carry", True)
 
 
@@ -102,7 +102,7 @@ def test_tables_mark_the_warm_up_and_name_refusals_and_evictions():
     assert table[8].split()[:4] == ["1", "s0", "0", "carry"]
     text = summary_table({"carry": policy_summary(carry, 1), "blind": policy_summary(blind, 1)})
     assert "carry: refusals foreign_session=2" in text
-    assert "carry: evictions {'evictions': {'lru': 1, 'pool': 2}, 'evicted_blocks': 10}" in text
+    assert "carry: evictions capacity=1 pool_pressure=2" in text
     assert "30.0 [27.5-30.0]" in text
 
 

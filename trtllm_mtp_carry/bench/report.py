@@ -61,20 +61,12 @@ def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any
     return out
 
 
-def _sum_counters(dicts: Sequence[dict[str, Any]], match: str) -> dict[str, Any]:
-    """Sum every counter whose name contains `match` (ints, or dicts of ints) over `dicts`."""
-    total: dict[str, Any] = {}
-    for d in dicts:
-        for name, value in d.items():
-            if match not in name or isinstance(value, bool):
-                continue
-            if isinstance(value, int):
-                total[name] = total.get(name, 0) + value
-            elif isinstance(value, dict):
-                inner = total.setdefault(name, {})
-                for k, v in value.items():
-                    if isinstance(v, int) and not isinstance(v, bool):
-                        inner[k] = inner.get(k, 0) + v
+def _sum_evictions(runtimes: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """The runtime's `evictions` (carried entries that left unadopted, by cause), summed."""
+    total: dict[str, int] = {}
+    for d in runtimes:
+        for cause, n in (d.get("evictions") or {}).items():
+            total[cause] = total.get(cause, 0) + n
     return total
 
 
@@ -88,8 +80,8 @@ def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
 
     `output_tokens_per_s` is every measured turn's output over the engine's
     busy time (submit + step) in those replays: the aggregate rate at the
-    run's concurrency. `evictions` sums the runtime's counters named
-    `*evict*` (whatever the runtime reports), over the measured replays.
+    run's concurrency. `evictions` sums the runtime's evictions by cause
+    (`CarryStats.evictions`) over the measured replays.
     """
     turns = measured(run, first_measured)
     drafts = run.policy != "off"
@@ -100,7 +92,7 @@ def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
     tokens = sum(t.stats["output_tokens"] for t in turns)
     out["output_tokens_per_s"] = tokens / busy if busy > 0 else None
     runtimes = [d for r, d in sorted(run.runtime.items()) if r >= first_measured]
-    out["evictions"] = _sum_counters(runtimes, "evict")
+    out["evictions"] = _sum_evictions(runtimes)
     if runtimes:
         out["carry_armed"] = runtimes[-1].get("armed")
     return out
@@ -193,7 +185,7 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
                          "its warm turns ran without carried rows")
         if s["refusals"]:
             notes.append(f"{policy}: refusals " + " ".join(f"{k}={v}" for k, v in s["refusals"].items()))
-        flat = {k: v for k, v in s["evictions"].items() if v}
+        flat = " ".join(f"{k}={v}" for k, v in s["evictions"].items() if v)
         if flat:
             notes.append(f"{policy}: evictions {flat}")
     return "\n".join(lines + notes)
