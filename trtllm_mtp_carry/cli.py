@@ -225,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "no_prefill", False):
         args.no_carry = True
     try:
-        for warning in apply_settings_flags(args):
+        # with `bench --server` the settings are the server's: the bench refuses those flags
+        for warning in [] if getattr(args, "server", None) else apply_settings_flags(args):
             print(f"warning: {warning}", file=sys.stderr)
         result: int = args.func(args)
     except ValueError as exc:  # bad values (flags, env, files): one line, no traceback

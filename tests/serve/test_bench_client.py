@@ -1,41 +1,135 @@
-"""`bench --server`: the session replay through the real server returns the bench's records."""
+"""`bench --server`: the session replay through the real server returns the bench's records,
+and the CLI reports them with the in-process bench's report code."""
 
 from __future__ import annotations
 
+import json
+import sys
+
+import pytest
+from conftest import free_ports
 from serve_helpers import MODEL
 
 from trtllm_mtp_carry.bench.replay import next_prompt
-from trtllm_mtp_carry.bench.report import outputs_identical, summaries
+from trtllm_mtp_carry.bench.report import measured, outputs_identical, paired, policy_summary
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
-from trtllm_mtp_carry.core.outcome import OUTCOME_KINDS
+from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.engine import ReferenceEngine
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.serve.bench_client import replay_on_server
 
 TOK = ChatTokenizer()
+SMALL = ["--sessions", "2", "--turns", "2", "--history", "120", "--new-span", "30",
+         "--max-new-tokens", "8", "--concurrency", "2", "--policies", "carry,blind", "--no-progress"]
 
 
-def test_replay_on_server_returns_one_run_per_policy_with_greedy_outputs(served):
+def test_replay_on_server_records_every_replay_with_greedy_outputs_and_outcomes(served):
     sessions = builtin_sessions(2, 2, 120, 30, TOK)
     runs = replay_on_server(served.endpoints.grpc, sessions, ["carry", "blind"], max_new_tokens=16,
-                            concurrency=2, model=MODEL)
+                            concurrency=2, model=MODEL, repeat=2)
     assert [r.policy for r in runs] == ["carry", "blind"]
     assert outputs_identical(runs)
     greedy = ReferenceEngine.from_pretrained(policy="off")
     for run in runs:
-        assert [(t.session, t.turn) for t in run.turns] == [("s0", 0), ("s1", 0), ("s0", 1), ("s1", 1)]
-        by = {(t.session, t.turn): t for t in run.turns}
+        assert [t.key for t in run.turns] == [(r, s, t) for r in (0, 1) for t in (0, 1) for s in ("s0", "s1")]
+        assert sorted(run.busy_s) == [0, 1] and all(v > 0 for v in run.busy_s.values())
+        assert run.runtime == {r: {"server": served.endpoints.grpc, "model": MODEL, "policy": run.policy}
+                               for r in (0, 1)}
+        by = {t.key: t for t in run.turns}
         for s in sessions:
             first = TOK.render_chat(s.history)
-            second = next_prompt(TOK, first, by[(s.name, 0)].output, s.followups[0])
+            second = next_prompt(TOK, first, by[(0, s.name, 0)].output, s.followups[0])
             for turn, prompt in ((0, first), (1, second)):
-                record = by[(s.name, turn)]
+                record = by[(0, s.name, turn)]
                 assert record.output == greedy.generate(None, prompt, max_new_tokens=16, policy="off").output
-                assert record.stats["prompt_tokens"] == record.stats["client_prompt_tokens"] == len(prompt)
-                assert record.stats["ttft_ms"] > 0 and record.stats["policy"] == run.policy
-        warm = [t.stats for t in run.turns if t.turn == 1]
-        if run.policy == "blind":
-            assert [w["outcome_kind"] for w in warm] == ["blind", "blind"]
-        else:
-            assert all(w["outcome_kind"] in OUTCOME_KINDS for w in warm)
-        summaries(run)  # the in-process bench's report reads these records as they are
+                assert by[(1, s.name, turn)].output == record.output  # a replay is the same conversation
+                for r in (0, 1):
+                    stats = by[(r, s.name, turn)].stats
+                    assert stats["prompt_tokens"] == stats["client_prompt_tokens"] == len(prompt)
+                    assert stats["ttft_ms"] > 0 and stats["policy"] == run.policy
+        # the in-process bench's report reads these records as they are; replay 0 is the warm-up
+        summary = policy_summary(run, first_measured=1)
+        assert [t.key for t in measured(run, 1)] == [t.key for t in run.turns if t.replay == 1]
+        assert summary["turns"] == 2 and summary["cold"]["turns"] == 2
+        expected = "adopted" if run.policy == "carry" else "blind"
+        assert summary["outcomes"] == {expected: 2}
+        assert summary["cold"]["output_tokens"] + summary["output_tokens"] == sum(
+            t.stats["output_tokens"] for t in measured(run, 1))
+        assert summary["output_tokens_per_s"] == pytest.approx(
+            sum(t.stats["output_tokens"] for t in measured(run, 1)) / run.busy_s[1])
+    assert paired(runs, first_measured=1)["carry/blind"]["pairs"] == 2
+
+
+def test_bench_cli_through_server_reports_policies_side_by_side(served, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--server", served.endpoints.grpc, *SMALL, "--repeat", "2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    lines = printed.splitlines()
+    assert lines[0].startswith("environment: ") and f"Triton server {served.endpoints.grpc}" in lines[0]
+    rows = [ln.split() for ln in lines if ln.split()[:1] in (["0w"], ["1"])]
+    # per-turn table: 2 replays x 2 sessions x 2 turns x 2 policies; the outcome starts at column 10
+    assert [(r[0], r[1], r[2], r[3], r[10]) for r in rows] == [
+        (rep, s, t, p, {"carry": "adopted", "blind": "blind"}[p] if t == "1" else "prefill")
+        for rep in ("0w", "1") for s in ("s0", "s1") for t in ("0", "1") for p in ("carry", "blind")]
+    assert all(int(r[5]) > 0 for r in rows if r[2] == "1")  # warm turns reuse the session's prefix
+    assert "(replays 1..1, warm-up replay 0 excluded)" in printed
+    assert "carry/blind (2 paired warm turns): ttft x" in printed
+    assert "outputs identical across policies: True" in printed
+    data = json.loads(out.read_text())
+    assert data["first_measured_replay"] == 1 and data["outputs_identical"] is True
+    assert data["config"]["server"] == served.endpoints.grpc and data["config"]["repeat"] == 2
+    # the engine's sizes are the server's: none of this client's defaults is reported as if in effect
+    assert not {"draft_len", "chunk", "device", "dtype", "threads", "marconi_min_tokens",
+                "carry_slots"} & set(data["config"])
+    assert list(data["policies"]) == ["carry", "blind"]
+    assert data["summary"]["carry"]["outcomes"] == {"adopted": 2}
+    assert data["summary"]["blind"]["outcomes"] == {"blind": 2}
+    assert data["summary"]["ratios"]["carry/blind"]["pairs"] == 2
+    for policy in ("carry", "blind"):
+        assert sorted(data["policies"][policy]["busy_s"]) == ["0", "1"]
+        assert [(t["replay"], t["session"], t["turn"]) for t in data["policies"][policy]["turns"]] == [
+            (r, s, t) for r in (0, 1) for t in (0, 1) for s in ("s0", "s1")]
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trtllm-mtp-carry: error: "), err
+    return err[0]
+
+
+def test_bench_server_unreachable_is_one_error_line_naming_the_address(capsys):
+    pytest.importorskip("tritonclient.grpc")
+    address = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+    assert main(["bench", "--server", address, *SMALL]) == 2
+    assert f"--server {address}: no Triton server answers there" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--draft-len", "2"], "--draft-len"),  # the default value typed is still a choice
+    (["--chunk", "256", "--carry-slots", "3"], "--chunk, --carry-slots"),
+    (["--restore-threshold", "0"], "--marconi-min-tokens"),
+    (["--device", "cpu", "--dtype", "float64", "--threads", "2", "--weights", "w"],
+     "--device, --dtype, --threads, --weights"),
+])
+def test_bench_server_refuses_server_side_flags(capsys, flags, named):
+    assert main(["bench", "--server", "127.0.0.1:1", *flags]) == 2
+    line = _one_error_line(capsys)
+    assert line == (f"trtllm-mtp-carry: error: {named} with --server 127.0.0.1:1: the engine is the "
+                    f"server's (set it with `trtllm-mtp-carry serve` or `triton-repo` options); "
+                    f"drop {'it' if ',' not in named else 'them'} here")
+
+
+def test_bench_server_without_tritonclient_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)  # import fails as if not installed
+    assert main(["bench", "--server", "127.0.0.1:1", *SMALL]) == 2
+    assert _one_error_line(capsys) == ('trtllm-mtp-carry: error: --server needs tritonclient: '
+                                       'pip install -e ".[serve]"')
+
+
+def test_bench_server_address_must_be_host_port(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--server", "localhost"])
+    assert exc.value.code == 2
+    assert "argument --server: expected HOST:PORT (the server's gRPC port), got 'localhost'" in (
+        _one_error_line(capsys))

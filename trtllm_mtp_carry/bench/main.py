@@ -6,6 +6,11 @@ times, all policies in lockstep (replay 0 is the warm-up) -> per-turn table,
 warm-turn summary (medians [p25-p75]), paired ratios -> JSON and plot.
 Ctrl-C stops the replay: what finished is summarised, marked partial, and the
 command exits 130.
+
+With `--server HOST:PORT` the same sessions replay through a running Triton
+server (`serve/bench_client.py`) and the same report code prints them; the
+engine's sizes are then the server's, so the flags that set them here
+(`SERVER_SIDE_FLAGS`) are refused with --server rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -33,6 +38,29 @@ from .options import (
 
 DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
+SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--device", "--dtype", "--threads",
+                     "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots")
+"""Flags that size or place the engine: with --server they are the server's parameters."""
+
+
+class _Given(argparse.Action):
+    """Store the value and remember that the flag was typed (a default is not a choice)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        given = set(getattr(namespace, "given_flags", ()))
+        given.add(self.option_strings[0])
+        namespace.given_flags = given
+
+
+def server_address(text: str) -> str:
+    """argparse type: HOST:PORT of a Triton server's gRPC endpoint."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (the server's gRPC port), got {text!r}")
+    return text
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
@@ -47,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", metavar="PATH.jsonl",
                    help="replay your own chat conversations ({'messages': [...]} per line) instead")
     p.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=32, help="answer length cap per turn")
-    p.add_argument("--draft-len", type=draft_len, metavar="N", default=2, help="draft tokens per verify step, 1..3")
-    p.add_argument("--chunk", type=prefill_chunk, metavar="N", default=512, help="prefill chunk size (multiple of 16)")
+    p.add_argument("--draft-len", action=_Given, type=draft_len, metavar="N", default=2, help="draft tokens per verify step, 1..3")
+    p.add_argument("--chunk", action=_Given, type=prefill_chunk, metavar="N", default=512, help="prefill chunk size (multiple of 16)")
     p.add_argument("--concurrency", type=positive_int, metavar="N", default=1,
                    help="sessions in flight at once; also the MTP dispatch cap the bench arms")
     p.add_argument("--interleave", action="store_true",
@@ -59,12 +87,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-blocks", type=positive_int, default=None, metavar="N",
                    help="drafter KV pool size in 16-row blocks (default: room for every in-flight "
                         "sequence and carried session; smaller forces evictions)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--threads", type=positive_int, metavar="N", default=1,
+    p.add_argument("--device", action=_Given, default="cpu", help="torch device: cpu, cuda or cuda:N")
+    p.add_argument("--dtype", action=_Given, default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--threads", action=_Given, type=positive_int, metavar="N", default=1,
                    help="torch intra-op threads (the reference model's ops are too small to gain "
                         "from more, and extra threads on a busy CPU make timings erratic)")
     p.add_argument("--weights", metavar="DIR", help="reference.safetensors + reference.json directory")
+    p.add_argument("--server", type=server_address, metavar="HOST:PORT",
+                   help="replay through a running `trtllm-mtp-carry serve` (its gRPC port) instead of "
+                        "an in-process engine; the engine's sizes are then the server's")
+    p.add_argument("--model", default="mtp_carry", metavar="NAME",
+                   help="the served model's name (with --server)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -107,8 +140,9 @@ def environment(device: Any) -> dict[str, Any]:
 
 
 def environment_line(env: dict[str, Any]) -> str:
+    threads = f", {env['threads']} threads" if env["threads"] is not None else ""
     return (f"environment: {env['package']}, torch {env['torch']}, Python {env['python']}, "
-            f"{env['device']}, {env['threads']} threads, load average {env['load_avg_start']} at start"
+            f"{env['device']}{threads}, load average {env['load_avg_start']} at start"
             + (f", {env['load_avg_end']} at end" if env["load_avg_end"] is not None else "")
             + f", {env['timestamp']}")
 
@@ -189,7 +223,19 @@ def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, s
     )
 
 
+def server_side_flags(args: argparse.Namespace) -> list[str]:
+    """The `SERVER_SIDE_FLAGS` the user typed (settings flags and paths default to None)."""
+    typed = set(getattr(args, "given_flags", ()))
+    for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
+                 "--drafter-blocks"):
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            typed.add(flag)
+    return [f for f in SERVER_SIDE_FLAGS if f in typed]
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.server:
+        return run_server(args)
     _check(args)
     import torch
     from tqdm import tqdm
@@ -228,6 +274,100 @@ def run(args: argparse.Namespace) -> int:
     env["load_avg_end"] = _loadavg()
     if partial and not any(report.measured(r, first_measured) for r in runs):
         first_measured = 0  # stopped during the warm-up: summarise what there is
+    identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started)
+    if partial:
+        print("partial: interrupted by Ctrl-C", file=sys.stderr)
+        return 130
+    return 0 if identical else 1
+
+
+def _connect(address: str, model: str) -> None:
+    """Check that a Triton server answers at `address` and serves `model` (ValueError naming both)."""
+    try:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+    except ImportError:
+        raise ValueError('--server needs tritonclient: pip install -e ".[serve]"') from None
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        try:
+            client.is_server_live(client_timeout=10)
+        except InferenceServerException as exc:
+            why = (exc.message() or str(exc)).strip().splitlines()[0]
+            raise ValueError(f"--server {address}: no Triton server answers there ({why})") from None
+        try:
+            ready = client.is_model_ready(model, client_timeout=10)
+        except InferenceServerException:
+            ready = False
+        if not ready:
+            raise ValueError(f"--server {address}: model {model!r} is not ready there (see --model)")
+    finally:
+        client.close()
+
+
+def server_environment(address: str, model: str) -> dict[str, Any]:
+    """What a server run was measured from: the client's versions, the server, load, time."""
+    return {
+        "package": f"trtllm_mtp_carry {__version__}",
+        "torch": _torch_version(),
+        "python": platform.python_version(),
+        "device": f"Triton server {address}, model {model} (client-side timing)",
+        "threads": None,
+        "load_avg_start": _loadavg(),
+        "load_avg_end": None,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`bench --server`: the same sessions and report, through a running server."""
+    given = server_side_flags(args)
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} with --server {args.server}: the engine is the server's "
+            "(set it with `trtllm-mtp-carry serve` or `triton-repo` options); "
+            f"drop {'it' if len(given) == 1 else 'them'} here")
+    _check(args)
+    from tqdm import tqdm
+
+    from ..engine.tokenizer import ChatTokenizer
+    from ..serve.bench_client import iter_replay_on_server
+    from . import report
+    from .replay import PolicyRun
+
+    _connect(args.server, args.model)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    env = server_environment(args.server, args.model)
+    started = time.perf_counter()
+    sessions = _sessions(args, ChatTokenizer())
+    print(environment_line(env))
+    first_measured = 1 if args.repeat > 1 else 0
+    total = args.repeat * len(policies) * sum(1 + len(s.followups) for s in sessions)
+    bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
+    runs: list[PolicyRun] = []
+    partial = False
+    done = 0
+    try:
+        for runs in iter_replay_on_server(args.server, sessions, policies, args.max_new_tokens,
+                                          args.concurrency, args.model, repeat=args.repeat):
+            now = sum(len(r.turns) for r in runs)
+            bar.update(now - done)
+            done = now
+    except KeyboardInterrupt:
+        partial = True
+    except (RuntimeError, TimeoutError) as exc:  # a refused turn, a dead server
+        bar.close()
+        raise ValueError(f"--server {args.server}: {exc}") from None
+    bar.close()
+    env["load_avg_end"] = _loadavg()
+    if partial and not any(report.measured(r, first_measured) for r in runs):
+        first_measured = 0
     identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started)
     if partial:
         print("partial: interrupted by Ctrl-C", file=sys.stderr)
@@ -296,8 +436,12 @@ def _note_below_threshold(sessions: list[Any], tokenizer: Any) -> None:
 
 def _json(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], summary: dict[str, Any],
           ratios: dict[str, Any], identical: bool, first_measured: int, partial: bool) -> dict[str, Any]:
-    config = {k: v for k, v in vars(args).items() if k != "func"}
-    config |= _settings()  # resolved values, not the flags' None
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "given_flags")}
+    if args.server:  # the engine's sizes are the server's: this process's defaults would mislead
+        for flag in SERVER_SIDE_FLAGS:
+            config.pop(flag[2:].replace("-", "_"), None)
+    else:
+        config |= _settings()  # resolved values, not the flags' None
     return {
         "environment": env,
         "config": config,
