@@ -22,8 +22,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..core import marconi_min_tokens, mtp_max_seqs, settings
@@ -35,6 +36,9 @@ from .options import (
     resolve_device,
     weights_dir,
 )
+
+if TYPE_CHECKING:  # the replay module imports torch; the parser stays torch-free
+    from .replay import PolicyRun
 
 DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
@@ -238,12 +242,10 @@ def run(args: argparse.Namespace) -> int:
         return run_server(args)
     _check(args)
     import torch
-    from tqdm import tqdm
 
     from ..engine.model import load_reference
     from ..runtime.policy import DrafterPolicy
-    from . import report
-    from .replay import PolicyRun, replay_lockstep
+    from .replay import replay_lockstep
 
     policies = [DrafterPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip()]
     device = resolve_device(args.device)
@@ -256,21 +258,35 @@ def run(args: argparse.Namespace) -> int:
     print(environment_line(env))
     _note_below_threshold(sessions, tokenizer)
     config = engine_config(args, model.cfg.max_position, tokenizer, sessions, str(device))
+    replays = replay_lockstep(model, tokenizer, sessions, policies, config, args.max_new_tokens,
+                              args.concurrency, args.interleave, args.repeat)
+    return _drive_and_report(args, env, replays, len(policies), sessions, started)
+
+
+def _drive_and_report(args: argparse.Namespace, env: dict[str, Any],
+                      replays: Iterator[list[PolicyRun]], num_policies: int, sessions: list[Any],
+                      started: float) -> int:
+    """Advance the replays (each step yields every policy's run so far) under a progress bar,
+    then report; Ctrl-C reports the turns finished so far (partial) and returns 130."""
+    from tqdm import tqdm
+
+    from . import report
+
     first_measured = 1 if args.repeat > 1 else 0
-    total = args.repeat * len(policies) * sum(1 + len(s.followups) for s in sessions)
+    total = args.repeat * num_policies * sum(1 + len(s.followups) for s in sessions)
     bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
     runs: list[PolicyRun] = []
     partial = False
     done = 0
     try:
-        for runs in replay_lockstep(model, tokenizer, sessions, policies, config, args.max_new_tokens,
-                                    args.concurrency, args.interleave, args.repeat):
+        for runs in replays:
             now = sum(len(r.turns) for r in runs)
             bar.update(now - done)
             done = now
     except KeyboardInterrupt:
         partial = True
-    bar.close()
+    finally:
+        bar.close()
     env["load_avg_end"] = _loadavg()
     if partial and not any(report.measured(r, first_measured) for r in runs):
         first_measured = 0  # stopped during the warm-up: summarise what there is
@@ -334,12 +350,9 @@ def run_server(args: argparse.Namespace) -> int:
             "(set it with `trtllm-mtp-carry serve` or `triton-repo` options); "
             f"drop {'it' if len(given) == 1 else 'them'} here")
     _check(args)
-    from tqdm import tqdm
 
     from ..engine.tokenizer import ChatTokenizer
     from ..serve.bench_client import iter_replay_on_server
-    from . import report
-    from .replay import PolicyRun
 
     _connect(args.server, args.model)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -347,32 +360,12 @@ def run_server(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     sessions = _sessions(args, ChatTokenizer())
     print(environment_line(env))
-    first_measured = 1 if args.repeat > 1 else 0
-    total = args.repeat * len(policies) * sum(1 + len(s.followups) for s in sessions)
-    bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
-    runs: list[PolicyRun] = []
-    partial = False
-    done = 0
+    replays = iter_replay_on_server(args.server, sessions, policies, args.max_new_tokens,
+                                    args.concurrency, args.model, repeat=args.repeat)
     try:
-        for runs in iter_replay_on_server(args.server, sessions, policies, args.max_new_tokens,
-                                          args.concurrency, args.model, repeat=args.repeat):
-            now = sum(len(r.turns) for r in runs)
-            bar.update(now - done)
-            done = now
-    except KeyboardInterrupt:
-        partial = True
+        return _drive_and_report(args, env, replays, len(policies), sessions, started)
     except (RuntimeError, TimeoutError) as exc:  # a refused turn, a dead server
-        bar.close()
         raise ValueError(f"--server {args.server}: {exc}") from None
-    bar.close()
-    env["load_avg_end"] = _loadavg()
-    if partial and not any(report.measured(r, first_measured) for r in runs):
-        first_measured = 0
-    identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started)
-    if partial:
-        print("partial: interrupted by Ctrl-C", file=sys.stderr)
-        return 130
-    return 0 if identical else 1
 
 
 def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
