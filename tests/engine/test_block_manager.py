@@ -259,6 +259,32 @@ def test_append_and_truncate():
 # ---- ownership and input errors -------------------------------------------
 
 
+def test_salted_sequences_share_blocks_only_under_the_same_salt():
+    from trtllm_mtp_carry.engine.prefix_hash import PrefixKeys, chain_hash, encode_tokens, salt_root
+
+    a, b = salt_root("a"), salt_root("b")
+    bm = TargetBlockManager(num_blocks=16, block_size=4)
+    tokens = toks(10)
+    bm.allocate(1, tokens, bm.match_prefix(PrefixKeys(tokens, 4, a)), root=a)
+    bm.commit_full_blocks(1, tokens)
+    bm.free(1, tokens)  # blocks 0, 1 full; block 2 holds the partial [108, 109]
+    assert bm.match_prefix(PrefixKeys(tokens, 4, a)).num_tokens == 9  # the same salt reuses
+    assert bm.match_prefix(PrefixKeys(tokens, 4, b)) == PrefixMatch.empty(4)
+    assert bm.match_prefix(tokens) == PrefixMatch.empty(4)  # no salt is a namespace too
+    h1 = chain_hash(a, encode_tokens(toks(4)))
+    assert bm.match_prefix(PrefixKeys(tokens, 4, a)).block_hashes == (
+        h1, chain_hash(h1, encode_tokens(toks(4, 104))))
+    bm.allocate(2, toks(3), root=a)
+    bm.free(2, toks(3))  # a partial block right under root a
+    m = bm.match_prefix(PrefixKeys(toks(3), 4, a))
+    assert (m.num_tokens, m.block_ids, m.cow_key) == (2, (), (a, encode_tokens(toks(3))))
+    with pytest.raises(ValueError, match=f"match is under root {a}, not root=0"):
+        bm.allocate(3, toks(3), m)  # a match under one root, committed under another
+    with pytest.raises(ValueError, match="root must be a u64 int, got -1"):
+        bm.allocate(2, toks(3), root=-1)
+    bm.check()
+
+
 def test_ownership_errors_name_the_owner():
     bm = TargetBlockManager(8, 4)
     bm.allocate(7, toks(3))

@@ -101,6 +101,25 @@ def test_restore_threshold_boundary(model):
     assert (at.snapshot_restored, at.reused_tokens) == (True, threshold)
 
 
+def test_cache_salt_isolates_prefix_reuse(model):
+    """A different salt admits the same prompt cold; the same salt reuses; output is unchanged."""
+    gen = torch.Generator().manual_seed(12)
+    eng = engine(model)
+    turn1, r1, turn2 = first_turn_then(eng, gen, "a", 64, 10, 20)  # unsalted
+    first = eng.generate("b", turn2, max_new_tokens=12, cache_salt="carry/replay0")
+    other = eng.generate("c", turn2, max_new_tokens=12, cache_salt=b"rebuild/replay0")
+    same = eng.generate("d", turn2, max_new_tokens=12, cache_salt=b"carry/replay0")
+    unsalted = eng.generate("e", turn2, max_new_tokens=12)
+    assert (first.stats.reused_tokens, first.stats.snapshot_restored) == (0, False)
+    assert (other.stats.reused_tokens, other.stats.snapshot_restored) == (0, False)
+    # resumes at its salt's deepest snapshot: the last prefill chunk end below the prompt end
+    assert same.stats.reused_tokens == (len(turn2) - 1) // 16 * 16 and same.stats.snapshot_restored
+    assert unsalted.stats.reused_tokens == len(turn1) + len(r1.output) - 1  # session a's turn
+    assert first.output == other.output == same.output == unsalted.output
+    assert first.output == greedy_oracle(model, turn2, 12)
+    eng.check()
+
+
 @pytest.mark.parametrize(
     "prompt, kwargs, error, match",
     [
@@ -116,6 +135,8 @@ def test_restore_threshold_boundary(model):
         ([1, 2], {"session_id": -1}, ValueError, "-1"),
         ([1, 2], {"session_id": 2.5}, TypeError, "2.5"),
         ([1, 2], {"policy": "fast"}, ValueError, "unknown drafter policy 'fast'"),
+        ([1, 2], {"cache_salt": 7}, TypeError, "cache_salt must be a str or bytes, got int 7"),
+        ([1, 2], {"cache_salt": ""}, ValueError, "cache_salt must be non-empty, got ''"),
         ([{"role": "robot", "content": "hi"}], {}, ValueError, "unknown role 'robot'"),
         ([72, True, 33], {}, ValueError, r"token ids must be ints in \[0, 264\); got \[True\]"),
         ([False, 1], {}, ValueError, r"got \[False\]"),

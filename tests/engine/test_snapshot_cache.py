@@ -11,6 +11,7 @@ from trtllm_mtp_carry.engine.prefix_hash import (
     PrefixKeys,
     chain_hash,
     encode_tokens,
+    salt_root,
 )
 from trtllm_mtp_carry.engine.snapshot_cache import (
     ResumePlan,
@@ -45,6 +46,34 @@ def test_prefix_key_values_are_pinned():
     assert chain_hash(ROOT_HASH, encode_tokens([1, 2, 3])) == 0xF1088CAE4CCFC552
     assert PrefixKeys(list(range(10)), 4).key(10) == 0xC1AEB09B1FDE161D
     assert PrefixKeys([1, 2, 3, 4, 5], 2).key(5) == PrefixKeys([1, 2, 3, 4, 5, 6], 2).key(5)
+
+
+def test_salted_keys_chain_from_the_salt_root_and_no_salt_is_unchanged():
+    root = salt_root("carry/replay0")
+    assert root == 0x3596025B7B3DCFBE == salt_root(b"carry/replay0")  # str == its UTF-8 bytes
+    assert salt_root(None) == ROOT_HASH
+    assert PrefixKeys(list(range(10)), 4, salt_root(None)).key(10) == 0xC1AEB09B1FDE161D
+    salted = PrefixKeys(list(range(10)), 4, root)
+    assert (salted.root, salted.full(0)) == (root, root)
+    assert salted.full(1) == chain_hash(root, encode_tokens([0, 1, 2, 3]))
+    assert salted.key(10) == 0xC107A634CD71B1AF
+    assert PrefixKeys(list(range(10)), 4, salt_root("off/replay0")).key(10) not in (
+        salted.key(10), 0xC1AEB09B1FDE161D)
+
+
+@pytest.mark.parametrize(
+    "salt, error, match",
+    [
+        (5, TypeError, "cache_salt must be a str or bytes, got int 5"),
+        (["a"], TypeError, r"got list \['a'\]"),
+        ("", ValueError, "cache_salt must be non-empty, got ''"),
+        (b"", ValueError, "cache_salt must be non-empty, got b''"),
+        ("\ud800", ValueError, "cache_salt must be valid UTF-8"),
+    ],
+)
+def test_bad_cache_salt_is_named(salt, error, match):
+    with pytest.raises(error, match=match):
+        salt_root(salt)
 
 
 def test_prefix_keys_reject_bad_input():

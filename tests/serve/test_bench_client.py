@@ -60,6 +60,23 @@ def test_replay_on_server_records_every_replay_with_greedy_outputs_and_outcomes(
     assert paired(runs, first_measured=1)["carry/blind"]["pairs"] == 2
 
 
+def test_each_policy_and_replay_has_its_own_prefix_cache_on_the_server(served):
+    """Every turn carries its (run, policy, replay) cache_salt: a first turn is cold although
+    identical turns ran before it (its 660-token prompt has a snapshot at the 512-token chunk
+    end, so an unsalted one would reuse 512 tokens), and a warm turn reuses its own history only."""
+    sessions = builtin_sessions(1, 2, 450, 30, TOK)
+    assert len(TOK.render_chat(sessions[0].history)) == 660
+    runs = replay_on_server(served.endpoints.grpc, sessions, ["carry", "blind", "off"], max_new_tokens=4,
+                            concurrency=1, model=MODEL, repeat=2)
+    for run in runs:
+        assert [(t.replay, t.turn, t.stats["reused_tokens"]) for t in run.turns] == [
+            (0, 0, 0), (0, 1, 660 + 4 - 1), (1, 0, 0), (1, 1, 660 + 4 - 1)], run.policy
+        if run.policy == "carry":
+            assert [(t.stats["outcome_kind"], t.stats["keys_skipped"]) for t in run.turns if t.turn] == [
+                ("adopted", 0), ("adopted", 0)]
+    assert outputs_identical(runs)
+
+
 def test_bench_cli_through_server_reports_policies_side_by_side(served, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "--server", served.endpoints.grpc, *SMALL, "--repeat", "2", "--json", str(out)])

@@ -49,7 +49,8 @@ def test_config_declares_the_tensorrt_llm_style_inputs_and_outputs():
     t = model_config_pb2
     assert {(i.name, i.data_type, tuple(i.dims), i.optional) for i in cfg.input} == {
         ("text_input", t.TYPE_STRING, (1,), True), ("input_ids", t.TYPE_INT64, (-1,), True),
-        ("max_tokens", t.TYPE_INT32, (1,), True), ("drafter_policy", t.TYPE_STRING, (1,), True)}
+        ("max_tokens", t.TYPE_INT32, (1,), True), ("drafter_policy", t.TYPE_STRING, (1,), True),
+        ("cache_salt", t.TYPE_STRING, (1,), True)}
     assert {(o.name, o.data_type) for o in cfg.output} == {
         ("text_output", t.TYPE_STRING), ("output_ids", t.TYPE_INT64), ("carry_outcome", t.TYPE_STRING),
         ("drafter_rows_computed", t.TYPE_INT32), ("drafted", t.TYPE_INT32), ("accepted", t.TYPE_INT32),

@@ -124,6 +124,8 @@ MALFORMED = {
                     "both text_input and input_ids"),
     "unknown policy": (lambda c: [_ids(c, "input_ids", [72]), bytes_input(c._grpc, "drafter_policy", "fast")],
                        "drafter_policy must be one of carry, rebuild, blind, off, got 'fast'"),
+    "empty cache_salt": (lambda c: [_ids(c, "input_ids", [72]), bytes_input(c._grpc, "cache_salt", "")],
+                         "cache_salt is empty"),
 }
 
 

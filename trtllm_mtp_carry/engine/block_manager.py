@@ -17,6 +17,8 @@ Cache keys (see `prefix_hash`):
 - the final partial block of a finished sequence: `(parent hash, exact token
   bytes)`, registered by `free(owner, tokens)`. A turn ends mid-block and the
   next turn of the session continues from exactly that token.
+- a sequence's chain starts at its `root` (`allocate(..., root=)`): `ROOT_HASH`,
+  or a cache salt's root, so salted sequences share blocks only with their salt.
 
 Write rule: a sequence writes only into its blocks at index >= its number of
 committed blocks; those are private (ref 1, no key). Shared blocks are
@@ -117,12 +119,13 @@ class BlockStats:
 
 
 class _Seq:
-    __slots__ = ("table", "num_tokens", "hashes")
+    __slots__ = ("table", "num_tokens", "hashes", "root")
 
-    def __init__(self, table: list[int], num_tokens: int, hashes: list[int]) -> None:
+    def __init__(self, table: list[int], num_tokens: int, hashes: list[int], root: int) -> None:
         self.table = table  # block ids, in token order
         self.num_tokens = num_tokens  # slots reserved (computed, pending and draft tokens)
         self.hashes = hashes  # chained hashes of the committed full blocks
+        self.root = root  # parent of block 0 (ROOT_HASH or a cache salt's root)
 
 
 def _positive(name: str, value: int) -> int:
@@ -158,7 +161,8 @@ class TargetBlockManager:
         At least the last prompt token is always left to compute. Full blocks
         match by chained hash; then the longest cached partial block under the
         same parent whose tokens agree with the prompt extends the match.
-        `tokens` may be a `PrefixKeys` of this block size, to hash a prompt once.
+        `tokens` may be a `PrefixKeys` of this block size, to hash a prompt once;
+        its `root` (a cache salt's) picks the namespace searched.
         """
         bs, cap = self.block_size, len(tokens) - 1
         if cap < 1:
@@ -200,16 +204,26 @@ class TargetBlockManager:
     # ---- action -----------------------------------------------------------
 
     def allocate(
-        self, owner: int, tokens: Sequence[int], match: PrefixMatch | None = None
+        self,
+        owner: int,
+        tokens: Sequence[int],
+        match: PrefixMatch | None = None,
+        root: int = ROOT_HASH,
     ) -> AllocationPlan:
         """Give `owner` a table for `tokens`, sharing `match` (from `match_prefix(tokens)`).
 
-        Raises RuntimeError if `owner` already holds a table, if `match` went
-        stale (a block was evicted since), or if `can_allocate` would say None.
+        `root` is the key chain's start for the blocks `owner` commits: the
+        `root` of the `PrefixKeys` that `match` came from. Raises RuntimeError
+        if `owner` already holds a table, if `match` went stale (a block was
+        evicted since), or if `can_allocate` would say None.
         """
         if owner in self._seqs:
             raise RuntimeError(f"owner {owner} already holds a block table (double claim)")
+        if type(root) is not int or not 0 <= root < 1 << 64:
+            raise ValueError(f"root must be a u64 int, got {root!r}")
         m = self._checked_match(len(tokens), match)
+        if not m.block_ids and isinstance(m.cow_key, tuple) and m.cow_key[0] != root:
+            raise ValueError(f"match is under root {m.cow_key[0]}, not root={root}")
         needed = self.num_blocks_for(len(tokens)) - len(m.block_ids)
         if needed > self._available(m):
             raise RuntimeError(
@@ -227,7 +241,7 @@ class TargetBlockManager:
             self._drop(m.cow_src)
             self._copies += 1
         table = [*m.block_ids, *new]
-        self._seqs[owner] = _Seq(table, len(tokens), list(m.block_hashes))
+        self._seqs[owner] = _Seq(table, len(tokens), list(m.block_hashes), root)
         self._queried += len(tokens)
         self._hits += m.num_tokens
         return AllocationPlan(tuple(table), m.num_tokens, tuple(new), copies)
@@ -258,7 +272,7 @@ class TargetBlockManager:
         if n_full <= done:
             return 0
         buf = encode_tokens(tokens[done * bs : n_full * bs])
-        parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+        parent = seq.hashes[-1] if seq.hashes else seq.root
         for i in range(n_full - done):
             parent = chain_hash(parent, buf[i * 8 * bs : (i + 1) * 8 * bs])
             block = seq.table[done + i]
@@ -301,7 +315,7 @@ class TargetBlockManager:
             self.commit_full_blocks(owner, tokens)
             n, r = divmod(len(tokens), self.block_size)
             if r:
-                parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+                parent = seq.hashes[-1] if seq.hashes else seq.root
                 chunk = encode_tokens(tokens[n * self.block_size :])
                 siblings = self._partials.setdefault(parent, {})
                 if chunk not in siblings:

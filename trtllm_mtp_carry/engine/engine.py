@@ -65,7 +65,7 @@ from ..runtime.policy import DrafterPolicy
 from .block_manager import PrefixMatch, TargetBlockManager
 from .config import DTYPES, MAX_DRAFT_LEN, EngineConfig
 from .model import HybridLM
-from .prefix_hash import PrefixKeys
+from .prefix_hash import ROOT_HASH, CacheSalt, PrefixKeys, salt_root
 from .snapshot_cache import ResumePlan, SnapshotCache, plan_resume
 from .target_kv import BatchKV, PagedTargetKV, SequenceKV
 from .tokenizer import ChatTokenizer
@@ -139,6 +139,7 @@ class _Request:
     max_new_tokens: int
     draft_len: int
     policy: DrafterPolicy
+    root: int = ROOT_HASH  # prefix key root: ROOT_HASH, or salt_root(cache_salt)
 
 
 class ReferenceEngine:
@@ -214,14 +215,21 @@ class ReferenceEngine:
     # ---- requests -----------------------------------------------------------------
 
     def submit(self, session_id: str | int | None, prompt: Prompt, max_new_tokens: int = 128,
-               draft_len: int | None = None, policy: DrafterPolicy | str | None = None) -> int:
+               draft_len: int | None = None, policy: DrafterPolicy | str | None = None,
+               cache_salt: CacheSalt | None = None) -> int:
         """Queue a request; returns its id. Bad input raises ValueError/TypeError naming it.
+
+        `cache_salt` (a non-empty str or bytes, as vLLM's and TensorRT-LLM's
+        `cache_salt`) puts the request's KV blocks and SSM snapshots in that
+        salt's namespace: it reuses only what requests with the same salt cached.
+        None is the shared unsalted namespace.
 
         A request is refused here when it can never fit: its prompt, answer and
         drafts past `max_model_len`, or more target KV blocks than the engine has.
         Anything accepted fits in an idle engine, so nothing queued waits forever.
         """
         tokens = self._prompt_tokens(prompt)
+        root = salt_root(cache_salt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         draft_len = self.config.draft_len if draft_len is None else draft_len
@@ -243,13 +251,15 @@ class ReferenceEngine:
         assert isinstance(chosen, DrafterPolicy)
         rid = self._next_request_id
         self._next_request_id += 1
-        self._waiting.append(_Request(rid, session_id, h, tokens, max_new_tokens, draft_len, chosen))
+        self._waiting.append(
+            _Request(rid, session_id, h, tokens, max_new_tokens, draft_len, chosen, root))
         return rid
 
     def generate(self, session_id: str | int | None, prompt: Prompt, max_new_tokens: int = 128,
-                 draft_len: int | None = None, policy: DrafterPolicy | str | None = None) -> TurnResult:
-        """Run one request to completion (other queued requests advance too)."""
-        rid = self.submit(session_id, prompt, max_new_tokens, draft_len, policy)
+                 draft_len: int | None = None, policy: DrafterPolicy | str | None = None,
+                 cache_salt: CacheSalt | None = None) -> TurnResult:
+        """Run one request to completion (other queued requests advance too); see `submit`."""
+        rid = self.submit(session_id, prompt, max_new_tokens, draft_len, policy, cache_salt)
         while True:
             for result in self.step():
                 if result.request_id == rid:
@@ -368,7 +378,7 @@ class ReferenceEngine:
         bs = self.config.block_size
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             req = self._waiting[0]
-            keys = PrefixKeys(req.prompt, bs)
+            keys = PrefixKeys(req.prompt, bs, req.root)
             match = self.blocks.match_prefix(keys)
             plan = plan_resume(keys, match, self.snapshots.best_for, marconi_min_tokens())
             warm = plan.restore  # the other policies would resume at plan.depth
@@ -386,7 +396,7 @@ class ReferenceEngine:
                 if self.blocks.can_allocate(total, trimmed) is None:  # submit's check prevents it
                     raise RuntimeError(f"request {req.request_id} cannot fit in an idle engine")
             self._waiting.pop(0)
-            alloc = self.blocks.allocate(req.request_id, req.prompt, trimmed)
+            alloc = self.blocks.allocate(req.request_id, req.prompt, trimmed, keys.root)
             for src, dst in alloc.copies:
                 self.target_kv.copy_block(src, dst)
             table = [*alloc.block_table, *self.blocks.append_slots(req.request_id, reserve)]
@@ -640,7 +650,7 @@ class ReferenceEngine:
                     self._drop_drafter(seq, exc)
         self.runtime.finish(seq.request_id, seq.session_hash, seq.tokens, seq.policy, seq.ticket)
         done = seq.tokens[:computed]
-        self._put_snapshot(PrefixKeys(done, self.config.block_size), computed, seq.kv)
+        self._put_snapshot(PrefixKeys(done, self.config.block_size, seq.keys.root), computed, seq.kv)
         self.blocks.free(seq.request_id, done)
         return self._result(seq, seq.finish_reason)
 

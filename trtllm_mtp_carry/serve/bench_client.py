@@ -15,10 +15,12 @@ sets `END`, which frees the session's carried rows).
 Fairness: policies advance in lockstep, one turn round at a time, after one
 warm-up turn per policy, so drift of the machine favours none of them. The
 server's prefix cache is shared by every session of an instance, and the
-policies replay identical prompts, so a policy's turn may reuse blocks an
-earlier policy's identical turn left behind; the order of the policies
-rotates every turn round and replay so that advantage goes to none of them
-systematically. Time to first token is the client's (send to the first
+policies replay identical prompts, so every turn carries a `cache_salt` of
+its (run, policy, replay): a turn reuses only blocks and SSM snapshots its
+own session's earlier turns cached (sessions of one policy and replay share
+a namespace, as in the in-process bench's fresh engine per policy and
+replay), never those of another policy, replay or bench run. The order of the
+policies still rotates every turn round and replay. Time to first token is the client's (send to the first
 response with tokens); the server's own figure is kept as `server_ttft_ms`.
 `busy_s[r]` is the client's wall time of a policy's batches in replay `r`,
 so the report's tokens/s is the client-side aggregate at `concurrency`.
@@ -76,6 +78,7 @@ def iter_replay_on_server(
                        for s in sessions if s.name == key[1]}
             for policy in names:
                 runs[policy].busy_s[r] = 0.0
+            salt = {p: f"{p}/replay{r}/run{nonce >> _ID_BITS:x}" for p in names}
             for t in range(turns):
                 k = (r + t) % len(names)
                 for policy in names[k:] + names[:k]:
@@ -90,10 +93,12 @@ def iter_replay_on_server(
                             if t == 0:
                                 sent[s.name] = client.send(corrid[key], start=True, end=last,
                                                            input_ids=prompts[key],
-                                                           max_tokens=max_new_tokens, policy=policy)
+                                                           max_tokens=max_new_tokens, policy=policy,
+                                                           cache_salt=salt[policy])
                             else:
                                 sent[s.name] = client.send(corrid[key], end=last, text=s.followups[t - 1],
-                                                           max_tokens=max_new_tokens, policy=policy)
+                                                           max_tokens=max_new_tokens, policy=policy,
+                                                           cache_salt=salt[policy])
                         replies = {s.name: client.wait(sent[s.name], timeout_s) for s in batch}
                         runs[policy].busy_s[r] += time.perf_counter() - t0
                         for s in batch:

@@ -64,8 +64,11 @@ class StreamClient:
 
     def send(self, corrid: int, *, start: bool = False, end: bool = False, text: str | None = None,
              input_ids: list[int] | None = None, max_tokens: int | None = None,
-             policy: str | None = None, raw_inputs: list[Any] | None = None) -> str:
+             policy: str | None = None, cache_salt: str | None = None,
+             raw_inputs: list[Any] | None = None) -> str:
         """Queue one turn of session `corrid`; returns its request id for `wait`.
+
+        `cache_salt` puts the turn in that prefix-cache namespace on the server.
 
         `raw_inputs` replaces the inputs built from the other arguments (tests
         use it to send malformed requests)."""
@@ -86,6 +89,8 @@ class StreamClient:
                 inputs.append(m)
             if policy is not None:
                 inputs.append(bytes_input(g, "drafter_policy", policy))
+            if cache_salt is not None:
+                inputs.append(bytes_input(g, "cache_salt", cache_salt))
         rid = f"{corrid}-{next(self._ids)}"
         with self._lock:
             self._queues[rid] = queue.Queue()

@@ -34,6 +34,7 @@ INPUTS = (
     ("input_ids", "TYPE_INT64", "[ -1 ]", True),
     ("max_tokens", "TYPE_INT32", "[ 1 ]", True),
     ("drafter_policy", "TYPE_STRING", "[ 1 ]", True),
+    ("cache_salt", "TYPE_STRING", "[ 1 ]", True),  # prefix-cache namespace (BYTES)
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING", "[ 1 ]"),

@@ -48,6 +48,7 @@ class TurnRequest:
     input_ids: list[int] | None = None
     max_tokens: int | None = None
     drafter_policy: str | None = None
+    cache_salt: bytes | str | None = None  # the turn's prefix-cache namespace (None: shared)
 
     def check(self) -> None:
         """ValueError naming what is wrong with the inputs (session state aside)."""
@@ -61,6 +62,8 @@ class TurnRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.drafter_policy is not None and self.drafter_policy not in POLICIES:
             raise ValueError(f"drafter_policy must be one of {', '.join(POLICIES)}, got {self.drafter_policy!r}")
+        if self.cache_salt is not None and len(self.cache_salt) == 0:
+            raise ValueError("cache_salt is empty; send a non-empty salt or none")
         if self.corrid == 0:
             raise ValueError("CORRID 0 is not a session; send a non-zero correlation id")
 
@@ -206,6 +209,7 @@ class SessionServer:
                 corrid, prompt,
                 max_new_tokens=request.max_tokens or self.options.max_tokens,
                 policy=request.drafter_policy,
+                cache_salt=request.cache_salt,
             )
         except (ValueError, TypeError) as exc:
             self._send_error(sink, str(exc))

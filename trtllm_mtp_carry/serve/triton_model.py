@@ -10,7 +10,8 @@ through one engine concurrently; `finalize` stops the stepping thread.
 Request contract (names follow TensorRT-LLM's Triton models):
 - control: `CORRID` (uint64, the session), `START`, `END`;
 - `text_input` (the new user message) or `input_ids` (the full prompt),
-  `max_tokens` (int32), optional `drafter_policy`;
+  `max_tokens` (int32), optional `drafter_policy`, optional `cache_salt`
+  (BYTES: the request reuses only prefix-cache blocks of its own salt);
 - streamed `text_output`, `output_ids`; with the final response
   `carry_outcome`, `drafter_rows_computed`, `drafted`, `accepted`,
   `ttft_ms`, `model_instance` (which instance served the turn) and
@@ -51,6 +52,12 @@ def _text(request: Any, pb_utils: Any, name: str) -> str | None:
     return str(value)
 
 
+def _salt(request: Any, pb_utils: Any) -> bytes | str | None:
+    # raw bytes: a salt is opaque, and a str salt equals its UTF-8 bytes anyway
+    value = _scalar(request, pb_utils, "cache_salt")
+    return value if value is None or isinstance(value, bytes) else str(value)
+
+
 def parse_request(request: Any, pb_utils: Any) -> TurnRequest:
     """A TurnRequest from one Triton request; ValueError naming a malformed input."""
     corrid = _scalar(request, pb_utils, "CORRID")
@@ -67,6 +74,7 @@ def parse_request(request: Any, pb_utils: Any) -> TurnRequest:
         input_ids=None if ids_tensor is None else [int(i) for i in ids_tensor.as_numpy().reshape(-1).tolist()],
         max_tokens=None if max_tokens is None else int(max_tokens),
         drafter_policy=_text(request, pb_utils, "drafter_policy"),
+        cache_salt=_salt(request, pb_utils),
     )
 
 
