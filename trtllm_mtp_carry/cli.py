@@ -14,25 +14,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from . import __version__
+from .argtypes import non_negative_int, positive_int
 from .core import settings
-
-
-def _non_negative(text: str) -> int:
-    """argparse type: a non-negative int, with the offending text in the error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _non_negative(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be at least 1, got 0")
-    return value
 
 
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
@@ -41,21 +24,21 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         "--marconi-min-tokens",
         "--restore-threshold",
         dest="marconi_min_tokens",
-        type=_non_negative,
+        type=non_negative_int,
         metavar="N",
         help="SSM snapshot restore floor in matched tokens (0 removes it); "
         f"default env {settings.ENV_MARCONI_MIN_TOKENS}, else {settings.DEFAULT_MARCONI_MIN_TOKENS}",
     )
     p.add_argument(
         "--mtp-max-seqs",
-        type=_positive,
+        type=positive_int,
         metavar="N",
         help="MTP dispatch cap (sequences per MTP step); the carry is armed at any cap; "
         f"default env {settings.ENV_MTP_MAX_SEQS}, else {settings.DEFAULT_MTP_MAX_SEQS}",
     )
     p.add_argument(
         "--carry-slots",
-        type=_positive,
+        type=positive_int,
         metavar="N",
         help="sessions whose drafter rows the carry keeps at once (LRU; 1 = the seed's single slot); "
         f"default env {settings.ENV_CARRY_SLOTS}, else {settings.DEFAULT_CARRY_SLOTS}",

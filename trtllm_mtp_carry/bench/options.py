@@ -12,19 +12,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..argtypes import positive_int
+
 MAX_DRAFT_LEN = 3  # mirrors engine.config.MAX_DRAFT_LEN, which imports torch
 BLOCK = 16  # the reference engine's KV block size; prefill chunks are whole blocks
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1, the offending text in the error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def draft_len(text: str) -> int:

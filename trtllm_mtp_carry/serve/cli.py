@@ -16,24 +16,13 @@ import tempfile
 import threading
 from typing import Any
 
+from ..argtypes import non_negative_int, positive_int
 from .options import ENGINES, POLICIES, ServeOptions
 from .repo import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MODEL_NAME, RepoSpec
 
 
-def _int_at_least(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    return parse
-
-
 def _port(text: str) -> int:
-    value = _int_at_least(1)(text)
+    value = positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"not a port: {value}")
     return int(value)
@@ -42,21 +31,21 @@ def _port(text: str) -> int:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     d = ServeOptions()
     p.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name (default %(default)s)")
-    p.add_argument("--instances", type=_int_at_least(1), default=1,
+    p.add_argument("--instances", type=positive_int, default=1,
                    help="model instances, each with its own engine and carry (default %(default)s)")
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                    help="a session idle this long ends and its carried rows are freed (default %(default)s)")
     p.add_argument("--engine", choices=ENGINES, default=d.engine)
     p.add_argument("--policy", choices=POLICIES, default=d.drafter_policy, help="default drafter policy")
-    p.add_argument("--draft-len", type=_int_at_least(0), default=d.draft_len)
-    p.add_argument("--max-tokens", type=_int_at_least(1), default=d.max_tokens,
+    p.add_argument("--draft-len", type=non_negative_int, default=d.draft_len)
+    p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens,
                    help="max_tokens of a request that sends none (default %(default)s)")
-    p.add_argument("--max-model-len", type=_int_at_least(1), default=None)
-    p.add_argument("--max-num-seqs", type=_int_at_least(1), default=d.max_num_seqs)
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
     p.add_argument("--marconi-min-tokens", dest="serve_marconi_min_tokens",
-                   type=_int_at_least(0), default=None, metavar="N",
+                   type=non_negative_int, default=None, metavar="N",
                    help="the model's SSM restore threshold (pinned in each instance)")
-    p.add_argument("--carry-slots", dest="serve_carry_slots", type=_int_at_least(1), default=None,
+    p.add_argument("--carry-slots", dest="serve_carry_slots", type=positive_int, default=None,
                    metavar="N", help="carry slots per instance (pinned in each instance)")
     p.add_argument("--device", default=d.device)
     # The settings flags of this process stay unset: these options pin each served instance.

@@ -1,0 +1,31 @@
+"""argparse value types shared by every subcommand (torch-free).
+
+One place for integer flags, so every command names the offending text the
+same way (`argument --threads: must be at least 1, got 0`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= `minimum`; the error quotes the offending text or value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            bound = "non-negative" if minimum == 0 else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "non_negative_int" if minimum == 0 else f"int_at_least_{minimum}"
+    return parse
+
+
+non_negative_int = int_at_least(0)
+positive_int = int_at_least(1)
