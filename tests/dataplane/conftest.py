@@ -9,32 +9,15 @@ The AOT build test runs the builder in a subprocess, which clears it.
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
+from triton_modules import HAS_CUDA, load_kernels
 
-HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-_MOD = "trtllm_mtp_carry.dataplane.triton_kernels"
 
-
-def _load_triton_kernels():  # -> module
-    if HAS_CUDA:
-        return importlib.import_module(_MOD)
-    # No GPU: Triton can only run interpreted, so the knob stays set for the session
-    # (the interpreter also reads it at launch time).
-    os.environ["TRITON_INTERPRET"] = "1"
-    mod = sys.modules.get(_MOD)
-    if mod is not None and not type(mod.hidden_row_copy_kernel).__name__.startswith("Interpreted"):
-        return importlib.reload(mod)
-    return importlib.import_module(_MOD)
-
-
-_TK = _load_triton_kernels()
+_TK = load_kernels("trtllm_mtp_carry.dataplane.triton_kernels", "hidden_row_copy_kernel")
 
 
 @pytest.fixture(scope="session")

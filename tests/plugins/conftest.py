@@ -7,7 +7,6 @@ reads that knob when `@triton.jit` decorates, so the module is (re)loaded here.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
@@ -18,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from plugin_helpers import ROOT, TARGETS
+from triton_modules import HAS_CUDA, load_kernels
 
-HAS_CUDA = torch.cuda.is_available()
 _MOD = "trtllm_mtp_carry.kernels.abi_kernels"
 
 
@@ -42,13 +41,7 @@ def abi_build(tmp_path_factory) -> tuple[Path, dict]:
 @pytest.fixture(scope="session")
 def ak():
     """The ABI kernels module (interpreted on CPU when there is no GPU)."""
-    if HAS_CUDA:
-        return importlib.import_module(_MOD)
-    os.environ["TRITON_INTERPRET"] = "1"
-    mod = sys.modules.get(_MOD)
-    if mod is not None and not type(mod.hidden_row_copy_abi).__name__.startswith("Interpreted"):
-        return importlib.reload(mod)
-    return importlib.import_module(_MOD)
+    return load_kernels(_MOD, "hidden_row_copy_abi")
 
 
 @pytest.fixture
