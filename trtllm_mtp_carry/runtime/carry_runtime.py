@@ -226,7 +226,7 @@ class CarryRuntime:
         if policy is DrafterPolicy.OFF:
             return DrafterBuild("off", None, 0, None, 0, 0, 0.0)
         pool = self.backend.drafter_pool
-        tokens = list(prompt)
+        tokens = prompt  # decide_adopt compares without copying; nothing here mutates it
         # the hidden rows this ticket's prefill will write: [prefill_from, min(L, capacity))
         hi = max(prefill_from, min(len(tokens), self.backend.hidden_store.capacity))
         projected = StoreRange(ticket, prefill_from, hi)
