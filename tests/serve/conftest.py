@@ -19,8 +19,13 @@ import pytest
 from serve_helpers import CARRY_SLOTS, MARCONI, MAX_TOKENS, MODEL, PROBE
 
 from trtllm_mtp_carry.serve.options import ServeOptions
-from trtllm_mtp_carry.serve.repo import RepoSpec, write_repository
-from trtllm_mtp_carry.serve.server import Endpoints, ServeError, TritonServer, find_tritonserver
+from trtllm_mtp_carry.serve.triton.repo import RepoSpec, write_repository
+from trtllm_mtp_carry.serve.triton.server import (
+    Endpoints,
+    ServeError,
+    TritonServer,
+    find_tritonserver,
+)
 
 
 def free_ports(n: int) -> list[int]:

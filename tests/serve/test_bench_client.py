@@ -16,7 +16,7 @@ from trtllm_mtp_carry.bench.sessions import builtin_sessions
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.engine import ReferenceEngine
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
-from trtllm_mtp_carry.serve.bench_client import replay_on_server
+from trtllm_mtp_carry.serve.triton.bench_client import replay_on_server
 
 TOK = ChatTokenizer()
 SMALL = ["--sessions", "2", "--turns", "2", "--history", "120", "--new-span", "30",

@@ -14,7 +14,7 @@ import trtllm_mtp_carry
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.serve.engines import ENGINE_FACTORIES
 from trtllm_mtp_carry.serve.options import ENGINES, ServeOptions
-from trtllm_mtp_carry.serve.repo import RepoSpec, render_config, write_repository
+from trtllm_mtp_carry.serve.triton.repo import RepoSpec, render_config, write_repository
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
                                        reason='tritonclient is not installed (pip install -e ".[serve]")')
@@ -104,7 +104,7 @@ def test_triton_repo_writes_the_config_and_a_model_py_that_pins_this_package(tmp
     model_py = (tmp_path / "carry" / "1" / "model.py").read_text()
     root = str(Path(trtllm_mtp_carry.__file__).resolve().parents[1])
     assert f"PACKAGE_ROOT = {root!r}" in model_py
-    assert "from trtllm_mtp_carry.serve.triton_model import TritonPythonModel" in model_py
+    assert "from trtllm_mtp_carry.serve.triton.model import TritonPythonModel" in model_py
     assert "carry/config.pbtxt" in capsys.readouterr().out
 
 
@@ -133,7 +133,7 @@ def test_write_repository_overwrites_the_models_folder_only(tmp_path):
 
 
 def test_serve_without_any_tritonserver_names_the_extra_to_install(tmp_path, capsys, monkeypatch):
-    from trtllm_mtp_carry.serve import server
+    from trtllm_mtp_carry.serve.triton import server
 
     monkeypatch.setattr(server, "_pytriton_dir", lambda: None)  # as if nvidia-pytriton were absent
     monkeypatch.setenv("PATH", str(tmp_path))  # and no tritonserver on PATH

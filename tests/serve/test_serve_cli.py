@@ -12,7 +12,7 @@ import urllib.request
 from conftest import free_ports, tritonserver_or_skip
 
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
-from trtllm_mtp_carry.serve.client import StreamClient
+from trtllm_mtp_carry.serve.triton.client import StreamClient
 
 
 def processes_with(needle: str) -> list[int]:

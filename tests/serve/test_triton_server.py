@@ -18,7 +18,7 @@ from trtllm_mtp_carry.bench.sessions import builtin_sessions
 from trtllm_mtp_carry.core.outcome import OUTCOME_KINDS
 from trtllm_mtp_carry.engine.engine import ReferenceEngine
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
-from trtllm_mtp_carry.serve.client import StreamClient, bytes_input
+from trtllm_mtp_carry.serve.triton.client import StreamClient, bytes_input
 
 TOK = ChatTokenizer()
 

@@ -352,7 +352,7 @@ def run_server(args: argparse.Namespace) -> int:
     _check(args)
 
     from ..engine.tokenizer import ChatTokenizer
-    from ..serve.bench_client import iter_replay_on_server
+    from ..serve.triton.bench_client import iter_replay_on_server
 
     _connect(args.server, args.model)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

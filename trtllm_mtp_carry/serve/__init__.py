@@ -1,14 +1,17 @@
-"""Serving the carry behind Triton Inference Server (deployment layer).
+"""Serving the carry (deployment layer): what every front end shares, one subpackage per front end.
 
-- `options`: the served model's options, parsed from Triton's `parameters`;
-- `repo`: the model repository generator (`trtllm-mtp-carry triton-repo`);
-- `triton_model`: the Python-backend model the repository's `model.py` exports;
+Shared here, by every server the package runs behind:
+- `options`: the served model's options, one typed record (parsed from Triton's
+  `parameters`, or from a worker's flags);
+- `engines`: the engine seam (`reference` now, TensorRT-LLM through the adapter);
 - `session_server`: one engine driven by one thread, many sessions streamed;
-- `engines`: the engine seam (`reference` now, TensorRT-LLM later);
-- `metrics`: Triton custom metrics of the carry;
-- `server`: find, start and stop `tritonserver` (`trtllm-mtp-carry serve`);
-- `client`: a gRPC streaming client (one stream, many sessions);
-- `bench_client`: the session replay through a running server.
+- `cli`: the `triton-repo` and `serve` subcommands.
+
+Front ends:
+- `triton/`: Triton Inference Server (repository generator, Python-backend
+  model, custom metrics, `tritonserver` launcher, gRPC stream client, bench
+  replay through a server);
+- `dynamo/`: NVIDIA Dynamo (OpenAI-compatible frontend, workers).
 
 Importing this package loads no torch; the engine is built inside the model.
 """

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..argtypes import non_negative_int, positive_int
 from .options import ENGINES, POLICIES, ServeOptions
-from .repo import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MODEL_NAME, RepoSpec
+from .triton.repo import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MODEL_NAME, RepoSpec
 
 
 def _port(text: str) -> int:
@@ -91,7 +91,7 @@ def _fail(message: str) -> int:
 
 
 def cmd_triton_repo(args: argparse.Namespace) -> int:
-    from .repo import write_repository
+    from .triton.repo import write_repository
 
     try:
         model_dir = write_repository(args.directory, _spec(args))
@@ -102,8 +102,8 @@ def cmd_triton_repo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .repo import write_repository
-    from .server import Endpoints, ServeError, TritonServer, find_tritonserver
+    from .triton.repo import write_repository
+    from .triton.server import Endpoints, ServeError, TritonServer, find_tritonserver
 
     try:
         spec = _spec(args)

@@ -24,8 +24,8 @@ import json
 import logging
 from typing import Any
 
-from .options import ServeOptions
-from .session_server import SessionServer, TurnRequest
+from ..options import ServeOptions
+from ..session_server import SessionServer, TurnRequest
 
 logger = logging.getLogger("trtllm_mtp_carry.serve")
 
@@ -126,7 +126,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         import triton_python_backend_utils as pb_utils
 
-        from .engines import build_engine
+        from ..engines import build_engine
         from .metrics import CarryMetrics
 
         self._pb = pb_utils

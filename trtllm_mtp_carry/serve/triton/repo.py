@@ -2,7 +2,7 @@
 
 What it is for: write `DIR/<name>/config.pbtxt` and `DIR/<name>/1/model.py`,
 a Python-backend model that serves the carry runtime. The repository owns
-nothing at run time; the model (`serve/triton_model.py`) owns its engine.
+nothing at run time; the model (`serve/triton/model.py`) owns its engine.
 
 Invariants of the written configuration (the facts checked on Triton 2.51):
 - decoupled transaction policy and `max_batch_size: 0` (one request per
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .options import ServeOptions
+from ..options import ServeOptions
 
 DEFAULT_MODEL_NAME = "mtp_carry"
 DEFAULT_IDLE_TIMEOUT_S = 600.0
@@ -50,7 +50,7 @@ OUTPUTS = (
 
 MODEL_PY = '''"""Triton Python-backend entry point written by `trtllm-mtp-carry triton-repo`.
 
-The model itself is `trtllm_mtp_carry.serve.triton_model.TritonPythonModel`;
+The model itself is `trtllm_mtp_carry.serve.triton.model.TritonPythonModel`;
 this file only puts the package that wrote the repository first on sys.path.
 """
 
@@ -60,7 +60,7 @@ PACKAGE_ROOT = {root!r}
 if PACKAGE_ROOT not in sys.path:
     sys.path.insert(0, PACKAGE_ROOT)
 
-from trtllm_mtp_carry.serve.triton_model import TritonPythonModel  # noqa: E402,F401
+from trtllm_mtp_carry.serve.triton.model import TritonPythonModel  # noqa: E402,F401
 '''
 
 
@@ -123,7 +123,7 @@ def render_config(spec: RepoSpec) -> str:
 
 def package_root() -> Path:
     """The directory holding the `trtllm_mtp_carry` package this code was imported from."""
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[3]
 
 
 def write_repository(directory: str | Path, spec: RepoSpec) -> Path:

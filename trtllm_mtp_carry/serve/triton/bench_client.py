@@ -33,9 +33,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..bench.replay import PolicyRun, TurnRecord, next_prompt
-from ..bench.sessions import BenchSession
-from ..engine.tokenizer import ChatTokenizer
+from ...bench.replay import PolicyRun, TurnRecord, next_prompt
+from ...bench.sessions import BenchSession
+from ...engine.tokenizer import ChatTokenizer
 from .client import StreamClient, TurnReply
 
 _ID_BITS = 20  # low bits of a correlation id: (replay, policy, session) within one run

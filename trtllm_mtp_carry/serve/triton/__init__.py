@@ -1,0 +1,11 @@
+"""Serving behind Triton Inference Server.
+
+- `repo`: the model repository generator (`trtllm-mtp-carry triton-repo`);
+- `model`: the Python-backend model the repository's `model.py` exports;
+- `metrics`: Triton custom metrics of the carry;
+- `server`: find, start and stop `tritonserver` (`trtllm-mtp-carry serve`);
+- `client`: a gRPC streaming client (one stream, many sessions);
+- `bench_client`: the session replay through a running server.
+
+Importing this package loads no torch; the engine is built inside the model.
+"""
