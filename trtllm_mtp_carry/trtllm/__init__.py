@@ -1,0 +1,163 @@
+"""The carry inside TensorRT-LLM's PyTorch backend: `attach(llm)` installs it, `detach(llm)` removes it.
+
+What it is for: a user serving a hybrid MTP model (Qwen3-Next) on TensorRT-LLM
+with block reuse gets a drafter that is blind over every reused prefix on a
+build without paired draft reuse. `attach` reaches the in-process executor,
+probes it (`probe.py`), detects the topology and, on an unpaired draft pool,
+appends the carry resource manager (`manager.py`) to the executor's resource
+managers:
+
+```python
+import os
+os.environ["TLLM_WORKER_USE_SINGLE_PROCESS"] = "1"  # before the first LLM
+from tensorrt_llm import LLM
+from trtllm_mtp_carry.trtllm import attach
+llm = LLM(model=..., speculative_config=..., kv_cache_config=...)
+carry = attach(llm, {"carry_slots": 16})
+print(carry.topology, carry.armed, carry.reason)
+```
+
+This package is the only code that imports `tensorrt_llm`, and only inside
+`attach` (`probe.reach_executor`); without it, attach on a real LLM fails with
+one line naming the `trtllm` extra. The CPU stand-in (`standin.py`) follows
+the executor's protocol so the same classes are tested without TensorRT-LLM.
+
+Invariants:
+- At most one attachment per LLM; `detach` removes the manager and drops every
+  carried row. Attach before the first request.
+- Paired and folded topologies, a disabled carry, or block reuse off install
+  nothing (`armed` is False and `reason` says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .identity import session_key_for
+from .options import (
+    CarryOptions,
+    TrtllmAdapterError,
+    load_llm_options,
+    parse_carry_options,
+    split_llm_options,
+)
+
+__all__ = [
+    "CARRY_MANAGER_KEY",
+    "CarryAttachment",
+    "CarryOptions",
+    "TrtllmAdapterError",
+    "attach",
+    "detach",
+    "load_llm_options",
+    "parse_carry_options",
+    "session_key_for",
+    "split_llm_options",
+]
+
+CARRY_MANAGER_KEY = "MTP_CARRY"
+"""The carry manager's key in `resource_managers` (string keys are what
+`TorchLlmArgs.extra_resource_managers` installs too)."""
+
+_ATTR = "_mtp_carry_attachment"
+
+
+@dataclass
+class CarryAttachment:
+    """The carry attached to one LLM: topology, configured vs armed (with why), counters."""
+
+    topology: str  # unpaired | paired | folded
+    armed: bool
+    reason: str
+    options: CarryOptions
+    version: str
+    mtp_layer: int | None
+    tokens_per_block: int | None
+    manager: Any | None  # the installed CarryResourceManager (None: nothing installed)
+    _resource_manager: Any = None
+
+    def stats(self) -> dict[str, object]:
+        """Counters by outcome, skip reason and eviction cause, entries and bytes held (zeros unarmed)."""
+        if self.manager is not None:
+            out: dict[str, object] = self.manager.stats()
+        else:
+            from ..core import EVICTION_CAUSES, OUTCOME_KINDS
+            from .manager import SKIP_REASONS
+
+            out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
+                   "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": {"cold": 0, "warm": 0},
+                   "rows_scattered": 0, "rows_deposited": 0, "live_requests": 0,
+                   "carry_slots": self.options.carry_slots, "entries": 0, "rows_held": 0,
+                   "bytes_held": 0, "budget_bytes": self.options.carry_memory, "deposits": 0,
+                   "adoptions": 0, "evictions": dict.fromkeys(EVICTION_CAUSES, 0),
+                   "refused_too_large": 0}
+        return {"topology": self.topology, "armed": self.armed, **out}
+
+    def info(self) -> list[tuple[str, str, str]]:
+        """`(name, value, note)` rows as `trtllm-mtp-carry info` prints them, configured beside armed."""
+        yes = {True: "yes", False: "no"}
+        where = "-" if self.mtp_layer is None else f"layer {self.mtp_layer}"
+        return [
+            ("TensorRT-LLM", self.version, ""),
+            ("topology", self.topology, ""),
+            ("carry configured", yes[self.options.enable], "mtp_carry.enable"),
+            ("carry armed", yes[self.armed], self.reason),
+            ("carry slots (carry_slots)", str(self.options.carry_slots), ""),
+            ("carry memory (carry_memory)", str(self.options.carry_memory), "bytes"),
+            ("MTP layer", where, f"tokens_per_block={self.tokens_per_block}"),
+        ]
+
+
+def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) -> CarryAttachment:
+    """Probe `llm`'s in-process executor and install the carry where it can run.
+
+    `options` is the `mtp_carry` section (a mapping, parsed with
+    `parse_carry_options`) or `CarryOptions`. Raises `TrtllmAdapterError` (one
+    line) for bad options, a second attach, or an executor the carry refuses
+    (see `probe.probe_executor`). Returns the attachment; `armed` says whether
+    the carry runs, `reason` why (or why not).
+    """
+    opts = options if isinstance(options, CarryOptions) else parse_carry_options(options)
+    if getattr(llm, _ATTR, None) is not None:
+        raise TrtllmAdapterError("the carry is already attached to this LLM (detach it first)")
+    from .manager import carry_manager_class
+    from .probe import probe_executor
+
+    probe = probe_executor(llm)
+    armed = opts.enable and probe.runnable
+    reason = probe.reason if opts.enable else "not configured (mtp_carry.enable is false)"
+    manager = None
+    if armed:
+        assert probe.mtp_layer is not None  # runnable implies a draft manager with its MTP layer
+        base = _base_resource_manager(probe.draft)
+        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, opts)
+        probe.resource_manager.resource_managers[CARRY_MANAGER_KEY] = manager  # after DRAFT_KV
+    attachment = CarryAttachment(probe.topology, armed, reason, opts, probe.version,
+                                 probe.mtp_layer, probe.tokens_per_block, manager,
+                                 probe.resource_manager)
+    setattr(llm, _ATTR, attachment)
+    return attachment
+
+
+def detach(llm: Any) -> None:
+    """Remove the carry from `llm` and drop its carried rows (no-op if it was never attached)."""
+    attachment: CarryAttachment | None = getattr(llm, _ATTR, None)
+    if attachment is None:
+        return
+    if attachment.manager is not None:
+        managers = attachment._resource_manager.resource_managers
+        if managers.get(CARRY_MANAGER_KEY) is attachment.manager:
+            del managers[CARRY_MANAGER_KEY]
+        attachment.manager.shutdown()
+    setattr(llm, _ATTR, None)
+
+
+def _base_resource_manager(draft: Any) -> type:
+    for cls in type(draft).__mro__:
+        if cls.__name__ == "BaseResourceManager":  # resource_manager.py's protocol base
+            return cls
+    raise TrtllmAdapterError(
+        f"the draft KV cache manager ({type(draft).__name__}) does not derive from "
+        "BaseResourceManager: not a TensorRT-LLM resource manager")

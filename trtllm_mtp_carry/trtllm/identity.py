@@ -1,0 +1,63 @@
+"""Which session a TensorRT-LLM request belongs to: its conversation id, cache salt and LoRA.
+
+What it is for: the carry adopts rows only for the same session, never for a
+shared token prefix (two conversations agree on hundreds of chat-template
+tokens). Inside TensorRT-LLM's PyTorch backend the session is the request's
+`py_conversation_params.conversation_id` (`tensorrt_llm/conversation_params.py`:
+`ConversationParams(conversation_id: str)`, stripped; copied onto the
+executor request as `py_conversation_params`), scoped like TensorRT-LLM's own
+reuse by `cache_salt` and `lora_task_id` (`KVCacheManagerV2._create_kv_cache`
+builds `ReuseScope(lora_id=lora_task_id, salt=cache_salt)`).
+
+Invariants:
+- `session_key_for` is stable across processes (the core's blake2b
+  `session_hash` of one unambiguous encoding) and never 0.
+- A different salt or LoRA id is a different session; no salt and an empty
+  salt are refused as different spellings of one thing (empty is an error).
+- A request without a conversation id has no session (`None`): it is never carried.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..core.session import session_hash
+
+
+def session_key_for(conversation_id: str, cache_salt: str | None = None,
+                    lora_id: int | None = None) -> int:
+    """Non-zero 64-bit session hash of `(conversation_id.strip(), cache_salt, lora_id)`.
+
+    `ValueError` for an empty or blank conversation id or an empty salt,
+    `TypeError` for a non-str id or salt or a non-int LoRA id; each names the value.
+    """
+    if not isinstance(conversation_id, str):
+        raise TypeError(f"conversation_id must be a str, got {conversation_id!r}")
+    conv = conversation_id.strip()  # ConversationParams strips it the same way
+    if not conv:
+        raise ValueError(f"conversation_id must be a non-blank string, got {conversation_id!r}")
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        if not cache_salt:
+            raise ValueError("cache_salt must be a non-empty string or None, got ''")
+    if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)
+                                or lora_id < 0):
+        raise TypeError(f"lora_id must be a non-negative int or None, got {lora_id!r}")
+    # JSON of a list: no separator trick can make two different triples collide
+    return session_hash(json.dumps(["trtllm", conv, cache_salt, lora_id], ensure_ascii=False))
+
+
+def request_session_key(request: object) -> int | None:
+    """The session of an executor request (`LlmRequest`), or None when it has no conversation id.
+
+    Reads `py_conversation_params.conversation_id`, `cache_salt` and
+    `lora_task_id`; a missing or blank conversation id means "no session".
+    """
+    params = getattr(request, "py_conversation_params", None)
+    conv = getattr(params, "conversation_id", None) if params is not None else None
+    if not isinstance(conv, str) or not conv.strip():
+        return None
+    salt = getattr(request, "cache_salt", None)
+    lora = getattr(request, "lora_task_id", None)
+    return session_key_for(conv, salt or None, None if lora is None else int(lora))

@@ -1,0 +1,67 @@
+"""Pair keys to (page, slot) in TensorRT-LLM's paged KV, and the row gather/scatter.
+
+What it is for: the carry moves the MTP layer's rows between a request's draft
+pages and the carry store exactly as TensorRT-LLM wrote them (its MTP row for
+key k is roped at position k), so adopt and deposit are plain copies, no re-rope.
+
+The buffer is `KVCacheManagerV2.get_buffers(layer_idx, kv_layout="HND")`
+(`tensorrt_llm/_torch/pyexecutor/kv_cache_manager_v2.py`): shape
+`[num_pages, kv_factor=2, num_kv_heads, tokens_per_block, head_dim]`; the page
+list is `get_batch_cache_indices([request_id], layer_idx)[0]`, already in the
+units of that view's first dimension (the manager divides by `kv_factor`), with
+`BAD_PAGE_INDEX` (negative) for a page not held. Key `k` lives at
+`buf[pages[k // tpb], :, :, k % tpb]`:
+
+```
+  page pages[0]          page pages[1]          ...
+  | keys 0 .. tpb-1 |    | keys tpb .. 2tpb-1 |
+```
+
+Invariants:
+- One indexed copy per call, no Python loop over keys or rows.
+- A key whose page is missing or `BAD_PAGE_INDEX` is a `RuntimeError` naming
+  the key and the page (a caller bug: the draft manager sized the request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def key_slots(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(page index, slot)` int64 tensors `[hi - lo]` for keys `[lo, hi)`."""
+    if not 0 <= lo <= hi:
+        raise ValueError(f"key range needs 0 <= lo <= hi, got [{lo}, {hi})")
+    first, last = lo // tokens_per_block, (hi - 1) // tokens_per_block
+    if hi > lo and last >= len(pages):
+        raise RuntimeError(f"keys [{lo}, {hi}) need page {last}, the request holds "
+                           f"{len(pages)} pages of {tokens_per_block}")
+    table = torch.tensor(list(pages[first:last + 1]) if hi > lo else [], dtype=torch.int64)
+    if bool((table < 0).any()):
+        bad = int((table < 0).nonzero()[0, 0]) + first
+        raise RuntimeError(f"keys [{lo}, {hi}): page {bad} is BAD_PAGE_INDEX ({pages[bad]})")
+    keys = torch.arange(lo, hi, dtype=torch.int64)
+    page = table[keys // tokens_per_block - first]
+    return page.to(device), (keys % tokens_per_block).to(device)
+
+
+def gather_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+    """Rows of keys `[lo, hi)` as a new tensor `[hi - lo, 2, num_kv_heads, head_dim]`."""
+    # buf: [num_pages, 2, Hkv, tpb, D] (HND)
+    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
+    return buf[page, :, :, slot].clone()  # advanced indices on dims 0 and 3 -> [n, 2, Hkv, D]
+
+
+def scatter_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, rows: torch.Tensor) -> None:
+    """Write `rows` `[n, 2, num_kv_heads, head_dim]` at keys `[lo, lo + n)` of the request's pages."""
+    # buf: [num_pages, 2, Hkv, tpb, D] (HND); rows dtype and heads must match
+    if rows.dim() != 4 or rows.shape[1:] != (buf.shape[1], buf.shape[2], buf.shape[4]):
+        raise RuntimeError(f"rows of shape {tuple(rows.shape)} do not fit HND pages "
+                           f"{tuple(buf.shape)}")
+    if rows.dtype != buf.dtype:
+        raise RuntimeError(f"rows are {rows.dtype}, the pages {buf.dtype}")
+    page, slot = key_slots(pages, lo, lo + rows.shape[0], buf.shape[3], buf.device)
+    buf[page, :, :, slot] = rows.to(buf.device)

@@ -1,0 +1,240 @@
+"""The carry resource manager: adopt at a warm context request's first chunk, deposit at free.
+
+What it is for: inside TensorRT-LLM's `PyExecutor`, an unpaired draft pool
+gives a warm turn fresh, unwritten draft pages for the reused prefix
+`[0, R)` (the drafter is blind there). This manager, appended to
+`resource_manager.resource_managers` after the draft KV manager, fills them:
+
+```
+  draft pages of a warm turn:
+  | carried rows (scattered here) | new span: TensorRT-LLM's context phase |
+  0                               R = context_current_position          L
+```
+
+- `prepare_resources(batch)` runs after the draft manager's (the dict is
+  iterated forward), so the request's pages exist. On the first sight of a
+  context request with `R > 0`, the core's `decide_adopt` judges this
+  session's carried entry against the prompt (the one carry decision every
+  executor uses); if adopted, rows of keys `[0, min(rows, R))` are scattered
+  into the request's pages for the MTP layer.
+- `free_resources(request)` runs before the draft manager's (the dict is
+  iterated in reverse), so the pages are still live: a finished request's
+  valid rows, keys `[0, N - 1)` of its `N` tokens, are gathered into the
+  carry store. Rows past `N - 2` are later draft steps' rows over drafted
+  tokens: never kept.
+
+Invariants:
+- Dummy requests, requests without a conversation id, cancelled requests and
+  requests freed before their context finished are never carried, and leave
+  nothing behind (their bookkeeping is dropped at free).
+- A request deposits only if every key `[0, N - 1)` is valid: a cold turn, or
+  a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
+  pages hold whatever the pool had; they are never carried.
+- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope.
+- Nothing is written outside the request's own fresh pages for keys `[0, R)`;
+  the manager is installed only on the unpaired topology (never on paired or
+  folded pools, whose pages below R are shared tree blocks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core import OUTCOME_KINDS, decide_adopt
+from ..core.outcome import Adopted
+from ..core.session import TicketCounter
+from ..core.store_range import StoreRange
+from .carried import CarriedRows
+from .identity import request_session_key
+from .layout import gather_rows, scatter_rows
+from .options import CarryOptions
+
+SKIP_REASONS: tuple[str, ...] = (
+    "dummy",  # warm-up or padding requests
+    "no_conversation",  # no py_conversation_params.conversation_id
+    "cancelled",  # is_finished_due_to_cancellation
+    "context_unfinished",  # freed before its context finished (failed or aborted)
+    "gap",  # a blind warm turn: keys [0, R) hold no valid rows
+)
+"""Why a freed request deposited nothing, in the order `stats()` lists them."""
+
+
+@dataclass
+class _Live:
+    session: int | None
+    reused: int  # R at first sight
+    complete: bool  # keys [0, R) hold valid rows (cold turn, or fully restored)
+
+
+class CarryManagerCore:
+    """The carry's resource-manager logic over one draft KV manager's MTP layer (see module doc)."""
+
+    def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions) -> None:
+        self.draft = draft
+        self.mtp_layer = mtp_layer
+        self.options = options
+        self.carried = CarriedRows(options.carry_slots, options.carry_memory)
+        self._tickets = TicketCounter()
+        self._live: dict[int, _Live] = {}
+        self._outcomes: Counter[str] = Counter()
+        self._skips: Counter[str] = Counter()
+        self._turns: Counter[str] = Counter()
+        self.rows_scattered = 0
+        self.rows_deposited = 0
+        self._lock = threading.RLock()
+
+    # ---- BaseResourceManager protocol (resource_manager.py) --------------------------
+
+    def get_max_resource_count(self) -> int:
+        return 1  # holds no schedulable resource (as KVCacheManagerV2 answers)
+
+    def get_needed_resource_to_completion(self, request: Any) -> int:
+        return 0
+
+    def add_dummy_requests(self, request_ids: Any, *args: Any, **kwargs: Any) -> None:
+        return None  # dummies are never carried
+
+    def update_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.carried.clear()
+
+    def prepare_resources(self, scheduled_batch: Any) -> None:
+        """Adopt for every context request seen for the first time (see the module doc)."""
+        for request in scheduled_batch.context_requests:
+            rid = int(request.py_request_id)
+            if rid in self._live:
+                continue  # a later chunk of a request already judged
+            if _is_dummy(request):
+                continue  # never tracked: free skips it as dummy
+            session = request_session_key(request)
+            reused = int(request.context_current_position)  # read outside request_context
+            live = _Live(session, reused, complete=reused == 0)
+            with self._lock:
+                self._live[rid] = live
+                self._turns["warm" if reused else "cold"] += 1
+            if session is None or reused == 0:
+                continue
+            self._adopt(rid, request, live)
+
+    def free_resources(self, request: Any) -> None:
+        """Deposit a finished request's valid rows, before the draft pool frees its pages."""
+        rid = int(request.py_request_id)
+        with self._lock:
+            live = self._live.pop(rid, None)
+        why = self._skip_reason(request, live)
+        if why is not None:
+            with self._lock:
+                self._skips[why] += 1
+            return
+        assert live is not None and live.session is not None
+        tokens = list(request.get_tokens(0))
+        valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
+        if valid <= 0:
+            return
+        pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
+        buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
+        with self._draft_stream():
+            rows = gather_rows(buf, pages, 0, valid)  # [valid, 2, Hkv, D]
+            self._sync()
+        if self.carried.deposit(live.session, tokens, rows):
+            with self._lock:
+                self.rows_deposited += valid
+
+    # ---- reporting ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        """Counters by outcome and skip reason, turns seen, rows moved, and what the store holds."""
+        with self._lock:
+            return {
+                "outcomes": {kind: self._outcomes.get(kind, 0) for kind in OUTCOME_KINDS},
+                "skipped": {why: self._skips.get(why, 0) for why in SKIP_REASONS},
+                "turns": {"cold": self._turns.get("cold", 0), "warm": self._turns.get("warm", 0)},
+                "rows_scattered": self.rows_scattered,
+                "rows_deposited": self.rows_deposited,
+                "live_requests": len(self._live),
+                **self.carried.stats(),
+            }
+
+    # ---- steps -------------------------------------------------------------------------
+
+    def _adopt(self, rid: int, request: Any, live: _Live) -> None:
+        assert live.session is not None
+        prompt = request.get_tokens(0)
+        ticket = self._tickets.draw()
+        # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
+        # the span the core's plan may append, so it is this ticket's projected store range.
+        projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
+        outcome = decide_adopt(self.carried.candidate(live.session), prompt, live.session,
+                               ticket, projected)
+        with self._lock:
+            self._outcomes[outcome.kind] += 1
+        if not isinstance(outcome, Adopted):
+            return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
+        taken = self.carried.take(live.session)
+        n = min(outcome.rows, live.reused)
+        pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
+        buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
+        with self._draft_stream():
+            scatter_rows(buf, pages, 0, taken.rows[:n])
+            self._sync()
+        live.complete = n == live.reused
+        with self._lock:
+            self.rows_scattered += n
+
+    def _skip_reason(self, request: Any, live: _Live | None) -> str | None:
+        if _is_dummy(request):
+            return "dummy"
+        if live is None or live.session is None:
+            return "no_conversation" if request_session_key(request) is None else "context_unfinished"
+        if getattr(request, "is_finished_due_to_cancellation", False):
+            return "cancelled"
+        if not getattr(request, "is_context_finished", False):
+            return "context_unfinished"
+        if not live.complete:
+            return "gap"
+        return None
+
+    def _draft_stream(self) -> AbstractContextManager[Any]:
+        stream = getattr(self.draft, "_stream", None)  # KVCacheManagerV2._stream (torch stream)
+        if stream is None or not torch.cuda.is_available():
+            return nullcontext()
+        return torch.cuda.stream(stream)
+
+    def _sync(self) -> None:
+        # The copy must land before the next forward reads the pages (scatter) or the pool
+        # hands them to another request (gather).
+        stream = getattr(self.draft, "_stream", None)
+        if stream is not None and torch.cuda.is_available():
+            stream.synchronize()
+
+
+def _is_dummy(request: Any) -> bool:
+    return bool(getattr(request, "is_dummy_request", False) or getattr(request, "is_dummy", False))
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def carry_manager_class(base: type) -> type[CarryManagerCore]:
+    """`CarryResourceManager`: the core logic as a subclass of the executor's `BaseResourceManager`.
+
+    `base` is taken from the draft manager's own class hierarchy, so the same
+    code runs on TensorRT-LLM and on the stand-in without importing either.
+    """
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = type("CarryResourceManager", (CarryManagerCore, base), {
+            "__doc__": "The carry's resource manager (`CarryManagerCore`) as a "
+                       f"`{base.__module__}.{base.__name__}`.",
+            "__init__": CarryManagerCore.__init__,
+        })
+        _CLASSES[base] = cls
+    return cls

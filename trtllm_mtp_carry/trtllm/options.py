@@ -1,0 +1,147 @@
+"""The `mtp_carry` section of TensorRT-LLM's `extra_llm_api_options` YAML, parsed strictly.
+
+What it is for: a user turns the carry on and sizes it next to the options
+TensorRT-LLM itself reads, in the same YAML file (or the same dict):
+
+```yaml
+speculative_config: {decoding_type: MTP, max_draft_len: 3}
+kv_cache_config: {enable_block_reuse: true, use_kv_cache_manager_v2: true}
+mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB}
+```
+
+`split_llm_options` takes the section out, so the rest can go to `LLM(**rest)`
+unchanged (TensorRT-LLM would refuse an unknown keyword).
+
+Invariants:
+- Every bad key or value is one `TrtllmAdapterError` line naming the key
+  (`mtp_carry.<key>`) and the value; nothing is silently defaulted.
+- Pure Python: no torch, no tensorrt_llm (PyYAML is imported only to read a file).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.settings import DEFAULT_CARRY_SLOTS
+
+SECTION = "mtp_carry"
+"""The key of the carry's section in `extra_llm_api_options`."""
+
+DEFAULT_CARRY_MEMORY = 1 << 30
+"""Default budget for carried rows: 1 GiB. One carried row of the MTP layer is
+`2 * kv_heads * head_dim * 2` bytes (2 KiB for Qwen3-Next: 2 KV heads of 256), so
+1 GiB holds about 512k rows, e.g. 16 sessions of 32k tokens."""
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+_SIZE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+
+
+class TrtllmAdapterError(ValueError):
+    """The TensorRT-LLM adapter refused an option or an executor; the message is one line saying why."""
+
+
+@dataclass(frozen=True, slots=True)
+class CarryOptions:
+    """What the user configured for the carry inside TensorRT-LLM.
+
+    `enable`: whether the carry is configured (it is armed only where the
+    executor allows it, see `CarryAttachment.armed`); `carry_slots`: at most
+    this many sessions' rows are kept (least recently deposited leaves first);
+    `carry_memory`: at most this many bytes of carried rows (oldest entries are
+    evicted as `pool_pressure` to stay under it).
+    """
+
+    enable: bool = True
+    carry_slots: int = DEFAULT_CARRY_SLOTS
+    carry_memory: int = DEFAULT_CARRY_MEMORY
+
+    def __post_init__(self) -> None:
+        _check_bool("enable", self.enable)
+        _check_int("carry_slots", self.carry_slots, minimum=1)
+        _check_int("carry_memory", self.carry_memory, minimum=0)
+
+
+def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
+    """`CarryOptions` from the `mtp_carry` section (None: the defaults).
+
+    Keys: `enable` (bool), `carry_slots` (int >= 1), `carry_memory` (bytes as an
+    int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused).
+    An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
+    naming `mtp_carry.<key>`.
+    """
+    if mapping is None:
+        return CarryOptions()
+    if isinstance(mapping, CarryOptions):
+        return mapping
+    if not isinstance(mapping, Mapping):
+        raise TrtllmAdapterError(
+            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory, got {mapping!r}")
+    fields = {"enable", "carry_slots", "carry_memory"}
+    for key in mapping:
+        if key not in fields:
+            raise TrtllmAdapterError(
+                f"{SECTION}.{key}: unknown key (known: carry_memory, carry_slots, enable)")
+    values: dict[str, Any] = dict(mapping)
+    if "carry_memory" in values:
+        values["carry_memory"] = parse_size("carry_memory", values["carry_memory"])
+    return CarryOptions(**values)
+
+
+def parse_size(key: str, value: object) -> int:
+    """Bytes from an int >= 0 or a string `<digits>[B|KB|KiB|MB|MiB|GB|GiB]`; errors name `key`."""
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise TrtllmAdapterError(
+                f"{SECTION}.{key}: {value!r} is not a size (an int of bytes, or e.g. '512MiB', '2GiB')")
+        return int(m.group(1)) * _UNITS[unit]
+    return _check_int(key, value, minimum=0)
+
+
+def split_llm_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], CarryOptions]:
+    """`(the LLM(**kwargs) options without mtp_carry, the parsed CarryOptions)`."""
+    if options is None:
+        return {}, CarryOptions()
+    if not isinstance(options, Mapping):
+        raise TrtllmAdapterError(f"extra_llm_api_options must be a mapping, got {options!r}")
+    rest = {k: v for k, v in options.items() if k != SECTION}
+    return rest, parse_carry_options(options.get(SECTION))
+
+
+def load_llm_options(path: str | Path) -> tuple[dict[str, Any], CarryOptions]:
+    """`split_llm_options` of an `extra_llm_api_options` YAML file (PyYAML ships with tensorrt_llm)."""
+    try:
+        import yaml
+    except ImportError as exc:
+        raise TrtllmAdapterError(
+            f"reading {path} needs PyYAML (installed with the trtllm extra: "
+            "pip install 'trtllm-mtp-carry[trtllm]')") from exc
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TrtllmAdapterError(f"cannot read extra_llm_api_options {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TrtllmAdapterError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    return split_llm_options({} if data is None else data)
+
+
+def _check_bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TrtllmAdapterError(f"{SECTION}.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _check_int(key: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TrtllmAdapterError(f"{SECTION}.{key} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise TrtllmAdapterError(f"{SECTION}.{key} must be >= {minimum}, got {value}")
+    return int(value)

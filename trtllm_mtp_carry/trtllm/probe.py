@@ -1,0 +1,221 @@
+"""What the adapter needs from a TensorRT-LLM executor, probed once at attach time.
+
+What it is for: TensorRT-LLM has no public hook for a resource manager, so the
+adapter reaches into the in-process `PyExecutor`. Every attribute it relies on
+is named here with the source file it was read from, and checked before
+anything is installed: a build that lacks one is refused with one line naming
+what is missing, never guessed around.
+
+Read from NVIDIA/TensorRT-LLM (`tensorrt_llm/_torch/pyexecutor/`; commits
+38198e34 and 218ea169, see docs in DECISIONS.md "TensorRT-LLM adapter"):
+- `llm._executor.engine` is the `PyExecutor` when `TLLM_WORKER_USE_SINGLE_PROCESS=1`
+  was set before the first `LLM` (the check is cached by TensorRT-LLM).
+- `PyExecutor.resource_manager.resource_managers`: an `OrderedDict` keyed by
+  `ResourceManagerType` (resource_manager.py); prepare iterates it forward,
+  free in reverse. `DRAFT_KV_CACHE_MANAGER` is the separate one-model draft
+  pool (`_util.py`, `_create_one_model_draft_kv_cache_manager`).
+- The draft manager (`KVCacheManagerV2`, kv_cache_manager_v2.py): `is_draft`,
+  `tokens_per_block`, `dtype` (a `DataType`), `layer_offsets` (global layer ->
+  local; the one layer is the MTP layer, index `num_hidden_layers`),
+  `mapping` (`tp_size`, `enable_attention_dp`), `get_buffers(layer_idx, kv_layout)`,
+  `get_batch_cache_indices(request_ids, layer_idx, ...)`, `_stream`;
+  newer builds: `enable_joint_kv_cache_reuse` (paired draft reuse, PR #19303)
+  and `_fresh_page_fill` (None unless the fresh-page fill diagnostic is on).
+- The target manager: `enable_block_reuse`.
+- `LLM.generate_async(..., conversation_params=...)` (llmapi/llm.py), which
+  puts `py_conversation_params` on the executor request.
+
+Topologies:
+- `unpaired`: a separate draft pool without joint reuse; released builds
+  (1.2.x, 1.3.x) for hybrids: the drafter is blind over the reused prefix,
+  and the carry restores it.
+- `paired`: `enable_joint_kv_cache_reuse` is on: TensorRT-LLM matches the
+  draft's own radix tree and caps the target's reuse at the draft's depth, so
+  every key below the reused depth is a tree-matched (shared) page: nothing is
+  left to restore and nothing may be written. The carry stands aside.
+- `folded`: no separate draft pool (attention DP, a shared KV cache): the MTP
+  layer's KV lives in the target pool and is reused with it. Stands aside.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from .options import TrtllmAdapterError
+
+DRAFT_KV = "DRAFT_KV_CACHE_MANAGER"
+TARGET_KV = "KV_CACHE_MANAGER"
+EXTRA = "pip install 'trtllm-mtp-carry[trtllm]'"
+
+
+@dataclass(frozen=True)
+class ExecutorProbe:
+    """What attach found: the managers, the MTP layer, the topology, and whether the carry may run."""
+
+    executor: Any
+    resource_manager: Any
+    target: Any
+    draft: Any | None
+    mtp_layer: int | None
+    tokens_per_block: int | None
+    topology: str  # unpaired | paired | folded
+    runnable: bool  # the topology and the executor's options let the carry run
+    reason: str
+    version: str
+
+
+def manager_name(key: object) -> str:
+    """The `ResourceManagerType` member name of a `resource_managers` key (an Enum, or a str)."""
+    name = getattr(key, "name", key)
+    return name if isinstance(name, str) else str(key)
+
+
+def find_manager(resource_manager: Any, name: str) -> tuple[object, Any] | None:
+    """`(key, manager)` of the `resource_managers` entry named `name`, or None."""
+    for key, manager in resource_manager.resource_managers.items():
+        if manager_name(key) == name:
+            return key, manager
+    return None
+
+
+def reach_executor(llm: Any) -> tuple[Any, str]:
+    """`(llm._executor.engine, tensorrt_llm version)`; TrtllmAdapterError naming what is missing.
+
+    A TensorRT-LLM stand-in (`trtllm_standin = True`) reports its own version;
+    anything else needs `tensorrt_llm` importable.
+    """
+    if getattr(llm, "trtllm_standin", False):
+        version = f"stand-in ({type(llm).__module__})"
+    else:
+        try:
+            import tensorrt_llm
+        except ImportError as exc:
+            raise TrtllmAdapterError(
+                f"attach needs TensorRT-LLM, which is not importable here: {EXTRA}") from exc
+        version = str(getattr(tensorrt_llm, "__version__", "unknown"))
+    proxy = getattr(llm, "_executor", None)
+    if proxy is None:
+        raise TrtllmAdapterError(
+            f"{type(llm).__name__} has no _executor: attach takes a built tensorrt_llm.LLM")
+    executor = getattr(proxy, "engine", None)
+    if executor is None:
+        raise TrtllmAdapterError(
+            f"llm._executor ({type(proxy).__name__}) has no in-process engine: set "
+            "TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM is built (TP=1 only)")
+    return executor, version
+
+
+def probe_executor(llm: Any) -> ExecutorProbe:
+    """Probe `llm`'s executor; refuse what the carry cannot run on, detect the topology.
+
+    Refused (TrtllmAdapterError, one line each): no in-process executor, a missing
+    attribute or signature, no conversation id support, TP > 1, attention data
+    parallelism, a KV dtype other than BF16, the fresh-page fill. Not refused but
+    not runnable (the carry stands aside, `reason` says why): paired, folded,
+    block reuse off.
+    """
+    executor, version = reach_executor(llm)
+    _require_conversation_params(llm)
+    rm = _attr(executor, "resource_manager", "PyExecutor")
+    _attr(rm, "resource_managers", "ResourceManager")
+    found_target = find_manager(rm, TARGET_KV)
+    if found_target is None:
+        raise TrtllmAdapterError(f"the executor has no {TARGET_KV} resource manager")
+    target = found_target[1]
+    found_draft = find_manager(rm, DRAFT_KV)
+    mapping = _attr(found_draft[1] if found_draft else target, "mapping", "KV cache manager")
+    tp = _attr(mapping, "tp_size", "Mapping")
+    if tp != 1:
+        raise TrtllmAdapterError(
+            f"tensor parallel size {tp}: the carry runs in-process with TP=1 only")
+    if _attr(mapping, "enable_attention_dp", "Mapping"):
+        raise TrtllmAdapterError(
+            "attention data parallelism is on: the carry needs one executor holding every "
+            "request's draft pages (enable_attention_dp must be false)")
+    reuse = bool(_attr(target, "enable_block_reuse", "target KV cache manager"))
+    if found_draft is None:
+        return ExecutorProbe(executor, rm, target, None, None, None, "folded", False,
+                             "folded: no separate draft KV cache manager, the MTP layer's KV "
+                             "lives in the target pool and is reused with it", version)
+    draft = found_draft[1]
+    _check_draft(draft)
+    offsets = _attr(draft, "layer_offsets", "draft KV cache manager")
+    if len(offsets) != 1:
+        raise TrtllmAdapterError(
+            f"the draft KV cache manager holds layers {sorted(offsets)}: expected the one MTP "
+            "layer (one-model MTP, num_nextn_predict_layers=1)")
+    mtp_layer = int(next(iter(offsets)))
+    tpb = int(_attr(draft, "tokens_per_block", "draft KV cache manager"))
+    _check_buffer(draft, mtp_layer, tpb)
+    if getattr(draft, "enable_joint_kv_cache_reuse", False):
+        return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
+                             "paired: enable_joint_kv_cache_reuse restores the drafter's prefix "
+                             "from the draft pool's own tree; the carry stands aside", version)
+    if not reuse:
+        return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", False,
+                             "block reuse is off (kv_cache_config.enable_block_reuse): no prefix "
+                             "is reused, so there is nothing to carry", version)
+    return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", True,
+                         "unpaired draft pool with block reuse: the carry restores the "
+                         "drafter's rows over the reused prefix", version)
+
+
+def _attr(obj: Any, name: str, owner: str) -> Any:
+    if not hasattr(obj, name):
+        raise TrtllmAdapterError(
+            f"{owner} ({type(obj).__name__}) has no attribute {name!r}: this TensorRT-LLM build "
+            "is not one the adapter was written against (see DECISIONS.md)")
+    return getattr(obj, name)
+
+
+def _require_conversation_params(llm: Any) -> None:
+    generate = getattr(llm, "generate_async", None)
+    if generate is None:
+        raise TrtllmAdapterError(f"{type(llm).__name__} has no generate_async")
+    try:
+        params = inspect.signature(generate).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    if "conversation_params" not in params:
+        raise TrtllmAdapterError(
+            "this TensorRT-LLM build has no conversation id support (LLM.generate_async takes "
+            "no conversation_params): the carry keys sessions by ConversationParams.conversation_id")
+
+
+def _check_draft(draft: Any) -> None:
+    owner = "draft KV cache manager"
+    if not _attr(draft, "is_draft", owner):
+        raise TrtllmAdapterError(f"the {DRAFT_KV} entry is not a draft manager (is_draft is false)")
+    if "KVCacheManagerV2" not in {c.__name__ for c in type(draft).__mro__}:
+        raise TrtllmAdapterError(
+            f"the draft KV cache manager is {type(draft).__name__}, not KVCacheManagerV2: the "
+            "carry supports KV cache manager V2 only (kv_cache_config.use_kv_cache_manager_v2)")
+    for method, needed in (("get_buffers", "kv_layout"), ("get_batch_cache_indices", "layer_idx")):
+        fn = _attr(draft, method, owner)
+        if needed not in inspect.signature(fn).parameters:
+            raise TrtllmAdapterError(f"{owner}.{method} takes no {needed!r} argument: an older "
+                                     "KV cache manager than the adapter supports")
+    dtype = _attr(draft, "dtype", owner)
+    name = getattr(dtype, "name", str(dtype))
+    if name not in ("BF16", "bfloat16"):
+        raise TrtllmAdapterError(
+            f"draft KV cache dtype is {name}: the carry supports BF16 KV only (kv_cache_config.dtype "
+            "auto with a BF16 model)")
+    if getattr(draft, "_fresh_page_fill", None) is not None:
+        raise TrtllmAdapterError(
+            "the fresh-page fill is on for the draft pool: it would overwrite the rows the carry "
+            "scatters into fresh pages; turn it off")
+
+
+def _check_buffer(draft: Any, mtp_layer: int, tpb: int) -> None:
+    import torch
+
+    buf = draft.get_buffers(mtp_layer, kv_layout="HND")
+    if buf is None or buf.dim() != 5 or buf.shape[1] != 2 or buf.shape[3] != tpb:
+        raise TrtllmAdapterError(
+            f"draft get_buffers({mtp_layer}, 'HND') is {None if buf is None else tuple(buf.shape)}: "
+            f"expected [pages, 2, kv_heads, {tpb}, head_dim]")
+    if buf.dtype != torch.bfloat16:
+        raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: the carry supports BF16 KV only")
