@@ -239,6 +239,9 @@ class PagedRows:
             raise RuntimeError("stand-in draft pool: out of pages")
         page = self._free.popleft()
         self._refs[page] = 1
+        # zeroed at allocation, before any manager's prepare, so a blind drafter reads zeros
+        # (as trtllm_smoke.py's blind run does); TensorRT-LLM leaves fresh pages unwritten
+        self.buf[page].zero_()
         return page
 
     def share(self, page: int) -> int:
@@ -460,12 +463,13 @@ class DraftKVManager(KVCacheManagerV2):
                 self.pool.unref(p)
 
     def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
-        # as _prepare_draft_resources: context_current_position + chunk + draft_len; gen: + 1 + D
+        # as _prepare_draft_resources: context_current_position + chunk + draft_len; generation
+        # + 1 + D, plus D for the draft steps past the accepted tokens (the extra KV tokens)
         for r in scheduled_batch.context_requests:
             self.pool.ensure(r.py_request_id, r.context_current_position + r.context_chunk_size
                               + self.draft_len)
         for r in scheduled_batch.generation_requests:
-            self.pool.ensure(r.py_request_id, len(r.tokens) + 1 + self.draft_len)
+            self.pool.ensure(r.py_request_id, len(r.tokens) + 1 + 2 * self.draft_len)
 
     def free_resources(self, request: Any) -> None:
         self.pool.release(request.py_request_id)
@@ -546,15 +550,19 @@ class StandinPyExecutor:
         self.waiting.append(req)
         return req
 
-    def cancel(self, rid: int) -> None:
-        """Cancel a request (queued or running, mid-context too): its resources are freed now."""
+    def cancel(self, rid: int, *, failed: bool = False) -> None:
+        """Cancel a request (queued or running, mid-context too): its resources are freed now.
+
+        `failed=True` ends it as a failed request (an error mid-flight) rather than a
+        cancelled one: `is_finished_due_to_cancellation` stays false.
+        """
         for req in list(self.waiting):
             if req.py_request_id == rid:
                 self.waiting.remove(req)
                 return
         for req in self.active:
             if req.py_request_id == rid:
-                req.is_finished_due_to_cancellation = True
+                req.is_finished_due_to_cancellation = not failed
                 self.active.remove(req)
                 self.resource_manager.free_resources(req)
                 req.state = LlmRequestState.GENERATION_COMPLETE

@@ -1,0 +1,119 @@
+"""attach() on the TensorRT-LLM STAND-IN: refusals, topologies, configured vs armed, detach."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
+from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
+
+from .standin_helpers import model
+
+
+def _llm(**options: Any) -> StandinLLM:
+    return StandinLLM(model(), chunk_size=32, num_pages=64, **options)
+
+
+def _refusal(llm: Any) -> str:
+    with pytest.raises(TrtllmAdapterError) as exc:
+        attach(llm)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_tp_above_one_is_refused() -> None:
+    assert _refusal(_llm(tp_size=2)) == (
+        "tensor parallel size 2: the carry runs in-process with TP=1 only")
+
+
+def test_non_bf16_kv_is_refused() -> None:
+    msg = _refusal(_llm(kv_dtype=DataType.FP8))
+    assert msg.startswith("draft KV cache dtype is FP8: the carry supports BF16 KV only")
+
+
+def test_attention_dp_is_refused() -> None:
+    assert _refusal(_llm(enable_attention_dp=True)).startswith("attention data parallelism is on")
+
+
+def test_a_missing_executor_attribute_is_named() -> None:
+    llm = _llm()
+    del llm.executor.draft.layer_offsets  # an older build without it
+    assert _refusal(llm).startswith(
+        "draft KV cache manager (DraftKVManager) has no attribute 'layer_offsets'")
+    llm = _llm()
+    del llm.executor.resource_manager
+    assert _refusal(llm).startswith("PyExecutor (StandinPyExecutor) has no attribute 'resource_manager'")
+
+
+def test_an_older_page_index_signature_is_refused() -> None:
+    llm = _llm()
+    draft = llm.executor.draft
+    assert draft is not None
+    draft.get_batch_cache_indices = lambda request_ids: [[]]  # type: ignore[method-assign]
+    assert _refusal(llm) == ("draft KV cache manager.get_batch_cache_indices takes no 'layer_idx' "
+                             "argument: an older KV cache manager than the adapter supports")
+
+
+def test_no_conversation_id_support_is_refused() -> None:
+    class OldLLM(StandinLLM):
+        def generate_async(self, prompt_token_ids: Any, max_new_tokens: int = 32) -> Any:  # type: ignore[override]
+            return super().generate_async(prompt_token_ids, max_new_tokens)
+
+    msg = _refusal(OldLLM(model(), chunk_size=32, num_pages=64))
+    assert msg.startswith("this TensorRT-LLM build has no conversation id support")
+
+
+def test_the_fresh_page_fill_is_refused() -> None:
+    llm = _llm()
+    assert llm.executor.draft is not None
+    llm.executor.draft._fresh_page_fill = object()
+    assert _refusal(llm).startswith("the fresh-page fill is on for the draft pool")
+
+
+def test_a_multi_process_executor_and_a_missing_tensorrt_llm_name_the_fix() -> None:
+    llm = _llm()
+    llm._executor = SimpleNamespace()  # type: ignore[assignment]
+    assert "TLLM_WORKER_USE_SINGLE_PROCESS=1" in _refusal(llm)
+    # not a stand-in and tensorrt_llm cannot be imported here: the extra is named
+    assert _refusal(SimpleNamespace()) == (
+        "attach needs TensorRT-LLM, which is not importable here: "
+        "pip install 'trtllm-mtp-carry[trtllm]'")
+
+
+def test_unpaired_arms_and_installs_after_the_draft_manager() -> None:
+    llm = _llm()
+    carry = attach(llm)
+    assert (carry.topology, carry.armed) == ("unpaired", True)
+    names = [getattr(k, "name", k) for k in llm.executor.resource_manager.resource_managers]
+    assert names == ["DRAFT_KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER", CARRY_MANAGER_KEY]
+    assert carry.info()[3] == ("carry armed", "yes", carry.reason)
+    with pytest.raises(TrtllmAdapterError, match="already attached"):
+        attach(llm)
+    detach(llm)
+    assert CARRY_MANAGER_KEY not in llm.executor.resource_manager.resource_managers
+    assert attach(llm, {"carry_slots": 2}).options.carry_slots == 2
+
+
+@pytest.mark.parametrize(("options", "topology", "reason"), [
+    ({"topology": "paired"}, "paired", "paired: enable_joint_kv_cache_reuse restores"),
+    ({"topology": "folded"}, "folded", "folded: no separate draft KV cache manager"),
+    ({"enable_block_reuse": False}, "unpaired", "block reuse is off"),
+])
+def test_paired_folded_and_reuse_off_stand_aside_installing_nothing(
+        options: dict[str, Any], topology: str, reason: str) -> None:
+    llm = _llm(**options)
+    carry = attach(llm)
+    assert (carry.topology, carry.armed, carry.manager) == (topology, False, None)
+    assert carry.reason.startswith(reason)
+    assert CARRY_MANAGER_KEY not in llm.executor.resource_manager.resource_managers
+    assert carry.stats()["outcomes"] == {k: 0 for k in carry.stats()["outcomes"]}  # type: ignore[union-attr]
+
+
+def test_a_disabled_carry_is_configured_off_and_says_so() -> None:
+    carry = attach(_llm(), {"enable": False})
+    assert (carry.armed, carry.reason) == (False, "not configured (mtp_carry.enable is false)")
+    assert carry.info()[2] == ("carry configured", "no", "mtp_carry.enable")

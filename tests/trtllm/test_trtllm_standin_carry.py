@@ -1,0 +1,229 @@
+"""The carry on the TensorRT-LLM STAND-IN executor: the issue's checks (no TensorRT-LLM is run).
+
+Policies: carry (attached), blind (TensorRT-LLM as is: fresh draft pages over
+the reused prefix), rebuild (block reuse off: every turn prefills from 0),
+off (no speculation). Sessions run interleaved, with chunked prefill.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_mtp_carry.trtllm import session_key_for
+from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
+
+from .standin_helpers import (
+    CHUNK,
+    POLICIES,
+    acceptance,
+    make_llm,
+    padded,
+    quote_sessions,
+    run_turns,
+    user_tokens,
+)
+
+SESSIONS = quote_sessions(4)  # the user shows code, then asks to repeat it exactly
+TURNS, MAX_NEW = 2, 48
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[dict[str, list[LlmRequest]], object]]:
+    out = {}
+    for policy in POLICIES:
+        llm, carry = make_llm(policy)  # 4 sessions interleaved, 32-token prefill chunks
+        out[policy] = (run_turns(llm, SESSIONS, TURNS, MAX_NEW), carry)
+        llm.executor.check()  # nothing leaked
+    return out
+
+
+def test_greedy_outputs_identical_across_carry_blind_rebuild_and_off(runs) -> None:
+    outputs = {p: {c: [r.output for r in turns] for c, turns in runs[p][0].items()} for p in runs}
+    assert outputs["carry"] == outputs["off"] == outputs["blind"] == outputs["rebuild"]
+    carry_turns = runs["carry"][0][SESSIONS[0].name]
+    assert [r.reused for r in carry_turns][0] == 0 and all(r.reused > CHUNK for r in carry_turns[1:])
+    assert all(len(r.prompt) > 2 * CHUNK for r in carry_turns)  # every context ran in chunks
+
+
+def test_acceptance_under_the_carry_equals_rebuild_and_exceeds_blind(runs) -> None:
+    carry, rebuild, blind = (acceptance(runs[p][0]) for p in ("carry", "rebuild", "blind"))
+    print(f"warm-turn acceptance carry {carry} rebuild {rebuild} blind {blind}")
+    assert carry == rebuild
+    assert carry[0] / carry[1] > blind[0] / blind[1]
+
+
+def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
+    stats = runs["carry"][1].stats()
+    warm = len(SESSIONS) * (TURNS - 1)
+    assert stats["outcomes"]["adopted"] == warm and sum(stats["outcomes"].values()) == warm
+    assert stats["turns"] == {"cold": len(SESSIONS), "warm": warm}
+    assert stats["deposits"] == len(SESSIONS) * TURNS and stats["entries"] == len(SESSIONS)
+    assert stats["skipped"] == dict.fromkeys(stats["skipped"], 0)
+    assert stats["live_requests"] == 0
+    reused = sum(r.reused for turns in runs["carry"][0].values() for r in turns)
+    assert stats["rows_scattered"] == reused
+
+
+def _pages(llm: StandinLLM, req: LlmRequest, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return llm.executor.paged.read(req.py_request_id, 0, hi)
+
+
+def test_warm_turn_draft_pages_hold_exactly_the_rows_a_rebuild_computes() -> None:
+    conv = ConversationParams(conversation_id="s")
+    rows = {}
+    for policy in ("carry", "rebuild", "blind"):
+        llm, _ = make_llm(policy)
+        first = llm.generate_async(user_tokens(0, 6 * CHUNK), MAX_NEW, conversation_params=conv)
+        llm.run_until_done()
+        second = llm.generate_async(padded(first.get_tokens(0), 500), MAX_NEW, conversation_params=conv)
+        reused = 6 * CHUNK
+        while second.context_current_position < reused + (CHUNK if policy != "rebuild" else 0):
+            llm.executor.step()  # warm: one chunk past R; rebuild: its prefill reached R
+        rows[policy] = _pages(llm, second, reused)
+        assert second.reused == (0 if policy == "rebuild" else reused)
+        llm.run_until_done()
+    assert torch.equal(rows["carry"][0], rows["rebuild"][0])  # bf16 rows, bit for bit
+    assert torch.equal(rows["carry"][1], rows["rebuild"][1])
+    assert rows["carry"][0].dtype == torch.bfloat16 and bool(rows["carry"][0].abs().sum() > 0)
+    assert int(rows["blind"][0].abs().sum()) == 0  # TensorRT-LLM's fresh, unwritten pages
+
+
+def test_paired_topology_never_writes_into_tree_matched_pages() -> None:
+    llm, _ = make_llm("blind", topology="paired")
+    from trtllm_mtp_carry.trtllm import attach
+
+    carry = attach(llm)
+    assert (carry.topology, carry.armed) == ("paired", False)
+    conv = ConversationParams(conversation_id="p")
+    first = llm.generate_async(user_tokens(0, 5 * CHUNK), MAX_NEW, conversation_params=conv)
+    llm.run_until_done()
+    draft = llm.executor.draft
+    assert draft is not None and len(draft.tree) == 1
+    tree_pages = next(iter(draft.tree.values())).pages
+    before = llm.executor.paged.buf[tree_pages].clone()
+    second = llm.generate_async(padded(first.get_tokens(0), 77), MAX_NEW, conversation_params=conv)
+    llm.run_until_done()
+    assert second.reused == 5 * CHUNK  # the draft tree matched: the target reused that deep
+    assert torch.equal(llm.executor.paged.buf[tree_pages], before)
+    assert carry.stats()["rows_scattered"] == 0
+
+
+def test_folded_topology_stands_aside_and_outputs_match() -> None:
+    llm, _ = make_llm("blind", topology="folded")
+    from trtllm_mtp_carry.trtllm import attach
+
+    carry = attach(llm)
+    assert (carry.topology, carry.armed, carry.manager) == ("folded", False, None)
+    folded = run_turns(llm, SESSIONS[:1], 2, MAX_NEW)
+    plain, _ = make_llm("off")
+    reference = run_turns(plain, SESSIONS[:1], 2, MAX_NEW)
+    name = SESSIONS[0].name
+    assert [r.output for r in folded[name]] == [r.output for r in reference[name]]
+    assert folded[name][1].reused == len(folded[name][0].prompt)
+    llm.executor.check()
+
+
+def test_carry_prepares_after_the_draft_manager_and_frees_before_it() -> None:
+    llm, _ = make_llm("carry")
+    req = llm.generate_async(user_tokens(0, 2 * CHUNK), 4,
+                             conversation_params=ConversationParams(conversation_id="o"))
+    llm.run_until_done()
+    calls = [(m, op) for m, op, rid in llm.executor.resource_manager.calls if rid == req.py_request_id]
+    prepare = [m for m, op in calls if op == "prepare"][:4]
+    free = [m for m, op in calls if op == "free"]
+    assert prepare == ["DRAFT_KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER", "MTP_CARRY"]
+    assert free == ["MTP_CARRY", "KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", "DRAFT_KV_CACHE_MANAGER"]
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_request_aborted_mid_context_deposits_nothing_and_leaks_nothing(failed: bool) -> None:
+    llm, carry = make_llm("carry")
+    assert carry is not None
+    conv = ConversationParams(conversation_id="a")
+    first = llm.generate_async(user_tokens(0, 4 * CHUNK), MAX_NEW, conversation_params=conv)
+    llm.run_until_done()
+    warm = llm.generate_async(padded(first.get_tokens(0), 9) + user_tokens(20, 3 * CHUNK), MAX_NEW,
+                              conversation_params=conv)
+    llm.executor.step()  # the first chunk: the carried rows were adopted and scattered
+    assert carry.stats()["outcomes"]["adopted"] == 1 and not warm.is_context_finished
+    llm.executor.cancel(warm.py_request_id, failed=failed)
+    cold = llm.generate_async(user_tokens(50, 4 * CHUNK), MAX_NEW,
+                              conversation_params=ConversationParams(conversation_id="b"))
+    llm.executor.step()
+    llm.executor.cancel(cold.py_request_id, failed=failed)
+    stats = carry.stats()
+    why = "context_unfinished" if failed else "cancelled"
+    assert stats["skipped"][why] == 2 and stats["deposits"] == 1  # the first turn's only
+    assert stats["entries"] == 0 and stats["live_requests"] == 0  # the adopted entry left once
+    llm.executor.check()
+    carry.manager.carried.check()
+
+
+def test_dummy_requests_and_requests_without_a_conversation_are_never_carried() -> None:
+    llm, carry = make_llm("carry")
+    assert carry is not None
+    conv = ConversationParams(conversation_id="d")
+    llm.generate_async(user_tokens(0, 2 * CHUNK), 4, conversation_params=conv, dummy=True)
+    llm.generate_async(user_tokens(0, 2 * CHUNK), 4)
+    llm.run_until_done()
+    stats = carry.stats()
+    assert (stats["skipped"]["dummy"], stats["skipped"]["no_conversation"]) == (1, 1)
+    assert stats["deposits"] == 0 and stats["live_requests"] == 0
+    llm.executor.check()
+
+
+def test_two_conversations_with_identical_tokens_never_adopt_each_others_rows() -> None:
+    llm, carry = make_llm("carry")
+    assert carry is not None
+    prompt = user_tokens(0, 4 * CHUNK)
+    a = llm.generate_async(prompt, MAX_NEW, conversation_params=ConversationParams(conversation_id="a"))
+    llm.run_until_done()
+    b = llm.generate_async(padded(a.get_tokens(0), 5), MAX_NEW,
+                           conversation_params=ConversationParams(conversation_id="b"))
+    llm.run_until_done()
+    assert b.reused == 4 * CHUNK  # the target's prefix cache is shared: R > 0 for "b"
+    stats = carry.stats()
+    assert stats["outcomes"]["foreign_session"] == 1 and stats["outcomes"]["adopted"] == 0
+    assert stats["rows_scattered"] == 0 and stats["skipped"]["gap"] == 1  # b ran blind
+
+
+def test_one_conversation_under_two_salts_keeps_two_sessions() -> None:
+    llm, carry = make_llm("carry")
+    assert carry is not None
+    conv = ConversationParams(conversation_id="same")
+    prompt = user_tokens(0, 4 * CHUNK)
+    firsts = {}
+    for salt in ("x", "y"):
+        firsts[salt] = llm.generate_async(prompt, MAX_NEW, conversation_params=conv, cache_salt=salt)
+        llm.run_until_done()
+    assert firsts["y"].reused == 0  # the salt scopes TensorRT-LLM's reuse too
+    manager = carry.manager
+    x_key, y_key = session_key_for("same", "x"), session_key_for("same", "y")
+    warm = llm.generate_async(padded(firsts["y"].get_tokens(0), 3), MAX_NEW, conversation_params=conv,
+                              cache_salt="y")
+    llm.executor.step()
+    assert warm.reused == 4 * CHUNK and carry.stats()["outcomes"]["adopted"] == 1
+    assert manager.carried.candidate(x_key).session_hash == x_key  # x's entry untouched
+    assert manager.carried.candidate(y_key).session_hash == x_key  # y's was taken, not x's
+    llm.run_until_done()
+
+
+@pytest.mark.parametrize(("slots", "cause"), [(3, "pool_pressure"), (2, "capacity")])
+def test_memory_budget_and_slots_evict_the_oldest_with_their_cause(slots: int, cause: str) -> None:
+    row_bytes = 2 * 2 * 32 * 2  # K and V, 2 KV heads of 32, bf16
+    llm, _ = make_llm("blind", max_batch=1)
+    from trtllm_mtp_carry.trtllm import attach
+
+    carry = attach(llm, {"carry_slots": slots, "carry_memory": 300 * row_bytes})
+    for i, conv in enumerate(("m1", "m2", "m3")):
+        llm.generate_async(user_tokens(100 * i, 4 * CHUNK), 16,
+                           conversation_params=ConversationParams(conversation_id=conv))
+    llm.run_until_done()
+    stats = carry.stats()
+    # each turn deposits 128 + 16 - 1 = 143 rows: two fit in 300 rows (and in 2 slots)
+    assert stats["deposits"] == 3 and stats["entries"] == 2 and stats["rows_held"] == 2 * 143
+    assert stats["evictions"] == {**dict.fromkeys(stats["evictions"], 0), cause: 1}
+    assert stats["bytes_held"] == 2 * 143 * row_bytes
+    assert carry.manager.carried.candidate(session_key_for("m1")).session_hash != session_key_for("m1")
+    carry.manager.carried.check()
