@@ -227,3 +227,30 @@ def test_memory_budget_and_slots_evict_the_oldest_with_their_cause(slots: int, c
     assert stats["bytes_held"] == 2 * 143 * row_bytes
     assert carry.manager.carried.candidate(session_key_for("m1")).session_hash != session_key_for("m1")
     carry.manager.carried.check()
+
+
+def test_a_deposit_keeps_keys_below_n_minus_1_never_the_later_draft_steps_rows() -> None:
+    llm, carry = make_llm("carry")
+    assert carry is not None
+    executor = llm.executor
+    seen: dict[str, object] = {}
+    free = executor.resource_manager.free_resources
+
+    def capture(request: LlmRequest) -> None:  # the pages as the carry manager sees them at free
+        seen["table"] = list(executor.paged.tables[request.py_request_id])
+        seen["buf"] = executor.paged.buf.clone()
+        free(request)
+
+    executor.resource_manager.free_resources = capture  # type: ignore[method-assign]
+    req = llm.generate_async(user_tokens(0, 2 * CHUNK), 12,
+                             conversation_params=ConversationParams(conversation_id="v"))
+    llm.run_until_done()
+    n = len(req.get_tokens(0))
+    taken = carry.manager.carried.take(session_key_for("v"))
+    assert (taken.entry.rows, taken.entry.last_pair_key) == (n - 1, n - 2)
+    table = torch.tensor(seen["table"])
+    keys = torch.arange(n + 2)
+    tpb = executor.paged.tpb
+    rows = seen["buf"][table[keys // tpb], :, :, keys % tpb]  # [n + 2, 2, Hkv, D]
+    assert torch.equal(taken.rows, rows[: n - 1])
+    assert bool(rows[n - 1:].abs().sum() > 0)  # later draft steps wrote past the accepted tokens

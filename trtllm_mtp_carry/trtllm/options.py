@@ -4,9 +4,15 @@ What it is for: a user turns the carry on and sizes it next to the options
 TensorRT-LLM itself reads, in the same YAML file (or the same dict):
 
 ```yaml
-speculative_config: {decoding_type: MTP, max_draft_len: 3}
-kv_cache_config: {enable_block_reuse: true, use_kv_cache_manager_v2: true}
+speculative_config: {decoding_type: MTP, max_draft_len: 3}   # one-model MTP: a separate draft pool
+kv_cache_config:
+  enable_block_reuse: true        # overrides Qwen3-Next's default (off); without it nothing is reused
+  use_kv_cache_manager_v2: true   # V2 only ('auto' resolves to V2 for Qwen3-Next)
+  dtype: auto                     # BF16 KV only (FP8/NVFP4 pages are refused)
+  block_reuse_config: {policy: per_conversation, max_num_turns: 2}
 mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB}
+# and: tensor_parallel_size 1, enable_attention_dp false, no kv_connector_config (V2 refuses one),
+# TLLM_WORKER_USE_SINGLE_PROCESS=1 in the environment before the first LLM is built
 ```
 
 `split_llm_options` takes the section out, so the rest can go to `LLM(**rest)`
