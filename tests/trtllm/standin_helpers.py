@@ -62,7 +62,8 @@ def make_llm(policy: str, **options: object) -> tuple[StandinLLM, CarryAttachmen
         kw["max_draft_len"] = 0
     kw.update(options)
     llm = StandinLLM(model(), **kw)
-    return llm, attach(llm) if policy == "carry" else None
+    # the suite pins carry_slots() to 1 (tests/conftest.py): these sessions need one slot each
+    return llm, attach(llm, {"carry_slots": 8}) if policy == "carry" else None
 
 
 def aligned(text: str, prefix_len: int, render: Callable[[str], list[int]]) -> list[int]:

@@ -91,6 +91,8 @@ def test_unpaired_arms_and_installs_after_the_draft_manager() -> None:
     names = [getattr(k, "name", k) for k in llm.executor.resource_manager.resource_managers]
     assert names == ["DRAFT_KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER", CARRY_MANAGER_KEY]
     assert carry.info()[3] == ("carry armed", "yes", carry.reason)
+    assert carry.info()[4] == ("carry slots (carry_slots)", "1", "carry_slots()")  # pinned by conftest
+    assert carry.stats()["carry_slots"] == 1
     with pytest.raises(TrtllmAdapterError, match="already attached"):
         attach(llm)
     detach(llm)

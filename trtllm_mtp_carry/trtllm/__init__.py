@@ -78,6 +78,15 @@ class CarryAttachment:
     manager: Any | None  # the installed CarryResourceManager (None: nothing installed)
     _resource_manager: Any = None
 
+    @property
+    def slots(self) -> int:
+        """The carry store's slot count: `mtp_carry.carry_slots`, else the process's `carry_slots()`."""
+        if self.options.carry_slots is not None:
+            return self.options.carry_slots
+        from ..core import carry_slots
+
+        return carry_slots()
+
     def stats(self) -> dict[str, object]:
         """Counters by outcome, skip reason and eviction cause, entries and bytes held (zeros unarmed)."""
         if self.manager is not None:
@@ -89,7 +98,7 @@ class CarryAttachment:
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
                    "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": {"cold": 0, "warm": 0},
                    "rows_scattered": 0, "rows_deposited": 0, "live_requests": 0,
-                   "carry_slots": self.options.carry_slots, "entries": 0, "rows_held": 0,
+                   "carry_slots": self.slots, "entries": 0, "rows_held": 0,
                    "bytes_held": 0, "budget_bytes": self.options.carry_memory, "deposits": 0,
                    "adoptions": 0, "evictions": dict.fromkeys(EVICTION_CAUSES, 0),
                    "refused_too_large": 0}
@@ -104,7 +113,8 @@ class CarryAttachment:
             ("topology", self.topology, ""),
             ("carry configured", yes[self.options.enable], "mtp_carry.enable"),
             ("carry armed", yes[self.armed], self.reason),
-            ("carry slots (carry_slots)", str(self.options.carry_slots), ""),
+            ("carry slots (carry_slots)", str(self.slots),
+             "mtp_carry.carry_slots" if self.options.carry_slots else "carry_slots()"),
             ("carry memory (carry_memory)", str(self.options.carry_memory), "bytes"),
             ("MTP layer", where, f"tokens_per_block={self.tokens_per_block}"),
         ]

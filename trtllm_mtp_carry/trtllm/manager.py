@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..core import OUTCOME_KINDS, decide_adopt
+from ..core import OUTCOME_KINDS, carry_slots, decide_adopt
 from ..core.outcome import Adopted
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
@@ -79,7 +79,8 @@ class CarryManagerCore:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
-        self.carried = CarriedRows(options.carry_slots, options.carry_memory)
+        slots = carry_slots() if options.carry_slots is None else options.carry_slots
+        self.carried = CarriedRows(slots, options.carry_memory)
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
         self._outcomes: Counter[str] = Counter()

@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.settings import DEFAULT_CARRY_SLOTS
-
 SECTION = "mtp_carry"
 """The key of the carry's section in `extra_llm_api_options`."""
 
@@ -57,25 +55,27 @@ class CarryOptions:
 
     `enable`: whether the carry is configured (it is armed only where the
     executor allows it, see `CarryAttachment.armed`); `carry_slots`: at most
-    this many sessions' rows are kept (least recently deposited leaves first);
+    this many sessions' rows are kept (least recently deposited leaves first;
+    None: the process setting `carry_slots()`, env `TRTLLM_MTP_CARRY_SLOTS`, else 16);
     `carry_memory`: at most this many bytes of carried rows (oldest entries are
     evicted as `pool_pressure` to stay under it).
     """
 
     enable: bool = True
-    carry_slots: int = DEFAULT_CARRY_SLOTS
+    carry_slots: int | None = None
     carry_memory: int = DEFAULT_CARRY_MEMORY
 
     def __post_init__(self) -> None:
         _check_bool("enable", self.enable)
-        _check_int("carry_slots", self.carry_slots, minimum=1)
+        if self.carry_slots is not None:
+            _check_int("carry_slots", self.carry_slots, minimum=1)
         _check_int("carry_memory", self.carry_memory, minimum=0)
 
 
 def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
     """`CarryOptions` from the `mtp_carry` section (None: the defaults).
 
-    Keys: `enable` (bool), `carry_slots` (int >= 1), `carry_memory` (bytes as an
+    Keys: `enable` (bool), `carry_slots` (int >= 1, or null for `carry_slots()`), `carry_memory` (bytes as an
     int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused).
     An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
     naming `mtp_carry.<key>`.
