@@ -63,6 +63,14 @@ def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
     assert stats["live_requests"] == 0
     reused = sum(r.reused for turns in runs["carry"][0].values() for r in turns)
     assert stats["rows_scattered"] == reused
+    cold, warm_turn = runs["carry"][0][SESSIONS[0].name]
+    carry = runs["carry"][1]
+    assert carry.turn(cold.py_request_id) == {
+        "reused": 0, "outcome": "cold", "rows_scattered": 0,
+        "rows_deposited": len(cold.get_tokens(0)) - 1, "skipped": None}
+    assert carry.turn(warm_turn.py_request_id) == {
+        "reused": warm_turn.reused, "outcome": "adopted", "rows_scattered": warm_turn.reused,
+        "rows_deposited": len(warm_turn.get_tokens(0)) - 1, "skipped": None}
 
 
 def _pages(llm: StandinLLM, req: LlmRequest, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +163,7 @@ def test_a_request_aborted_mid_context_deposits_nothing_and_leaks_nothing(failed
     stats = carry.stats()
     why = "context_unfinished" if failed else "cancelled"
     assert stats["skipped"][why] == 2 and stats["deposits"] == 1  # the first turn's only
+    assert carry.turn(warm.py_request_id)["skipped"] == why  # type: ignore[index]
     assert stats["entries"] == 0 and stats["live_requests"] == 0  # the adopted entry left once
     llm.executor.check()
     carry.manager.carried.check()

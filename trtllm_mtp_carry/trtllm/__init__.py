@@ -104,6 +104,11 @@ class CarryAttachment:
                    "refused_too_large": 0}
         return {"topology": self.topology, "armed": self.armed, **out}
 
+    def turn(self, request_id: int) -> dict[str, object] | None:
+        """The turn record of executor request `request_id` (`LlmRequest.py_request_id`): R, the
+        carry outcome, rows scattered and deposited (see `CarryManagerCore.turn`); None unarmed."""
+        return None if self.manager is None else self.manager.turn(request_id)
+
     def info(self) -> list[tuple[str, str, str]]:
         """`(name, value, note)` rows as `trtllm-mtp-carry info` prints them, configured beside armed."""
         yes = {True: "yes", False: "no"}

@@ -39,7 +39,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -65,11 +65,16 @@ SKIP_REASONS: tuple[str, ...] = (
 """Why a freed request deposited nothing, in the order `stats()` lists them."""
 
 
+TURN_LOG = 4096
+"""How many recent requests' turn records `turn()` keeps (oldest dropped first)."""
+
+
 @dataclass
 class _Live:
     session: int | None
     reused: int  # R at first sight
     complete: bool  # keys [0, R) hold valid rows (cold turn, or fully restored)
+    record: dict[str, object]  # the turn record `turn()` returns
 
 
 class CarryManagerCore:
@@ -86,6 +91,7 @@ class CarryManagerCore:
         self._outcomes: Counter[str] = Counter()
         self._skips: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()
+        self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()
         self.rows_scattered = 0
         self.rows_deposited = 0
         self._lock = threading.RLock()
@@ -117,10 +123,16 @@ class CarryManagerCore:
                 continue  # never tracked: free skips it as dummy
             session = request_session_key(request)
             reused = int(request.context_current_position)  # read outside request_context
-            live = _Live(session, reused, complete=reused == 0)
+            first = "no_conversation" if session is None else "pending" if reused else "cold"
+            record: dict[str, object] = {"reused": reused, "outcome": first, "rows_scattered": 0,
+                                         "rows_deposited": 0, "skipped": None}
+            live = _Live(session, reused, reused == 0, record)
             with self._lock:
                 self._live[rid] = live
                 self._turns["warm" if reused else "cold"] += 1
+                self._turn_log[rid] = record
+                while len(self._turn_log) > TURN_LOG:
+                    self._turn_log.popitem(last=False)
             if session is None or reused == 0:
                 continue
             self._adopt(rid, request, live)
@@ -134,6 +146,8 @@ class CarryManagerCore:
         if why is not None:
             with self._lock:
                 self._skips[why] += 1
+                if live is not None:
+                    live.record["skipped"] = why
             return
         assert live is not None and live.session is not None
         tokens = list(request.get_tokens(0))
@@ -148,8 +162,21 @@ class CarryManagerCore:
         if self.carried.deposit(live.session, tokens, rows):
             with self._lock:
                 self.rows_deposited += valid
+                live.record["rows_deposited"] = valid
 
     # ---- reporting ---------------------------------------------------------------------
+
+    def turn(self, request_id: int) -> dict[str, object] | None:
+        """One request's turn record, or None (unknown, dummy, or older than `TURN_LOG` requests).
+
+        Keys: `reused` (R), `outcome` (`cold`, `no_conversation`, or the core's
+        outcome kind: `adopted`, `foreign_session`, ...), `rows_scattered`,
+        `rows_deposited` (0 until it was freed), `skipped` (why nothing was
+        deposited, `SKIP_REASONS`, or None).
+        """
+        with self._lock:
+            record = self._turn_log.get(int(request_id))
+            return None if record is None else dict(record)
 
     def stats(self) -> dict[str, object]:
         """Counters by outcome and skip reason, turns seen, rows moved, and what the store holds."""
@@ -177,6 +204,7 @@ class CarryManagerCore:
                                ticket, projected)
         with self._lock:
             self._outcomes[outcome.kind] += 1
+            live.record["outcome"] = outcome.kind
         if not isinstance(outcome, Adopted):
             return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
         taken = self.carried.take(live.session)
@@ -189,6 +217,7 @@ class CarryManagerCore:
         live.complete = n == live.reused
         with self._lock:
             self.rows_scattered += n
+            live.record["rows_scattered"] = n
 
     def _skip_reason(self, request: Any, live: _Live | None) -> str | None:
         if _is_dummy(request):
