@@ -39,6 +39,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import Counter, OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -195,7 +196,8 @@ class CarryManagerCore:
 
     def _adopt(self, rid: int, request: Any, live: _Live) -> None:
         assert live.session is not None
-        prompt = request.get_tokens(0)
+        # int64 buffer: decide_adopt compares it with the entry's buffer in typed memory
+        prompt = array("q", request.get_tokens(0))
         ticket = self._tickets.draw()
         # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
         # the span the core's plan may append, so it is this ticket's projected store range.
@@ -222,12 +224,12 @@ class CarryManagerCore:
     def _skip_reason(self, request: Any, live: _Live | None) -> str | None:
         if _is_dummy(request):
             return "dummy"
-        if live is None or live.session is None:
-            return "no_conversation" if request_session_key(request) is None else "context_unfinished"
+        if (live.session if live is not None else request_session_key(request)) is None:
+            return "no_conversation"
         if getattr(request, "is_finished_due_to_cancellation", False):
             return "cancelled"
-        if not getattr(request, "is_context_finished", False):
-            return "context_unfinished"
+        if live is None or not getattr(request, "is_context_finished", False):
+            return "context_unfinished"  # never scheduled, or freed before its context finished
         if not live.complete:
             return "gap"
         return None
