@@ -263,3 +263,33 @@ def test_a_deposit_keeps_keys_below_n_minus_1_never_the_later_draft_steps_rows()
     rows = seen["buf"][table[keys // tpb], :, :, keys % tpb]  # [n + 2, 2, Hkv, D]
     assert torch.equal(taken.rows, rows[: n - 1])
     assert bool(rows[n - 1:].abs().sum() > 0)  # later draft steps wrote past the accepted tokens
+
+
+def test_the_scatter_writes_only_the_warm_requests_own_pages_for_keys_below_r() -> None:
+    llm, carry = make_llm("carry")
+    assert carry is not None and carry.manager is not None
+    executor = llm.executor
+    conv = ConversationParams(conversation_id="w")
+    first = llm.generate_async(user_tokens(0, 4 * CHUNK), MAX_NEW, conversation_params=conv)
+    llm.run_until_done()
+    other = llm.generate_async(user_tokens(900, 3 * CHUNK), 64,
+                               conversation_params=ConversationParams(conversation_id="x"))
+    while not other.is_context_finished:
+        executor.step()  # "x" is decoding, its pages live, when "w"'s warm turn arrives
+    changed: list[torch.Tensor] = []
+    prepare = carry.manager.prepare_resources
+
+    def spy(batch: object) -> None:
+        before = executor.paged.buf.clone()
+        prepare(batch)
+        changed.append((executor.paged.buf != before).flatten(1).any(1).nonzero()[:, 0])
+
+    carry.manager.prepare_resources = spy  # type: ignore[method-assign]
+    warm = llm.generate_async(padded(first.get_tokens(0), 11), MAX_NEW, conversation_params=conv)
+    executor.step()
+    reused = 4 * CHUNK
+    own = executor.paged.tables[warm.py_request_id][: reused // executor.paged.tpb]
+    assert carry.turn(warm.py_request_id)["rows_scattered"] == reused  # type: ignore[index]
+    assert sorted(changed[0].tolist()) == sorted(own)  # no page of "x", none past R
+    assert not set(own) & set(executor.paged.tables[other.py_request_id])
+    llm.run_until_done()
