@@ -74,3 +74,22 @@ def test_importing_the_adapter_loads_neither_tensorrt_llm_nor_torch_until_attach
     code = ("import sys, trtllm_mtp_carry.trtllm as t; t.parse_carry_options(None); "
             "assert 'tensorrt_llm' not in sys.modules and 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reading_an_options_file_without_pyyaml_names_the_extra(tmp_path) -> None:
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        path = tmp_path / "extra.yaml"
+        path.write_text("mtp_carry: {carry_slots: 2}\n")
+        from trtllm_mtp_carry.trtllm import load_llm_options
+
+        with pytest.raises(TrtllmAdapterError, match=r"needs PyYAML .*trtllm-mtp-carry\[trtllm\]"):
+            load_llm_options(path)
+    else:
+        from trtllm_mtp_carry.trtllm import load_llm_options
+
+        path = tmp_path / "extra.yaml"
+        path.write_text("kv_cache_config: {enable_block_reuse: true}\nmtp_carry: {carry_slots: 2}\n")
+        assert load_llm_options(path) == ({"kv_cache_config": {"enable_block_reuse": True}},
+                                          CarryOptions(carry_slots=2))
