@@ -293,3 +293,31 @@ def test_the_scatter_writes_only_the_warm_requests_own_pages_for_keys_below_r() 
     assert sorted(changed[0].tolist()) == sorted(own)  # no page of "x", none past R
     assert not set(own) & set(executor.paged.tables[other.py_request_id])
     llm.run_until_done()
+
+
+def test_a_page_missing_at_scatter_is_counted_and_the_turn_runs_blind() -> None:
+    outputs = {}
+    for policy in ("carry", "blind"):
+        llm, carry = make_llm(policy)
+        conv = ConversationParams(conversation_id="e")
+        first = llm.generate_async(user_tokens(0, 4 * CHUNK), MAX_NEW, conversation_params=conv)
+        llm.run_until_done()
+        draft = llm.executor.draft
+        assert draft is not None
+        if carry is not None:  # an older page table than the request needs: BAD_PAGE_INDEX
+            real = draft.get_batch_cache_indices
+            draft.get_batch_cache_indices = (  # type: ignore[method-assign]
+                lambda ids, layer_idx=None, num_blocks_per_seq=None: [[-1] * 64 for _ in ids])
+        warm = llm.generate_async(padded(first.get_tokens(0), 13), MAX_NEW, conversation_params=conv)
+        llm.executor.step()
+        if carry is not None:
+            draft.get_batch_cache_indices = real  # type: ignore[method-assign]
+        llm.run_until_done()
+        outputs[policy] = (warm.output, warm.accepted, warm.verify_steps)
+        if carry is not None:
+            stats = carry.stats()
+            assert stats["errors"] == {"scatter": 1, "deposit": 0}
+            assert stats["skipped"]["gap"] == 1 and stats["deposits"] == 1
+            assert str(carry.turn(warm.py_request_id)["error"]).startswith("scatter: ")  # type: ignore[index]
+        llm.executor.check()
+    assert outputs["carry"] == outputs["blind"]  # exactly TensorRT-LLM without the carry

@@ -97,7 +97,8 @@ class CarryAttachment:
 
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
                    "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": {"cold": 0, "warm": 0},
-                   "rows_scattered": 0, "rows_deposited": 0, "live_requests": 0,
+                   "rows_scattered": 0, "rows_deposited": 0,
+                   "errors": {"scatter": 0, "deposit": 0}, "live_requests": 0,
                    "carry_slots": self.slots, "entries": 0, "rows_held": 0,
                    "bytes_held": 0, "budget_bytes": self.options.carry_memory, "deposits": 0,
                    "adoptions": 0, "evictions": dict.fromkeys(EVICTION_CAUSES, 0),

@@ -31,6 +31,9 @@ Invariants:
   a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
   pages hold whatever the pool had; they are never carried.
 - Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope.
+- A data-plane failure (a page missing at scatter or gather) is logged and
+  counted (`errors`), never raised into the executor: the turn runs blind
+  and deposits nothing; outputs never depend on the drafter's rows.
 - Nothing is written outside the request's own fresh pages for keys `[0, R)`;
   the manager is installed only on the unpaired topology (never on paired or
   folded pools, whose pages below R are shared tree blocks).
@@ -38,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 from array import array
 from collections import Counter, OrderedDict
@@ -55,6 +59,8 @@ from .carried import CarriedRows
 from .identity import request_session_key
 from .layout import gather_rows, scatter_rows
 from .options import CarryOptions
+
+logger = logging.getLogger("trtllm_mtp_carry")
 
 SKIP_REASONS: tuple[str, ...] = (
     "dummy",  # warm-up or padding requests
@@ -92,6 +98,7 @@ class CarryManagerCore:
         self._outcomes: Counter[str] = Counter()
         self._skips: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()  # data-plane failures by step (scatter, deposit)
         self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()
         self.rows_scattered = 0
         self.rows_deposited = 0
@@ -155,11 +162,15 @@ class CarryManagerCore:
         valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
         if valid <= 0:
             return
-        pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
-        buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
-        with self._draft_stream():
-            rows = gather_rows(buf, pages, 0, valid)  # [valid, 2, Hkv, D]
-            self._sync()
+        try:
+            pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
+            buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
+            with self._draft_stream():
+                rows = gather_rows(buf, pages, 0, valid)  # [valid, 2, Hkv, D]
+                self._sync()
+        except RuntimeError as exc:  # the carry may cost acceptance, never the executor
+            self._failed("deposit", rid, exc, live)
+            return
         if self.carried.deposit(live.session, tokens, rows):
             with self._lock:
                 self.rows_deposited += valid
@@ -188,6 +199,7 @@ class CarryManagerCore:
                 "turns": {"cold": self._turns.get("cold", 0), "warm": self._turns.get("warm", 0)},
                 "rows_scattered": self.rows_scattered,
                 "rows_deposited": self.rows_deposited,
+                "errors": {step: self._errors.get(step, 0) for step in ("scatter", "deposit")},
                 "live_requests": len(self._live),
                 **self.carried.stats(),
             }
@@ -211,15 +223,26 @@ class CarryManagerCore:
             return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
         taken = self.carried.take(live.session)
         n = min(outcome.rows, live.reused)
-        pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
-        buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
-        with self._draft_stream():
-            scatter_rows(buf, pages, 0, taken.rows[:n])
-            self._sync()
+        try:
+            pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
+            buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
+            with self._draft_stream():
+                scatter_rows(buf, pages, 0, taken.rows[:n])
+                self._sync()
+        except RuntimeError as exc:  # the turn runs blind over [0, R); it deposits nothing
+            self._failed("scatter", rid, exc, live)
+            return
         live.complete = n == live.reused
         with self._lock:
             self.rows_scattered += n
             live.record["rows_scattered"] = n
+
+    def _failed(self, step: str, rid: int, exc: Exception, live: _Live) -> None:
+        logger.warning("mtp carry: %s for request %d failed, the turn goes on without it: %s",
+                       step, rid, exc)
+        with self._lock:
+            self._errors[step] += 1
+            live.record["error"] = f"{step}: {exc}"
 
     def _skip_reason(self, request: Any, live: _Live | None) -> str | None:
         if _is_dummy(request):
