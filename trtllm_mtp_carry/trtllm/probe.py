@@ -138,7 +138,8 @@ def probe_executor(llm: Any) -> ExecutorProbe:
     if found_draft is None:
         return ExecutorProbe(executor, rm, target, None, None, None, "folded", False,
                              "folded: no separate draft KV cache manager, the MTP layer's KV "
-                             "lives in the target pool and is reused with it", version)
+                             "(if the model speculates at all) lives in the target pool and is "
+                             "reused with it", version)
     draft = found_draft[1]
     _check_draft(draft)
     offsets = _attr(draft, "layer_offsets", "draft KV cache manager")
