@@ -6,11 +6,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from standin_helpers import model
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
 from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
-
-from .standin_helpers import model
 
 
 def _llm(**options: Any) -> StandinLLM:

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from trtllm_mtp_carry.trtllm import session_key_for
-from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
-
-from .standin_helpers import (
+from standin_helpers import (
     CHUNK,
     POLICIES,
     acceptance,
@@ -23,6 +19,9 @@ from .standin_helpers import (
     run_turns,
     user_tokens,
 )
+
+from trtllm_mtp_carry.trtllm import session_key_for
+from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
 
 SESSIONS = quote_sessions(4)  # the user shows code, then asks to repeat it exactly
 TURNS, MAX_NEW = 2, 48
