@@ -617,6 +617,12 @@ def run_mode(env: dict[str, Any], mode: str, args: argparse.Namespace, extra: di
             env["detach"](llm)
     finally:
         llm.shutdown()
+        import gc
+
+        import torch
+
+        gc.collect()  # the next mode's LLM needs this one's GPU memory back
+        torch.cuda.empty_cache()
     return run, probe
 
 
