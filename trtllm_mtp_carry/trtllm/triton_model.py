@@ -162,6 +162,9 @@ class _Engine:
             raise self._error
 
     def stop(self, timeout: float = 60.0) -> None:
+        """Finish the requests in flight, detach, shut the LLM down (idempotent)."""
+        if not self._thread.is_alive():
+            return
         if self.loop is not None and self._stop is not None:
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
