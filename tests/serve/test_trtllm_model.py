@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from serve_helpers import MODEL
+from trtllm_standin import ChatMLTokenizer
 
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.trtllm.serving import (
@@ -148,41 +149,6 @@ def test_a_bad_parameter_is_refused_naming_it(key, value, message):
 
 
 # ---- the next turn's prompt --------------------------------------------------------
-
-
-class ChatMLTokenizer:
-    """A byte-level stand-in for a Hugging Face ChatML tokenizer (Qwen's template), for tests."""
-
-    SPECIALS = {"<|im_start|>": 1000, "<|im_end|>": 1001}
-    eos_token_id = 1001
-
-    def __init__(self, verbatim: bool = True) -> None:
-        self.verbatim = verbatim
-
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        assert tokenize is False
-        text = "".join(f"<|im_start|>{m['role']}\n"
-                       f"{m['content'] if self.verbatim or m['role'] != 'assistant' else '...'}<|im_end|>\n"
-                       for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-    def encode(self, text, add_special_tokens):
-        assert add_special_tokens is False
-        ids, i = [], 0
-        while i < len(text):
-            for name, sid in self.SPECIALS.items():
-                if text.startswith(name, i):
-                    ids.append(sid)
-                    i += len(name)
-                    break
-            else:
-                ids += list(text[i].encode())
-                i += 1
-        return ids
-
-    def decode(self, ids, skip_special_tokens=False):
-        names = {v: k for k, v in self.SPECIALS.items()}
-        return "".join("" if skip_special_tokens and i in names else names.get(i, chr(i)) for i in ids)
 
 
 def test_a_first_text_turn_is_the_rendered_one_message_chat():

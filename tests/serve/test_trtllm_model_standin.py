@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import trtllm_standin as standin
@@ -160,3 +161,24 @@ def test_finalize_detaches_the_carry_and_shuts_the_llm_down(served):
     model, llm, record = served
     model.finalize()
     assert record["detached"] == 1 and llm.shut_down
+
+
+def test_a_refused_start_still_ends_the_previous_session(served):
+    model, llm, _ = served
+    send(model, standin.Request(11, start=True, input_ids=[1, 2]))
+    refused = send(model, standin.Request(11, start=True, text_input="a", input_ids=[1]))
+    assert "request has both text_input and input_ids" in refused.error()
+    assert standin.metric("mtp_carry_sessions_ended_total", cause="restart") == 1
+    late = send(model, standin.Request(11, input_ids=[1, 2, 3]))
+    assert late.error() == "unknown session CORRID=11: its first request must set START"
+
+
+def test_ended_sessions_leave_no_lock_or_queue_entry_behind(served):
+    model, _, _ = served
+    for corrid in range(20, 30):
+        send(model, standin.Request(corrid, start=True, end=True, input_ids=[corrid, 1]))
+    send(model, standin.Request(99, start=True, input_ids=[3]))  # still open: it keeps its lock
+    deadline = time.monotonic() + 5  # the final response goes out just before the turn's bookkeeping
+    while model._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(model._locks) == {99} and model._waiting == {} and set(model._conversations) == {99}

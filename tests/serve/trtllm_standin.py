@@ -33,12 +33,18 @@ class ChatMLTokenizer:
     SPECIALS = {"<|im_start|>": 1000, "<|im_end|>": EOS}
     eos_token_id = EOS
 
+    def __init__(self, verbatim: bool = True) -> None:
+        self.verbatim = verbatim  # False: the template rewrites assistant answers
+
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         assert tokenize is False
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        text = "".join(f"<|im_start|>{m['role']}\n"
+                       f"{m['content'] if self.verbatim or m['role'] != 'assistant' else '...'}<|im_end|>\n"
+                       for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
     def encode(self, text, add_special_tokens=False):
+        assert add_special_tokens is False
         ids, i = [], 0
         while i < len(text):
             for name, sid in self.SPECIALS.items():

@@ -214,17 +214,17 @@ class TrtllmTurnStats:
 
     @property
     def acceptance(self) -> float:
+        """Accepted drafts / drafted tokens (0 when nothing was drafted), as `TurnStats`."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def accepted_per_step(self) -> float:
+        """Accepted draft tokens per verify step, as `TurnStats`."""
         return self.accepted / self.verify_steps if self.verify_steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["acceptance"] = self.acceptance
-        d["accepted_per_step"] = self.accepted_per_step
-        return d
+        """Every field, with `acceptance` and `accepted_per_step` (the turn_stats JSON)."""
+        return {**asdict(self), "acceptance": self.acceptance, "accepted_per_step": self.accepted_per_step}
 
 
 def turn_stats(prompt_tokens: int, output: Any, result: Any, ttft_ms: float, total_ms: float,

@@ -222,7 +222,8 @@ class TritonPythonModel:
         llm_args = update_llm_args_with_extra_dict({"model": model}, llm_args)
         self._metrics = TrtllmMetrics(pb_utils, args["model_name"], self._instance)
         self._conversations: dict[int, _Conversation] = {}
-        self._locks: dict[int, asyncio.Lock] = {}
+        self._locks: dict[int, asyncio.Lock] = {}  # one per session with a turn queued or a history
+        self._waiting: dict[int, int] = {}  # requests queued or running per session
         self._engine = _Engine(llm_args, carry_options)
         self._engine.start()
         attachment = self._engine.attachment
@@ -256,46 +257,55 @@ class TritonPythonModel:
     # ---- the loop thread ----------------------------------------------------------
 
     async def _serve(self, turn: TurnRequest, sink: _TrtllmSink) -> None:
-        lock = self._locks.setdefault(turn.corrid, asyncio.Lock())
-        async with lock:
-            try:
-                await self._turn(turn, sink)
-            except (ValueError, TypeError) as exc:
-                sink.error(str(exc))
-            except Exception as exc:  # a TensorRT-LLM failure: this turn fails, the model keeps serving
-                logger.exception("turn of CORRID=%d failed", turn.corrid)
-                sink.error(f"generation failed: {type(exc).__name__}: {exc}")
-            finally:
-                if turn.end:
-                    self._end(turn.corrid, "end")
-                self._metrics.refresh_adapter(self._engine.attachment.stats())
+        corrid = turn.corrid
+        self._waiting[corrid] = self._waiting.get(corrid, 0) + 1
+        lock = self._locks.setdefault(corrid, asyncio.Lock())
+        try:
+            async with lock:
+                try:
+                    await self._turn(turn, sink)
+                except (ValueError, TypeError) as exc:
+                    sink.error(str(exc))
+                except Exception as exc:  # a TensorRT-LLM failure: this turn fails, the model keeps serving
+                    logger.exception("turn of CORRID=%d failed", corrid)
+                    sink.error(f"generation failed: {type(exc).__name__}: {exc}")
+                finally:
+                    if turn.end:
+                        self._end(corrid, "end")
+                    self._metrics.refresh_adapter(self._engine.attachment.stats())
+        finally:
+            self._waiting[corrid] -= 1
+            if not self._waiting[corrid]:  # nobody queued on this session: its lock may go
+                del self._waiting[corrid]
+                if corrid not in self._conversations:
+                    self._locks.pop(corrid, None)
 
     async def _turn(self, turn: TurnRequest, sink: _TrtllmSink) -> None:
         from tensorrt_llm import SamplingParams
         from tensorrt_llm.conversation_params import ConversationParams
 
         self._expire_idle()
+        if turn.start and turn.corrid in self._conversations:
+            self._end(turn.corrid, "restart")  # the sequence restarted, even if this request is refused
         turn.check()
         conversation_id = conversation_id_for(turn.corrid)
         salt = salt_text(turn.cache_salt)
+        found = self._conversations.get(turn.corrid)
         if turn.start:
-            if turn.corrid in self._conversations:
-                self._end(turn.corrid, "restart")
             conv = _Conversation()
+        elif found is None:
+            raise ValueError(f"unknown session CORRID={turn.corrid}: its first request must set START")
         else:
-            found = self._conversations.get(turn.corrid)
-            if found is None:
-                raise ValueError(f"unknown session CORRID={turn.corrid}: its first request must set START")
             conv = found
         conv.last_seen = time.monotonic()
         prompt = self._prompt(turn, conv)
         params = SamplingParams(**sampling_kwargs(turn.max_tokens, self._options.max_tokens))
-        self._conversations[turn.corrid] = conv
         start = time.perf_counter()
         ttft_ms: float | None = None
         result = self._engine.llm.generate_async(
             {"prompt_token_ids": prompt}, params, streaming=True,
             conversation_params=ConversationParams(conversation_id=conversation_id), cache_salt=salt)
+        self._conversations[turn.corrid] = conv  # a START opens the session once TensorRT-LLM took the turn
         async for out in result:
             completion = out.outputs[0]
             ids, text = list(completion.token_ids_diff), completion.text_diff
@@ -339,6 +349,6 @@ class TritonPythonModel:
             return
         now = time.monotonic()
         for corrid, conv in list(self._conversations.items()):
-            lock = self._locks.get(corrid)
-            if (lock is None or not lock.locked()) and now - conv.last_seen > self._idle_s:
+            if corrid not in self._waiting and now - conv.last_seen > self._idle_s:
                 self._end(corrid, "idle")
+                self._locks.pop(corrid, None)
