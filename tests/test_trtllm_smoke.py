@@ -155,3 +155,57 @@ def test_rows_agree_only_at_bf16_level(smoke):
     assert same.status == "PROVED"
     shifted = smoke.rows_verdict("scatter", smoke.row_cosines(a, torch.roll(a, 1, dims=0)), 1.0, "x")
     assert shifted.status == "FAILED"
+
+
+class Pages:
+    """A draft KV manager's two calls the script reads, over a CPU buffer (a stand-in, for tests)."""
+
+    def __init__(self, buf, pages, hnd=True):
+        self.buf, self.pages, self.hnd = buf, pages, hnd
+
+    def get_batch_cache_indices(self, request_ids, layer_idx=None):
+        return [self.pages]
+
+    def get_buffers(self, layer_idx, **kwargs):
+        if not self.hnd and kwargs:
+            raise TypeError("get_buffers() got an unexpected keyword argument 'kv_layout'")
+        return self.buf
+
+
+def test_draft_rows_gather_keys_across_pages_in_the_hnd_and_nhd_layouts(smoke):
+    pages, heads, tpb, dim = 3, 2, 4, 5
+    hnd = torch.randn(pages, 2, heads, tpb, dim)
+    order = [2, 0, 1]  # the request's pages, not in pool order
+    k, v, layout = smoke.draft_rows(Pages(hnd, order), 7, request_id=1, n=10)
+    expect_k = torch.stack([hnd[order[i // tpb], 0, :, i % tpb] for i in range(10)])
+    expect_v = torch.stack([hnd[order[i // tpb], 1, :, i % tpb] for i in range(10)])
+    assert layout == "HND" and torch.equal(k, expect_k) and torch.equal(v, expect_v)
+    nhd = hnd.permute(0, 1, 3, 2, 4).contiguous()  # V1: [blocks, 2, tokens_per_block, heads, dim]
+    k1, v1, layout1 = smoke.draft_rows(Pages(nhd, order, hnd=False), 7, request_id=1, n=10)
+    assert layout1 == "NHD" and torch.equal(k1, expect_k) and torch.equal(v1, expect_v)
+
+
+def test_draft_rows_refuse_a_page_index_outside_the_pool(smoke):
+    with pytest.raises(smoke.SmokeError, match=r"draft page index out of range for keys \[0, 5\)"):
+        smoke.draft_rows(Pages(torch.zeros(2, 2, 1, 4, 3), [0, 7]), 0, request_id=1, n=5)
+
+
+def test_the_probe_reads_scattered_rows_at_admission_and_all_rows_at_free(smoke):
+    pool = torch.randn(4, 2, 1, 4, 2)
+    draft = Pages(pool, [3, 1])
+    env = {"BaseResourceManager": object}
+    probe = smoke.make_probe(env, draft, 48, {"triton-corrid-1"})
+
+    def request(rid, conv, r, tokens):
+        return SimpleNamespace(py_request_id=rid, is_dummy_request=False, context_current_position=r,
+                               py_conversation_params=SimpleNamespace(conversation_id=conv),
+                               get_tokens=lambda beam: list(range(tokens)))
+
+    warm, other = request(5, "triton-corrid-1", 6, 8), request(6, "triton-corrid-2", 6, 8)
+    probe.prepare_resources(SimpleNamespace(context_requests=[warm, other]))
+    probe.prepare_resources(SimpleNamespace(context_requests=[warm]))  # a later chunk: not a first sight
+    r, k, _ = probe.at_admission[("triton-corrid-1", 0)]
+    assert r == 6 and torch.equal(k, smoke.draft_rows(draft, 48, 5, 6)[0])
+    assert list(probe.at_admission) == [("triton-corrid-1", 0)]  # unwatched conversations are not read
+    probe.free_resources(warm)
+    assert probe.at_free[("triton-corrid-1", 0)][0].shape == (7, 1, 2)  # keys [0, L - 1)
