@@ -329,3 +329,13 @@ def test_the_served_trtllm_model_names_a_missing_options_file(served, tmp_path):
     with pytest.raises(InferenceServerException) as err:
         client.load_model(TRTLLM_MODEL)
     assert f"parameter llm_options names {model_dir / LLM_OPTIONS_FILE}, which is not a file" in str(err.value)
+
+
+def test_importing_the_trtllm_model_loads_no_torch_and_no_tensorrt_llm():
+    import subprocess
+    import sys
+
+    code = ("import sys, trtllm_mtp_carry.trtllm.triton_model, trtllm_mtp_carry.trtllm.triton_repo\n"
+            "print(sorted(m for m in ('torch', 'tensorrt_llm', 'yaml') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]"
