@@ -14,11 +14,17 @@ import signal
 import sys
 import tempfile
 import threading
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..argtypes import non_negative_int, positive_int
 from .options import ENGINES, POLICIES, ServeOptions
 from .triton.repo import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MODEL_NAME, RepoSpec
+
+if TYPE_CHECKING:
+    from ..trtllm.triton_repo import TrtllmRepoSpec
+
+TRTLLM_ENGINE = "trtllm"  # TensorRT-LLM's model (trtllm_mtp_carry/trtllm/triton_model.py)
 
 
 def _port(text: str) -> int:
@@ -35,7 +41,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="model instances, each with its own engine and carry (default %(default)s)")
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                    help="a session idle this long ends and its carried rows are freed (default %(default)s)")
-    p.add_argument("--engine", choices=ENGINES, default=d.engine)
+    p.add_argument("--engine", choices=(*ENGINES, TRTLLM_ENGINE), default=d.engine,
+                   help="reference (this package's engine) or trtllm (TensorRT-LLM with the carry attached)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="--engine trtllm: the checkpoint directory (or model name) LLM(model=...) loads")
+    p.add_argument("--llm-options", default=None, metavar="YAML",
+                   help="--engine trtllm: LLM(**options) keywords, as TensorRT-LLM's extra_llm_api_options "
+                   "YAML, with an optional mtp_carry section (enable, carry_slots, carry_memory)")
     p.add_argument("--policy", choices=POLICIES, default=d.drafter_policy, help="default drafter policy")
     p.add_argument("--draft-len", type=non_negative_int, default=d.draft_len)
     p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens,
@@ -52,7 +64,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
 
 
-def _spec(args: argparse.Namespace) -> RepoSpec:
+def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
+    if args.engine == TRTLLM_ENGINE:
+        return _trtllm_spec(args)
+    if args.model is not None or args.llm_options is not None:
+        raise ValueError("--model and --llm-options are options of --engine trtllm")
     options = ServeOptions(
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
         marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
@@ -61,6 +77,29 @@ def _spec(args: argparse.Namespace) -> RepoSpec:
     )
     return RepoSpec(name=args.name, instances=args.instances, idle_timeout_s=args.idle_timeout_s,
                     options=options)
+
+
+def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
+    from ..trtllm.triton_repo import trtllm_spec
+
+    for flag, value, where in (("--carry-slots", args.serve_carry_slots, "carry_slots in the mtp_carry section"),
+                               ("--max-model-len", args.max_model_len, "max_seq_len"),
+                               ("--marconi-min-tokens", args.serve_marconi_min_tokens, None)):
+        if value is not None:
+            raise ValueError(f"{flag} is a reference-engine option; with --engine trtllm "
+                             + (f"set {where} in --llm-options" if where else "it does not apply"))
+    return trtllm_spec(args.name, args.model, args.llm_options, args.idle_timeout_s, args.max_tokens,
+                       args.instances)
+
+
+def _write(directory: str, spec: RepoSpec | TrtllmRepoSpec) -> Path:
+    from .triton.repo import write_repository
+
+    if isinstance(spec, RepoSpec):
+        return write_repository(directory, spec)
+    from ..trtllm.triton_repo import write_trtllm_repository
+
+    return write_trtllm_repository(directory, spec)
 
 
 def add_subcommands(sub: Any) -> None:
@@ -91,10 +130,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_triton_repo(args: argparse.Namespace) -> int:
-    from .triton.repo import write_repository
-
     try:
-        model_dir = write_repository(args.directory, _spec(args))
+        model_dir = _write(args.directory, _spec(args))
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/model.py")
@@ -102,7 +139,6 @@ def cmd_triton_repo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .triton.repo import write_repository
     from .triton.server import Endpoints, ServeError, TritonServer, find_tritonserver
 
     try:
@@ -114,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         repository = args.repository
         if repository is None:
             repository = tmp
-            write_repository(repository, spec)
+            _write(repository, spec)
         endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port)
         server = TritonServer(repository, endpoints, binary=binary)
         stop = threading.Event()

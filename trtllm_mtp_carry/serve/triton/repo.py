@@ -50,7 +50,7 @@ OUTPUTS = (
 
 MODEL_PY = '''"""Triton Python-backend entry point written by `trtllm-mtp-carry triton-repo`.
 
-The model itself is `trtllm_mtp_carry.serve.triton.model.TritonPythonModel`;
+The model itself is `{module}.TritonPythonModel`;
 this file only puts the package that wrote the repository first on sys.path.
 """
 
@@ -60,8 +60,9 @@ PACKAGE_ROOT = {root!r}
 if PACKAGE_ROOT not in sys.path:
     sys.path.insert(0, PACKAGE_ROOT)
 
-from trtllm_mtp_carry.serve.triton.model import TritonPythonModel  # noqa: E402,F401
+from {module} import TritonPythonModel  # noqa: E402,F401
 '''
+MODEL_MODULE = "trtllm_mtp_carry.serve.triton.model"  # the reference engine's model
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,14 @@ class RepoSpec:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s!r}")
 
 
-def render_config(spec: RepoSpec) -> str:
-    """The model's `config.pbtxt` text (parses with Triton's `model_config_pb2`)."""
+def render_config(spec: RepoSpec, inputs: tuple[tuple[str, str, str, bool], ...] = INPUTS,
+                  outputs: tuple[tuple[str, str, str], ...] = OUTPUTS,
+                  parameters: dict[str, str] | None = None) -> str:
+    """The model's `config.pbtxt` text (parses with Triton's `model_config_pb2`); `inputs`,
+    `outputs` and `parameters` (default: the reference model's) let another engine's model
+    (`--engine trtllm`) share the sequence-batching contract."""
+    if parameters is None:
+        parameters = spec.options.as_parameters()
     control = [
         ("START", "CONTROL_SEQUENCE_START", "int32_false_true: [ 0, 1 ]"),
         ("END", "CONTROL_SEQUENCE_END", "int32_false_true: [ 0, 1 ]"),
@@ -107,15 +114,15 @@ def render_config(spec: RepoSpec) -> str:
         "}",
         "input [",
         ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d} optional: {str(o).lower()} }}'
-                   for n, t, d, o in INPUTS),
+                   for n, t, d, o in inputs),
         "]",
         "output [",
-        ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in OUTPUTS),
+        ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: {d} }}' for n, t, d in outputs),
         "]",
         f"instance_group [ {{ count: {spec.instances} kind: KIND_CPU }} ]",
         "parameters [",
         ",\n".join(f'  {{ key: "{k}" value {{ string_value: "{v}" }} }}'
-                   for k, v in spec.options.as_parameters().items()),
+                   for k, v in parameters.items()),
         "]",
     ]
     return "\n".join(lines) + "\n"
@@ -126,10 +133,12 @@ def package_root() -> Path:
     return Path(__file__).resolve().parents[3]
 
 
-def write_repository(directory: str | Path, spec: RepoSpec) -> Path:
-    """Write (or overwrite) `directory/<name>/` and return the model's directory."""
+def write_repository(directory: str | Path, spec: RepoSpec, config_text: str | None = None,
+                     model_module: str = MODEL_MODULE) -> Path:
+    """Write (or overwrite) `directory/<name>/` and return the model's directory
+    (`config_text` and `model_module` default to the reference engine's model)."""
     model_dir = Path(directory) / spec.name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(render_config(spec))
-    (model_dir / "1" / "model.py").write_text(MODEL_PY.format(root=str(package_root())))
+    (model_dir / "config.pbtxt").write_text(render_config(spec) if config_text is None else config_text)
+    (model_dir / "1" / "model.py").write_text(MODEL_PY.format(root=str(package_root()), module=model_module))
     return model_dir

@@ -1,0 +1,184 @@
+"""The trtllm Triton model's sessions, streaming and errors, in process, on a STAND-IN for TensorRT-LLM.
+
+`trtllm_standin` provides TensorRT-LLM's LLM API names (not TensorRT-LLM) and
+Triton's `pb_utils` (not Triton), and the adapter's `attach`/`detach` are
+replaced by recorders: what runs for real is this package's model code, its
+asyncio loop thread, the reference model's request parser and response
+sender. The real server and real TensorRT-LLM are tested elsewhere
+(test_trtllm_model.py: the load failure; scripts/trtllm_smoke.py on a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import trtllm_standin as standin
+
+import trtllm_mtp_carry.trtllm as adapter_package
+from trtllm_mtp_carry.trtllm.serving import ChatTemplate
+from trtllm_mtp_carry.trtllm.triton_model import TritonPythonModel
+
+TOK = standin.ChatMLTokenizer()
+CHAT = ChatTemplate(TOK)
+
+
+@pytest.fixture
+def served(monkeypatch, tmp_path):
+    standin.install_tensorrt_llm(monkeypatch)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", standin.pb_utils_module())
+    monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
+    record: dict = {"options": [], "detached": 0}
+
+    def attach(llm, options):
+        record["options"].append(options)
+        llm.events.append("attached")
+        stats = {"rows_adopted": 5, "outcomes": {"adopted": 1}}
+        return standin.SimpleNamespace(topology="unpaired", armed=True, reason="stand-in", stats=lambda: stats)
+
+    def detach(llm):
+        record["detached"] += 1
+
+    monkeypatch.setattr(adapter_package, "attach", attach, raising=False)
+    monkeypatch.setattr(adapter_package, "detach", detach, raising=False)
+    monkeypatch.setattr(adapter_package, "parse_carry_options", lambda section: {"parsed": section},
+                        raising=False)
+    config = {"parameters": {"engine": {"string_value": "trtllm"}, "model": {"string_value": "/ckpt/q"},
+                             "llm_options": {"string_value": ""}, "max_tokens": {"string_value": "64"}},
+              "sequence_batching": {"max_sequence_idle_microseconds": 600_000_000}}
+    model = TritonPythonModel()
+    model.initialize({"model_config": json.dumps(config), "model_instance_name": "m_0", "model_name": "m",
+                      "model_repository": str(tmp_path)})
+    try:
+        yield model, standin.LLM.instances[0], record
+    finally:
+        model.finalize()
+
+
+def send(model, request) -> standin.Sender:
+    model.execute([request])
+    assert request.sender.done.wait(10), "no final response"
+    return request.sender
+
+
+def streamed(sender: standin.Sender) -> tuple[list[int], str]:
+    ids: list[int] = []
+    text = ""
+    for r in sender.responses:
+        if r.error is None:
+            ids += [int(i) for i in r.tensors["output_ids"]]
+            text += r.tensors["text_output"][0].decode()
+    return ids, text
+
+
+def test_the_llm_is_built_single_process_then_attached_before_any_request(served):
+    model, llm, record = served
+    assert llm.single_process_env == "1" and llm.kwargs == {"model": "/ckpt/q"}
+    assert record["options"] == [{"parsed": None}]  # no options file: the adapter's defaults
+    send(model, standin.Request(3, start=True, input_ids=[5, 6, 7]))
+    assert llm.events[:3] == ["built", "attached", "request"]
+
+
+def test_a_session_streams_its_turns_as_one_conversation_with_its_salt(served):
+    model, llm, _ = served
+    first = send(model, standin.Request(7, start=True, text_input="hi", cache_salt="tenant-a", max_tokens=32))
+    assert first.error() is None and len(first.responses) > 1  # streamed, then the final response
+    ids, text = streamed(first)
+    call = llm.calls[0]
+    assert call.prompt == CHAT.first_prompt("hi")
+    assert (call.conversation_id, call.cache_salt, call.streaming) == ("triton-corrid-7", "tenant-a", True)
+    assert call.sampling == {"max_tokens": 32, "top_k": 1, "return_perf_metrics": True}
+    assert ids == TOK.encode(f"answer to {len(call.prompt)} tokens") + [standin.EOS]
+    assert text == f"answer to {len(call.prompt)} tokens"
+    final = first.responses[-1].tensors
+    steps = llm.results[0].decoding_iter
+    assert (int(final["drafted"][0]), int(final["accepted"][0])) == (3 * steps, steps)
+    stats = json.loads(final["turn_stats"][0])
+    assert (stats["prompt_tokens"], stats["output_tokens"], stats["verify_steps"]) == (len(call.prompt), len(ids),
+                                                                                      steps)
+    assert (stats["topology"], stats["carry_armed"], stats["finish_reason"]) == ("unpaired", True, "stop")
+    assert final["model_instance"][0] == b"m_0"
+
+    second = send(model, standin.Request(7, text_input="more", cache_salt="tenant-a"))
+    assert second.error() is None
+    follow = TOK.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
+    assert llm.calls[1].prompt == [*call.prompt, *ids, *follow]  # the history token for token
+    assert llm.calls[1].conversation_id == "triton-corrid-7"
+    # the stand-in "reuses" the common prefix with the last prompt, in blocks of 4
+    assert int(second.responses[-1].tensors["kv_cache_reused_blocks"][0]) == len(call.prompt) // 4
+    drafted = 3 * (llm.results[0].decoding_iter + llm.results[1].decoding_iter)
+    assert standin.metric("mtp_carry_drafts_total", result="proposed") == drafted
+    assert standin.metric("mtp_carry_runtime", field="outcomes.adopted") == 1
+
+
+def test_two_sessions_are_two_conversations(served):
+    model, llm, _ = served
+    send(model, standin.Request(1, start=True, input_ids=[9, 9, 9]))
+    send(model, standin.Request(2, start=True, input_ids=[9, 9, 9]))
+    assert [c.conversation_id for c in llm.calls] == ["triton-corrid-1", "triton-corrid-2"]
+    assert [c.cache_salt for c in llm.calls] == [None, None]
+
+
+def test_end_ends_the_session_and_a_continuation_of_an_unknown_one_is_refused(served):
+    model, llm, _ = served
+    send(model, standin.Request(4, start=True, end=True, text_input="bye"))
+    late = send(model, standin.Request(4, text_input="again"))
+    assert late.error() == "unknown session CORRID=4: its first request must set START"
+    assert len(llm.calls) == 1
+    assert standin.metric("mtp_carry_sessions_ended_total", cause="end") == 1
+    send(model, standin.Request(5, start=True, input_ids=[1, 2]))
+    send(model, standin.Request(5, start=True, input_ids=[1, 2]))  # START again: the old session ends
+    assert standin.metric("mtp_carry_sessions_ended_total", cause="restart") == 1
+
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(corrid=8, start=True, text_input="a", input_ids=[1]), "request has both text_input and input_ids"),
+    (dict(corrid=8, start=True), "request needs text_input (the new user message) or input_ids"),
+    (dict(corrid=0, start=True, input_ids=[1]), "CORRID 0 is not a session"),
+    (dict(corrid=8, start=True, input_ids=[1], cache_salt=b"\xff"), "cache_salt is not valid UTF-8"),
+    (dict(corrid=8, start=True, input_ids=[1], max_tokens=0), "max_tokens must be >= 1, got 0"),
+])
+def test_a_bad_request_gets_one_error_naming_it_and_generates_nothing(served, request_kwargs, message):
+    model, llm, _ = served
+    sender = send(model, standin.Request(**request_kwargs))
+    assert len(sender.responses) == 1 and message in sender.error()
+    assert llm.calls == []
+    ok = send(model, standin.Request(8, start=True, input_ids=[1, 2, 3]))  # and the model keeps serving
+    assert ok.error() is None
+
+
+def test_a_cancelled_request_is_aborted_with_one_error(served):
+    model, llm, _ = served
+    request = standin.Request(6, start=True, input_ids=[1, 2, 3])
+    request.cancel = True
+    sender = send(model, request)
+    assert llm.results[0].aborted and sender.error() == "request cancelled by the client"
+
+
+def test_finalize_detaches_the_carry_and_shuts_the_llm_down(served):
+    model, llm, record = served
+    model.finalize()
+    assert record["detached"] == 1 and llm.shut_down
+
+
+def test_a_refused_start_still_ends_the_previous_session(served):
+    model, llm, _ = served
+    send(model, standin.Request(11, start=True, input_ids=[1, 2]))
+    refused = send(model, standin.Request(11, start=True, text_input="a", input_ids=[1]))
+    assert "request has both text_input and input_ids" in refused.error()
+    assert standin.metric("mtp_carry_sessions_ended_total", cause="restart") == 1
+    late = send(model, standin.Request(11, input_ids=[1, 2, 3]))
+    assert late.error() == "unknown session CORRID=11: its first request must set START"
+
+
+def test_ended_sessions_leave_no_lock_or_queue_entry_behind(served):
+    model, _, _ = served
+    for corrid in range(20, 30):
+        send(model, standin.Request(corrid, start=True, end=True, input_ids=[corrid, 1]))
+    send(model, standin.Request(99, start=True, input_ids=[3]))  # still open: it keeps its lock
+    deadline = time.monotonic() + 5  # the final response goes out just before the turn's bookkeeping
+    while model._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(model._locks) == {99} and model._waiting == {} and set(model._conversations) == {99}

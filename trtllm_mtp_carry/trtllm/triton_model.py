@@ -1,0 +1,354 @@
+"""The Triton Python-backend model that serves TensorRT-LLM with the carry (`triton-repo --engine trtllm`).
+
+What it is for: `TritonPythonModel` is what the generated `model.py` of a
+`--engine trtllm` repository exports. It runs TensorRT-LLM the way
+TensorRT-LLM's own Triton `llmapi` model does (`triton_backend/all_models/
+llmapi/tensorrt_llm/1/model.py`): the YAML options become `LLM(**options)`
+keywords (through TensorRT-LLM's `update_llm_args_with_extra_dict`), the LLM
+is built in an executor of an asyncio loop that runs in its own thread, and
+every request is a coroutine on that loop streaming `generate_async`. What it
+adds: `TLLM_WORKER_USE_SINGLE_PROCESS=1` is set before the LLM is built (the
+adapter needs the in-process executor), the YAML's `mtp_carry` section goes
+to `attach` before the first request, `CORRID` becomes
+`ConversationParams(conversation_id=...)`, the `cache_salt` input becomes
+`cache_salt`, and the sessions follow the reference model's contract.
+
+Request contract (the reference model's, `serve/triton/model.py`):
+- control `CORRID` (uint64, the session), `START`, `END`;
+- `text_input` (the new user message: the model extends the session's last
+  prompt and output with the chat template's closing and the message) or
+  `input_ids` (the full prompt), `max_tokens`, optional `cache_salt`;
+- streamed `text_output`, `output_ids`; with the final response `drafted`,
+  `accepted`, `ttft_ms`, `kv_cache_reused_blocks`, `model_instance` and
+  `turn_stats` (JSON of `TrtllmTurnStats`). TensorRT-LLM reports no per-turn
+  carry outcome, so `carry_outcome` and `drafter_rows_computed` are not
+  outputs; the adapter's counters are gauges `mtp_carry_runtime{field}`.
+
+Invariants: a session's turns run one at a time in arrival order (one
+asyncio lock per CORRID); START on a known session, END and the idle timeout
+end it; a bad request gets exactly one error response; a load failure is one
+line (a bad parameter, a missing options file, TensorRT-LLM not installed:
+the line names the `trtllm` extra, a bad `mtp_carry` key, the adapter's
+refusal). Only the loop thread touches the LLM and the session table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..serve.session_server import TurnRequest
+from ..serve.triton.metrics import CarryMetrics
+from ..serve.triton.model import _TritonSink, parse_request
+from .serving import (
+    MISSING_TRTLLM,
+    ChatTemplate,
+    TrtllmServeOptions,
+    TrtllmTurnStats,
+    conversation_id_for,
+    salt_text,
+    sampling_kwargs,
+    split_llm_options,
+    stats_gauges,
+    turn_stats,
+)
+
+logger = logging.getLogger("trtllm_mtp_carry.serve")
+
+SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
+
+
+def require_tensorrt_llm() -> Any:
+    """The `tensorrt_llm` module; RuntimeError naming the `trtllm` extra when it is absent."""
+    try:
+        import tensorrt_llm
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "tensorrt_llm":
+            raise RuntimeError(MISSING_TRTLLM) from None
+        raise RuntimeError(f"tensorrt_llm failed to import: {exc}") from None
+    except ImportError as exc:  # installed but broken (a CUDA library missing, ...)
+        raise RuntimeError(f"tensorrt_llm failed to import: {exc}") from None
+    return tensorrt_llm
+
+
+def _adapter() -> Any:
+    """The adapter (`attach`, `detach`, `parse_carry_options`: this package's public surface),
+    imported when the model loads, so this module imports without it."""
+    return importlib.import_module("trtllm_mtp_carry.trtllm")
+
+
+def load_llm_options(path: Path) -> Any:
+    """The parsed YAML of the LLM options file (PyYAML comes with TensorRT-LLM)."""
+    try:
+        import yaml
+    except ImportError:
+        raise RuntimeError("reading the LLM options needs PyYAML (TensorRT-LLM installs it)") from None
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path}: not valid YAML: {first}") from None
+
+
+class TrtllmMetrics(CarryMetrics):
+    """The reference model's metric families, fed from TensorRT-LLM's per-request metrics
+    (drafts) and the adapter's counters (`mtp_carry_runtime{field}` gauges)."""
+
+    def record_trtllm_turn(self, stats: TrtllmTurnStats) -> None:
+        for result, value in (("proposed", stats.drafted), ("accepted", stats.accepted)):
+            if value:
+                self._metric("drafts", "result", result).increment(value)
+
+    def refresh_adapter(self, adapter_stats: Any) -> None:
+        for name, value in stats_gauges(adapter_stats).items():
+            self._metric("runtime", "field", name).set(value)
+
+
+class _TrtllmSink(_TritonSink):
+    """The reference model's response sender; the final response carries TensorRT-LLM's statistics."""
+
+    def final(self, ids: list[int], text: str, result: Any) -> None:
+        import numpy as np
+
+        s: TrtllmTurnStats = result
+        tensors = self._stream(ids, text) + [
+            self._pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
+            self._pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
+            self._pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
+            self._pb.Tensor("kv_cache_reused_blocks", np.asarray([s.kv_cache_reused_blocks], dtype=np.int32)),
+            self._pb.Tensor("model_instance", np.asarray([self._instance.encode()], dtype=np.object_)),
+            self._pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
+        ]
+        self._sender.send(self._pb.InferenceResponse(output_tensors=tensors),
+                          flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+@dataclass
+class _Conversation:
+    prompt: list[int] | None = None  # the last finished turn's prompt and output
+    output: list[int] | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class _Engine:
+    """The LLM on its asyncio loop thread: built, attached, served, detached, shut down."""
+
+    def __init__(self, llm_args: dict[str, Any], carry_options: Any) -> None:
+        self._llm_args = llm_args
+        self._carry_options = carry_options
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.llm: Any = None
+        self.attachment: Any = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._main(),), name="mtp-carry-trtllm",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Build the LLM and attach the carry; re-raise what failed."""
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Finish the requests in flight, detach, shut the LLM down (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        if self.loop is not None and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+
+    async def _main(self) -> None:
+        from tensorrt_llm import LLM
+
+        adapter = _adapter()
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            self.llm = await loop.run_in_executor(None, lambda: LLM(**self._llm_args))
+            self.attachment = await loop.run_in_executor(None, adapter.attach, self.llm, self._carry_options)
+        except BaseException as exc:  # handed to start(), which raises it in initialize
+            self._error = exc
+            if self.llm is not None:
+                await loop.run_in_executor(None, self.llm.shutdown)
+            self._ready.set()
+            return
+        self.loop = loop
+        self._ready.set()
+        await self._stop.wait()
+        pending = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+        await asyncio.gather(*pending, return_exceptions=True)
+        await loop.run_in_executor(None, adapter.detach, self.llm)
+        await loop.run_in_executor(None, self.llm.shutdown)
+
+
+class TritonPythonModel:
+    """One model instance: one LLM with the carry attached, its sessions and metrics."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        self._pb = pb_utils
+        config = json.loads(args["model_config"])
+        self._options = TrtllmServeOptions.from_parameters(config.get("parameters", {}))
+        idle_us = config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
+        self._idle_s = int(idle_us) / 1e6 if idle_us else None
+        self._instance = args["model_instance_name"]
+        options_path = None
+        if self._options.llm_options:
+            options_path = Path(args["model_repository"]) / self._options.llm_options
+            if not options_path.is_file():
+                raise ValueError(f"parameter llm_options names {options_path}, which is not a file")
+        require_tensorrt_llm()
+        # before the first LLM: TensorRT-LLM caches this check, and the adapter needs the in-process executor
+        os.environ[SINGLE_PROCESS_ENV] = "1"
+        from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
+
+        raw = load_llm_options(options_path) if options_path is not None else None
+        llm_args, carry_section = split_llm_options(raw, self._options.model)
+        carry_options = _adapter().parse_carry_options(carry_section)  # a bad key fails before the LLM is built
+        model = llm_args.pop("model")
+        llm_args = update_llm_args_with_extra_dict({"model": model}, llm_args)
+        self._metrics = TrtllmMetrics(pb_utils, args["model_name"], self._instance)
+        self._conversations: dict[int, _Conversation] = {}
+        self._locks: dict[int, asyncio.Lock] = {}  # one per session with a turn queued or a history
+        self._waiting: dict[int, int] = {}  # requests queued or running per session
+        self._engine = _Engine(llm_args, carry_options)
+        self._engine.start()
+        attachment = self._engine.attachment
+        self._chat: ChatTemplate | None = None
+        tokenizer = getattr(self._engine.llm, "tokenizer", None)
+        if tokenizer is not None:  # TensorRT-LLM's TransformersTokenizer wraps the Hugging Face one
+            try:
+                self._chat = ChatTemplate(getattr(tokenizer, "tokenizer", tokenizer))
+            except ValueError as exc:
+                logger.warning("%s: text_input turns are refused: %s", self._instance, exc)
+        self._metrics.refresh_adapter(attachment.stats())
+        logger.info("%s ready: %s; carry %s (%s): %s", self._instance, self._options, attachment.topology,
+                    "armed" if attachment.armed else "not armed", attachment.reason)
+
+    def execute(self, requests: list[Any]) -> None:
+        loop = self._engine.loop
+        assert loop is not None
+        for request in requests:
+            sink = _TrtllmSink(self._pb, request, self._instance)
+            try:
+                turn = parse_request(request, self._pb)
+            except ValueError as exc:
+                sink.error(str(exc))
+                continue
+            asyncio.run_coroutine_threadsafe(self._serve(turn, sink), loop)
+        return None
+
+    def finalize(self) -> None:
+        self._engine.stop()
+
+    # ---- the loop thread ----------------------------------------------------------
+
+    async def _serve(self, turn: TurnRequest, sink: _TrtllmSink) -> None:
+        corrid = turn.corrid
+        self._waiting[corrid] = self._waiting.get(corrid, 0) + 1
+        lock = self._locks.setdefault(corrid, asyncio.Lock())
+        try:
+            async with lock:
+                try:
+                    await self._turn(turn, sink)
+                except (ValueError, TypeError) as exc:
+                    sink.error(str(exc))
+                except Exception as exc:  # a TensorRT-LLM failure: this turn fails, the model keeps serving
+                    logger.exception("turn of CORRID=%d failed", corrid)
+                    sink.error(f"generation failed: {type(exc).__name__}: {exc}")
+                finally:
+                    if turn.end:
+                        self._end(corrid, "end")
+                    self._metrics.refresh_adapter(self._engine.attachment.stats())
+        finally:
+            self._waiting[corrid] -= 1
+            if not self._waiting[corrid]:  # nobody queued on this session: its lock may go
+                del self._waiting[corrid]
+                if corrid not in self._conversations:
+                    self._locks.pop(corrid, None)
+
+    async def _turn(self, turn: TurnRequest, sink: _TrtllmSink) -> None:
+        from tensorrt_llm import SamplingParams
+        from tensorrt_llm.conversation_params import ConversationParams
+
+        self._expire_idle()
+        if turn.start and turn.corrid in self._conversations:
+            self._end(turn.corrid, "restart")  # the sequence restarted, even if this request is refused
+        turn.check()
+        conversation_id = conversation_id_for(turn.corrid)
+        salt = salt_text(turn.cache_salt)
+        found = self._conversations.get(turn.corrid)
+        if turn.start:
+            conv = _Conversation()
+        elif found is None:
+            raise ValueError(f"unknown session CORRID={turn.corrid}: its first request must set START")
+        else:
+            conv = found
+        conv.last_seen = time.monotonic()
+        prompt = self._prompt(turn, conv)
+        params = SamplingParams(**sampling_kwargs(turn.max_tokens, self._options.max_tokens))
+        start = time.perf_counter()
+        ttft_ms: float | None = None
+        result = self._engine.llm.generate_async(
+            {"prompt_token_ids": prompt}, params, streaming=True,
+            conversation_params=ConversationParams(conversation_id=conversation_id), cache_salt=salt)
+        self._conversations[turn.corrid] = conv  # a START opens the session once TensorRT-LLM took the turn
+        async for out in result:
+            completion = out.outputs[0]
+            ids, text = list(completion.token_ids_diff), completion.text_diff
+            if ids and ttft_ms is None:
+                ttft_ms = (time.perf_counter() - start) * 1e3
+            if out.finished:
+                total_ms = (time.perf_counter() - start) * 1e3
+                attachment = self._engine.attachment
+                stats = turn_stats(len(prompt), completion, out, ttft_ms or total_ms, total_ms,
+                                   attachment.topology, bool(attachment.armed))
+                if completion.finish_reason != "cancelled":
+                    conv.prompt, conv.output = list(prompt), list(completion.token_ids)
+                conv.last_seen = time.monotonic()
+                self._metrics.record_trtllm_turn(stats)
+                sink.final(ids, text, stats)
+                return
+            if sink.cancelled():
+                result.abort()
+                sink.error("request cancelled by the client")
+                return
+            if ids:
+                sink.partial(ids, text)
+
+    def _prompt(self, turn: TurnRequest, conv: _Conversation) -> list[int]:
+        if turn.input_ids is not None:
+            return list(turn.input_ids)
+        assert turn.text_input is not None
+        if self._chat is None:
+            raise ValueError("this model's tokenizer has no chat template; send input_ids")
+        if conv.prompt is None or conv.output is None:
+            return self._chat.first_prompt(turn.text_input)
+        return self._chat.next_prompt(conv.prompt, conv.output, turn.text_input)
+
+    def _end(self, corrid: int, cause: str) -> None:
+        # the carried rows of an ended session age out of the adapter's store (LRU and budget)
+        if self._conversations.pop(corrid, None) is not None or cause == "end":
+            self._metrics.record_session_end(cause, 0)
+
+    def _expire_idle(self) -> None:
+        if self._idle_s is None:
+            return
+        now = time.monotonic()
+        for corrid, conv in list(self._conversations.items()):
+            if corrid not in self._waiting and now - conv.last_seen > self._idle_s:
+                self._end(corrid, "idle")
+                self._locks.pop(corrid, None)
