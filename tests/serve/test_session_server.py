@@ -114,7 +114,8 @@ def test_an_idle_session_is_ended_and_its_carried_rows_freed(model):
         server.stop()
     assert ended == [("idle", len(prompt) + len(sink.result.output) - 1)]
     assert server.engine.runtime.entry is None
-    assert late.errors == ["unknown session CORRID=9: its first request must set START"]
+    assert late.errors == ["unknown session CORRID=9: its first request must set START "
+                           "(a session idle 0.3 s ends)"]
 
 
 @pytest.mark.parametrize("request_, message", [
