@@ -103,6 +103,9 @@ def add_subcommands(sub: Any) -> None:
     serve.add_argument("--grpc-port", type=_port, default=8001)
     serve.add_argument("--metrics-port", type=_port, default=8002)
     serve.add_argument("--ready-timeout-s", type=float, default=300.0)
+    serve.add_argument("--exit-timeout-s", type=positive_int, default=3, metavar="S",
+                       help="on Ctrl-C or SIGTERM, turns still running get this long before the server "
+                       "exits (open sessions never delay it longer; default %(default)s)")
     serve.add_argument("--log-file", default=None, metavar="PATH",
                        help="tritonserver's log, kept after it stops (default: "
                        "trtllm-mtp-carry-serve-<time>-<pid>.log in the temp directory)")
@@ -150,8 +153,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             repository = tmp
             write_repository(repository, spec)
         endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port)
-        server = TritonServer(repository, endpoints, binary=binary, log_path=_log_file(args))
+        server = TritonServer(repository, endpoints, binary=binary, log_path=_log_file(args),
+                              exit_timeout_s=args.exit_timeout_s)
         stop = threading.Event()
+        grace_s = None  # stop()'s default: the exit timeout and 5 s
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.start()
@@ -168,16 +173,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 alive = server.stubs()
                 dead = sorted(name for pid, name in stubs.items() if pid not in alive)
                 if dead:
+                    grace_s = args.exit_timeout_s + 1.0  # its requests never finish: no need to wait longer
                     return _fail(f"model instance {', '.join(dead)} died (its backend stub is gone): its "
                                  "sessions and requests in flight are lost; stopping the server, restart "
                                  f"serve to recover (log: {server.log_path})")
         except ServeError as exc:
             return _fail(str(exc))
         finally:
-            server.stop(grace_s=server.exit_timeout_s + 5.0)
+            server.stop(grace_s)
             if server.killed:
-                print(f"tritonserver did not stop in time: killed it and removed its "
-                      f"{len(server.removed_regions)} shared-memory regions", file=sys.stderr)
+                print("tritonserver did not exit after its exit timeout: killed it", file=sys.stderr)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     print(f"server stopped (log: {server.log_path})")

@@ -293,6 +293,7 @@ class SessionServer:
                 self._finish(rid, flight, result)
                 continue
             if flight.sink.cancelled():
+                logger.warning("request %d of CORRID=%s cancelled by its client", rid, flight.request.corrid)
                 self._drop(rid, flight, "the request was cancelled", "cancelled")
                 continue
             if self._overdue(flight.arrived):

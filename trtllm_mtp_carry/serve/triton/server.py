@@ -7,10 +7,13 @@ stubs never outlive the server. It also watches the stubs (`stubs()`): one
 that dies (a crash, `kill -9`) leaves its requests without a response while
 Triton 2.51 keeps reporting the model ready, so `serve` checks for it.
 
-Leftovers: each server gets its own shared-memory prefix for the stubs'
-regions (`shm_prefix`), so its regions are told apart from other servers'.
-A server that stops cleanly removes them itself; one that had to be killed
-has those regions (and only those) removed by `stop()`.
+Stopping: Triton counts every open sequence (a session not yet ENDed) as an
+inference in flight and waits `--exit-timeout-secs` for them on SIGTERM, then
+exits without unloading its models, leaving the stubs' shared-memory regions
+behind. So the timeout is short (`exit_timeout_s`: turns still running get
+that long), and each server gets its own shared-memory prefix for the stubs'
+regions (`shm_prefix`): once its process group is gone, `stop()` removes the
+regions with that prefix (only this server's) that it left.
 
 The environment it sets up (facts checked with Triton 2.51 from
 `nvidia-pytriton`):
@@ -136,12 +139,12 @@ class TritonServer:
     `extra_args` go to the server as given (e.g. `--model-control-mode=explicit`).
     The log goes to `log_path` (default: a file in the work directory, removed
     with it; a path given here is kept). On SIGTERM the server waits at most
-    `exit_timeout_s` for requests in flight before it unloads the models.
+    `exit_timeout_s` for requests in flight and open sessions (module header).
     """
 
     def __init__(self, repository: str | Path, endpoints: Endpoints, binary: Path | None = None,
                  extra_args: Sequence[str] = (), workdir: str | Path | None = None,
-                 log_path: str | Path | None = None, exit_timeout_s: int = 5) -> None:
+                 log_path: str | Path | None = None, exit_timeout_s: int = 3) -> None:
         self.repository = Path(repository)
         self.endpoints = endpoints
         self.binary = binary or find_tritonserver()
@@ -153,7 +156,7 @@ class TritonServer:
         self.shm_prefix = f"mtp_carry_{secrets.token_hex(6)}_"  # this server's stub regions
         self.process: subprocess.Popen[bytes] | None = None
         self.killed = False  # stop() had to SIGKILL the server
-        self.removed_regions: list[str] = []  # what stop() removed from /dev/shm after a kill
+        self.removed_regions: list[str] = []  # what stop() removed from /dev/shm (this server's)
 
     def command(self) -> list[str]:
         e = self.endpoints
@@ -189,11 +192,13 @@ class TritonServer:
         except OSError:
             return ""
         # most specific first: a model's load error, then the server's own, then any error line
-        for pattern in (r"failed to load '", r"^error: ", r"^E\d{4} "):
+        # (but the CUDA driver notes a CPU-only machine always logs)
+        for pattern in (r"failed to load '[^']*' version \d+: ", r"^error: ", r"^E\d{4} (?!.*CudaDriver)"):
             found = [line for line in lines if re.search(pattern, line)]
             if found:
-                text = re.sub(r"^[EWI]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[-1]).strip()
-                return text.strip('"').replace('\\"', '"')
+                text = re.sub(r"^[EWI]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[0]).strip()
+                # the first line of a quoted message (a Python error's traceback follows as "\n")
+                return text.strip('"').split("\\n")[0].replace('\\"', '"').strip()
         return ""
 
     def wait_ready(self, models: Sequence[str], timeout_s: float = 180.0) -> None:
@@ -226,22 +231,23 @@ class TritonServer:
         except OSError:
             return []
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s` (then `killed` is
-        set and this server's shared-memory regions are removed); idempotent."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s` (default: the exit
+        timeout and 5 s; then `killed` is set), then remove this server's shared-memory
+        regions it left; idempotent."""
         proc = self.process
         if proc is not None and proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(grace_s)
+                proc.wait(self.exit_timeout_s + 5.0 if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:
                 self.killed = True
         if proc is not None:
             _signal_group(proc.pid, signal.SIGKILL)  # stubs left in the group, if any
             proc.wait()
             _wait_group_gone(proc.pid, 5.0)
-        if self.killed or (proc is not None and proc.returncode is not None and proc.returncode < 0):
-            for name in self.regions():  # a killed server's stubs could not unlink them
+        if proc is not None:
+            for name in self.regions():  # left by an exit without unloading (module header)
                 try:
                     os.unlink(f"/dev/shm/{name}")
                     self.removed_regions.append(name)
