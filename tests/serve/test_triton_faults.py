@@ -84,11 +84,19 @@ def test_a_start_beyond_the_session_cap_waits_and_its_timeout_refuses_it_with_a_
         for corrid in opened:
             assert client.turn(corrid, start=True, input_ids=OTHER, max_tokens=2).error is None
         t0 = time.monotonic()
-        refused = client.turn(6399, start=True, end=True, input_ids=OTHER, max_tokens=2, timeout_us=1_000_000)
+        rid = client.send(6399, start=True, end=True, input_ids=OTHER, max_tokens=2, timeout_us=3_000_000)
+        # the wait shows in Triton's own gauge while the START sits in the backlog
+        pending = "nv_inference_pending_request_count"
+        deadline = t0 + 2.5
+        while metric(served.metrics(), pending, model=SHORT) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(served.metrics(), pending, model=SHORT) == 1
+        refused = client.wait(rid)
         waited = time.monotonic() - t0
         assert refused.error is not None, "a START beyond the cap was served"
         assert "timeout of the corresponding sequence has been expired" in refused.error, refused.error
-        assert waited >= 0.9
+        assert waited >= 2.9
+        assert metric(served.metrics(), pending, model=SHORT) == 0
         # one session ends: the next START gets its slot
         assert client.turn(opened[0], start=True, end=True, input_ids=OTHER, max_tokens=2).error is None
         served_now = client.turn(6399, start=True, end=True, input_ids=OTHER, max_tokens=2, timeout_us=30_000_000)
