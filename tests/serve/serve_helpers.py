@@ -1,6 +1,7 @@
-"""What the serve tests share: the served model's names and sizes, and a metrics reader."""
+"""What the serve tests share: the served model's names and sizes, a metrics reader, a poll."""
 
 import re
+import time
 
 import trtllm_mtp_carry.core as core
 
@@ -24,3 +25,13 @@ def metric(text: str, name: str, **labels: str) -> float:
         if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

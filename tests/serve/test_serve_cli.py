@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_ports, tritonserver_or_skip
-from serve_helpers import metric
+from serve_helpers import metric, wait_for
 
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
@@ -28,7 +28,8 @@ from trtllm_mtp_carry.serve.triton.client import StreamClient
 from trtllm_mtp_carry.serve.triton.server import STUB
 
 TOK = ChatTokenizer()
-LONG = TOK.render_chat([{"role": "user", "content": "Print hello."}])  # a long (nonsense) answer
+# the tiny model answers this with nonsense that runs to max_tokens (no end of turn)
+LONG = TOK.render_chat([{"role": "user", "content": "Show me a function that adds two numbers."}])
 
 
 def processes_with(needle: str) -> list[int]:
@@ -105,15 +106,6 @@ class Serve:
                 self.proc.wait()
         for pid in processes_with(f"--grpc-port={self.grpc}"):  # the server this test started, if left
             os.kill(pid, signal.SIGKILL)
-
-
-def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 CLIENT_THAT_DIES = """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from serve_helpers import MODEL, SHORT, SHORT_IDLE_S, SHORT_SESSIONS, metric
+from serve_helpers import MODEL, SHORT, SHORT_IDLE_S, SHORT_SESSIONS, metric, wait_for
 
 from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
@@ -61,10 +61,12 @@ def test_error_responses_are_counted_by_reason(served):
 
 
 def test_a_turn_longer_than_the_idle_timeout_keeps_its_session_and_idleness_then_ends_it(served):
-    prompt = TOK.render_chat([{"role": "user", "content": "Print hello."}])  # a long (nonsense) answer
+    # the tiny model answers this with nonsense that runs to max_tokens (no end of turn)
+    prompt = TOK.render_chat([{"role": "user", "content": "Show me a function that adds two numbers."}])
     ended = "mtp_carry_sessions_ended_total"
     with StreamClient(served.endpoints.grpc, SHORT) as client:
-        long = client.turn(6201, start=True, input_ids=prompt, max_tokens=400)
+        long = client.turn(6201, start=True, input_ids=prompt, max_tokens=250)
+        assert len(long.output) == 250
         assert long.error is None, long.error
         assert long.total_ms > 1.5 * SHORT_IDLE_S * 1e3, long.total_ms  # generated past the idle timeout
         warm = client.turn(6201, text="Print hello.", max_tokens=4)
@@ -87,16 +89,14 @@ def test_a_start_beyond_the_session_cap_waits_and_its_timeout_refuses_it_with_a_
         rid = client.send(6399, start=True, end=True, input_ids=OTHER, max_tokens=2, timeout_us=3_000_000)
         # the wait shows in Triton's own gauge while the START sits in the backlog
         pending = "nv_inference_pending_request_count"
-        deadline = t0 + 2.5
-        while metric(served.metrics(), pending, model=SHORT) != 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert metric(served.metrics(), pending, model=SHORT) == 1
+        assert wait_for(lambda: metric(served.metrics(), pending, model=SHORT) == 1, 2.5)
         refused = client.wait(rid)
         waited = time.monotonic() - t0
         assert refused.error is not None, "a START beyond the cap was served"
         assert "timeout of the corresponding sequence has been expired" in refused.error, refused.error
         assert waited >= 2.9
-        assert metric(served.metrics(), pending, model=SHORT) == 0
+        # the gauge drops once Triton released the refused request (just after the error went out)
+        assert wait_for(lambda: metric(served.metrics(), pending, model=SHORT) == 0, 5)
         # one session ends: the next START gets its slot
         assert client.turn(opened[0], start=True, end=True, input_ids=OTHER, max_tokens=2).error is None
         served_now = client.turn(6399, start=True, end=True, input_ids=OTHER, max_tokens=2, timeout_us=30_000_000)
