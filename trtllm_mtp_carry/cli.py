@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -202,12 +203,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def check_environment() -> None:
+    """ValueError naming a malformed `TRTLLM_MTP_CARRY_*` settings variable, before any
+    subcommand prints (or pins) anything."""
+    for setting in (settings.MARCONI_MIN_TOKENS, settings.MTP_MAX_SEQS, settings.CARRY_SLOTS):
+        raw = os.environ.get(setting.env_var)
+        if raw is not None:
+            settings.parse_env_int(setting.env_var, raw, setting.minimum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "no_prefill", False):
         args.no_carry = True
     try:
+        check_environment()
         # with `bench --server` the settings are the server's: the bench refuses those flags
         for warning in [] if getattr(args, "server", None) else apply_settings_flags(args):
             print(f"warning: {warning}", file=sys.stderr)

@@ -27,12 +27,16 @@ def parse(text: str):
 
 
 def test_config_is_decoupled_sequence_batched_oldest_with_uint64_corrid():
-    cfg = parse(render_config(RepoSpec(instances=3, idle_timeout_s=2.5)))
+    spec = RepoSpec(instances=3, idle_timeout_s=2.5, max_candidate_sequences=5,
+                    options=ServeOptions(max_turn_s=30))
+    cfg = parse(render_config(spec))
     assert cfg.name == "mtp_carry" and cfg.backend == "python" and cfg.max_batch_size == 0
     assert cfg.model_transaction_policy.decoupled is True
     sb = cfg.sequence_batching
     assert sb.WhichOneof("strategy_choice") == "oldest"
-    assert sb.max_sequence_idle_microseconds == 2_500_000
+    assert sb.oldest.max_candidate_sequences == 5
+    # Triton's timer starts at a request's arrival: it outlasts the longest turn plus the idle timeout
+    assert sb.max_sequence_idle_microseconds == 32_500_000
     controls = {c.name: c.control[0] for c in sb.control_input}
     kinds = model_config_pb2.ModelSequenceBatching.Control.Kind
     assert controls["START"].kind == kinds.Value("CONTROL_SEQUENCE_START")
@@ -59,11 +63,11 @@ def test_config_declares_the_tensorrt_llm_style_inputs_and_outputs():
 
 def test_every_option_round_trips_through_the_configs_parameters():
     options = ServeOptions(drafter_policy="blind", draft_len=3, marconi_min_tokens=0, carry_slots=5,
-                           max_model_len=1024, max_tokens=7, max_num_seqs=2, device="cuda")
+                           max_model_len=1024, max_tokens=7, max_num_seqs=2, device="cuda", max_turn_s=9)
     cfg = parse(render_config(RepoSpec(options=options)))
     params = {k: {"string_value": v.string_value} for k, v in cfg.parameters.items()}
     assert set(params) == {"engine", "drafter_policy", "draft_len", "marconi_min_tokens", "carry_slots",
-                           "max_model_len", "max_tokens", "max_num_seqs", "device"}
+                           "max_model_len", "max_tokens", "max_num_seqs", "device", "max_turn_s"}
     assert ServeOptions.from_parameters(params) == options
     defaults = parse(render_config(RepoSpec())).parameters
     assert ServeOptions.from_parameters({k: v.string_value for k, v in defaults.items()}) == ServeOptions()

@@ -114,7 +114,8 @@ def test_an_idle_session_is_ended_and_its_carried_rows_freed(model):
         server.stop()
     assert ended == [("idle", len(prompt) + len(sink.result.output) - 1)]
     assert server.engine.runtime.entry is None
-    assert late.errors == ["unknown session CORRID=9: its first request must set START"]
+    assert late.errors == ["unknown session CORRID=9: its first request must set START "
+                           "(a session idle 0.3 s ends)"]
 
 
 @pytest.mark.parametrize("request_, message", [
@@ -158,3 +159,70 @@ def test_a_malformed_start_still_ends_the_sessions_previous_conversation(model):
     assert bad.errors == ["input_ids is empty"]
     assert ended == [("restart", len(prompt) + len(first.result.output) - 1)]
     assert cont.errors == ["unknown session CORRID=5: its first request must set START"]
+
+
+class CancelledAfterFirstPartial(ListSink):
+    """A client that cancels once its first tokens arrived."""
+
+    def cancelled(self):
+        return bool(self.partials)
+
+
+class SlowClient(ListSink):
+    """A client whose every partial response takes 0.4 s to deliver."""
+
+    def partial(self, ids, text):
+        time.sleep(0.4)
+        super().partial(ids, text)
+
+
+def test_a_cancelled_turn_gets_one_final_error_and_is_counted_and_its_session_serves_on(model):
+    gen = torch.Generator().manual_seed(7)
+    prompt = random_prompt(gen, 40)
+    reasons = []
+    server = serve(model, on_error=reasons.append)
+    try:
+        cancelled, after = CancelledAfterFirstPartial(), ListSink()
+        server.enqueue(TurnRequest(corrid=11, start=True, input_ids=prompt), cancelled)
+        assert cancelled.done.wait(120)
+        server.enqueue(TurnRequest(corrid=11, end=True, input_ids=prompt), after)
+        assert after.done.wait(120)
+    finally:
+        server.stop()
+    assert cancelled.errors == ["the request was cancelled"] and cancelled.result is None
+    assert reasons == ["cancelled"]
+    assert not after.errors and after.result.output == greedy_oracle(model, prompt, 12)
+    server.engine.check()
+
+
+def test_a_turn_running_past_max_turn_s_is_cancelled_with_an_error_naming_the_limit(model):
+    gen = torch.Generator().manual_seed(8)
+    prompt = random_prompt(gen, 40)
+    reasons = []
+    server = SessionServer(engine(model), ServeOptions(max_tokens=12, max_turn_s=1), on_error=reasons.append)
+    server.start()
+    try:
+        slow = SlowClient()
+        server.enqueue(TurnRequest(corrid=12, start=True, end=True, input_ids=prompt), slow)
+        assert slow.done.wait(120)
+    finally:
+        server.stop()
+    assert slow.errors == ["the turn ran past max_turn_s=1 s (counted from its arrival) and was cancelled"]
+    assert reasons == ["turn_timeout"]
+    server.engine.check()
+
+
+def test_every_error_response_is_counted_once_by_its_reason(model):
+    reasons = []
+    server = serve(model, on_error=reasons.append)
+    try:
+        sinks = [ListSink() for _ in range(3)]
+        server.enqueue(TurnRequest(corrid=13, start=True, text_input=""), sinks[0])
+        server.enqueue(TurnRequest(corrid=14, start=True, input_ids=[1, 264]), sinks[1])
+        server.enqueue(TurnRequest(corrid=15, text_input="more"), sinks[2])
+        assert all(s.done.wait(60) for s in sinks)
+    finally:
+        server.stop()
+    assert [len(s.errors) for s in sinks] == [1, 1, 1]
+    assert sinks[0].errors == ["text_input is empty (''); send the user's message"]
+    assert reasons == ["invalid_request", "invalid_request", "unknown_session"]

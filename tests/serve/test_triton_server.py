@@ -7,11 +7,10 @@ Every output is compared with the in-process engine's plain greedy output
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
-from serve_helpers import HAS_CARRY_SLOTS, MAX_TOKENS, MODEL, PROBE
+from serve_helpers import HAS_CARRY_SLOTS, MAX_TOKENS, MODEL, PROBE, metric
 
 from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
@@ -30,16 +29,6 @@ def greedy() -> ReferenceEngine:
 
 def expected(engine: ReferenceEngine, prompt: list[int]) -> list[int]:
     return engine.generate(None, prompt, max_new_tokens=MAX_TOKENS, policy="off").output
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def test_four_sessions_three_turns_concurrently_equal_greedy_adopt_and_keep_one_instance(served, greedy):
@@ -126,6 +115,8 @@ MALFORMED = {
                        "drafter_policy must be one of carry, rebuild, blind, off, got 'fast'"),
     "empty cache_salt": (lambda c: [_ids(c, "input_ids", [72]), bytes_input(c._grpc, "cache_salt", "")],
                          "cache_salt is empty"),
+    "empty text_input": (lambda c: [bytes_input(c._grpc, "text_input", "")], "text_input is empty"),
+    "blank text_input": (lambda c: [bytes_input(c._grpc, "text_input", " \n")], "text_input is empty"),
 }
 
 

@@ -4,22 +4,35 @@
 temporary directory (or takes `--repository DIR`), starts `tritonserver` on
 loopback with the given ports, waits for the model, prints the endpoints and
 stops the server (its whole process group) on Ctrl-C or SIGTERM. Errors are
-one line, `trtllm-mtp-carry: error: ...`, exit status 2.
+one line, `trtllm-mtp-carry: error: ...`, exit status 2; the server's log is
+kept (`--log-file`, default a file in the temp directory; its path is printed).
+
+While serving, `serve` watches the backend stubs: when one dies (Triton 2.51
+keeps the model "ready" and leaves that instance's requests unanswered), it
+says which instance died, stops the server (so every client in flight gets an
+error and readiness fails) and exits 2; restarting `serve` recovers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..argtypes import non_negative_int, positive_int
 from .options import ENGINES, POLICIES, ServeOptions
-from .triton.repo import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MODEL_NAME, RepoSpec
+from .triton.repo import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CANDIDATE_SEQUENCES,
+    DEFAULT_MODEL_NAME,
+    RepoSpec,
+)
 
 if TYPE_CHECKING:
     from ..trtllm.triton_repo import TrtllmRepoSpec
@@ -40,7 +53,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=positive_int, default=1,
                    help="model instances, each with its own engine and carry (default %(default)s)")
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
-                   help="a session idle this long ends and its carried rows are freed (default %(default)s)")
+                   help="a session with no request in flight for this long ends and its carried rows "
+                   "are freed (default %(default)s)")
+    p.add_argument("--max-turn-s", type=positive_int, default=d.max_turn_s,
+                   help="a turn unfinished this long after it arrived is cancelled with an error "
+                   "(default %(default)s)")
+    p.add_argument("--max-sessions", dest="max_candidate_sequences", type=positive_int,
+                   default=DEFAULT_MAX_CANDIDATE_SEQUENCES, metavar="N",
+                   help="open sessions per instance (Triton's max_candidate_sequences); a START beyond "
+                   "it waits until a session ends, or until the request's timeout (default %(default)s)")
     p.add_argument("--engine", choices=(*ENGINES, TRTLLM_ENGINE), default=d.engine,
                    help="reference (this package's engine) or trtllm (TensorRT-LLM with the carry attached)")
     p.add_argument("--model", default=None, metavar="PATH",
@@ -73,10 +94,10 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
         marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
         max_model_len=args.max_model_len, max_tokens=args.max_tokens,
-        max_num_seqs=args.max_num_seqs, device=args.device,
+        max_num_seqs=args.max_num_seqs, device=args.device, max_turn_s=args.max_turn_s,
     )
     return RepoSpec(name=args.name, instances=args.instances, idle_timeout_s=args.idle_timeout_s,
-                    options=options)
+                    max_candidate_sequences=args.max_candidate_sequences, options=options)
 
 
 def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
@@ -120,6 +141,12 @@ def add_subcommands(sub: Any) -> None:
     serve.add_argument("--grpc-port", type=_port, default=8001)
     serve.add_argument("--metrics-port", type=_port, default=8002)
     serve.add_argument("--ready-timeout-s", type=float, default=300.0)
+    serve.add_argument("--exit-timeout-s", type=positive_int, default=3, metavar="S",
+                       help="on Ctrl-C or SIGTERM, turns still running get this long before the server "
+                       "exits (open sessions never delay it longer; default %(default)s)")
+    serve.add_argument("--log-file", default=None, metavar="PATH",
+                       help="tritonserver's log, kept after it stops (default: "
+                       "trtllm-mtp-carry-serve-<time>-<pid>.log in the temp directory)")
     _add_model_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -138,6 +165,13 @@ def cmd_triton_repo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_file(args: argparse.Namespace) -> Path:
+    if args.log_file is not None:
+        return Path(args.log_file).resolve()
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    return Path(tempfile.gettempdir()) / f"trtllm-mtp-carry-serve-{stamp}-{os.getpid()}.log"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .triton.server import Endpoints, ServeError, TritonServer, find_tritonserver
 
@@ -146,30 +180,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
         binary = find_tritonserver(args.tritonserver)
     except (ValueError, ServeError) as exc:
         return _fail(str(exc))
+    if args.repository is not None and not Path(args.repository).is_dir():
+        return _fail(f"--repository {args.repository}: no such directory")
     with tempfile.TemporaryDirectory(prefix="mtp-carry-repo-") as tmp:
         repository = args.repository
         if repository is None:
             repository = tmp
             _write(repository, spec)
         endpoints = Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port)
-        server = TritonServer(repository, endpoints, binary=binary)
+        server = TritonServer(repository, endpoints, binary=binary, log_path=_log_file(args),
+                              exit_timeout_s=args.exit_timeout_s)
         stop = threading.Event()
+        grace_s = None  # stop()'s default: the exit timeout and 5 s
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.start()
             server.wait_ready([spec.name], args.ready_timeout_s)
+            stubs = server.stubs()
             print(f"serving model {spec.name!r} from {repository}\n"
                   f"  HTTP    {endpoints.http}\n  gRPC    {endpoints.grpc}\n  metrics {endpoints.metrics}\n"
                   f"  log     {server.log_path}\nCtrl-C stops the server.", flush=True)
-            while not stop.wait(1.0):
+            while not stop.wait(0.5):
                 if server.process is not None and server.process.poll() is not None:
-                    return _fail(f"tritonserver exited with status {server.process.returncode}:\n"
-                                 f"{server.log_tail()}")
+                    cause = server.failure_cause() or "no error line in the log"
+                    return _fail(f"tritonserver exited with status {server.process.returncode}: {cause} "
+                                 f"(log: {server.log_path})")
+                alive = server.stubs()
+                dead = sorted(name for pid, name in stubs.items() if pid not in alive)
+                if dead:
+                    grace_s = args.exit_timeout_s + 1.0  # its requests never finish: no need to wait longer
+                    return _fail(f"model instance {', '.join(dead)} died (its backend stub is gone): its "
+                                 "sessions and requests in flight are lost; stopping the server, restart "
+                                 f"serve to recover (log: {server.log_path})")
         except ServeError as exc:
             return _fail(str(exc))
         finally:
-            server.stop()
+            server.stop(grace_s)
+            if server.killed:
+                print("tritonserver did not exit after its exit timeout: killed it", file=sys.stderr)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    print("server stopped")
+    print(f"server stopped (log: {server.log_path})")
     return 0

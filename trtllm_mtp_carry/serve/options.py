@@ -31,6 +31,7 @@ class ServeOptions:
     max_tokens: int = 64  # used when a request sends no max_tokens
     max_num_seqs: int = 8
     device: str = "cpu"
+    max_turn_s: int = 300  # a turn unfinished this long after it arrived is cancelled (session_server)
 
     def __post_init__(self) -> None:
         _choice("engine", self.engine, ENGINES)
@@ -45,7 +46,7 @@ class ServeOptions:
             value = getattr(self, name)
             if value is not None and _int(name, value) <= 0:
                 raise ValueError(f"parameter {name} must be >= 1, got {value!r}")
-        for name in ("max_tokens", "max_num_seqs"):
+        for name in ("max_tokens", "max_num_seqs", "max_turn_s"):
             if _int(name, getattr(self, name)) <= 0:
                 raise ValueError(f"parameter {name} must be >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not self.device:

@@ -18,6 +18,15 @@ Ownership and invariants:
   with `END` (or `START`) still ends its (previous) session.
 - A bad request gets exactly one error response and changes nothing else;
   an engine failure fails the requests in flight and cancels them.
+- Every request ends with exactly one final response: its last tokens, or an
+  error (a cancelled request, or one whose client went away mid-stream, gets
+  an error too, so the server never waits on it). Each error counts once in
+  `on_error(reason)`, `reason` one of `ERROR_REASONS`.
+- Idle means no request in flight: a session ends `idle_timeout_s` after its
+  last turn finished, never while a turn runs. A turn still unfinished
+  `options.max_turn_s` after it arrived is cancelled with an error, so a
+  front end whose own sequence timer starts at arrival (Triton's) and runs
+  `idle_timeout_s + max_turn_s` never ends a session before this server does.
 """
 
 from __future__ import annotations
@@ -35,6 +44,25 @@ from .engines import ServingEngine
 from .options import POLICIES, ServeOptions
 
 logger = logging.getLogger("trtllm_mtp_carry.serve")
+
+ERROR_REASONS = (
+    "invalid_request",  # a malformed input, or a value the engine refuses (out-of-vocabulary ids)
+    "string_corrid",  # a string correlation id where sessions are numbered (Triton front end)
+    "unknown_session",  # a continuation of a session this server does not hold (never started, ended)
+    "cancelled",  # the client cancelled the request or went away while it streamed
+    "turn_timeout",  # the turn ran past options.max_turn_s
+    "engine_failure",  # an engine step raised: every request in flight failed
+    "shutdown",  # the server stopped with the request queued or running
+)
+"""Why an error response was sent (the label of the error counter)."""
+
+
+class RequestError(ValueError):
+    """A refused request: the message names the problem, `reason` is one of ERROR_REASONS."""
+
+    def __init__(self, message: str, reason: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -56,6 +84,8 @@ class TurnRequest:
             raise ValueError("request needs text_input (the new user message) or input_ids (the full prompt)")
         if self.text_input is not None and self.input_ids is not None:
             raise ValueError("request has both text_input and input_ids; send one")
+        if self.text_input is not None and not self.text_input.strip():
+            raise ValueError(f"text_input is empty ({self.text_input!r}); send the user's message")
         if self.input_ids is not None and len(self.input_ids) == 0:
             raise ValueError("input_ids is empty")
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -88,9 +118,17 @@ class _Session:
 
 
 @dataclass
+class _Pending:
+    request: TurnRequest
+    sink: ResponseSink
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class _InFlight:
     request: TurnRequest
     sink: ResponseSink
+    arrived: float
     sent: int = 0  # output tokens already streamed
     text_from: int = 0  # first output token not yet rendered as text
 
@@ -99,18 +137,22 @@ class SessionServer:
     """The engine's one driver: queues requests, steps the engine, streams the results.
 
     `on_turn(result)` sees every finished turn and `on_forget(cause, rows)`
-    every session end (both from the stepping thread: metrics hook here).
+    every session end (both from the stepping thread), `on_error(reason)`
+    every error response (from the stepping thread, or from `enqueue`'s and
+    `refuse`'s caller): metrics hook here.
     """
 
     def __init__(self, engine: ServingEngine, options: ServeOptions, idle_timeout_s: float | None = None,
                  on_turn: Callable[[Any], None] | None = None,
-                 on_forget: Callable[[str, int], None] | None = None) -> None:
+                 on_forget: Callable[[str, int], None] | None = None,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.options = options
         self.idle_timeout_s = idle_timeout_s
         self._on_turn = on_turn or (lambda result: None)
         self._on_forget = on_forget or (lambda cause, rows: None)
-        self._pending: deque[tuple[TurnRequest, ResponseSink]] = deque()
+        self._on_error = on_error or (lambda reason: None)
+        self._pending: deque[_Pending] = deque()
         self._inflight: dict[int, _InFlight] = {}  # engine request id -> its request
         self._busy: set[int] = set()  # sessions with a turn in the engine
         self._sessions: dict[int, _Session] = {}
@@ -133,15 +175,20 @@ class SessionServer:
         try:
             request.check()
         except ValueError as exc:
-            self._send_error(sink, str(exc))
+            self._send_error(sink, str(exc), "invalid_request")
             if request.start or request.end:  # Triton started or ended the sequence all the same
                 with self._cv:
-                    self._pending.append((request, _ENDED))  # in order with the session's turns
+                    self._pending.append(_Pending(request, _ENDED))  # in order with the session's turns
                     self._cv.notify()
             return
         with self._cv:
-            self._pending.append((request, sink))
+            self._pending.append(_Pending(request, sink))
             self._cv.notify()
+
+    def refuse(self, sink: ResponseSink, error: ValueError) -> None:
+        """Answer a request the front end could not parse: one error response, counted by
+        reason (`error.reason` for a RequestError, else `invalid_request`)."""
+        self._send_error(sink, str(error), getattr(error, "reason", "invalid_request"))
 
     # ---- the stepping thread ------------------------------------------------------
 
@@ -155,31 +202,32 @@ class SessionServer:
                 if self._stopping:
                     break
                 ready = self._take_ready()
-            for request, sink in ready:
-                self._dispatch(request, sink)
+            for pending in ready:
+                self._dispatch(pending)
             self._expire_idle()
             if self._inflight:
                 self._step()
-        self._fail_all("the model is shutting down")
+        self._fail_all("the model is shutting down", "shutdown")
 
     def _ready(self) -> bool:
-        return any(r.corrid not in self._busy for r, _ in self._pending)
+        return any(p.request.corrid not in self._busy for p in self._pending)
 
-    def _take_ready(self) -> list[tuple[TurnRequest, ResponseSink]]:
+    def _take_ready(self) -> list[_Pending]:
         """Requests whose session has no turn in the engine, oldest first, one per session."""
-        ready: list[tuple[TurnRequest, ResponseSink]] = []
-        kept: deque[tuple[TurnRequest, ResponseSink]] = deque()
+        ready: list[_Pending] = []
+        kept: deque[_Pending] = deque()
         taken: set[int] = set()
-        for request, sink in self._pending:
-            if request.corrid in self._busy or request.corrid in taken:
-                kept.append((request, sink))
+        for pending in self._pending:
+            if pending.request.corrid in self._busy or pending.request.corrid in taken:
+                kept.append(pending)
             else:
-                taken.add(request.corrid)
-                ready.append((request, sink))
+                taken.add(pending.request.corrid)
+                ready.append(pending)
         self._pending = kept
         return ready
 
-    def _dispatch(self, request: TurnRequest, sink: ResponseSink) -> None:
+    def _dispatch(self, pending: _Pending) -> None:
+        request, sink = pending.request, pending.sink
         corrid = request.corrid
         if sink is _ENDED:  # a malformed START/END request: the old session ends all the same
             if corrid in self._sessions or request.end:
@@ -191,7 +239,11 @@ class SessionServer:
         session = _Session() if request.start else self._sessions.get(corrid)
         try:
             if session is None:
-                raise ValueError(f"unknown session CORRID={corrid}: its first request must set START")
+                idle = "" if self.idle_timeout_s is None else f" (a session idle {self.idle_timeout_s:g} s ends)"
+                raise RequestError(f"unknown session CORRID={corrid}: its first request must set START{idle}",
+                                   "unknown_session")
+            if self._overdue(pending.arrived):
+                raise RequestError(self._overdue_message(), "turn_timeout")
             session.last_seen = time.monotonic()
             if request.text_input is not None:
                 if session.prompt is None or session.output is None:
@@ -212,20 +264,28 @@ class SessionServer:
                 cache_salt=request.cache_salt,
             )
         except (ValueError, TypeError) as exc:
-            self._send_error(sink, str(exc))
+            self._send_error(sink, str(exc), getattr(exc, "reason", "invalid_request"))
             if request.end:
                 self._forget(corrid, "end")
             return
         self._sessions[corrid] = session
-        self._inflight[rid] = _InFlight(request, sink)
+        self._inflight[rid] = _InFlight(request, sink, pending.arrived)
         self._busy.add(corrid)
+
+    def _overdue(self, arrived: float) -> bool:
+        limit = self.options.max_turn_s
+        return limit is not None and time.monotonic() - arrived > limit
+
+    def _overdue_message(self) -> str:
+        return (f"the turn ran past max_turn_s={self.options.max_turn_s} s (counted from its arrival) "
+                "and was cancelled")
 
     def _step(self) -> None:
         try:
             finished = {r.request_id: r for r in self.engine.step()}
         except Exception as exc:  # an engine bug: fail what is in flight, keep serving
             logger.exception("engine step failed")
-            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}", "engine_failure")
             return
         for rid, flight in list(self._inflight.items()):
             result = finished.get(rid)
@@ -233,8 +293,11 @@ class SessionServer:
                 self._finish(rid, flight, result)
                 continue
             if flight.sink.cancelled():
-                self.engine.cancel(rid)
-                self._release(rid, flight)
+                logger.warning("request %d of CORRID=%s cancelled by its client", rid, flight.request.corrid)
+                self._drop(rid, flight, "the request was cancelled", "cancelled")
+                continue
+            if self._overdue(flight.arrived):
+                self._drop(rid, flight, self._overdue_message(), "turn_timeout")
                 continue
             out = self.engine.output_so_far(rid)
             if out and len(out) > flight.sent:
@@ -243,8 +306,14 @@ class SessionServer:
                     flight.sink.partial(ids, text)
                 except Exception as exc:  # the client went away: stop its turn
                     logger.warning("dropping request %d: %s", rid, exc)
-                    self.engine.cancel(rid)
-                    self._release(rid, flight)
+                    self._drop(rid, flight, f"the response could not be sent: {exc}", "cancelled")
+
+    def _drop(self, rid: int, flight: _InFlight, message: str, reason: str) -> None:
+        """Stop a running turn; its request still gets its final response (an error), so
+        the front end never waits on it (Triton's shutdown would)."""
+        self.engine.cancel(rid)
+        self._release(rid, flight)
+        self._send_error(flight.sink, message, reason)
 
     def _finish(self, rid: int, flight: _InFlight, result: Any) -> None:
         request = flight.request
@@ -252,7 +321,6 @@ class SessionServer:
         session = self._sessions.get(request.corrid)
         if session is not None and result.finish_reason != "cancelled":
             session.prompt, session.output = list(result.prompt), list(result.output)
-            session.last_seen = time.monotonic()
         self._release(rid, flight)
         self._on_turn(result)
         try:
@@ -263,6 +331,9 @@ class SessionServer:
     def _release(self, rid: int, flight: _InFlight) -> None:
         del self._inflight[rid]
         self._busy.discard(flight.request.corrid)
+        session = self._sessions.get(flight.request.corrid)
+        if session is not None:  # idle from here: the session had a request in flight until now
+            session.last_seen = time.monotonic()
         if flight.request.end:
             self._forget(flight.request.corrid, "end")
 
@@ -293,22 +364,25 @@ class SessionServer:
             if corrid not in self._busy and now - session.last_seen > self.idle_timeout_s:
                 self._forget(corrid, "idle")
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, reason: str) -> None:
         for rid, flight in list(self._inflight.items()):
             try:
                 self.engine.cancel(rid)
             except Exception:  # the engine already failed; the error response still goes out
                 logger.exception("cancel of request %d failed", rid)
             self._release(rid, flight)
-            self._send_error(flight.sink, message)
+            self._send_error(flight.sink, message, reason)
         with self._cv:
             pending, self._pending = list(self._pending), deque()
-        for _, sink in pending:
-            if sink is not _ENDED:
-                self._send_error(sink, message)
+        for p in pending:
+            if p.sink is not _ENDED:
+                self._send_error(p.sink, message, reason)
 
-    @staticmethod
-    def _send_error(sink: ResponseSink, message: str) -> None:
+    def _send_error(self, sink: ResponseSink, message: str, reason: str) -> None:
+        try:
+            self._on_error(reason)
+        except Exception:  # a metrics failure must not keep the error response from the client
+            logger.exception("error counter for %s failed", reason)
         try:
             sink.error(message)
         except Exception as exc:

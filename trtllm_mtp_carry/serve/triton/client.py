@@ -62,13 +62,16 @@ class StreamClient:
         for q in targets:
             q.put((result, error, now))
 
-    def send(self, corrid: int, *, start: bool = False, end: bool = False, text: str | None = None,
+    def send(self, corrid: int | str, *, start: bool = False, end: bool = False, text: str | None = None,
              input_ids: list[int] | None = None, max_tokens: int | None = None,
              policy: str | None = None, cache_salt: str | None = None,
-             raw_inputs: list[Any] | None = None) -> str:
+             raw_inputs: list[Any] | None = None, timeout_us: int | None = None) -> str:
         """Queue one turn of session `corrid`; returns its request id for `wait`.
 
         `cache_salt` puts the turn in that prefix-cache namespace on the server.
+        `timeout_us` bounds the server-side wait of a START that finds every
+        session slot taken (Triton then refuses it). A str `corrid` is sent as
+        a string sequence id (the served model refuses it).
 
         `raw_inputs` replaces the inputs built from the other arguments (tests
         use it to send malformed requests)."""
@@ -97,7 +100,7 @@ class StreamClient:
             self._sent_at[rid] = time.perf_counter()
         self.client.async_stream_infer(self.model, inputs, request_id=rid, sequence_id=corrid,
                                        sequence_start=start, sequence_end=end,
-                                       enable_empty_final_response=True)
+                                       enable_empty_final_response=True, timeout=timeout_us)
         return rid
 
     def wait(self, rid: str, timeout_s: float = 300.0) -> TurnReply:
@@ -132,7 +135,7 @@ class StreamClient:
                 self._queues.pop(rid, None)
                 self._sent_at.pop(rid, None)
 
-    def turn(self, corrid: int, **kwargs: Any) -> TurnReply:
+    def turn(self, corrid: int | str, **kwargs: Any) -> TurnReply:
         """`send` then `wait`."""
         return self.wait(self.send(corrid, **kwargs))
 

@@ -8,16 +8,21 @@ what the carry did and gauges of what it holds:
     mtp_carry_drafts_total{result}            drafts proposed / accepted
     mtp_carry_sessions_ended_total{cause}     end / restart / idle
     mtp_carry_rows_freed_total                carried rows freed by session ends
+    mtp_carry_errors_total{reason}            error responses, by session_server.ERROR_REASONS
+                                              (Triton counts a decoupled model's error
+                                              responses as successes)
     mtp_carry_runtime{field}                  every int (and dict-of-int) field of the
                                               runtime's stats: slot_rows now; slots and
                                               blocks held appear as the runtime grows them
 
-Owned by the model instance's stepping thread (the only caller). `pb_utils`
-is passed in, as it exists only inside the Python backend's stub.
+Called from the model instance's stepping thread, and for errors also from
+`execute`'s thread: metric creation is locked. `pb_utils` is passed in, as it
+exists only inside the Python backend's stub.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -38,15 +43,18 @@ class CarryMetrics:
             "freed": family("mtp_carry_rows_freed_total",
                             "Carried drafter rows freed when a session ended", family.COUNTER),
             "runtime": family("mtp_carry_runtime", "The carry runtime's counters and holdings", family.GAUGE),
+            "errors": family("mtp_carry_errors_total", "Error responses, by reason", family.COUNTER),
         }
         self._metrics: dict[tuple[str, str, str], Any] = {}
+        self._lock = threading.Lock()
 
     def _metric(self, family: str, key: str = "", value: str = "") -> Any:
         ident = (family, key, value)
-        metric = self._metrics.get(ident)
-        if metric is None:
-            labels = dict(self._labels, **({key: value} if key else {}))
-            metric = self._metrics[ident] = self._families[family].Metric(labels=labels)
+        with self._lock:
+            metric = self._metrics.get(ident)
+            if metric is None:
+                labels = dict(self._labels, **({key: value} if key else {}))
+                metric = self._metrics[ident] = self._families[family].Metric(labels=labels)
         return metric
 
     def record_turn(self, stats: Any) -> None:
@@ -58,6 +66,10 @@ class CarryMetrics:
         for result, value in (("proposed", stats.drafted), ("accepted", stats.accepted)):
             if value:
                 self._metric("drafts", "result", result).increment(value)
+
+    def record_error(self, reason: str) -> None:
+        """Count one error response."""
+        self._metric("errors", "reason", reason).increment(1)
 
     def record_session_end(self, cause: str, rows_freed: int) -> None:
         self._metric("ended", "cause", cause).increment(1)

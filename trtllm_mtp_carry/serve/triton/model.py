@@ -8,7 +8,9 @@ queues them (the transaction policy is decoupled), so several sessions run
 through one engine concurrently; `finalize` stops the stepping thread.
 
 Request contract (names follow TensorRT-LLM's Triton models):
-- control: `CORRID` (uint64, the session), `START`, `END`;
+- control: `CORRID` (uint64, the session), `START`, `END`; a string sequence
+  id is refused (Triton would hand over its first 8 serialized bytes, so
+  `"user-1"` and `"user-2"` would share one session);
 - `text_input` (the new user message) or `input_ids` (the full prompt),
   `max_tokens` (int32), optional `drafter_policy`, optional `cache_salt`
   (BYTES: the request reuses only prefix-cache blocks of its own salt);
@@ -16,6 +18,12 @@ Request contract (names follow TensorRT-LLM's Triton models):
   `carry_outcome`, `drafter_rows_computed`, `drafted`, `accepted`,
   `ttft_ms`, `model_instance` (which instance served the turn) and
   `turn_stats` (JSON of every field of the turn's statistics).
+
+Timers: the sequence batcher's `max_sequence_idle_microseconds` is the
+session idle timeout plus the `max_turn_s` parameter (`repo.render_config`):
+Triton's timer starts when a request arrives, this model's idle timer when
+its turn finishes, and a turn is cancelled at `max_turn_s`, so Triton never
+ends a sequence whose turn is running or has been idle less than the timeout.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import logging
 from typing import Any
 
 from ..options import ServeOptions
-from ..session_server import SessionServer, TurnRequest
+from ..session_server import RequestError, SessionServer, TurnRequest
 
 logger = logging.getLogger("trtllm_mtp_carry.serve")
 
@@ -59,10 +67,16 @@ def _salt(request: Any, pb_utils: Any) -> bytes | str | None:
 
 
 def parse_request(request: Any, pb_utils: Any) -> TurnRequest:
-    """A TurnRequest from one Triton request; ValueError naming a malformed input."""
+    """A TurnRequest from one Triton request; RequestError (a ValueError) naming a
+    malformed input."""
+    sequence_id = request.correlation_id()  # the client's id as sent: an int, or a str
+    if isinstance(sequence_id, str):
+        raise RequestError(f"sequence id {sequence_id!r} is a string; this model's sessions are "
+                           "unsigned 64-bit integers (CORRID UINT64): send an integer sequence_id",
+                           "string_corrid")
     corrid = _scalar(request, pb_utils, "CORRID")
     if corrid is None:
-        raise ValueError("request has no CORRID (send a sequence id)")
+        raise RequestError("request has no CORRID (send a sequence id)")
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
     max_tokens = _scalar(request, pb_utils, "max_tokens")
     start, end = _scalar(request, pb_utils, "START"), _scalar(request, pb_utils, "END")
@@ -133,7 +147,12 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         options = ServeOptions.from_parameters(config.get("parameters", {}))
         idle_us = config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
-        idle_s = int(idle_us) / 1e6 if idle_us else None
+        # the session's own idle timeout: Triton's minus the turn allowance (module header)
+        idle_s = int(idle_us) / 1e6 - options.max_turn_s if idle_us else None
+        if idle_s is not None and idle_s <= 0:
+            raise ValueError(f"sequence_batching max_sequence_idle_microseconds={idle_us} must exceed "
+                             f"the max_turn_s parameter ({options.max_turn_s} s): the session idle "
+                             "timeout is their difference")
         self._instance = args["model_instance_name"]
         engine = build_engine(options)
         metrics = CarryMetrics(pb_utils, args["model_name"], self._instance)
@@ -147,7 +166,8 @@ class TritonPythonModel:
             metrics.record_session_end(cause, rows)
             metrics.refresh(engine.runtime.stats())
 
-        self._server = SessionServer(engine, options, idle_s, on_turn=on_turn, on_forget=on_forget)
+        self._server = SessionServer(engine, options, idle_s, on_turn=on_turn, on_forget=on_forget,
+                                     on_error=metrics.record_error)
         self._server.start()
         logger.info("%s ready: %s", self._instance, options)
 
@@ -157,7 +177,7 @@ class TritonPythonModel:
             try:
                 turn = parse_request(request, self._pb)
             except ValueError as exc:
-                sink.error(str(exc))
+                self._server.refuse(sink, exc)
                 continue
             self._server.enqueue(turn, sink)
         return None

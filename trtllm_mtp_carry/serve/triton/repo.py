@@ -12,7 +12,16 @@ Invariants of the written configuration (the facts checked on Triton 2.51):
   *is* the session, and the batcher keeps it on one instance, the affinity
   the carry needs);
 - every runtime option is a string parameter (`ServeOptions.as_parameters`),
-  so the model validates them all at load.
+  so the model validates them all at load;
+- `max_sequence_idle_microseconds` is `idle_timeout_s + options.max_turn_s`:
+  Triton's idle timer starts at a request's arrival, so it must outlast the
+  longest turn (the model cancels a turn at `max_turn_s`) plus the session's
+  own idle timeout, which the model counts from the turn's end (model.py);
+- `max_candidate_sequences` caps the open sessions (sequences) per instance:
+  a START beyond it waits in Triton's backlog until a session ends (END or
+  the idle timeout); the sequence batcher has no queue policy, so a client
+  bounds that wait with the request's `timeout` parameter (microseconds) and
+  then gets "timeout of the corresponding sequence has been expired".
 
 `model.py` pins the directory this package was imported from on `sys.path`,
 so the server runs the very code that wrote the repository.
@@ -27,6 +36,7 @@ from ..options import ServeOptions
 
 DEFAULT_MODEL_NAME = "mtp_carry"
 DEFAULT_IDLE_TIMEOUT_S = 600.0
+DEFAULT_MAX_CANDIDATE_SEQUENCES = 64  # open sessions per instance
 
 # (name, Triton type, dims, optional); TensorRT-LLM's Triton models use these names
 INPUTS = (
@@ -72,7 +82,7 @@ class RepoSpec:
     name: str = DEFAULT_MODEL_NAME
     instances: int = 1
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
-    max_candidate_sequences: int = 64
+    max_candidate_sequences: int = DEFAULT_MAX_CANDIDATE_SEQUENCES
     options: ServeOptions = field(default_factory=ServeOptions)
 
     def __post_init__(self) -> None:
@@ -105,7 +115,7 @@ def render_config(spec: RepoSpec, inputs: tuple[tuple[str, str, str, bool], ...]
         "max_batch_size: 0",
         "model_transaction_policy { decoupled: true }",
         "sequence_batching {",
-        f"  max_sequence_idle_microseconds: {int(spec.idle_timeout_s * 1e6)}",
+        f"  max_sequence_idle_microseconds: {int((spec.idle_timeout_s + spec.options.max_turn_s) * 1e6)}",
         f"  oldest {{ max_candidate_sequences: {spec.max_candidate_sequences} "
         "max_queue_delay_microseconds: 0 }",
         "  control_input [",

@@ -3,7 +3,17 @@
 What it is for: `trtllm-mtp-carry serve` and the tests start the real server
 through `TritonServer`. It owns the server's process group: `stop()` (and
 leaving the `with` block) signals the whole group, so the Python-backend
-stubs never outlive the server.
+stubs never outlive the server. It also watches the stubs (`stubs()`): one
+that dies (a crash, `kill -9`) leaves its requests without a response while
+Triton 2.51 keeps reporting the model ready, so `serve` checks for it.
+
+Stopping: Triton counts every open sequence (a session not yet ENDed) as an
+inference in flight and waits `--exit-timeout-secs` for them on SIGTERM, then
+exits without unloading its models, leaving the stubs' shared-memory regions
+behind. So the timeout is short (`exit_timeout_s`: turns still running get
+that long), and each server gets its own shared-memory prefix for the stubs'
+regions (`shm_prefix`): once its process group is gone, `stop()` removes the
+regions with that prefix (only this server's) that it left.
 
 The environment it sets up (facts checked with Triton 2.51 from
 `nvidia-pytriton`):
@@ -18,6 +28,8 @@ The environment it sets up (facts checked with Triton 2.51 from
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -118,23 +130,33 @@ def server_env(binary: Path) -> dict[str, str]:
     return env
 
 
+STUB = "triton_python_backend_stub"
+
+
 class TritonServer:
     """A running `tritonserver` on `endpoints`, serving `repository`; a context manager.
 
     `extra_args` go to the server as given (e.g. `--model-control-mode=explicit`).
-    The log is kept in `log_path` (a file in the work directory).
+    The log goes to `log_path` (default: a file in the work directory, removed
+    with it; a path given here is kept). On SIGTERM the server waits at most
+    `exit_timeout_s` for requests in flight and open sessions (module header).
     """
 
     def __init__(self, repository: str | Path, endpoints: Endpoints, binary: Path | None = None,
-                 extra_args: Sequence[str] = (), workdir: str | Path | None = None) -> None:
+                 extra_args: Sequence[str] = (), workdir: str | Path | None = None,
+                 log_path: str | Path | None = None, exit_timeout_s: int = 3) -> None:
         self.repository = Path(repository)
         self.endpoints = endpoints
         self.binary = binary or find_tritonserver()
         self.extra_args = list(extra_args)
+        self.exit_timeout_s = exit_timeout_s
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="mtp-carry-triton-")
         self.workdir = Path(workdir) if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
-        self.log_path = self.workdir / "tritonserver.log"
+        self.log_path = Path(log_path) if log_path is not None else self.workdir / "tritonserver.log"
+        self.shm_prefix = f"mtp_carry_{secrets.token_hex(6)}_"  # this server's stub regions
         self.process: subprocess.Popen[bytes] | None = None
+        self.killed = False  # stop() had to SIGKILL the server
+        self.removed_regions: list[str] = []  # what stop() removed from /dev/shm (this server's)
 
     def command(self) -> list[str]:
         e = self.endpoints
@@ -145,10 +167,13 @@ class TritonServer:
             f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}",
             f"--metrics-address={e.host}", f"--metrics-port={e.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
             *self.extra_args,
         ]
 
     def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                             env=server_env(self.binary), start_new_session=True)
@@ -159,32 +184,75 @@ class TritonServer:
         except OSError:
             return ""
 
+    def failure_cause(self) -> str:
+        """The log's line that says why the server failed, as one line (without
+        tritonserver's timestamp prefix); '' if the log names none."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        # most specific first: a model's load error, then the server's own, then any error line
+        # (but the CUDA driver notes a CPU-only machine always logs)
+        for pattern in (r"failed to load '[^']*' version \d+: ", r"^error: ", r"^E\d{4} (?!.*CudaDriver)"):
+            found = [line for line in lines if re.search(pattern, line)]
+            if found:
+                text = re.sub(r"^[EWI]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] ", "", found[0]).strip()
+                # the first line of a quoted message (a Python error's traceback follows as "\n")
+                return text.strip('"').split("\\n")[0].replace('\\"', '"').strip()
+        return ""
+
     def wait_ready(self, models: Sequence[str], timeout_s: float = 180.0) -> None:
-        """Block until the server and `models` are ready; ServeError (with the log's tail)
-        if the server exits or the time runs out."""
+        """Block until the server and `models` are ready; ServeError naming the cause in one
+        line (the log's error line and the log's path) if the server exits or the time runs out."""
         deadline = time.monotonic() + timeout_s
         urls = [f"http://{self.endpoints.http}/v2/models/{m}/ready" for m in models]
         urls.insert(0, f"http://{self.endpoints.http}/v2/health/live")
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
-                raise ServeError(f"tritonserver exited before its models were ready:\n{self.log_tail()}")
+                cause = self.failure_cause() or "no error line in the log"
+                raise ServeError(f"tritonserver exited before its models were ready: {cause} "
+                                 f"(log: {self.log_path})")
             if all(_http_ok(u) for u in urls):
                 return
             time.sleep(0.5)
-        raise ServeError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ServeError(f"tritonserver not ready after {timeout_s:.0f} s (log: {self.log_path})")
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`; idempotent."""
+    def stubs(self) -> dict[int, str]:
+        """The server's live Python-backend stubs: pid -> model instance name."""
+        if self.process is None:
+            return {}
+        return {pid: argv[8] if len(argv) > 8 else "?"
+                for pid, argv in _processes_in_group(self.process.pid) if Path(argv[0]).name == STUB}
+
+    def regions(self) -> list[str]:
+        """This server's shared-memory regions now in /dev/shm."""
+        try:
+            return sorted(n for n in os.listdir("/dev/shm") if n.startswith(self.shm_prefix))
+        except OSError:
+            return []
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s` (default: the exit
+        timeout and 5 s; then `killed` is set), then remove this server's shared-memory
+        regions it left; idempotent."""
         proc = self.process
         if proc is not None and proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(grace_s)
+                proc.wait(self.exit_timeout_s + 5.0 if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:
-                pass
+                self.killed = True
         if proc is not None:
             _signal_group(proc.pid, signal.SIGKILL)  # stubs left in the group, if any
             proc.wait()
+            _wait_group_gone(proc.pid, 5.0)
+        if proc is not None:
+            for name in self.regions():  # left by an exit without unloading (module header)
+                try:
+                    os.unlink(f"/dev/shm/{name}")
+                    self.removed_regions.append(name)
+                except OSError:
+                    pass
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -202,6 +270,33 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _processes_in_group(pgid: int) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of every process in process group `pgid`, read from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            # fields after the parenthesised command: state, ppid, pgrp, ...
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if argv and argv[0]:
+            found.append((int(entry), argv))
+    return found
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _processes_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _http_ok(url: str) -> bool:

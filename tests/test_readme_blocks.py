@@ -1,0 +1,182 @@
+"""Every ```bash and ```python block of README.md runs as written and exits.
+
+The README's promise is that a newcomer can paste any of its commands. So
+each fenced bash or python block is extracted and run in a fresh directory
+(bash with `-e -o pipefail`, python with this interpreter; this environment's
+`bin` first on PATH, this checkout first on PYTHONPATH, one OpenMP thread
+unless set), and must exit 0.
+
+A block that needs something else is tagged by an HTML comment on the line
+right before its fence:
+
+    <!-- readme-test: triton -->          run here against a real tritonserver this
+                                          test starts (the block's default endpoints,
+                                          127.0.0.1:8000/8001/8002, are rewritten to
+                                          the server's free ports)
+    <!-- readme-test: dynamo -->          run by the Dynamo tests (tests/dynamo/)
+    <!-- readme-test: skip: <reason> -->  not run; the reason says why
+
+Any other tag, a tag without a fence below it, or a skip without a reason
+fails. The README's first block (the main bench job and `bash scripts/test.sh`,
+the suite that runs this very test) must be a skip: CI runs both anyway.
+Other test modules reuse `readme_blocks()` for their own tag.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RUNNABLE = ("bash", "python")
+TAG = re.compile(r"^\s*<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
+OPEN = re.compile(r"^(\s*)```([\w+-]*)\s*$")
+DEFAULT_ENDPOINTS = {"8000": "http", "8001": "grpc", "8002": "metrics"}
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block: where it starts (1-based line of its fence), its language, code and tag."""
+
+    line: int
+    lang: str
+    code: str
+    tag: str | None  # "triton", "dynamo", "skip: <reason>", or whatever the README says
+
+    @property
+    def kind(self) -> str:
+        """`run`, `triton`, `dynamo` or `skip`; ValueError naming the block for a malformed tag."""
+        if self.tag is None:
+            return "run"
+        if self.tag in ("triton", "dynamo"):
+            return self.tag
+        if self.tag.startswith("skip:"):
+            if not self.tag[len("skip:"):].strip():
+                raise ValueError(f"README.md:{self.line}: a skip tag needs a reason (skip: <why>)")
+            return "skip"
+        raise ValueError(f"README.md:{self.line}: unknown readme-test tag {self.tag!r} "
+                         "(known: triton, dynamo, skip: <reason>)")
+
+
+def readme_blocks(text: str | None = None) -> list[Block]:
+    """Every fenced block of the README, in order; ValueError for a tag no fence follows."""
+    lines = (README.read_text() if text is None else text).splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        tag = TAG.match(lines[i])
+        if tag and not (i + 1 < len(lines) and OPEN.match(lines[i + 1])):
+            raise ValueError(f"README.md:{i + 1}: a readme-test tag must be right above a fence")
+        opening = OPEN.match(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        indent, lang = opening.group(1), opening.group(2)
+        body = []
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
+            j += 1
+        previous = TAG.match(lines[i - 1]) if i > 0 else None
+        blocks.append(Block(i + 1, lang, "\n".join(body) + "\n", previous.group(1) if previous else None))
+        i = j + 1
+    return blocks
+
+
+def _runnable(kind: str) -> list[Block]:
+    return [b for b in readme_blocks() if b.lang in RUNNABLE and b.kind == kind]
+
+
+def run_block(block: Block, cwd: Path, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    """Run `block` in `cwd` as a user would paste it."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+               PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+    env.setdefault("OMP_NUM_THREADS", "1")  # the suite's one torch thread (tests/conftest.py)
+    cmd = (["bash", "-e", "-o", "pipefail", "-c", block.code] if block.lang == "bash"
+           else [sys.executable, "-c", block.code])
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _ids(blocks: list[Block]) -> list[str]:
+    return [f"line{b.line}-{b.lang}" for b in blocks]
+
+
+def test_every_readme_test_tag_is_known_and_sits_on_a_fence():
+    kinds = [b.kind for b in readme_blocks()]  # raises, naming the line, for a bad tag
+    assert set(kinds) <= {"run", "triton", "dynamo", "skip"}
+
+
+def test_the_readme_parser_reads_tags_indented_fences_and_refuses_bad_tags():
+    text = ("intro\n<!-- readme-test: skip: slow -->\n```bash\necho a\n```\n"
+            "- item\n  <!-- readme-test: triton -->\n  ```python\n  print(1)\n  ```\n```text\nout\n```\n")
+    assert readme_blocks(text) == [Block(3, "bash", "echo a\n", "skip: slow"),
+                                   Block(8, "python", "print(1)\n", "triton"),
+                                   Block(11, "text", "out\n", None)]
+    with pytest.raises(ValueError, match=r"README.md:3: unknown readme-test tag 'gpu'"):
+        [b.kind for b in readme_blocks("x\n<!-- readme-test: gpu -->\n```bash\nls\n```\n")]
+    with pytest.raises(ValueError, match=r"README.md:3: a skip tag needs a reason"):
+        [b.kind for b in readme_blocks("x\n<!-- readme-test: skip: -->\n```bash\nls\n```\n")]
+    with pytest.raises(ValueError, match=r"README.md:1: a readme-test tag must be right above a fence"):
+        readme_blocks("<!-- readme-test: triton -->\n\n```bash\nls\n```\n")
+
+
+def test_the_first_block_is_the_main_job_and_the_suite_and_is_skipped():
+    first = readme_blocks()[0]
+    assert first.lang == "bash" and "trtllm-mtp-carry bench" in first.code
+    assert "bash scripts/test.sh" in first.code  # the suite itself: running it here would recurse
+    assert first.kind == "skip"
+
+
+@pytest.mark.parametrize("block", _runnable("run"), ids=_ids(_runnable("run")))
+def test_an_untagged_block_runs_as_written_and_exits(block, tmp_path):
+    done = run_block(block, tmp_path)
+    assert done.returncode == 0, f"README.md:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.fixture(scope="module")
+def triton_endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real tritonserver serving what `serve` serves by default (model mtp_carry)."""
+    try:
+        import tritonclient.grpc  # noqa: F401
+
+        from trtllm_mtp_carry.serve.triton.server import ServeError, find_tritonserver
+        binary = find_tritonserver()
+    except (ImportError, ServeError) as exc:
+        pytest.skip(f"no tritonserver for the README's triton blocks: {exc}")
+    import socket
+
+    from trtllm_mtp_carry.serve.triton.repo import RepoSpec, write_repository
+    from trtllm_mtp_carry.serve.triton.server import Endpoints, TritonServer
+
+    repo = tmp_path_factory.mktemp("readme-repo")
+    write_repository(repo, RepoSpec(instances=1))
+    socks = [socket.socket() for _ in range(3)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    endpoints = Endpoints("127.0.0.1", *ports)
+    server = TritonServer(repo, endpoints, binary=binary, workdir=tmp_path_factory.mktemp("readme-triton"))
+    server.start()
+    try:
+        server.wait_ready([RepoSpec().name], timeout_s=240)
+        yield {"8000": str(ports[0]), "8001": str(ports[1]), "8002": str(ports[2])}
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("block", _runnable("triton"), ids=_ids(_runnable("triton")))
+def test_a_triton_block_runs_against_a_real_server_and_exits(block, tmp_path, triton_endpoints):
+    code = re.sub(r"(127\.0\.0\.1|localhost):(800[012])\b",
+                  lambda m: f"127.0.0.1:{triton_endpoints[m.group(2)]}", block.code)
+    done = run_block(Block(block.line, block.lang, code, block.tag), tmp_path, timeout_s=180)
+    assert done.returncode == 0, f"README.md:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
