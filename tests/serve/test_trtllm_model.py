@@ -224,7 +224,7 @@ def test_the_config_keeps_the_sequence_contract_with_tensorrt_llms_outputs(tmp_p
     cfg = parse(render_trtllm_config(spec))
     t = model_config_pb2
     assert cfg.backend == "python" and cfg.max_batch_size == 0 and cfg.model_transaction_policy.decoupled
-    assert cfg.sequence_batching.max_sequence_idle_microseconds == 2_500_000
+    assert cfg.sequence_batching.max_sequence_idle_microseconds == 302_500_000  # idle + max_turn_s
     assert {c.name: c.control[0].data_type for c in cfg.sequence_batching.control_input}["CORRID"] == t.TYPE_UINT64
     assert {(i.name, i.data_type, tuple(i.dims), i.optional) for i in cfg.input} == {
         ("text_input", t.TYPE_STRING, (1,), True), ("input_ids", t.TYPE_INT64, (-1,), True),
@@ -235,7 +235,8 @@ def test_the_config_keeps_the_sequence_contract_with_tensorrt_llms_outputs(tmp_p
         ("turn_stats", t.TYPE_STRING), ("kv_cache_reused_blocks", t.TYPE_INT32)}
     assert [g.count for g in cfg.instance_group] == [1]
     params = {k: v.string_value for k, v in cfg.parameters.items()}
-    assert params == {"engine": "trtllm", "model": str(tmp_path.resolve()), "llm_options": "", "max_tokens": "32"}
+    assert params == {"engine": "trtllm", "model": str(tmp_path.resolve()), "llm_options": "", "max_tokens": "32",
+                      "max_turn_s": "300"}
     assert TrtllmServeOptions.from_parameters(params) == spec.options
 
 
@@ -252,7 +253,7 @@ def test_triton_repo_engine_trtllm_writes_a_self_contained_repository(tmp_path, 
         (model_dir / "1" / "model.py").read_text()
     params = {k: v.string_value for k, v in parse((model_dir / "config.pbtxt").read_text()).parameters.items()}
     assert params == {"engine": "trtllm", "model": str(ckpt.resolve()), "llm_options": LLM_OPTIONS_FILE,
-                      "max_tokens": "48"}
+                      "max_tokens": "48", "max_turn_s": "300"}
     # rewritten without options: no stale copy is left for the model to load
     write_trtllm_repository(repo, trtllm_spec("mtp_carry", str(ckpt), None, 600.0, 48))
     assert not (model_dir / LLM_OPTIONS_FILE).exists()

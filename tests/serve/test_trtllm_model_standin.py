@@ -137,6 +137,7 @@ def test_end_ends_the_session_and_a_continuation_of_an_unknown_one_is_refused(se
     (dict(corrid=8, start=True, text_input="a", input_ids=[1]), "request has both text_input and input_ids"),
     (dict(corrid=8, start=True), "request needs text_input (the new user message) or input_ids"),
     (dict(corrid=0, start=True, input_ids=[1]), "CORRID 0 is not a session"),
+    (dict(corrid="user-1", start=True, input_ids=[1]), "sequence id 'user-1' is a string"),
     (dict(corrid=8, start=True, input_ids=[1], cache_salt=b"\xff"), "cache_salt is not valid UTF-8"),
     (dict(corrid=8, start=True, input_ids=[1], max_tokens=0), "max_tokens must be >= 1, got 0"),
 ])

@@ -271,8 +271,8 @@ class Sender:
 class Request:
     """A Triton request: named inputs, one response sender, a cancelled flag."""
 
-    def __init__(self, corrid: int, start: bool = False, end: bool = False, **inputs: Any) -> None:
-        self.inputs = {"CORRID": np.asarray([corrid], dtype=np.uint64),
+    def __init__(self, corrid: int | str, start: bool = False, end: bool = False, **inputs: Any) -> None:
+        self.inputs = {"CORRID": np.asarray([corrid if isinstance(corrid, int) else 0], dtype=np.uint64),
                        "START": np.asarray([int(start)], dtype=np.int32),
                        "END": np.asarray([int(end)], dtype=np.int32)}
         for name, value in inputs.items():
@@ -285,6 +285,11 @@ class Request:
                 self.inputs[name] = np.asarray([value], dtype=np.int32)
         self.sender = Sender()
         self.cancel = False
+        self._corrid = corrid
+
+    def correlation_id(self) -> int | str:
+        """The sequence id as the client sent it (an int, or a str for a string id)."""
+        return self._corrid
 
     def get_response_sender(self) -> Sender:
         return self.sender

@@ -110,7 +110,7 @@ def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
             raise ValueError(f"{flag} is a reference-engine option; with --engine trtllm "
                              + (f"set {where} in --llm-options" if where else "it does not apply"))
     return trtllm_spec(args.name, args.model, args.llm_options, args.idle_timeout_s, args.max_tokens,
-                       args.instances)
+                       args.instances, args.max_turn_s, args.max_candidate_sequences)
 
 
 def _write(directory: str, spec: RepoSpec | TrtllmRepoSpec) -> Path:

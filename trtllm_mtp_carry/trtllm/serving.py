@@ -50,6 +50,9 @@ class TrtllmServeOptions:
     model: str = ""  # LLM(model=...): a checkpoint directory or a Hugging Face model name
     llm_options: str = ""  # file name in the model's directory ("" = no options)
     max_tokens: int = 64  # used when a request sends no max_tokens
+    # Triton's idle timer starts at a request's arrival, so its value is the session idle
+    # timeout plus this bound on a turn (as for the reference model, serve/triton/repo.py)
+    max_turn_s: int = 300
 
     def __post_init__(self) -> None:
         if self.engine != TRTLLM_ENGINE:
@@ -62,6 +65,8 @@ class TrtllmServeOptions:
                              f"got {self.llm_options!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"parameter max_tokens must be >= 1, got {self.max_tokens!r}")
+        if isinstance(self.max_turn_s, bool) or not isinstance(self.max_turn_s, int) or self.max_turn_s <= 0:
+            raise ValueError(f"parameter max_turn_s must be >= 1, got {self.max_turn_s!r}")
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, Any]) -> TrtllmServeOptions:

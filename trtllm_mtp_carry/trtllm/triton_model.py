@@ -203,7 +203,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self._options = TrtllmServeOptions.from_parameters(config.get("parameters", {}))
         idle_us = config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
-        self._idle_s = int(idle_us) / 1e6 if idle_us else None
+        # the session's own idle timeout: Triton's value less the turn bound it adds (triton_repo.py)
+        self._idle_s = int(idle_us) / 1e6 - self._options.max_turn_s if idle_us else None
         self._instance = args["model_instance_name"]
         options_path = None
         if self._options.llm_options:

@@ -21,6 +21,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..serve.options import ServeOptions
 from ..serve.triton.repo import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MODEL_NAME,
@@ -61,11 +62,13 @@ class TrtllmRepoSpec:
 
     def repo_spec(self) -> RepoSpec:
         return RepoSpec(name=self.name, instances=1, idle_timeout_s=self.idle_timeout_s,
-                        max_candidate_sequences=self.max_candidate_sequences)
+                        max_candidate_sequences=self.max_candidate_sequences,
+                        options=ServeOptions(max_turn_s=self.options.max_turn_s))
 
 
 def trtllm_spec(name: str, model: str | None, llm_options: str | None, idle_timeout_s: float,
-                max_tokens: int, instances: int = 1) -> TrtllmRepoSpec:
+                max_tokens: int, instances: int = 1, max_turn_s: int = 300,
+                max_candidate_sequences: int = 64) -> TrtllmRepoSpec:
     """The spec the command line asks for; ValueError naming the flag that is wrong. A `model`
     that exists locally is made absolute; anything else goes to `LLM(model=...)` as given."""
     if model is None or not model.strip():
@@ -76,8 +79,9 @@ def trtllm_spec(name: str, model: str | None, llm_options: str | None, idle_time
     if Path(model).exists():  # a local checkpoint: absolute, since tritonserver runs elsewhere
         model = str(Path(model).resolve())
     options = TrtllmServeOptions(model=model, llm_options=LLM_OPTIONS_FILE if llm_options else "",
-                                 max_tokens=max_tokens)
+                                 max_tokens=max_tokens, max_turn_s=max_turn_s)
     return TrtllmRepoSpec(name=name, idle_timeout_s=idle_timeout_s, options=options,
+                          max_candidate_sequences=max_candidate_sequences,
                           llm_options_source=Path(llm_options) if llm_options else None)
 
 
