@@ -224,4 +224,7 @@ def test_shared_prefix_with_conversations_and_a_too_small_target_pool_are_refuse
     assert main(["bench", "--conversations", str(convs), "--shared-prefix", "64", "--no-progress"]) == 2
     assert "--shared-prefix applies to the built-in sessions" in capsys.readouterr().err
     assert main(["bench", "--target-blocks", "10", "--sessions", "1", "--turns", "1", "--no-progress"]) == 2
-    assert "--target-blocks 10 cannot hold --concurrency 1" in capsys.readouterr().err
+    assert "--target-blocks 10 cannot hold one sequence of up to 4096 tokens: use at least 256" in (
+        capsys.readouterr().err)
+    assert main(["bench", "--server", "127.0.0.1:9", "--policies", "carry,paired", "--no-progress"]) == 2
+    assert "--policies paired with --server 127.0.0.1:9: paired" in capsys.readouterr().err

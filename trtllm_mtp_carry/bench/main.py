@@ -224,9 +224,9 @@ def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, s
     per_seq = -(-max_len // 16)
     slots = _carry_slots() or 1
     target_blocks = getattr(args, "target_blocks", None)
-    if target_blocks is not None and target_blocks < per_seq * args.concurrency:
-        raise ValueError(f"--target-blocks {target_blocks} cannot hold --concurrency {args.concurrency} "
-                         f"sequences of up to {max_len} tokens: use at least {per_seq * args.concurrency}")
+    if target_blocks is not None and target_blocks < per_seq:
+        raise ValueError(f"--target-blocks {target_blocks} cannot hold one sequence of up to {max_len} "
+                         f"tokens: use at least {per_seq}")
     return EngineConfig(
         max_model_len=max_len,
         # room for every in-flight sequence plus every session's cached prefix, so the
@@ -363,6 +363,9 @@ def run_server(args: argparse.Namespace) -> int:
             "(set it with `trtllm-mtp-carry serve` or `triton-repo` options); "
             f"drop {'it' if len(given) == 1 else 'them'} here")
     _check(args)
+    if "paired" in [p.strip() for p in args.policies.split(",")]:
+        raise ValueError(f"--policies paired with --server {args.server}: paired (the model of "
+                         "TensorRT-LLM's paired draft reuse) runs on the in-process reference engine only")
 
     from ..engine.tokenizer import ChatTokenizer
     from ..serve.triton.bench_client import iter_replay_on_server

@@ -69,7 +69,7 @@ import torch
 
 from ..core import plan_append
 from ..dataplane.hidden_store import HiddenStore
-from ..dataplane.kv_pool import PoolExhaustedError
+from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
 from ..dataplane.ops import drafter_row_append
 from ..dataplane.reference import slots_for_rows
 from ..dataplane.rope import RopeConfig
@@ -85,15 +85,6 @@ TreeKey = int | tuple[int, bytes]
 
 class PairedPoolExhausted(PoolExhaustedError):
     """No free block and no evictable published block: the grow was refused, nothing changed."""
-
-
-@dataclass(frozen=True)
-class PairedRows:
-    """A snapshot of one live sequence's drafter rows."""
-
-    block_table: tuple[int, ...]
-    rows: int
-    last_pair_key: int | None
 
 
 @dataclass(frozen=True)
@@ -212,7 +203,7 @@ class PairedDraftPool:
             chain.append(src)
         return DraftMatch(depth + best, tuple(chain))
 
-    def adopt(self, seq_id: int, found: DraftMatch, depth: int) -> PairedRows:
+    def adopt(self, seq_id: int, found: DraftMatch, depth: int) -> CarriedBlocks:
         """Start `seq_id` with the rows of keys `[0, depth)` of `found` (`depth <= found.tokens`).
 
         Whole blocks are shared (ref +1); a tail inside a block is copied into a
@@ -286,16 +277,16 @@ class PairedDraftPool:
     def has_sequence(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
-    def sequence(self, seq_id: int) -> PairedRows:
+    def sequence(self, seq_id: int) -> CarriedBlocks:
         """Snapshot of a live sequence's blocks, rows and newest key."""
         s = self._live(seq_id)
-        return PairedRows(tuple(s.table), s.rows, s.last_pair_key)
+        return CarriedBlocks(tuple(s.table), s.rows, s.last_pair_key)
 
     def allocate_sequence(self, seq_id: int) -> None:
         """Register `seq_id` with no rows; RuntimeError if it is already live."""
         self.adopt(seq_id, DraftMatch.empty(), 0)
 
-    def append_rows(self, seq_id: int, keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> PairedRows:
+    def append_rows(self, seq_id: int, keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CarriedBlocks:
         """Append rows after the sequence's last (keys `[n]` int64 increasing, past its last key;
         k, v `[n, Hkv, D]` bf16 pre-RoPE); the rows land in private blocks only."""
         # keys: [n] int64; k, v: [n, Hkv, D] bf16 on the pool's device
