@@ -163,3 +163,16 @@ def test_eviction_takes_unheld_published_blocks_oldest_first_and_never_shared_on
         p.free_sequence(2)
     with pytest.raises(RuntimeError, match="already live"):
         p.allocate_sequence(3)
+
+
+def test_cancel_mid_prefill_releases_shared_tree_blocks_and_publishes_nothing(model):
+    system, spans = shared_prompt_sessions()
+    eng = engine(model, policy="paired")
+    eng.generate("a", system + spans["a"][0], max_new_tokens=10)
+    published = eng.paired.stats().blocks_published
+    rid = eng.submit("b", system + spans["b"][0], max_new_tokens=10)
+    eng.step()  # admitted (4 tree blocks shared) and one 16-token chunk prefilled
+    assert eng.paired.pool.sequence(rid).rows == 64 + 16
+    assert eng.cancel(rid).finish_reason == "cancelled"
+    eng.check()  # every shared block back to ref 0, nothing live
+    assert eng.paired.pool.num_live == 0 and eng.paired.stats().blocks_published == published
