@@ -176,3 +176,13 @@ def test_cancel_mid_prefill_releases_shared_tree_blocks_and_publishes_nothing(mo
     assert eng.cancel(rid).finish_reason == "cancelled"
     eng.check()  # every shared block back to ref 0, nothing live
     assert eng.paired.pool.num_live == 0 and eng.paired.stats().blocks_published == published
+
+
+def test_a_block_shared_with_another_prompt_is_used_inside_the_chain_whatever_its_lookahead():
+    p = pool(num_blocks=8)
+    a = list(range(40))
+    b = a[:16] + [900 + i for i in range(24)]  # the same block 0, then b's own tokens
+    fill(p, 1, a)
+    assert fill(p, 2, b) == 2  # b's block 0 key is a's (first wins): b publishes block 1 and its tail
+    assert p.match(PrefixKeys(b, 16), b).tokens == 39  # a's block 0 (its lookahead is a's), then b's
+    p.check()

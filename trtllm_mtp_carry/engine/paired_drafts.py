@@ -25,11 +25,13 @@ How the model works, for a prompt of L tokens under `cache_salt` root `r`:
   (ref-counted); a block no sequence holds stays cached and is evicted least
   recently used first, only when the pool needs a block.
 - Matching: the drafter match `C` is the number of leading pair keys whose
-  rows the tree holds for this prompt. Row `k` is computed from
-  `(t_{k+1}, hidden_k)`, so it depends on one token past its block (the
-  drafter's lookahead; TensorRT-LLM's `reuse_match_backoff`): every published
-  block also records that token, and a block whose lookahead token differs
-  from the prompt's is usable up to its second-to-last row only.
+  rows the tree holds for this prompt, matched by the same chained keys as
+  the target's. Row `k` is computed from `(t_{k+1}, hidden_k)`, so it depends
+  on one token past its block (the drafter's lookahead; TensorRT-LLM's
+  `reuse_match_backoff`): every published block records that token, and when
+  the match's last block has another one than the prompt, its last row is not
+  used. Interior blocks are used as matched (their last row carries their
+  publisher's next token, as in TensorRT-LLM's token-keyed tree).
 - Reuse: the target's resume depth is `min(M, C)` rounded down to an SSM
   snapshot (`plan_resume`); the rows of keys `[0, d)` are shared (whole blocks)
   or copied (the tail block, copy on write); the new span's rows are built per
@@ -37,13 +39,18 @@ How the model works, for a prompt of L tokens under `cache_salt` root `r`:
 
 Simplifications (each one is generous to `paired`, never to the carry):
 - TensorRT-LLM backs the draft match off by the lookahead unconditionally; here
-  the recorded lookahead token is compared, so a session continuing its own turn
-  loses nothing. The reference engine's SSM snapshots are sparse (chunk ends and
+  the recorded lookahead token of the match's last block is compared, so a
+  session continuing its own turn loses nothing. The reference engine's SSM snapshots are sparse (chunk ends and
   turn ends), so a blanket one-token backoff would round every warm turn down to
   an earlier snapshot: an artefact of this engine, not TensorRT-LLM's behaviour.
 - TensorRT-LLM commits only prompt blocks (`per_request`/`per_conversation`
   commit at the end of context); here the drafter publishes every row it has,
   generated tokens included, as the reference engine's target cache does.
+- Drafter blocks are published when the sequence finishes; TensorRT-LLM
+  commits draft blocks at the end of context. A turn admitted while another
+  session that shares its prefix is still decoding finds that session's
+  target blocks but not yet its drafter blocks (counted as depth lost). This
+  one is against paired; it never cost a recomputed token in the measured runs.
 - One scheduler thread, no host offload of evicted blocks, one block size for
   both pools (16 tokens), no `max_num_turns` drop plan.
 
@@ -174,8 +181,11 @@ class PairedDraftPool:
         """The leading pair keys of `prompt` whose rows the tree holds (at most `len - 1`).
 
         Full blocks match by chained key, then the longest partial block under
-        the same parent whose tokens agree; each block's lookahead token must
-        equal the prompt's token after the block, else its last row is unusable.
+        the same parent whose tokens agree. The last block of the match must
+        have the prompt's token after it as its lookahead, else its last row is
+        unusable. An interior block is used whatever its lookahead, as
+        TensorRT-LLM's token-keyed draft tree does: its last row was built with
+        its publisher's next token (a drafting inexactness, never an output one).
         """
         bs, cap = self.block_size, len(prompt) - 1
         chain: list[int] = []
@@ -186,8 +196,6 @@ class PairedDraftPool:
                 break
             chain.append(block)
             n += 1
-            if self._next[block] != prompt[n * bs]:
-                return DraftMatch(n * bs - 1, tuple(chain))
         depth = n * bs
         best, src = 0, None
         room = min(cap - depth, bs - 1)
@@ -201,6 +209,8 @@ class PairedDraftPool:
                 best, src = usable, block
         if src is not None:
             chain.append(src)
+        elif chain and self._next[chain[-1]] != prompt[depth]:  # the lookahead the next key needs
+            return DraftMatch(depth - 1, tuple(chain))
         return DraftMatch(depth + best, tuple(chain))
 
     def adopt(self, seq_id: int, found: DraftMatch, depth: int) -> CarriedBlocks:
