@@ -180,3 +180,51 @@ def test_bench_at_concurrency_reports_adoption_refusals_evictions_and_throughput
     assert sum(carry["refusals"].values()) + carry["outcomes"].get("adopted", 0) <= outcomes
     assert isinstance(carry["evictions"], dict) and carry["output_tokens_per_s"] > 0
     assert data["summary"]["ratios"]["carry/blind"]["pairs"] == 2
+
+
+def test_shared_prefix_sessions_start_with_the_same_system_prompt_of_that_many_tokens():
+    sessions = builtin_sessions(3, 2, 100, 32, TOK, shared_prefix_tokens=200)
+    systems = {s.history[0]["content"] for s in sessions}
+    assert len(systems) == 1 and all(s.history[0]["role"] == "system" for s in sessions)
+    assert len(TOK.encode(systems.pop())) == 200
+    assert len({s.history[1]["content"] for s in sessions}) == 3  # each its own history after it
+
+
+def test_paired_on_shared_prefix_sessions_reports_its_counters_and_outputs_match(tmp_path, capsys):
+    out = tmp_path / "paired.json"
+    rc = main(["bench", "--sessions", "2", "--turns", "2", "--history", "64", "--shared-prefix", "300",
+               "--new-span", "32", "--max-new-tokens", "6", "--repeat", "1", "--chunk", "128",
+               "--policies", "carry,paired,off", "--drafter-blocks", "160", "--no-progress",
+               "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["outputs_identical"] is True and data["config"]["shared_prefix"] == 300
+    s = data["summary"]
+    assert s["paired"]["drafter_blocks"] == s["carry"]["drafter_blocks"] == 160
+    p = s["paired"]["paired"]
+    assert p["turns"] == 5 and p["warm_turns"] == 3  # 4 turns and the replay's warm-up request;
+    # the second session's first turn is warm too
+    assert p["tree_hits"] == 3 and p["pool_blocks"] == 160
+    assert 0 < s["paired"]["drafter_blocks_peak"] <= 160 and s["off"]["drafter_blocks_peak"] == 0
+    # the second session's first turn resumes at the chunk-end snapshot inside the shared
+    # prompt: paired takes those rows from the tree, the carry has none of its own (blind)
+    second = {pol: next(t for t in data["policies"][pol]["turns"] if t["session"] == "s1" and t["turn"] == 0)
+              for pol in ("carry", "paired")}
+    assert second["carry"]["reused_tokens"] == second["paired"]["reused_tokens"] == 256
+    assert second["paired"]["drafter_rows_kept"] == 256 and second["carry"]["drafter_rows_kept"] == 0
+    for t in data["policies"]["paired"]["turns"]:
+        assert t["recomputed_for_cap"] == 0 and t["drafter_tree_tokens"] >= t["reused_tokens"]
+    assert "carry/paired" in s["ratios"]
+    printed = capsys.readouterr().out
+    assert "drafter tree hits 3 of 3 warm turns" in printed and "target tokens computed" in printed
+
+
+def test_shared_prefix_with_conversations_and_a_too_small_target_pool_are_refused(tmp_path, capsys):
+    convs = tmp_path / "c.jsonl"
+    convs.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert main(["bench", "--conversations", str(convs), "--shared-prefix", "64", "--no-progress"]) == 2
+    assert "--shared-prefix applies to the built-in sessions" in capsys.readouterr().err
+    assert main(["bench", "--target-blocks", "10", "--sessions", "1", "--turns", "1", "--no-progress"]) == 2
+    assert "--target-blocks 10 cannot hold one sequence of up to 4096 tokens: use at least 256" in (
+        capsys.readouterr().err)
+    assert main(["bench", "--server", "127.0.0.1:9", "--policies", "carry,paired", "--no-progress"]) == 2
+    assert "--policies paired with --server 127.0.0.1:9: paired" in capsys.readouterr().err

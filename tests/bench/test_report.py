@@ -7,6 +7,7 @@ from trtllm_mtp_carry.bench.report import (
     outputs_identical,
     paired,
     policy_summary,
+    reuse_table,
     summary_table,
     turn_table,
 )
@@ -139,3 +140,20 @@ def test_a_turn_whose_drafter_was_off_counts_as_zero_acceptance_not_left_out():
     s = policy_summary(run, first_measured=1)
     assert (s["acceptance_median"], s["acceptance_p25"], s["acceptance_p75"]) == (0.25, 0.125, 0.5)
     assert s["acceptance_pooled"] == 0.5
+
+
+def test_memory_figures_take_the_peak_and_paired_counters_sum_over_measured_replays():
+    carry, _ = carry_and_blind()
+    counters = {"turns": 3, "warm_turns": 2, "tree_hits": 2, "rows_from_tree": 100, "depth_lost": 5,
+                "tokens_recomputed_for_cap": 7, "rows_built": 9, "blocks_published": 4,
+                "tree_evictions": 1, "tail_copies": 1, "tree_blocks": 4, "blocks_held": 4,
+                "blocks_peak": 6, "pool_blocks": 8}
+    for r, peak in ((0, 99), (1, 5), (2, 6)):  # replay 0 (the warm-up) is left out
+        carry.runtime[r] |= {"drafter_blocks_peak": peak, "drafter_blocks": 8,
+                             "paired": counters | {"blocks_peak": peak}}
+    s = policy_summary(carry, 1)
+    assert (s["drafter_blocks_peak"], s["drafter_blocks"], s["target_blocks_peak"]) == (6, 8, None)
+    assert s["paired"]["tree_hits"] == 4 and s["paired"]["tokens_recomputed_for_cap"] == 14
+    assert s["paired"]["blocks_peak"] == 6 and s["paired"]["pool_blocks"] == 8
+    assert s["target_computed_total"] == 2 * (1001 - 900 + 1002 - 900)
+    assert "drafter tree hits 4 of 4 warm turns (200 rows)" in reuse_table({"carry": s})

@@ -168,4 +168,4 @@ def test_sessions_longer_than_the_model_name_the_flags():
 def test_chat_unknown_policy_is_one_line():
     line = one_error_line(run_cli("chat", "--policy", "turbo"))
     assert line == ("trtllm-mtp-carry: error: unknown drafter policy 'turbo'; "
-                    "expected one of carry, rebuild, blind, off")
+                    "expected one of carry, rebuild, blind, paired, off")

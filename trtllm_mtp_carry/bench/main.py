@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the replay module imports torch; the parser stays torch-fre
 
 DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
-SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--device", "--dtype", "--threads",
+SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype", "--threads",
                      "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots")
 """Flags that size or place the engine: with --server they are the server's parameters."""
 
@@ -70,12 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                    help="comma-separated drafter policies to compare, first is the numerator of "
-                        "every ratio (carry, rebuild, blind, off)")
+                        "every ratio (carry, rebuild, blind, paired, off; paired models TensorRT-LLM's "
+                        "paired draft reuse, PR #19303)")
     p.add_argument("--sessions", type=positive_int, metavar="N", default=4, help="number of built-in sessions")
     p.add_argument("--turns", type=positive_int, metavar="N", default=4,
                    help="turns per built-in session (the first is cold)")
     p.add_argument("--history", type=positive_int, metavar="N", default=1024, help="tokens of history before turn 1")
     p.add_argument("--new-span", type=positive_int, metavar="N", default=128, help="tokens each warm turn adds")
+    p.add_argument("--shared-prefix", type=positive_int, metavar="N", default=None,
+                   help="every built-in session starts with the same N-token system prompt "
+                        "(sessions of one deployment sharing a prefix)")
     p.add_argument("--conversations", metavar="PATH.jsonl",
                    help="replay your own chat conversations ({'messages': [...]} per line) instead")
     p.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=32, help="answer length cap per turn")
@@ -91,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-blocks", type=positive_int, default=None, metavar="N",
                    help="drafter KV pool size in 16-row blocks (default: room for every in-flight "
                         "sequence and carried session; smaller forces evictions)")
+    p.add_argument("--target-blocks", type=positive_int, default=None, metavar="N",
+                   help="target KV pool size in 16-token blocks (default: room for every in-flight "
+                        "sequence and every session's cached prefix)")
     p.add_argument("--device", action=_Given, default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", action=_Given, default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--threads", action=_Given, type=positive_int, metavar="N", default=1,
@@ -179,6 +186,8 @@ def _check(args: argparse.Namespace) -> None:
         DrafterPolicy.parse(name)
     if len(set(names)) != len(names):
         raise ValueError(f"--policies names a policy twice: {args.policies!r}")
+    if args.conversations is not None and getattr(args, "shared_prefix", None):
+        raise ValueError("--shared-prefix applies to the built-in sessions, not to --conversations")
     if args.conversations is not None and not Path(args.conversations).is_file():
         raise ValueError(f"--conversations {args.conversations}: no such file")
     weights_dir(args.weights)
@@ -214,12 +223,16 @@ def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, s
     max_len = min(max_position, max(4096, 1 << (longest - 1).bit_length()))
     per_seq = -(-max_len // 16)
     slots = _carry_slots() or 1
+    target_blocks = getattr(args, "target_blocks", None)
+    if target_blocks is not None and target_blocks < per_seq:
+        raise ValueError(f"--target-blocks {target_blocks} cannot hold one sequence of up to {max_len} "
+                         f"tokens: use at least {per_seq}")
     return EngineConfig(
         max_model_len=max_len,
         # room for every in-flight sequence plus every session's cached prefix, so the
         # prefix cache does not evict a session between its turns (that would make warm
         # turns cold and say nothing about the carry)
-        num_target_blocks=max(4096, per_seq * (args.concurrency + len(sessions))),
+        num_target_blocks=target_blocks or max(4096, per_seq * (args.concurrency + len(sessions))),
         num_drafter_blocks=args.drafter_blocks or max(
             1024, per_seq * (args.concurrency + min(slots, len(sessions)))),
         prefill_chunk=args.chunk, draft_len=args.draft_len, max_num_seqs=args.concurrency,
@@ -231,7 +244,7 @@ def server_side_flags(args: argparse.Namespace) -> list[str]:
     """The `SERVER_SIDE_FLAGS` the user typed (settings flags and paths default to None)."""
     typed = set(getattr(args, "given_flags", ()))
     for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
-                 "--drafter-blocks"):
+                 "--drafter-blocks", "--target-blocks"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             typed.add(flag)
     return [f for f in SERVER_SIDE_FLAGS if f in typed]
@@ -350,6 +363,9 @@ def run_server(args: argparse.Namespace) -> int:
             "(set it with `trtllm-mtp-carry serve` or `triton-repo` options); "
             f"drop {'it' if len(given) == 1 else 'them'} here")
     _check(args)
+    if "paired" in [p.strip() for p in args.policies.split(",")]:
+        raise ValueError(f"--policies paired with --server {args.server}: paired (the model of "
+                         "TensorRT-LLM's paired draft reuse) runs on the in-process reference engine only")
 
     from ..engine.tokenizer import ChatTokenizer
     from ..serve.triton.bench_client import iter_replay_on_server
@@ -373,7 +389,8 @@ def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     from .sessions import builtin_sessions, load_conversations, sessions_from_conversations
 
     if not args.conversations:
-        return builtin_sessions(args.sessions, args.turns, args.history, args.new_span, tokenizer)
+        return builtin_sessions(args.sessions, args.turns, args.history, args.new_span, tokenizer,
+                                shared_prefix_tokens=getattr(args, "shared_prefix", None) or 0)
     try:
         conversations = load_conversations(args.conversations)
     except OSError as exc:
@@ -397,6 +414,8 @@ def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], firs
     excluded = "" if first_measured == 0 else ", warm-up replay 0 excluded"
     print(f"warm turns, median [p25-p75] ({what}replays {first_measured}..{args.repeat - 1}{excluded})")
     print(report.summary_table(summary))
+    print()
+    print(report.reuse_table(summary))
     print()
     for line in report.ratio_lines(ratios):
         print(line)

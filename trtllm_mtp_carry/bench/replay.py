@@ -82,6 +82,7 @@ def replay(
     by_name = {s.name: s for s in sessions}
     inflight: dict[int, str] = {}
     cursor = 0
+    target_peak = 0  # target KV blocks held (live and cached), most after any step
     run.busy_s.setdefault(replay_index, 0.0)
 
     def candidate() -> str | None:
@@ -104,6 +105,8 @@ def replay(
             break
         results = engine.step()
         run.busy_s[replay_index] += time.perf_counter() - t0
+        blocks = engine.blocks.stats()
+        target_peak = max(target_peak, blocks.num_blocks - blocks.num_free)
         for result in results:
             name = inflight.pop(result.request_id)
             run.turns.append(TurnRecord(name, next_turn[name], result.stats.as_dict(), result.output,
@@ -117,6 +120,12 @@ def replay(
     engine.check()
     stats = engine.runtime.stats()  # a dataclass of counters (nested ones too), whatever it holds
     run.runtime[replay_index] = asdict(stats) if is_dataclass(stats) else dict(vars(stats))
+    run.runtime[replay_index]["drafter_blocks_peak"] = engine.drafter_blocks_peak
+    run.runtime[replay_index]["target_blocks_peak"] = target_peak
+    run.runtime[replay_index]["target_blocks"] = config.num_target_blocks
+    run.runtime[replay_index]["drafter_blocks"] = config.num_drafter_blocks
+    if policy is DrafterPolicy.PAIRED:
+        run.runtime[replay_index]["paired"] = asdict(engine.paired.stats())
     yield run
 
 

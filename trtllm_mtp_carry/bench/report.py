@@ -50,6 +50,9 @@ def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any
     out |= _spread("drafter_prep_ms", [x["drafter_prep_ms"] for x in s])
     out |= _spread("acceptance", [x["acceptance"] for x in s] if drafts else [])
     out["drafter_rows_computed_median"] = Spread.of([x["drafter_rows_computed"] for x in s]).median
+    out |= _spread("target_computed", [x["prompt_tokens"] - x["reused_tokens"] for x in s])
+    out["target_computed_total"] = sum(x["prompt_tokens"] - x["reused_tokens"] for x in s)
+    out["recomputed_for_cap_total"] = sum(x.get("recomputed_for_cap", 0) for x in s)
     out["reused_tokens_median"] = Spread.of([x["reused_tokens"] for x in s]).median
     out["prompt_tokens_median"] = Spread.of([x["prompt_tokens"] for x in s]).median
     out["acceptance_pooled"] = accepted / drafted if drafted else None
@@ -68,6 +71,24 @@ def _sum_evictions(runtimes: Sequence[dict[str, Any]]) -> dict[str, int]:
         for cause, n in (d.get("evictions") or {}).items():
             total[cause] = total.get(cause, 0) + n
     return total
+
+
+PAIRED_PEAKS = ("blocks_peak", "pool_blocks")
+"""`PairedStats` fields that are levels (the most over the replays), not counts to sum."""
+
+
+def _memory(runtimes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Pool sizes and the most blocks held over the measured replays (each replay is a fresh
+    engine), and the `paired` policy's counters summed over them (`paired`, where it ran)."""
+    out: dict[str, Any] = {}
+    for name in ("drafter_blocks_peak", "target_blocks_peak", "drafter_blocks", "target_blocks"):
+        values = [d[name] for d in runtimes if d.get(name) is not None]
+        out[name] = max(values) if values else None
+    paired = [d["paired"] for d in runtimes if d.get("paired")]
+    if paired:
+        out["paired"] = {k: (max if k in PAIRED_PEAKS else sum)(p[k] for p in paired)
+                         for k in paired[0] if k not in ("tree_blocks", "blocks_held")}
+    return out
 
 
 def measured(run: PolicyRun, first_measured: int) -> list[TurnRecord]:
@@ -93,6 +114,7 @@ def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
     out["output_tokens_per_s"] = tokens / busy if busy > 0 else None
     runtimes = [d for r, d in sorted(run.runtime.items()) if r >= first_measured]
     out["evictions"] = _sum_evictions(runtimes)
+    out |= _memory(runtimes)
     if runtimes:
         out["carry_armed"] = runtimes[-1].get("armed")
     return out
@@ -188,6 +210,33 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
         flat = " ".join(f"{k}={v}" for k, v in s["evictions"].items() if v)
         if flat:
             notes.append(f"{policy}: evictions {flat}")
+    return "\n".join(lines + notes)
+
+
+def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
+    """Per policy on warm turns: target tokens the prefill computed (median [p25-p75] and
+    total), the most drafter and target blocks held; then the `paired` counters."""
+    head = (f"{'policy':<8} {'target tokens computed':>24} {'total':>8} {'cap':>7} "
+            f"{'drafter blocks peak':>20} {'target blocks peak':>19}")
+    lines = [head, "-" * len(head)]
+    notes = []
+    for policy, s in summary.items():
+        if not s.get("turns"):
+            continue
+        d_peak, d_all = s.get("drafter_blocks_peak"), s.get("drafter_blocks")
+        t_peak, t_all = s.get("target_blocks_peak"), s.get("target_blocks")
+        drafter = "-" if d_peak is None else f"{d_peak} of {d_all}"
+        target = "-" if t_peak is None else f"{t_peak} of {t_all}"
+        lines.append(f"{policy:<8} {_mid(s, 'target_computed', '.0f'):>24} "
+                     f"{s['target_computed_total']:>8} {s['recomputed_for_cap_total']:>7} "
+                     f"{drafter:>20} {target:>19}")
+        p = s.get("paired")
+        if p:
+            notes.append(
+                f"{policy}: drafter tree hits {p['tree_hits']} of {p['warm_turns']} warm turns "
+                f"({p['rows_from_tree']} rows), depth the tree lacked {p['depth_lost']}, target "
+                f"tokens recomputed for the cap {p['tokens_recomputed_for_cap']}, tree evictions "
+                f"{p['tree_evictions']}, blocks published {p['blocks_published']}")
     return "\n".join(lines + notes)
 
 

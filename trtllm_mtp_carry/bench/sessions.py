@@ -81,20 +81,24 @@ def sessions_from_conversations(conversations: list[list[dict[str, str]]]) -> li
 def builtin_sessions(
     num_sessions: int, turns: int, history_tokens: int, new_span_tokens: int,
     tokenizer: ChatTokenizer, conversations: list[list[dict[str, str]]] | None = None,
+    shared_prefix_tokens: int = 0,
 ) -> list[BenchSession]:
     """`num_sessions` sessions of about `history_tokens` history and `turns - 1` follow-ups.
 
     Each history cycles through the held-out conversations from its own
     offset, so sessions differ; each follow-up is about `new_span_tokens`
-    rendered tokens of held-out user messages.
+    rendered tokens of held-out user messages. With `shared_prefix_tokens`,
+    every history starts with the same system message of exactly that many
+    content tokens (`shared_system_prompt`), as sessions of one deployment do.
     """
     if num_sessions < 1 or turns < 1:
         raise ValueError(f"need at least one session and one turn, got {num_sessions} and {turns}")
     pool = conversations if conversations is not None else load_conversations()
+    system = shared_system_prompt(shared_prefix_tokens, tokenizer, pool) if shared_prefix_tokens else None
     sessions = []
     for s in range(num_sessions):
         messages = _cycle(pool, offset=s * 7)
-        history: list[dict[str, str]] = []
+        history: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
         size = 0
         while True:
             m = next(messages)
@@ -106,6 +110,20 @@ def builtin_sessions(
         followups = [_user_text(user_texts, new_span_tokens, tokenizer) for _ in range(turns - 1)]
         sessions.append(BenchSession(f"s{s}", history, followups))
     return sessions
+
+
+def shared_system_prompt(tokens: int, tokenizer: ChatTokenizer,
+                         conversations: list[list[dict[str, str]]]) -> str:
+    """A system message of exactly `tokens` content tokens, from held-out texts (the same
+    for every call with the same arguments): a deployment's long shared instructions."""
+    parts: list[int] = []
+    texts = (m["content"] for m in _cycle(conversations, offset=len(conversations) // 2))
+    while len(parts) < tokens:
+        parts += tokenizer.encode(next(texts) + "\n\n")
+    text = bytes(parts[:tokens]).decode("utf-8", errors="ignore")
+    while len(tokenizer.encode(text)) < tokens:  # a multi-byte character cut at the end
+        text += " "
+    return text
 
 
 def _cycle(pool: list[list[dict[str, str]]], offset: int) -> Iterator[dict[str, str]]:

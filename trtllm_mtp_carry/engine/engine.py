@@ -65,6 +65,7 @@ from ..runtime.policy import DrafterPolicy
 from .block_manager import PrefixMatch, TargetBlockManager
 from .config import DTYPES, MAX_DRAFT_LEN, EngineConfig
 from .model import HybridLM
+from .paired_drafts import PairedBuild, PairedDraftPool, PairedDrafts, PairedPlan
 from .prefix_hash import ROOT_HASH, CacheSalt, PrefixKeys, salt_root
 from .snapshot_cache import ResumePlan, SnapshotCache, plan_resume
 from .target_kv import BatchKV, PagedTargetKV, SequenceKV
@@ -93,7 +94,7 @@ class _Sequence:
     kv: SequenceKV
     stats: TurnStats
     t_admit: float
-    build: DrafterBuild  # the admission plan for the drafter rows, filled per chunk
+    build: DrafterBuild | PairedBuild  # the admission plan for the drafter rows, filled per chunk
     phase: str = "prefill"  # prefill -> decode
     last_hidden: torch.Tensor | None = None  # [H]: hidden of the newest computed position
     finish_reason: str = ""
@@ -121,7 +122,7 @@ class _RowMirror:
         self.keys = torch.empty(capacity, dtype=torch.int64, device=device)
         self.rows = 0
 
-    def sync(self, pool: DrafterKVPool, seq_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sync(self, pool: DrafterKVPool | PairedDraftPool, seq_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read the rows the pool gained; return views `(k, v, keys)` of every row."""
         k, v, keys = pool.gather(seq_id, start_row=self.rows)
         end = self.rows + keys.shape[0]
@@ -180,6 +181,8 @@ class ReferenceEngine:
             RopeConfig(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta), device=self.device,
         )
         self.runtime = CarryRuntime(self, config.policy)
+        self._paired: PairedDrafts | None = None  # built on the first `paired` request
+        self.drafter_blocks_peak = 0  # most drafter blocks held after any step, every pool
         self._waiting: list[_Request] = []
         self._running: list[_Sequence] = []
         self._finished: list[TurnResult] = []
@@ -211,6 +214,31 @@ class ReferenceEngine:
         x = drafter.project(next_tokens, hidden.to(self.dtype))
         _, k, v = drafter.qkv(x, keys)
         return k.to(self._pool.k_cache.dtype), v.to(self._pool.v_cache.dtype)
+
+    @property
+    def paired(self) -> PairedDrafts:
+        """The `paired` policy's drafter pool and tree (`paired_drafts`), created on first use
+        with `num_drafter_blocks` blocks of its own: the draft pool TensorRT-LLM pairs."""
+        if self._paired is None:
+            cfg, c = self.model.cfg, self.config
+            pool = PairedDraftPool(c.num_drafter_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                   RopeConfig(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta),
+                                   device=self.device)
+            self._paired = PairedDrafts(self, pool)
+        return self._paired
+
+    def drafter_blocks_held(self) -> int:
+        """Drafter blocks not free now: live rows, carried entries and the paired tree."""
+        held = self._pool.num_blocks - self._pool.num_free_blocks
+        return held + (self._paired.pool.blocks_held() if self._paired is not None else 0)
+
+    def _rows_of(self, seq: _Sequence) -> DrafterKVPool | PairedDraftPool:
+        """The pool that holds `seq`'s drafter rows."""
+        return self.paired.pool if seq.policy is DrafterPolicy.PAIRED else self._pool
+
+    def _planner(self, seq: _Sequence) -> CarryRuntime | PairedDrafts:
+        """Who builds and releases `seq`'s drafter rows."""
+        return self.paired if seq.policy is DrafterPolicy.PAIRED else self.runtime
 
     # ---- requests -----------------------------------------------------------------
 
@@ -280,7 +308,7 @@ class ReferenceEngine:
         for seq in self._running:
             if seq.request_id == request_id:
                 self._running.remove(seq)
-                self.runtime.release(seq.request_id)
+                self._planner(seq).release(seq.request_id)
                 self.blocks.free(seq.request_id)
                 return self._result(seq, "cancelled")
         return None
@@ -323,13 +351,19 @@ class ReferenceEngine:
             for seq in self._decode_batch(decoding):
                 self._running.remove(seq)
                 finished.append(self._finish(seq))
+        self.drafter_blocks_peak = max(self.drafter_blocks_peak, self.drafter_blocks_held())
         return finished
 
     def check(self) -> None:
         """Prove the pools' ownership invariants; with nothing running, that nothing leaked."""
         self.blocks.check()
         self._pool.check()
+        if self._paired is not None:
+            self._paired.check()
         if not self._running:
+            if self._paired is not None and self._paired.pool.num_live:
+                raise RuntimeError(f"paired draft pool holds {self._paired.pool.num_live} sequences "
+                                   "with nothing running")
             if self._pool.stats().num_sequences:
                 raise RuntimeError(f"drafter pool holds sequences with nothing running: {self._pool.stats()}")
             if self.blocks.stats().num_used:
@@ -382,6 +416,11 @@ class ReferenceEngine:
             match = self.blocks.match_prefix(keys)
             plan = plan_resume(keys, match, self.snapshots.best_for, marconi_min_tokens())
             warm = plan.restore  # the other policies would resume at plan.depth
+            paired: PairedPlan | None = None
+            if req.policy is DrafterPolicy.PAIRED:  # resume no deeper than the drafter tree holds
+                paired = self.paired.plan(keys, req.prompt, match.num_tokens, plan,
+                                          self.snapshots.best_for, marconi_min_tokens())
+                plan = paired.resume
             trimmed = match.trimmed(plan.depth)
             if req.policy is DrafterPolicy.REBUILD and warm:  # one target pass from position 0
                 plan, trimmed = ResumePlan(0, False, "rebuild: recompute from 0"), PrefixMatch.empty(bs)
@@ -407,8 +446,16 @@ class ReferenceEngine:
             stats = TurnStats(prompt_tokens=len(req.prompt), reused_tokens=alloc.num_cached_tokens,
                               snapshot_restored=plan.restore, policy=req.policy.value)
             ticket = self.runtime.draw_ticket()
-            build = self.runtime.prepare(req.request_id, ticket, req.session_hash, req.prompt,
-                                         alloc.num_cached_tokens, req.policy, warm=warm)
+            build: DrafterBuild | PairedBuild
+            if paired is not None:
+                build = self.paired.prepare(req.request_id, ticket, req.prompt,
+                                            alloc.num_cached_tokens, paired, warm)
+                stats.drafter_tree_tokens = paired.found.tokens
+                stats.drafter_depth_lost = paired.depth_lost if warm else 0
+                stats.recomputed_for_cap = paired.recomputed_for_cap if warm else 0
+            else:
+                build = self.runtime.prepare(req.request_id, ticket, req.session_hash, req.prompt,
+                                             alloc.num_cached_tokens, req.policy, warm=warm)
             seq = _Sequence(
                 req.request_id, req.session_id, req.session_hash, ticket,
                 req.policy, req.draft_len, req.max_new_tokens, req.prompt, list(req.prompt), keys,
@@ -431,7 +478,8 @@ class ReferenceEngine:
         if build.next_key is not None and not seq.drafter_off:
             # this chunk's drafter rows, while the store rows are still this ticket's
             try:
-                self.runtime.build_chunk(seq.request_id, seq.ticket, build, seq.prompt, start, end)
+                self._planner(seq).build_chunk(seq.request_id, seq.ticket, build,  # type: ignore[arg-type]
+                                               seq.prompt, start, end)
             except PoolExhaustedError as exc:
                 self._drop_drafter(seq, exc)
                 build.mode, build.outcome, build.next_key = "exhausted", None, None
@@ -506,10 +554,10 @@ class ReferenceEngine:
         k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
         live: list[int] = []
         for b, s in enumerate(seqs):  # bookkeeping per sequence: its own pool rows
-            last = self._pool.sequence(s.request_id).last_pair_key
+            last = self._rows_of(s).sequence(s.request_id).last_pair_key
             if last is None or last < len(s.tokens) - 2:  # first step: key0's row (later
                 try:  # steps got it from the previous verify)
-                    self._pool.append_rows(s.request_id, key0[b:b + 1], k16[b:b + 1], v16[b:b + 1])
+                    self._rows_of(s).append_rows(s.request_id, key0[b:b + 1], k16[b:b + 1], v16[b:b + 1])
                 except PoolExhaustedError as exc:
                     self._drop_drafter(s, exc)
                     continue
@@ -525,7 +573,7 @@ class ReferenceEngine:
             if s.mirror is None:  # every key of the prompt and the answer fits
                 capacity = len(s.prompt) + s.max_new_tokens + MAX_DRAFT_LEN + 1
                 s.mirror = _RowMirror(capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype, dev)
-            real.append(s.mirror.sync(self._pool, s.request_id)[2].shape[0])
+            real.append(s.mirror.sync(self._rows_of(s), s.request_id)[2].shape[0])
             mirrors.append(s.mirror)
         out: list[list[int]] = []
         h_out, keys = hidden, key0  # each later draft reads the drafter's own output hidden
@@ -610,7 +658,7 @@ class ReferenceEngine:
         at = 0
         for s, _, _, m in row_seqs:
             try:
-                self._pool.append_rows(s.request_id, keys[at:at + m], k[at:at + m], v[at:at + m])
+                self._rows_of(s).append_rows(s.request_id, keys[at:at + m], k[at:at + m], v[at:at + m])
             except PoolExhaustedError as exc:
                 self._drop_drafter(s, exc)
             at += m
@@ -623,7 +671,7 @@ class ReferenceEngine:
         changes nothing).
         """
         logger.warning("request %d: drafter off for the rest of the turn: %s", seq.request_id, why)
-        self.runtime.release(seq.request_id)
+        self._planner(seq).release(seq.request_id)
         seq.drafter_off, seq.mirror = True, None
 
     def _append_real_rows(self, seq: _Sequence, first_key: int, hidden: torch.Tensor) -> None:
@@ -633,22 +681,25 @@ class ReferenceEngine:
         next_tokens = torch.tensor(seq.tokens[first_key + 1:first_key + 1 + m], dtype=torch.int64,
                                    device=self.device)
         k, v = self.drafter_kv(next_tokens, hidden.to(torch.bfloat16), keys)
-        self._pool.append_rows(seq.request_id, keys, k, v)
+        self._rows_of(seq).append_rows(seq.request_id, keys, k, v)
 
     # ---- finish --------------------------------------------------------------------
 
     def _finish(self, seq: _Sequence) -> TurnResult:
         computed = seq.kv.num_tokens  # every token but the newest
-        if self._pool.has_sequence(seq.request_id) and seq.last_hidden is not None:
+        if self._rows_of(seq).has_sequence(seq.request_id) and seq.last_hidden is not None:
             # the newest real key (n - 2) so the carried rows cover every key of the turn
             last_key = len(seq.tokens) - 2
-            rows = self._pool.sequence(seq.request_id)
+            rows = self._rows_of(seq).sequence(seq.request_id)
             if rows.last_pair_key is None or rows.last_pair_key < last_key:
                 try:
                     self._append_real_rows(seq, last_key, seq.last_hidden[None])
                 except PoolExhaustedError as exc:
                     self._drop_drafter(seq, exc)
-        self.runtime.finish(seq.request_id, seq.session_hash, seq.tokens, seq.policy, seq.ticket)
+        if seq.policy is DrafterPolicy.PAIRED:  # publish the rows to the drafter tree
+            self.paired.finish(seq.request_id, seq.tokens, seq.keys.root)
+        else:
+            self.runtime.finish(seq.request_id, seq.session_hash, seq.tokens, seq.policy, seq.ticket)
         done = seq.tokens[:computed]
         self._put_snapshot(PrefixKeys(done, self.config.block_size, seq.keys.root), computed, seq.kv)
         self.blocks.free(seq.request_id, done)

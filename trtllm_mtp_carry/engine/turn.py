@@ -27,6 +27,11 @@ class TurnStats:
     accepted: int = 0
     verify_steps: int = 0
     output_tokens: int = 0
+    # `paired` only (0 otherwise): the drafter tree's match, the target-held depth it
+    # lacked, and the target tokens recomputed because the resume was capped at it
+    drafter_tree_tokens: int = 0
+    drafter_depth_lost: int = 0
+    recomputed_for_cap: int = 0
 
     @property
     def acceptance(self) -> float:

@@ -7,6 +7,11 @@
 - `blind`   TensorRT-LLM's behaviour for hybrid models today: no drafter rows
             over the reused prefix, rows for the new span the prefill computes
             (its context phase runs the MTP layer over the tokens it prefills);
+- `paired`  a model of TensorRT-LLM's paired draft reuse (PR #19303, for the
+            reference engine only: `engine/paired_drafts.py`): the drafter's
+            blocks are published to a prefix tree of their own, and a warm turn
+            resumes at min(target match, drafter match), rounded down to an SSM
+            snapshot; the target recomputes what the drafter pool evicted;
 - `off`     no speculative decoding at all.
 
 Every policy but `off` builds every key's row on a cold turn (the prefill from
@@ -27,6 +32,7 @@ class DrafterPolicy(str, Enum):
     CARRY = "carry"
     REBUILD = "rebuild"
     BLIND = "blind"
+    PAIRED = "paired"
     OFF = "off"
 
     @classmethod
