@@ -1,5 +1,6 @@
 """The `triton-repo` and `serve` subcommands (registered by `trtllm_mtp_carry.cli`).
 
+`serve --dynamo` serves behind NVIDIA Dynamo instead (`serve.dynamo.cli`).
 `triton-repo DIR` writes a model repository; `serve` writes one into a
 temporary directory (or takes `--repository DIR`), starts `tritonserver` on
 loopback with the given ports, waits for the model, prints the endpoints and
@@ -17,6 +18,7 @@ import threading
 from typing import Any
 
 from ..argtypes import non_negative_int, positive_int
+from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
 from .options import ENGINES, POLICIES, ServeOptions
 from .triton.repo import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MODEL_NAME, RepoSpec
 
@@ -82,6 +84,7 @@ def add_subcommands(sub: Any) -> None:
     serve.add_argument("--metrics-port", type=_port, default=8002)
     serve.add_argument("--ready-timeout-s", type=float, default=300.0)
     _add_model_flags(serve)
+    add_dynamo_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -102,6 +105,8 @@ def cmd_triton_repo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.dynamo:
+        return cmd_serve_dynamo(args)
     from .triton.repo import write_repository
     from .triton.server import Endpoints, ServeError, TritonServer, find_tritonserver
 
