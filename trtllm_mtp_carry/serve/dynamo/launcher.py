@@ -1,7 +1,7 @@
 """Dynamo's frontend and N carry workers on loopback, started and stopped as one deployment.
 
 What it is for: `trtllm-mtp-carry serve --dynamo` and the tests. A
-`DynamoDeployment` writes the model directory, starts
+`DynamoDeployment` starts
 `python -m dynamo.frontend` (OpenAI API on `http_host:http_port`, the router
 mode and session affinity of its `DynamoSpec`) and N workers
 (`python -m trtllm_mtp_carry.serve.dynamo.worker`), waits until every worker
@@ -46,7 +46,6 @@ ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded", "power-of-two")
 """The frontend's router modes offered here (`--router-mode`)."""
 
 DEFAULT_MODEL_NAME = "mtp-carry"
-DEFAULT_CONTEXT_LENGTH = 4096  # the reference model's max position
 
 
 class DeploymentError(RuntimeError):
@@ -185,12 +184,10 @@ class DynamoDeployment:
         return env
 
     def start(self) -> None:
-        """Write the model directory, start the frontend and the workers (not yet ready)."""
-        from .model_dir import write_model_dir
-
+        """Start the frontend and the workers (not yet ready; each worker writes the model
+        directory from its engine before it registers)."""
         (self.workdir / "home").mkdir()
         (self.workdir / "discovery").mkdir()
-        write_model_dir(self.model_dir, self.spec.options.max_model_len or DEFAULT_CONTEXT_LENGTH)
         log = self.workdir / "frontend.log"
         self.frontend = subprocess.Popen(
             [self.python, "-m", "dynamo.frontend", *self.spec.frontend_args()],

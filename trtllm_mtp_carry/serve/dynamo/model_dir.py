@@ -21,6 +21,7 @@ the same turn served in process. Pure Python: no torch, no Dynamo.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,9 @@ def tokenizer_json(tok: ChatTokenizer) -> dict[str, Any]:
 
 def write_model_dir(directory: str | Path, context_length: int,
                     tok: ChatTokenizer | None = None) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and config.json into `directory`
-    (created); returns its path. `context_length` is the engine's max_model_len."""
+    """Write tokenizer.json, tokenizer_config.json, config.json and generation_config.json
+    into `directory` (created; each file replaced atomically); returns its path.
+    `context_length` is the engine's max_model_len."""
     if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= 0:
         raise ValueError(f"context_length must be a positive int, got {context_length!r}")
     tok = tok or ChatTokenizer()
@@ -99,7 +101,8 @@ def write_model_dir(directory: str | Path, context_length: int,
         },
         "generation_config.json": {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id},
     }
-    for name, content in files.items():
-        (path / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n",
-                                 encoding="utf-8")
+    for name, content in files.items():  # atomically: several workers may share the directory
+        tmp = path / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path / name)
     return path

@@ -2,9 +2,10 @@
 
 What it is for: `python -m trtllm_mtp_carry.serve.dynamo.worker --model-dir D ...`
 registers one engine (`serve.engines.build_engine`: the reference engine, or
-any engine the seam names) with Dynamo in token mode. Dynamo's frontend
-tokenizes the OpenAI request with the model directory `model_dir` writes and
-sends the prompt tokens here; the worker streams the answer back.
+any engine the seam names) with Dynamo in token mode. The worker writes the
+model directory (`model_dir`: the engine's tokenizer, chat template and
+context length) before it registers; Dynamo's frontend tokenizes the OpenAI
+request with it and sends the prompt tokens here; the worker streams the answer back.
 
 One request, one turn:
 
@@ -66,6 +67,7 @@ from ..engines import build_engine
 from ..options import ENGINES, POLICIES, ServeOptions
 from ..session_server import SessionServer, TurnRequest
 from .metrics import WorkerMetrics
+from .model_dir import write_model_dir
 
 logger = logging.getLogger("trtllm_mtp_carry.serve.dynamo")
 
@@ -216,6 +218,7 @@ class CarryWorker(LLMEngine):
     async def start(self, worker_id: int) -> EngineConfig:
         self.worker_id = worker_id
         self.engine = await asyncio.to_thread(self._build_engine)
+        write_model_dir(self.model_dir, int(self.engine.max_model_len), self.engine.tokenizer)
         config = getattr(self.engine, "config", None)
         block_size = getattr(config, "block_size", None)
         blocks = getattr(self.engine, "blocks", None)  # engines with a prefix-cache block manager
