@@ -10,6 +10,7 @@ README's Dynamo blocks run as written.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -118,3 +119,17 @@ def test_readme_dynamo_blocks_run_as_written(served: Served) -> None:
             assert first.split()[1] in ("no_carry", "foreign_session")  # nothing of this session yet
             assert second.split()[1] == "adopted"
 
+
+
+def test_bench_openai_replays_sessions_with_the_workers_carry_outcomes(served: Served, tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    done = served.netns.run(
+        "trtllm-mtp-carry", "bench", "--openai", served.base_url, "--sessions", "2", "--turns", "2",
+        "--history", "160", "--new-span", "48", "--max-new-tokens", "8", "--repeat", "1",
+        "--policies", "carry,blind", "--concurrency", "2", "--no-progress", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "outputs identical across policies: True" in done.stdout
+    assert "carry: sessions on one worker 2/2" in done.stdout
+    data = json.loads(out.read_text())
+    carry = data["summary"]["carry"]
+    assert carry["outcomes"] == {"adopted": 2}  # both warm turns adopted, as the workers reported
