@@ -9,10 +9,13 @@ Jobs:
    Result: per session, per turn, the reply (and the messages sent).
 - `{"op": "post", "base_url", "bodies": [...]}`: raw chat bodies; status and body of each.
 - `{"op": "get", "urls": [...]}`: status and body of each.
+- `{"op": "disconnect", "base_url", "model", "session", "messages", "max_tokens"}`: a
+   streaming turn whose client hangs up after the first chunk with text.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import time
@@ -21,8 +24,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
+from urllib.parse import urlsplit
 
-from trtllm_mtp_carry.serve.dynamo.openai_client import chat
+from trtllm_mtp_carry.serve.dynamo.openai_client import SESSION_HEADER, chat, chat_body
 
 
 def _session(job: dict[str, Any], s: dict[str, Any]) -> list[dict[str, Any]]:
@@ -53,6 +57,21 @@ def _fetch(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"status": exc.code, "body": exc.read().decode()}
 
 
+def _disconnect(job: dict[str, Any]) -> dict[str, Any]:
+    url = urlsplit(job["base_url"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = chat_body(job["model"], job["messages"], job["max_tokens"])
+    conn.request("POST", url.path + "/chat/completions", json.dumps(body),
+                 {"content-type": "application/json", SESSION_HEADER: job["session"]})
+    response = conn.getresponse()
+    for raw in response:
+        if raw.startswith(b"data:") and b'"content"' in raw:
+            break
+    conn.sock.close()  # hang up mid-stream
+    conn.close()
+    return {"status": response.status}
+
+
 def main() -> None:
     job = json.load(sys.stdin)
     if job["op"] == "sessions":
@@ -60,6 +79,8 @@ def main() -> None:
             result: Any = list(pool.map(lambda s: _session(job, s), job["sessions"]))
     elif job["op"] == "post":
         result = [_fetch(job["base_url"] + "/chat/completions", body) for body in job["bodies"]]
+    elif job["op"] == "disconnect":
+        result = _disconnect(job)
     elif job["op"] == "get":
         result = [_fetch(url) for url in job["urls"]]
     else:

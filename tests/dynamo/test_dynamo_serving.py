@@ -133,3 +133,25 @@ def test_bench_openai_replays_sessions_with_the_workers_carry_outcomes(served: S
     data = json.loads(out.read_text())
     carry = data["summary"]["carry"]
     assert carry["outcomes"] == {"adopted": 2}  # both warm turns adopted, as the workers reported
+
+
+def _outcomes(served: Served) -> int:
+    total = 0
+    for page in served.netns.client({"op": "get", "urls": served.metrics_urls}):
+        total += sum(int(ln.rsplit(" ", 1)[1]) for ln in page["body"].splitlines()
+                     if ln.startswith("mtp_carry_outcomes_total{"))
+    return total
+
+
+def test_a_client_that_hangs_up_cancels_its_turn_in_the_engine(served: Served) -> None:
+    chat = [{"role": "user", "content": "Write a long Python module with many functions."}]
+    before = _outcomes(served)
+    hung = served.netns.client({"op": "disconnect", "base_url": served.base_url, "model": served.model,
+                                "session": "hang-up", "messages": chat, "max_tokens": 3000})
+    assert hung["status"] == 200
+    (turns,) = served.netns.client({"op": "sessions", "base_url": served.base_url, "model": served.model,
+                                    "sessions": [{"id": "hang-up", "messages": chat, "max_tokens": 4}]})
+    assert turns[0]["error"] is None
+    # a session's turns run one at a time: had the 3000-token turn run on, it would have finished
+    # (and been counted) before this one; cancelled, it never finishes
+    assert _outcomes(served) == before + 1
