@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 
 from ...argtypes import positive_int
@@ -40,13 +39,9 @@ def add_dynamo_flags(p: argparse.ArgumentParser) -> None:
                    help="workers publish no KV events (kv mode then routes on load only)")
 
 
-def _fail(message: str) -> int:
-    print(f"trtllm-mtp-carry: error: {message}", file=sys.stderr)
-    return 2
-
-
 def cmd_serve_dynamo(args: argparse.Namespace) -> int:
     """Run the Dynamo deployment the `serve --dynamo` flags describe, until Ctrl-C or SIGTERM."""
+    from ..cli import _fail  # the one error line of every serve command
     from . import DynamoMissing
     from .launcher import DeploymentError, DynamoDeployment, DynamoSpec
 
