@@ -11,6 +11,7 @@ import importlib.util
 import re
 import signal
 import subprocess
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -23,8 +24,9 @@ README = ROOT / "README.md"
 def readme_blocks(tag: str) -> list[tuple[str, str]]:
     """(language, code) of every README block tagged `<!-- readme-test: TAG -->`."""
     text = README.read_text()
-    pattern = re.compile(r"<!-- readme-test: " + re.escape(tag) + r" -->\n```(\w+)\n(.*?)\n```", re.S)
-    return [(m.group(1), m.group(2)) for m in pattern.finditer(text)]
+    pattern = re.compile(r"^([ \t]*)<!-- readme-test: " + re.escape(tag) + r" -->\n[ \t]*```(\w+)\n(.*?)\n[ \t]*```",
+                         re.S | re.M)
+    return [(m.group(2), textwrap.dedent(m.group(3))) for m in pattern.finditer(text)]
 
 
 def _skip_reason() -> str | None:

@@ -103,15 +103,22 @@ def test_each_worker_reports_its_carry_counters_labelled_by_worker(served: Serve
     assert adopted >= 16  # at least the sticky sessions' warm turns
 
 
-def test_readme_dynamo_blocks_run_as_written(served: Served) -> None:
+def test_readme_dynamo_blocks_run_as_written(served: Served, tmp_path) -> None:
     blocks = [(lang, code) for lang, code in readme_blocks("dynamo")
               if not code.startswith("trtllm-mtp-carry serve --dynamo")]
-    assert [lang for lang, _ in blocks] == ["bash", "python"]
+    assert [(lang, code.split()[0]) for lang, code in blocks] == [
+        ("bash", "trtllm-mtp-carry"), ("bash", "curl"), ("python", "from")]
     for lang, code in blocks:
-        done = served.netns.run("bash", "-c", code) if lang == "bash" else \
-            served.netns.run(sys.executable, "-c", code)
+        done = served.netns.run("bash", "-c", code, cwd=tmp_path) if lang == "bash" else \
+            served.netns.run(sys.executable, "-c", code, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
-        if lang == "bash":
+        if code.startswith("trtllm-mtp-carry bench --openai"):
+            assert "outputs identical across policies: True" in done.stdout
+            assert "carry: sessions on one worker 4/4" in done.stdout  # 2 sessions x 2 replays
+            summary = json.loads((tmp_path / "dynamo-bench.json").read_text())["summary"]
+            assert summary["carry"]["outcomes"] == {"adopted": 2}  # the workers' own reports
+            assert summary["blind"]["adoption_rate"] == 0
+        elif lang == "bash":
             assert '"object":"chat.completion"' in done.stdout
         else:
             (first, second) = done.stdout.splitlines()
@@ -119,20 +126,6 @@ def test_readme_dynamo_blocks_run_as_written(served: Served) -> None:
             assert first.split()[1] in ("no_carry", "foreign_session")  # nothing of this session yet
             assert second.split()[1] == "adopted"
 
-
-
-def test_bench_openai_replays_sessions_with_the_workers_carry_outcomes(served: Served, tmp_path) -> None:
-    out = tmp_path / "bench.json"
-    done = served.netns.run(
-        "trtllm-mtp-carry", "bench", "--openai", served.base_url, "--sessions", "2", "--turns", "2",
-        "--history", "160", "--new-span", "48", "--max-new-tokens", "8", "--repeat", "1",
-        "--policies", "carry,blind", "--concurrency", "2", "--no-progress", "--json", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "outputs identical across policies: True" in done.stdout
-    assert "carry: sessions on one worker 2/2" in done.stdout
-    data = json.loads(out.read_text())
-    carry = data["summary"]["carry"]
-    assert carry["outcomes"] == {"adopted": 2}  # both warm turns adopted, as the workers reported
 
 
 def _outcomes(served: Served) -> int:
