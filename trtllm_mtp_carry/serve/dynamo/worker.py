@@ -59,7 +59,7 @@ from dynamo.common.backend.publisher import KvEventSource, PushSource
 from dynamo.common.backend.run import run
 from dynamo.common.backend.worker import WorkerConfig
 from dynamo.common.utils.token_ids import normalize_request_token_ids
-from dynamo.llm.exceptions import InvalidArgument
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from ...argtypes import non_negative_int, positive_int
 from ...core.session import session_hash
@@ -287,7 +287,7 @@ class CarryWorker(LLMEngine):
                     return
                 kind, payload = get.result()
                 if kind == "error":
-                    raise InvalidArgument(payload)
+                    raise _error(payload)
                 if kind == "partial":
                     yield {"token_ids": list(payload), "index": 0}
                     continue
@@ -342,6 +342,16 @@ class CarryWorker(LLMEngine):
             self.server = None
         if self.relay is not None:
             self.relay.stop()
+
+
+def _error(message: str) -> Exception:
+    """The Dynamo error for a SessionServer error message: the engine stopping or failing
+    is not the client's fault; anything else is a bad request (400)."""
+    if message.startswith("the model is shutting down"):
+        return EngineShutdown(message)
+    if message.startswith("engine step failed"):
+        return Unknown(message)
+    return InvalidArgument(message)
 
 
 def _policy_of(request: GenerateRequest) -> str | None:
