@@ -93,6 +93,9 @@ def test_each_worker_reports_its_carry_counters_labelled_by_worker(served: Serve
     for page in pages:
         assert page["status"] == 200
         lines = [ln for ln in page["body"].splitlines() if ln.startswith("mtp_carry_outcomes_total{")]
+        stored = [ln for ln in page["body"].splitlines()
+                  if ln.startswith("mtp_carry_kv_events_total{") and 'kind="stored"' in ln]
+        assert len(stored) == 1 and int(stored[0].rsplit(" ", 1)[1]) > 0  # its prefixes, announced
         for line in lines:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             assert labels["instance"] == labels["worker_id"]

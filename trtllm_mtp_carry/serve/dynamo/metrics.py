@@ -7,6 +7,9 @@ runtime's holdings), counted by that very class over an in-process registry
 with the Python backend's `MetricFamily` interface, and rendered as
 Prometheus text for Dynamo's `/metrics` (`EngineMetrics.register_prometheus_expfmt_callback`).
 
+Plus `mtp_carry_kv_events_total{kind=stored|removed}`: the prefix-cache blocks
+this worker announced to the router (its KV events).
+
 Labels: Dynamo's own labels of the worker (`auto_labels`: namespace,
 component, endpoint, model, ...) plus `instance=<worker id>`, so the counters
 of several workers add up and tell apart. Updated only from the worker's
@@ -76,7 +79,12 @@ class WorkerMetrics:
 
     def __init__(self, model: str, worker: str) -> None:
         self._registry = _Registry()
+        self._model, self._worker = model, worker
         self._carry = CarryMetrics(self._registry, model, worker)
+        self._kv_family = self._registry.MetricFamily(
+            "mtp_carry_kv_events_total", "Prefix-cache blocks published to the router as KV events, "
+            "by kind (stored, removed)", _Family.COUNTER)
+        self._kv_events: dict[str, _Metric] = {}
         self.base_labels: dict[str, str] = {}  # Dynamo's labels of this worker
 
     def record_turn(self, stats: Any) -> None:
@@ -87,6 +95,15 @@ class WorkerMetrics:
 
     def refresh(self, runtime_stats: Any) -> None:
         self._carry.refresh(runtime_stats)
+
+    def record_kv_events(self, stored: int, removed: int) -> None:
+        """Set the KV-event counters to the relay's totals (blocks announced stored / removed)."""
+        for kind, value in (("stored", stored), ("removed", removed)):
+            metric = self._kv_events.get(kind)
+            if metric is None:
+                metric = self._kv_events[kind] = self._kv_family.Metric(
+                    labels={"model": self._model, "instance": self._worker, "kind": kind})
+            metric.set(value)
 
     def exposition(self) -> str:
         """Every family in Prometheus text format (HELP, TYPE, one line per labelled series)."""

@@ -264,7 +264,13 @@ class CarryWorker(LLMEngine):
     async def register_prometheus(self, metrics: Any) -> None:
         assert self.metrics is not None
         self.metrics.base_labels = dict(metrics.auto_labels or {})
-        metrics.register_prometheus_expfmt_callback(self.metrics.exposition)
+        metrics.register_prometheus_expfmt_callback(self._exposition)
+
+    def _exposition(self) -> str:
+        assert self.metrics is not None
+        if self.relay is not None:
+            self.metrics.record_kv_events(self.relay.num_stored, self.relay.num_removed)
+        return self.metrics.exposition()
 
     async def generate(self, request: GenerateRequest,
                        context: Context) -> AsyncGenerator[GenerateChunk, None]:
