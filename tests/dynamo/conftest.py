@@ -11,22 +11,10 @@ import importlib.util
 import re
 import signal
 import subprocess
-import textwrap
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import pytest
-from dynamo_helpers import ROOT, Netns, netns_unavailable
-
-README = ROOT / "README.md"
-
-
-def readme_blocks(tag: str) -> list[tuple[str, str]]:
-    """(language, code) of every README block tagged `<!-- readme-test: TAG -->`."""
-    text = README.read_text()
-    pattern = re.compile(r"^([ \t]*)<!-- readme-test: " + re.escape(tag) + r" -->\n[ \t]*```(\w+)\n(.*?)\n[ \t]*```",
-                         re.S | re.M)
-    return [(m.group(2), textwrap.dedent(m.group(3))) for m in pattern.finditer(text)]
+from dynamo_helpers import Netns, Served, netns_unavailable, readme_blocks
 
 
 def _skip_reason() -> str | None:
@@ -45,19 +33,6 @@ def netns() -> Iterator[Netns]:
         yield ns
     finally:
         ns.close()
-
-
-@dataclass
-class Served:
-    """The running `serve --dynamo` of the README: its base URL, workers and output."""
-
-    netns: Netns
-    base_url: str
-    model: str
-    worker_pids: list[int]
-    metrics_urls: list[str]
-    process: subprocess.Popen[str]
-    output: list[str] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +65,6 @@ def served(netns: Netns, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
             process.kill()
             rest, _ = process.communicate()
         lines += rest.splitlines()
-
-
-def expected_text(engine, messages: list[dict[str, str]], max_tokens: int) -> str:  # type: ignore[no-untyped-def]
-    """The answer plain greedy decoding gives in process (no drafter), as the frontend renders it."""
-    prompt = engine.tokenizer.render_chat(messages)
-    result = engine.generate(None, prompt, max_new_tokens=max_tokens, policy="off")
-    return bytes(i for i in result.output if i < 256).decode("utf-8", "replace")
 
 
 @pytest.fixture(scope="session")

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+README = ROOT / "README.md"
 
 # the holder: bring the namespace's loopback up (SIOCGIFFLAGS / SIOCSIFFLAGS, IFF_UP), then wait
 _HOLD = r"""
@@ -85,3 +89,31 @@ class Netns:
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait(5)
+
+
+def readme_blocks(tag: str) -> list[tuple[str, str]]:
+    """(language, code) of every README block tagged `<!-- readme-test: TAG -->`."""
+    text = README.read_text()
+    pattern = re.compile(r"^([ \t]*)<!-- readme-test: " + re.escape(tag) + r" -->\n[ \t]*```(\w+)\n(.*?)\n[ \t]*```",
+                         re.S | re.M)
+    return [(m.group(2), textwrap.dedent(m.group(3))) for m in pattern.finditer(text)]
+
+
+@dataclass
+class Served:
+    """The running `serve --dynamo` of the README: its base URL, workers and output."""
+
+    netns: Netns
+    base_url: str
+    model: str
+    worker_pids: list[int]
+    metrics_urls: list[str]
+    process: subprocess.Popen[str]
+    output: list[str] = field(default_factory=list)
+
+
+def expected_text(engine, messages: list[dict[str, str]], max_tokens: int) -> str:  # type: ignore[no-untyped-def]
+    """The answer plain greedy decoding gives in process (no drafter), as the frontend renders it."""
+    prompt = engine.tokenizer.render_chat(messages)
+    result = engine.generate(None, prompt, max_new_tokens=max_tokens, policy="off")
+    return bytes(i for i in result.output if i < 256).decode("utf-8", "replace")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from conftest import expected_text
-from dynamo_helpers import HERE, Netns
+from dynamo_helpers import HERE, Netns, expected_text
 
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer

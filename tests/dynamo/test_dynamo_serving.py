@@ -15,7 +15,7 @@ import re
 import sys
 
 import pytest
-from conftest import Served, expected_text, readme_blocks
+from dynamo_helpers import Served, expected_text, readme_blocks
 
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
