@@ -9,5 +9,6 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test,serve,plot]"  # serve: a real tritonserver for tests/serve; plot: the bench plot test
+python -m pip install -q -e ".[test,serve,plot,dynamo]"  # serve: a real tritonserver for tests/serve; plot: the bench plot test
+python -m pip install -q --no-deps ai-dynamo==1.6.1  # dynamo: tests/dynamo (its aisimulate dependency cannot install)
 python -m pytest tests "$@"

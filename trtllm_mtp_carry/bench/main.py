@@ -107,8 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", type=server_address, metavar="HOST:PORT",
                    help="replay through a running `trtllm-mtp-carry serve` (its gRPC port) instead of "
                         "an in-process engine; the engine's sizes are then the server's")
+    p.add_argument("--openai", metavar="URL",
+                   help="replay through the OpenAI API of `trtllm-mtp-carry serve --dynamo` (its /v1 "
+                        "base URL, e.g. http://127.0.0.1:8000/v1) instead of an in-process engine")
     p.add_argument("--model", default="mtp_carry", metavar="NAME",
-                   help="the served model's name (with --server)")
+                   help="the served model's name (with --server or --openai)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -251,6 +254,10 @@ def server_side_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.openai:
+        from ..serve.dynamo.bench_client import run_openai
+
+        return run_openai(args)
     if args.server:
         return run_server(args)
     _check(args)

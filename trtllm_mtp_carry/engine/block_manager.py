@@ -33,6 +33,13 @@ says "copy block X into new block Y" and the sequence writes on into Y.
 Speculative rejection is bookkeeping only: writes are indexed by position, so
 `truncate` moves the token count and releases whole trailing blocks.
 
+Prefix-cache events: `listener` (None by default), when set, hears every
+full block the cache gains (`stored(root, parent, hashes, tokens)`: a run of
+newly registered chained hashes, the key before the run, and the run's
+tokens) and every full block it loses (`removed(hashes)` on eviction), from
+the owning thread, as a distributed router needs them (serve/dynamo publishes
+them as KV events). A block whose hash was already cached is not new.
+
 Not thread-safe: one scheduler thread owns a manager. Keys are 64-bit, so a
 false prefix hit needs a hash collision (odds ~ blocks**2 / 2**65). A cached
 block whose parent was evicted is unreachable until it is evicted in turn;
@@ -44,12 +51,20 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from trtllm_mtp_carry.engine.prefix_hash import ROOT_HASH, PrefixKeys, chain_hash, encode_tokens
 
 BlockKey = int | tuple[int, bytes]
 """A full block's chained hash, or `(parent hash, token bytes)` for a partial block."""
+
+
+class BlockListener(Protocol):
+    """Hears the prefix cache's full-block registrations and evictions (see the module doc)."""
+
+    def stored(self, root: int, parent: int, hashes: list[int], tokens: Sequence[int]) -> None: ...
+
+    def removed(self, hashes: list[int]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +163,7 @@ class TargetBlockManager:
         self._partials: dict[int, dict[bytes, int]] = {}  # parent hash -> token bytes -> block
         self._seqs: dict[int, _Seq] = {}
         self._queried = self._hits = self._evictions = self._copies = 0
+        self.listener: BlockListener | None = None
 
     # ---- prediction -------------------------------------------------------
 
@@ -273,14 +289,32 @@ class TargetBlockManager:
             return 0
         buf = encode_tokens(tokens[done * bs : n_full * bs])
         parent = seq.hashes[-1] if seq.hashes else seq.root
+        new: list[int] = []  # indices (into this commit) of the blocks newly registered
         for i in range(n_full - done):
             parent = chain_hash(parent, buf[i * 8 * bs : (i + 1) * 8 * bs])
             block = seq.table[done + i]
             if parent not in self._by_hash:
                 self._by_hash[parent] = block
                 self._key[block] = parent
+                new.append(i)
             seq.hashes.append(parent)
+        if self.listener is not None and new:
+            self._announce(seq, done, new, tokens)
         return n_full - done
+
+    def _announce(self, seq: _Seq, done: int, new: list[int], tokens: Sequence[int]) -> None:
+        """Tell the listener about each run of consecutive new blocks, with its parent key."""
+        assert self.listener is not None
+        bs, lo = self.block_size, 0
+        while lo < len(new):
+            hi = lo + 1
+            while hi < len(new) and new[hi] == new[hi - 1] + 1:
+                hi += 1
+            first, last = done + new[lo], done + new[hi - 1]  # block indices in the sequence
+            parent = seq.hashes[first - 1] if first else seq.root
+            self.listener.stored(seq.root, parent, seq.hashes[first:last + 1],
+                                 tokens[first * bs:(last + 1) * bs])
+            lo = hi
 
     def truncate(self, owner: int, num_tokens: int) -> None:
         """Shrink `owner` to `num_tokens` slots (rejected drafts), releasing trailing blocks."""
@@ -444,6 +478,8 @@ class TargetBlockManager:
                 del self._partials[key[0]]
         elif key is not None:
             del self._by_hash[key]
+            if self.listener is not None:
+                self.listener.removed([key])
         self._key[block] = None
 
 

@@ -1,5 +1,6 @@
 """The `triton-repo` and `serve` subcommands (registered by `trtllm_mtp_carry.cli`).
 
+`serve --dynamo` serves behind NVIDIA Dynamo instead (`serve.dynamo.cli`).
 `triton-repo DIR` writes a model repository; `serve` writes one into a
 temporary directory (or takes `--repository DIR`), starts `tritonserver` on
 loopback with the given ports, waits for the model, prints the endpoints and
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..argtypes import non_negative_int, positive_int
+from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
 from .options import ENGINES, POLICIES, ServeOptions
 from .triton.repo import (
     DEFAULT_IDLE_TIMEOUT_S,
@@ -148,6 +150,7 @@ def add_subcommands(sub: Any) -> None:
                        help="tritonserver's log, kept after it stops (default: "
                        "trtllm-mtp-carry-serve-<time>-<pid>.log in the temp directory)")
     _add_model_flags(serve)
+    add_dynamo_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -173,6 +176,8 @@ def _log_file(args: argparse.Namespace) -> Path:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.dynamo:
+        return cmd_serve_dynamo(args)
     from .triton.server import Endpoints, ServeError, TritonServer, find_tritonserver
 
     try:

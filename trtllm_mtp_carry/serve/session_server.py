@@ -77,6 +77,7 @@ class TurnRequest:
     max_tokens: int | None = None
     drafter_policy: str | None = None
     cache_salt: bytes | str | None = None  # the turn's prefix-cache namespace (None: shared)
+    start_if_new: bool = False  # open the session if it is unknown, else continue it (Dynamo)
 
     def check(self) -> None:
         """ValueError naming what is wrong with the inputs (session state aside)."""
@@ -237,6 +238,8 @@ class SessionServer:
             self._forget(corrid, "restart")
         # a START turn opens the session only once the engine accepted it
         session = _Session() if request.start else self._sessions.get(corrid)
+        if session is None and request.start_if_new:
+            session = _Session()
         try:
             if session is None:
                 idle = "" if self.idle_timeout_s is None else f" (a session idle {self.idle_timeout_s:g} s ends)"

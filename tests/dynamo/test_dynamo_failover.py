@@ -1,0 +1,43 @@
+"""Failover behind Dynamo: the session's worker dies (SIGKILL) or stops (SIGTERM) mid-conversation.
+
+Pins: the next turn is served by another worker with the right output (the
+in-process greedy answer), the carry is refused there (nothing of the session
+on that worker) and the drafter built the slow way; the turn after adopts
+again on the new worker. A SIGTERM hands over without a single failed request.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from dynamo_helpers import HERE, Netns, expected_text
+
+from trtllm_mtp_carry.bench.sessions import builtin_sessions
+from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
+
+MAX_TOKENS = 12
+
+
+def test_a_session_survives_sigkill_and_sigterm_of_its_worker(netns: Netns, reference_engine) -> None:
+    (s,) = builtin_sessions(1, 6, 160, 48, ChatTokenizer())
+    done = netns.run(sys.executable, str(HERE / "failover_scenario.py"), timeout=240,
+                     input=json.dumps({"messages": s.history, "followups": s.followups,
+                                       "max_tokens": MAX_TOKENS}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    a, b, c = result["workers"]
+    turns = result["turns"]
+    assert len({a, b, c}) == 3
+    assert [t["worker_index"] for t in turns] == [a, a, b, b, c, c]
+    for turn in turns:
+        assert turn["error"] is None
+        assert turn["text"] == expected_text(reference_engine, turn["messages"], MAX_TOKENS)
+    kinds = [t["carry"]["outcome_kind"] for t in turns]
+    assert kinds[1] == kinds[3] == kinds[5] == "adopted"
+    for moved in (turns[2], turns[4]):  # the first turn on a new worker: no rows to carry there
+        assert moved["carry"]["outcome_kind"] == "no_carry"
+        assert moved["carry"]["drafter_rows_kept"] == 0
+        assert moved["carry"]["drafter_rows_computed"] >= moved["carry"]["prompt_tokens"] - 2
+    assert turns[4]["attempts"] == 1  # SIGTERM: a clean handover, no failed request
+    print(f"turns after the SIGKILL needed {turns[2]['attempts']} attempt(s)")

@@ -1,0 +1,86 @@
+"""`trtllm-mtp-carry serve --dynamo`: Dynamo's frontend and N carry workers until Ctrl-C.
+
+`add_dynamo_flags` adds the Dynamo flags to the `serve` parser
+(`serve.cli`); `cmd_serve_dynamo` runs the deployment: starts it on
+loopback, waits until the model is listed, prints the OpenAI base URL and
+each worker's pid and metrics URL, and stops every process on Ctrl-C or
+SIGTERM. Errors are one line, `trtllm-mtp-carry: error: ...`, exit status 2
+(Dynamo missing included: the line names the extra and the `--no-deps` install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from ...argtypes import positive_int
+from ..options import ServeOptions
+
+
+def add_dynamo_flags(p: argparse.ArgumentParser) -> None:
+    """The `serve` flags of the Dynamo front end (`--host`/`--http-port` and the model
+    flags are shared with Triton's)."""
+    g = p.add_argument_group("Dynamo (with --dynamo)")
+    g.add_argument("--dynamo", action="store_true",
+                   help="serve behind NVIDIA Dynamo (OpenAI API, session-affine routing) instead of Triton")
+    g.add_argument("--workers", type=positive_int, default=2, help="Dynamo workers, each with its own engine "
+                   "and carry (default %(default)s)")
+    g.add_argument("--router-mode", default="kv",
+                   choices=("kv", "round-robin", "random", "least-loaded", "power-of-two"),
+                   help="the frontend's router (default %(default)s: prefix-aware from KV events)")
+    g.add_argument("--no-session-affinity", dest="session_affinity", action="store_false",
+                   help="route each turn on its own (x-dynamo-session-id is then ignored)")
+    g.add_argument("--affinity-ttl-s", type=positive_int, default=600,
+                   help="how long an idle session stays bound to its worker (default %(default)s)")
+    g.add_argument("--affinity-mode", choices=("hard", "soft"), default="hard",
+                   help="hard: a session waits for its worker; soft: it moves when the worker is gone")
+    g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="workers publish no KV events (kv mode then routes on load only)")
+
+
+def cmd_serve_dynamo(args: argparse.Namespace) -> int:
+    """Run the Dynamo deployment the `serve --dynamo` flags describe, until Ctrl-C or SIGTERM."""
+    from ..cli import _fail  # the one error line of every serve command
+    from . import DynamoMissing
+    from .launcher import DeploymentError, DynamoDeployment, DynamoSpec
+
+    if args.instances != 1:
+        return _fail(f"--instances={args.instances} is Triton's; with --dynamo use --workers")
+    try:
+        options = ServeOptions(
+            engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
+            marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
+            max_model_len=args.max_model_len, max_tokens=args.max_tokens,
+            max_num_seqs=args.max_num_seqs, device=args.device,
+        )
+        spec = DynamoSpec(
+            workers=args.workers, http_host=args.host, http_port=args.http_port, name=args.name,
+            router_mode=args.router_mode, session_affinity=args.session_affinity,
+            affinity_ttl_s=args.affinity_ttl_s, affinity_mode=args.affinity_mode,
+            kv_events=args.kv_events, idle_timeout_s=args.idle_timeout_s, options=options)
+        deployment = DynamoDeployment(spec)
+    except (ValueError, DynamoMissing) as exc:
+        return _fail(str(exc))
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deployment.start()
+        deployment.wait_ready(args.ready_timeout_s)
+        affinity = f"session affinity {'on' if spec.session_affinity else 'off'}"
+        lines = [f"serving model {spec.name!r} behind Dynamo ({len(deployment.workers)} workers, "
+                 f"router {spec.router_mode}, {affinity})", f"  OpenAI  {spec.base_url}"]
+        lines += [f"  worker {w.index}  pid {w.pid}  metrics {w.metrics_url}" for w in deployment.workers]
+        lines += [f"  logs    {deployment.workdir}", "Ctrl-C stops every process."]
+        print("\n".join(lines), flush=True)
+        while not stop.wait(1.0):
+            if deployment.frontend is not None and deployment.frontend.poll() is not None:
+                return _fail(f"the Dynamo frontend exited with status {deployment.frontend.returncode}")
+    except DeploymentError as exc:
+        return _fail(str(exc))
+    finally:
+        deployment.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("deployment stopped", flush=True)
+    return 0
