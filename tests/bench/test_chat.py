@@ -102,8 +102,8 @@ def test_ctrl_c_cancels_the_answer_and_the_chat_goes_on(engines):
     lines = out.getvalue().splitlines()
     assert sum(" [cancelled]" in line for line in lines) == 1
     status = [line for line in lines if line.startswith("  [")]
-    # the cancelled turn deposited nothing, so the second is a cold turn of the same session
-    assert len(status) == 1 and status[0].startswith("  [prefill (no carried state: never_carried)")
+    # the cancelled turn kept its rows (every key of its 25-token prompt), so the retry adopts them
+    assert len(status) == 1 and status[0].startswith("  [adopted rows=24 appended=0 first_key=24;")
     [engine] = engines
     engine.check()
     assert not engine.has_unfinished()

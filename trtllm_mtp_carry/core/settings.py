@@ -173,7 +173,7 @@ class CarryMemory:
     def __str__(self) -> str:
         if self.nbytes is not None:
             return _format_bytes(self.nbytes)
-        return f"{self.fraction:g} of the drafter pool"
+        return f"{100 * (self.fraction or 0.0):g}% of the drafter pool"
 
 
 def _format_bytes(n: int) -> str:
@@ -198,8 +198,9 @@ def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
         return CarryMemory(nbytes=check_non_negative(what, text))
     if isinstance(text, float):
         if not 0.0 <= text <= 1.0:
-            raise ValueError(f"{what}={text!r}: a fraction of the drafter pool must be in [0, 1]")
+            raise ValueError(f"{what or 'carry_memory'}={text!r}: a fraction of the drafter pool must be in [0, 1]")
         return CarryMemory(fraction=text)
+    label = f"{what}={text!r}" if what else repr(text)
     raw = text.strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = raw[len(number):]
@@ -210,19 +211,19 @@ def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
     if value is None or value != value or value in (float("inf"), float("-inf")) or (
             unit and unit not in _UNITS):
         raise ValueError(
-            f"{what}={text!r} is not a size: use bytes with a unit (4GiB, 512MiB, 1000000B) "
+            f"{label} is not a size: use bytes with a unit (4GiB, 512MiB, 1000000B) "
             "or a fraction of the drafter pool in [0, 1] (0.5)"
         )
     if not unit:
         if not 0.0 <= value <= 1.0:
             raise ValueError(
-                f"{what}={text!r}: a bare number is a fraction of the drafter pool and must be "
+                f"{label}: a bare number is a fraction of the drafter pool and must be "
                 "in [0, 1]; give bytes with a unit (e.g. 4GiB)"
             )
         return CarryMemory(fraction=float(value))
     nbytes = value * _UNITS[unit]
     if nbytes < 0 or nbytes != int(nbytes):
-        raise ValueError(f"{what}={text!r} must be a whole, non-negative number of bytes")
+        raise ValueError(f"{label} must be a whole, non-negative number of bytes")
     return CarryMemory(nbytes=int(nbytes))
 
 

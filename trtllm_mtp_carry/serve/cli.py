@@ -16,7 +16,7 @@ import tempfile
 import threading
 from typing import Any
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import carry_memory_size, non_negative_int, positive_int
 from .options import ENGINES, POLICIES, ServeOptions
 from .triton.repo import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MODEL_NAME, RepoSpec
 
@@ -47,6 +47,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the model's SSM restore threshold (pinned in each instance)")
     p.add_argument("--carry-slots", dest="serve_carry_slots", type=positive_int, default=None,
                    metavar="N", help="carry slots per instance (pinned in each instance)")
+    p.add_argument("--carry-memory", dest="serve_carry_memory", type=carry_memory_size, default=None,
+                   metavar="SIZE", help="carry budget per instance: 4GiB, 512MiB or a drafter pool "
+                   "fraction like 0.5 (default: the whole pool)")
     p.add_argument("--device", default=d.device)
     # The settings flags of this process stay unset: these options pin each served instance.
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
@@ -56,6 +59,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec:
     options = ServeOptions(
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
         marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
+        carry_memory=args.serve_carry_memory,
         max_model_len=args.max_model_len, max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs, device=args.device,
     )
