@@ -70,18 +70,21 @@ def test_a_deposit_larger_than_the_budget_is_refused_as_too_large():
     assert store.miss_reason(2) == "too_large"
 
 
-def test_incumbent_refuses_newcomers_and_reserves_room_for_an_adopted_entry():
-    store = CarryStore(budget_bytes=20, policy="incumbent")
+def test_incumbent_refuses_newcomers_and_a_returning_key_evicts_the_newest():
+    store = CarryStore(budget_bytes=30, policy="incumbent")
     deposit(store, 1)
     deposit(store, 2)
-    assert deposit(store, 3) is None  # full of incumbents: the newcomer is refused, nothing evicted
-    assert keys(store) == [1, 2] and store.miss_reason(3) == "not_admitted"
-    store.take(1)  # a turn of key 1 holds its rows: its room stays reserved
-    assert store.miss_reason(1) == "in_use"
-    assert deposit(store, 3) is None
-    assert deposit(store, 1, nbytes=15) == [2]  # it grew: the newest other entry makes room
-    assert keys(store) == [1] and store.evictions() == zeros(memory=1)
-    assert store.refusals() == {"not_admitted": 2, "too_large": 0}
+    deposit(store, 3)
+    assert deposit(store, 4) is None  # full of incumbents: the newcomer is refused, nothing evicted
+    assert keys(store) == [1, 2, 3] and store.miss_reason(4) == "not_admitted"
+    store.take(1)  # a turn of key 1 holds its rows; their room is free meanwhile
+    assert store.miss_reason(1) == "in_use" and store.leases == 1
+    assert deposit(store, 4) == []  # a newcomer may use it
+    assert deposit(store, 1, nbytes=15) == [4, 3]  # key 1 comes back larger: newest entries give way
+    assert keys(store) == [2, 1] and store.bytes_held == 25
+    assert store.evictions() == zeros(memory=2)
+    assert store.refusals() == {"not_admitted": 1, "too_large": 0}
+    assert store.miss_reason(4) == "memory"
 
 
 def test_incumbent_pool_pressure_victim_is_the_newest_entry():

@@ -120,3 +120,17 @@ def test_the_default_budget_is_the_whole_drafter_pool(model):
     stats = rt.stats()
     assert stats.carry_memory_bytes == eng.drafter_pool.nbytes == 256 * 1024
     assert (stats.carry_slots, stats.eviction_policy, stats.idle_s) == (0, "incumbent", 600)
+
+
+def test_incumbent_pool_pressure_takes_the_newest_entry_and_the_live_sequence_keeps_drafting(model):
+    # 3 blocks a 40-token turn; 7 blocks hold two carried turns and one block more
+    eng = engine(model, num_drafter_blocks=7)
+    eng.runtime = CarryRuntime(eng, "carry", slots=None, eviction="incumbent")
+    gen = torch.Generator().manual_seed(5)
+    first = {s: checked(eng, model, eng.generate(s, random_prompt(gen, 40), 6)) for s in ("a", "b")}
+    c = checked(eng, model, eng.generate("c", random_prompt(gen, 40), 6))
+    assert c.stats.drafted > 0 and c.stats.drafter_rows_computed == 39  # c never lost its drafter
+    assert [e.session_hash for e in eng.runtime.carried()] == [session_hash("a"), session_hash("c")]
+    assert eng.runtime.stats().evictions == zeros(pool_pressure=1)
+    b2 = checked(eng, model, eng.generate("b", next_prompt(first["b"], gen), 6))
+    assert (b2.stats.outcome_kind, b2.stats.no_carry_reason) == ("no_carry", "pool_pressure")

@@ -22,15 +22,16 @@ deposit order; which one leaves first is the eviction policy's choice::
   first, oldest first, then protected ones, oldest first.
 - `incumbent` (the default; DECISIONS.md has the figures): keep what is held.
   A newcomer that does not fit is refused (`not_admitted`) instead of evicting
-  anything; a returning key (one whose rows a running turn adopted, or that
-  replaces its own entry) makes room by evicting the newest entries first.
-  While a turn holds adopted rows its room stays reserved (a lease), so a
-  newcomer cannot take it. Idle expiry, session ends and pool pressure still
-  evict, so entries of sessions that never return make room in time.
+  anything; a returning key (one whose rows a running turn adopted, a lease,
+  or that replaces its own entry) makes room by evicting the newest entries
+  first. A lease reserves nothing: while the rows are out in a live sequence
+  a newcomer may use their room, and gives way (newest first) when they come
+  back. Idle expiry, session ends and pool pressure still evict, so entries
+  of sessions that never return make room in time.
 
 Invariants:
-- At most one entry per key, never key 0; at most `slots` entries (plus leases
-  under `incumbent`), at most `budget_bytes` held (plus leases under `incumbent`).
+- At most one entry per key, never key 0; at most `slots` entries and at most
+  `budget_bytes` held (adopted rows out in live sequences are not held).
 - An entry leaves exactly once, by `take` (adopted) or an eviction with one
   cause from `EVICTION_CAUSES`; every leave and every refused deposit is counted.
 - `candidate(k)` is `k`'s own entry; with one slot, else the slot's entry of
@@ -242,10 +243,10 @@ class CarryStore:
                     gone.append(k)
                     if self._fits(key, nbytes, gone):
                         break
-            if not self._fits(key, nbytes, gone):  # only other keys' leases stand in the way
+            if not self._fits(key, nbytes, gone):  # unreachable: nbytes <= budget, all may go
                 self._refuse(key, "not_admitted")
                 return None
-        return [self._remove(k, "replaced" if k == key else self._room_cause(key))
+        return [self._remove(k, "replaced" if k == key else self._room_cause())
                 for k in gone]
 
     def make_room(self, session_hash: int, nbytes: int = 0) -> list[CarriedDrafter]:
@@ -261,9 +262,9 @@ class CarryStore:
         if session_hash in self._entries:
             evicted.append(self._remove(session_hash, "replaced"))
         for k in self._victims():
-            if self._fits(session_hash, nbytes, (), leases=False):
+            if self._fits(session_hash, nbytes, ()):
                 break
-            evicted.append(self._remove(k, self._room_cause(session_hash, leases=False)))
+            evicted.append(self._remove(k, self._room_cause()))
         return evicted
 
     def put(self, entry: CarriedDrafter, nbytes: int = 0, session: int | None = None) -> None:
@@ -275,7 +276,7 @@ class CarryStore:
         check_non_negative("nbytes", nbytes)
         if key == 0:
             raise ValueError("an entry of session 0 never carries (session 0 matches nothing)")
-        if key in self._entries or not self._fits(key, nbytes, (), leases=False):
+        if key in self._entries or not self._fits(key, nbytes, ()):
             raise RuntimeError(
                 f"no room for session 0x{key:016x}: {len(self._entries)} of {self.slots or 'any'} slots, "
                 f"{self._bytes} of {self.budget_bytes} bytes held"
@@ -362,27 +363,16 @@ class CarryStore:
                     + [k for k, h in self._entries.items() if h.adoptions > 0])
         return list(reversed(self._entries))  # incumbent: the newest entry is evicted first
 
-    def _fits(self, key: int, nbytes: int, without: tuple[int, ...] | list[int],
-              leases: bool = True) -> bool:
-        """Whether `key`'s deposit fits once `without` are gone (others' leases reserved under
-        `incumbent` when `leases`)."""
+    def _fits(self, key: int, nbytes: int, without: list[int] | tuple[int, ...]) -> bool:
+        """Whether `key`'s deposit of `nbytes` fits once the entries `without` are gone."""
         gone = sum(self._entries[k].nbytes for k in without)
-        count = len(self._entries) - len(without)
-        reserved = reserved_bytes = 0
-        if leases and self.policy == "incumbent":
-            others = [lease for k, lease in self._leases.items() if k != key]
-            reserved, reserved_bytes = len(others), sum(lease.nbytes for lease in others)
-        if self.slots is not None and count + reserved + 1 > self.slots:
+        if self.slots is not None and len(self._entries) - len(without) + 1 > self.slots:
             return False
-        return self.budget_bytes is None or (
-            self._bytes - gone + reserved_bytes + nbytes <= self.budget_bytes)
+        return self.budget_bytes is None or self._bytes - gone + nbytes <= self.budget_bytes
 
-    def _room_cause(self, key: int, leases: bool = True) -> str:
+    def _room_cause(self) -> str:
         """`capacity` while the slot cap is what is full, else `memory`."""
-        reserved = 0
-        if leases and self.policy == "incumbent":
-            reserved = sum(1 for k in self._leases if k != key)
-        if self.slots is not None and len(self._entries) + reserved + 1 > self.slots:
+        if self.slots is not None and len(self._entries) + 1 > self.slots:
             return "capacity"
         return "memory"
 
