@@ -139,3 +139,14 @@ def test_a_turn_whose_drafter_was_off_counts_as_zero_acceptance_not_left_out():
     s = policy_summary(run, first_measured=1)
     assert (s["acceptance_median"], s["acceptance_p25"], s["acceptance_p75"]) == (0.25, 0.125, 0.5)
     assert s["acceptance_pooled"] == 0.5
+
+
+def test_no_carry_turns_are_counted_by_their_reason():
+    run = PolicyRun("carry")
+    run.turns = [turn(0, "s0", 1, 10.0, kind="no_carry"), turn(0, "s1", 1, 10.0, kind="no_carry"),
+                 turn(0, "s2", 1, 10.0, kind="no_carry"), turn(0, "s3", 1, 10.0)]
+    for t, why in zip(run.turns, ("memory", "not_admitted", "memory"), strict=False):
+        t.stats["no_carry_reason"] = why
+    s = policy_summary(run, first_measured=0)
+    assert s["no_carry_reasons"] == {"memory": 2, "not_admitted": 1}
+    assert "carry: no_carry by reason memory=2 not_admitted=1" in summary_table({"carry": s})
