@@ -69,7 +69,8 @@ REFUSAL_CAUSES: tuple[str, ...] = ("not_admitted", "too_large")
 """Why a deposit was refused (nothing evicted), in the order counters list them."""
 
 MISS_MEMORY = 65536
-"""How many absent keys the store remembers a miss reason for (oldest forgotten first)."""
+"""How many absent keys the store remembers a miss reason for, and at most how many leases
+it keeps (oldest forgotten first)."""
 
 
 @dataclass(slots=True)
@@ -304,6 +305,10 @@ class CarryStore:
             raise RuntimeError(f"no carried entry for session 0x{session_hash:016x} to take")
         self._bytes -= held.nbytes
         self._leases[session_hash] = _Lease(held.nbytes, held.session, self._clock(), held.adoptions)
+        if len(self._leases) > MISS_MEMORY:  # a caller that never ends its leases stays bounded
+            oldest = next(iter(self._leases))
+            del self._leases[oldest]
+            self._remember(oldest, "not_deposited")
         self.adoptions += 1
         return held.entry
 
