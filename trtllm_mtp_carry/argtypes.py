@@ -29,3 +29,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 non_negative_int = int_at_least(0)
 positive_int = int_at_least(1)
+
+
+def carry_memory_size(text: str) -> str:
+    """An argparse type: a carry budget (`4GiB`, `512MiB`, or a pool fraction like `0.5`).
+
+    Returns the text (the setter parses it again); the error names the value.
+    """
+    from .core.settings import parse_carry_memory
+
+    try:
+        parse_carry_memory(text, what="")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

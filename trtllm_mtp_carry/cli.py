@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from . import __version__
-from .argtypes import non_negative_int, positive_int
+from .argtypes import carry_memory_size, non_negative_int, positive_int
 from .core import settings
 
 
@@ -41,8 +41,32 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         "--carry-slots",
         type=positive_int,
         metavar="N",
-        help="sessions whose drafter rows the carry keeps at once (LRU; 1 = the seed's single slot); "
-        f"default env {settings.ENV_CARRY_SLOTS}, else {settings.DEFAULT_CARRY_SLOTS}",
+        help="optional cap on the sessions whose drafter rows the carry keeps at once "
+        "(1 = the seed's single slot, newest wins); "
+        f"default env {settings.ENV_CARRY_SLOTS}, else no cap (memory bounds the store)",
+    )
+    p.add_argument(
+        "--carry-memory",
+        type=carry_memory_size,
+        metavar="SIZE",
+        help="bytes of drafter rows the carry keeps (4GiB, 512MiB) or a fraction of the drafter "
+        f"pool (0.5); default env {settings.ENV_CARRY_MEMORY}, else {settings.DEFAULT_CARRY_MEMORY} "
+        "(the whole pool: every session whose rows fit)",
+    )
+    p.add_argument(
+        "--carry-eviction",
+        choices=settings.EVICTION_POLICIES,
+        help="which carried entry gives way when the carry is full (incumbent keeps what it "
+        "holds and refuses newcomers; lrd evicts the least recently deposited; slru protects "
+        f"entries adopted before); default env {settings.ENV_CARRY_EVICTION}, else "
+        f"{settings.DEFAULT_CARRY_EVICTION}",
+    )
+    p.add_argument(
+        "--carry-idle-s",
+        type=non_negative_int,
+        metavar="S",
+        help="seconds a carried entry waits for its session before it is dropped (0: never); "
+        f"default env {settings.ENV_CARRY_IDLE_S}, else {settings.DEFAULT_CARRY_IDLE_S}",
     )
 
 
@@ -68,12 +92,23 @@ def apply_settings_flags(args: argparse.Namespace) -> list[str]:
         warnings.append(
             f"--carry-slots {args.carry_slots} not applied: already pinned to {settings.carry_slots()}"
         )
+    memory = getattr(args, "carry_memory", None)
+    if memory is not None and not settings.set_carry_memory(memory, source="--carry-memory"):
+        warnings.append(f"--carry-memory {memory} not applied: already pinned to {settings.carry_memory()}")
+    eviction = getattr(args, "carry_eviction", None)
+    if eviction is not None and not settings.set_carry_eviction(eviction, source="--carry-eviction"):
+        warnings.append(
+            f"--carry-eviction {eviction} not applied: already pinned to {settings.carry_eviction()}"
+        )
+    idle = getattr(args, "carry_idle_s", None)
+    if idle is not None and not settings.set_carry_idle_s(idle, source="--carry-idle-s"):
+        warnings.append(f"--carry-idle-s {idle} not applied: already pinned to {settings.carry_idle_s()}")
     return warnings
 
 
 DRAFTER_POOL_BUDGET = (
     "per engine: EngineConfig num_drafter_blocks x drafter_block_size rows; "
-    "CarryRuntime.stats() reports pool_blocks and blocks_held"
+    "CarryRuntime.stats() reports pool_blocks, carry_memory_bytes, bytes_held and entries_held"
 )
 """What `info` says of the drafter pool budget: it belongs to an engine, not to the process."""
 
@@ -97,6 +132,12 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "multi_seq_mode": settings.mtp_multi_seq_mode(),
         "carry_slots": settings.carry_slots(),
         "carry_slots_source": settings.CARRY_SLOTS.source,
+        "carry_memory": str(settings.carry_memory()),
+        "carry_memory_source": settings.CARRY_MEMORY.source,
+        "carry_eviction": settings.carry_eviction(),
+        "carry_eviction_source": settings.CARRY_EVICTION.source,
+        "carry_idle_s": settings.carry_idle_s(),
+        "carry_idle_s_source": settings.CARRY_IDLE_S.source,
         "drafter_pool_budget": DRAFTER_POOL_BUDGET,
         "drafter_prefill": cfg.prefill,
         "carry_configured": cfg.carry,
@@ -124,7 +165,11 @@ def cmd_info(args: argparse.Namespace) -> int:
             report["marconi_min_tokens_source"],
         ),
         ("MTP dispatch cap (mtp_max_seqs)", report["mtp_max_seqs"], report["mtp_max_seqs_source"]),
-        ("carry slots (carry_slots)", report["carry_slots"], report["carry_slots_source"]),
+        ("carry slots (carry_slots)", report["carry_slots"] or "no cap", report["carry_slots_source"]),
+        ("carry memory (carry_memory)", report["carry_memory"], report["carry_memory_source"]),
+        ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
+        ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",
+         report["carry_idle_s_source"]),
         ("drafter pool budget", "-", report["drafter_pool_budget"]),
         ("drafter prompt prefill", yes(report["drafter_prefill"]), ""),
         ("carry configured", yes(report["carry_configured"]), ""),

@@ -51,7 +51,7 @@ def test_chat_turns_show_the_carry_outcome_and_stats_table(engines):
     lines = out.getvalue().splitlines()
     status = [line for line in lines if line.startswith("  [")]
     assert len(status) == 3
-    assert status[0].startswith("  [prefill (no carried state); rows computed ")
+    assert status[0].startswith("  [prefill (no carried state: never_carried); rows computed ")
     assert status[1].startswith("  [adopted rows=")
     assert status[2].startswith("  [prefill (foreign session")  # /new: another session
     table = lines[lines.index(next(x for x in lines if x.split()[:1] == ["armed"])):]
@@ -102,8 +102,8 @@ def test_ctrl_c_cancels_the_answer_and_the_chat_goes_on(engines):
     lines = out.getvalue().splitlines()
     assert sum(" [cancelled]" in line for line in lines) == 1
     status = [line for line in lines if line.startswith("  [")]
-    # the cancelled turn deposited nothing, so the second is a cold turn of the same session
-    assert len(status) == 1 and status[0].startswith("  [prefill (no carried state)")
+    # the cancelled turn kept its rows (every key of its 25-token prompt), so the retry adopts them
+    assert len(status) == 1 and status[0].startswith("  [adopted rows=24 appended=0 first_key=24;")
     [engine] = engines
     engine.check()
     assert not engine.has_unfinished()

@@ -157,3 +157,14 @@ def test_memory_figures_take_the_peak_and_paired_counters_sum_over_measured_repl
     assert s["paired"]["blocks_peak"] == 6 and s["paired"]["pool_blocks"] == 8
     assert s["target_computed_total"] == 2 * (1001 - 900 + 1002 - 900)
     assert "drafter tree hits 4 of 4 warm turns (200 rows)" in reuse_table({"carry": s})
+
+
+def test_no_carry_turns_are_counted_by_their_reason():
+    run = PolicyRun("carry")
+    run.turns = [turn(0, "s0", 1, 10.0, kind="no_carry"), turn(0, "s1", 1, 10.0, kind="no_carry"),
+                 turn(0, "s2", 1, 10.0, kind="no_carry"), turn(0, "s3", 1, 10.0)]
+    for t, why in zip(run.turns, ("memory", "not_admitted", "memory"), strict=False):
+        t.stats["no_carry_reason"] = why
+    s = policy_summary(run, first_measured=0)
+    assert s["no_carry_reasons"] == {"memory": 2, "not_admitted": 1}
+    assert "carry: no_carry by reason memory=2 not_admitted=1" in summary_table({"carry": s})

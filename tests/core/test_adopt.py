@@ -111,7 +111,8 @@ def test_out_of_range_ids_are_named(field):
 
 def test_outcome_texts():
     assert str(CarryOutcome.Adopted(4, 2, 9)) == "adopted rows=4 appended=2 first_key=9"
-    assert str(CarryOutcome.NoCarry()) == "no carried state"
+    assert str(CarryOutcome.NoCarry()) == "no carried state: never_carried"
+    assert str(CarryOutcome.NoCarry("memory")) == "no carried state: memory"
     assert str(CarryOutcome.PrefixMismatch(3, 8)) == "prefix mismatch (common=3 entry_rows=8)"
     assert str(CarryOutcome.ForeignSession(0xAB, 0x1)) == (
         "foreign session (entry=0x00000000000000ab prompt=0x0000000000000001)"

@@ -6,9 +6,9 @@ from test_cli import run_cli
 from test_settings import run_py
 
 
-def test_carry_slots_default_is_16_and_env_pins_it():
+def test_carry_slots_default_is_no_cap_and_env_pins_it():
     code = "import trtllm_mtp_carry as t\nprint(t.carry_slots(), t.set_carry_slots(3), t.carry_slots())"
-    assert run_py(code).stdout.split() == ["16", "False", "16"]
+    assert run_py(code).stdout.split() == ["0", "False", "0"]
     assert run_py(code, TRTLLM_MTP_CARRY_SLOTS="4").stdout.split() == ["4", "False", "4"]
 
 
@@ -30,7 +30,7 @@ def test_carry_slots_zero_or_malformed_is_a_clear_error():
 
 def test_info_reports_slots_and_their_source():
     report = json.loads(run_cli("info", "--json").stdout)
-    assert (report["carry_slots"], report["carry_slots_source"]) == (16, "default")
+    assert (report["carry_slots"], report["carry_slots_source"]) == (0, "default")
     report = json.loads(run_cli("info", "--json", "--carry-slots", "1").stdout)
     assert (report["carry_slots"], report["carry_slots_source"]) == (1, "--carry-slots")
     report = json.loads(run_cli("info", "--json", TRTLLM_MTP_CARRY_SLOTS="5").stdout)
@@ -54,3 +54,27 @@ def test_carry_slots_flag_errors_name_the_flag():
         "trtllm-mtp-carry: error: environment variable "
         "TRTLLM_MTP_CARRY_SLOTS='many' is not a non-negative integer"
     )
+
+
+def test_info_reports_the_carry_stores_bounds_and_their_sources():
+    report = json.loads(run_cli("info", "--json").stdout)
+    assert [report[k] for k in ("carry_memory", "carry_eviction", "carry_idle_s")] == [
+        "100% of the drafter pool", "incumbent", 600]
+    report = json.loads(run_cli("info", "--json", "--carry-memory", "512MiB", "--carry-eviction", "lrd",
+                                "--carry-idle-s", "0", TRTLLM_MTP_CARRY_MEMORY="1GiB").stdout)
+    assert [(report[k], report[f"{k}_source"]) for k in ("carry_memory", "carry_eviction", "carry_idle_s")] == [
+        ("512MiB", "--carry-memory"), ("lrd", "--carry-eviction"), (0, "--carry-idle-s")]
+    report = json.loads(run_cli("info", "--json", TRTLLM_MTP_CARRY_MEMORY="0.25").stdout)
+    assert (report["carry_memory"], report["carry_memory_source"]) == (
+        "25% of the drafter pool", "env TRTLLM_MTP_CARRY_MEMORY")
+
+
+def test_a_malformed_carry_memory_is_one_error_naming_it():
+    out = run_cli("info", "--carry-memory", "2")
+    assert out.returncode == 2 and out.stderr.startswith(
+        "trtllm-mtp-carry: error: argument --carry-memory: '2': a bare number is a fraction")
+    out = run_cli("info", TRTLLM_MTP_CARRY_MEMORY="4 gigs")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "trtllm-mtp-carry: error: environment variable TRTLLM_MTP_CARRY_MEMORY='4 gigs' is not a size: "
+        "use bytes with a unit (4GiB, 512MiB, 1000000B) or a fraction of the drafter pool in [0, 1] (0.5)")

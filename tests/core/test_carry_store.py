@@ -31,14 +31,14 @@ def test_one_slot_is_the_seeds_slot_newest_session_wins():
     assert store.evictions() == zeros(capacity=1)
 
 
-def test_candidate_is_own_entry_else_newest_foreign_else_none():
+def test_candidate_is_own_entry_else_none_with_several_slots():
     store = CarryStore(3)
     assert store.candidate(0xA) is None
     a, b = entry(0xA), entry(0xB)
     deposit(store, a)
     deposit(store, b)
     assert store.candidate(0xA) is a and store.candidate(0xB) is b
-    assert store.candidate(0xC) is b and store.candidate(0) is b
+    assert store.candidate(0xC) is None and store.candidate(0) is None  # a miss, not a foreign entry
 
 
 def test_capacity_evicts_least_recently_deposited():
@@ -82,13 +82,13 @@ def test_evict_counts_by_cause_and_ignores_absent_sessions():
 def test_put_without_room_or_for_session_zero_is_refused():
     store = CarryStore(1)
     deposit(store, entry(0xA))
-    with pytest.raises(RuntimeError, match="no room for session 0x000000000000000b: 1 of 1 slots held"):
+    with pytest.raises(RuntimeError, match="no room for session 0x000000000000000b: 1 of 1 slots"):
         store.put(entry(0xB))
     with pytest.raises(RuntimeError, match="its own entry among them"):
         store.put(entry(0xA))
     with pytest.raises(ValueError, match="session 0 never carries"):
         store.put(entry(0))
-    with pytest.raises(ValueError, match="slots must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"slots must be an int >= 1 or None \(no cap\), got 0"):
         CarryStore(0)
     with pytest.raises(TypeError, match="session_hash must be an int"):
         store.make_room("a")
@@ -143,6 +143,6 @@ def test_random_interleavings_keep_every_entry_accounted(slots, ops):
             model = []
         assert [e.session_hash for e in store.entries()] == model and len(model) <= slots
         cand = store.candidate(s)
-        assert cand is (store.get(s) if s in model else store.newest())
+        assert cand is (store.get(s) if s in model else store.newest() if slots == 1 else None)
     assert store.evictions() == counts and store.adoptions == len(taken)
     assert deposited == store.adoptions + sum(counts.values()) + len(store)

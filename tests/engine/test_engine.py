@@ -47,7 +47,7 @@ def test_cold_turn_builds_a_row_for_every_prompt_key(model):
     prompt = random_prompt(gen, 50)
     eng = engine(model)
     r = eng.generate("s", prompt, max_new_tokens=8)
-    assert (r.stats.outcome, r.stats.drafter_rows_computed) == ("prefill (no carried state)", 49)
+    assert (r.stats.outcome, r.stats.drafter_rows_computed) == ("prefill (no carried state: never_carried)", 49)
 
 
 def test_warm_turn_restored_snapshot_equals_from_scratch(model):
@@ -163,7 +163,7 @@ def test_chat_messages_render_through_the_template(model):
     assert r.prompt == TOK.render_chat([{"role": "user", "content": "hi"}])
 
 
-def test_cancel_mid_decode_frees_every_block(model):
+def test_cancel_mid_decode_frees_every_block_but_the_carried_rows(model):
     gen = torch.Generator().manual_seed(12)
     eng = engine(model)
     rid = eng.submit("c", random_prompt(gen, 40), max_new_tokens=50)
@@ -173,6 +173,10 @@ def test_cancel_mid_decode_frees_every_block(model):
     result = eng.cancel(rid)
     assert result.finish_reason == "cancelled" and 0 < len(result.output) < 50
     eng.check()
+    pool = eng.drafter_pool.stats()  # the session keeps its rows (CarryRuntime.cancel)
+    assert (pool.num_sequences, pool.num_carried) == (0, 1)
+    assert pool.num_free_blocks + pool.num_carried_blocks == eng.drafter_pool.num_blocks
+    eng.runtime.clear_slot()
     assert eng.drafter_pool.stats().num_free_blocks == eng.drafter_pool.num_blocks
     assert eng.cancel(rid) is None
 

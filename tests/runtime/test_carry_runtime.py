@@ -209,7 +209,7 @@ def test_debug_log_one_line_per_store_and_adopt(model, monkeypatch, caplog):
     assert [line.split(":")[0] for line in lines] == [
         "mtp carry adopt", "mtp carry store", "mtp carry adopt", "mtp carry store",
     ]
-    assert lines[0].endswith("no carried state") and "adopted rows=" in lines[2]
+    assert lines[0].endswith("no carried state: never_carried") and "adopted rows=" in lines[2]
 
 
 def test_stats_count_every_outcome(model):
@@ -247,8 +247,9 @@ def watch_runtime(eng):
     seen, deposited = [], {}  # outcome kinds; session hash -> k rows it deposited
     prepare, finish = eng.runtime.prepare, eng.runtime.finish
 
-    def checked_prepare(seq_id, ticket, session_hash, prompt, prefill_from, policy=None, warm=None):
-        prep = prepare(seq_id, ticket, session_hash, prompt, prefill_from, policy, warm)
+    def checked_prepare(seq_id, ticket, session_hash, prompt, prefill_from, policy=None, warm=None,
+                        session=None):
+        prep = prepare(seq_id, ticket, session_hash, prompt, prefill_from, policy, warm, session)
         if prep.outcome is not None:
             seen.append(prep.outcome.kind)
             if prep.outcome.adopted:  # the kept rows are exactly this session's own rows
@@ -257,8 +258,8 @@ def watch_runtime(eng):
                 assert torch.equal(k[:kept], deposited[session_hash][:kept])
         return prep
 
-    def recording_finish(seq_id, session_hash, tokens, policy=None, ticket=0):
-        finish(seq_id, session_hash, tokens, policy, ticket)
+    def recording_finish(seq_id, session_hash, tokens, policy=None, ticket=0, session=None):
+        finish(seq_id, session_hash, tokens, policy, ticket, session)
         entry = eng.runtime.entry
         if entry is not None and entry.session_hash == session_hash and entry.tokens == list(tokens):
             deposited[session_hash] = eng.drafter_pool.gather_slot()[0].clone()

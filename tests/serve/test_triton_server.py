@@ -165,6 +165,9 @@ def test_the_metrics_endpoint_shows_the_counters_moving(served):
     assert moved("mtp_carry_drafter_rows_total", source="adopted") == second.stats["drafter_rows_kept"] > 0
     assert 'mtp_carry_runtime{field="rows_adopted"' in after
     assert 'mtp_carry_runtime{field="outcomes.adopted"' in after
+    assert moved("mtp_carry_no_carry_total", reason="never_carried") == 1  # the cold first turn
+    for gauge in ("carry_memory_bytes", "bytes_held", "entries_held", "no_carry_reasons.memory"):
+        assert f'mtp_carry_runtime{{field="{gauge}"' in after, gauge
 
 
 @pytest.mark.parametrize("key, value, message", [

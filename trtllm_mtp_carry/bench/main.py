@@ -42,8 +42,9 @@ if TYPE_CHECKING:  # the replay module imports torch; the parser stays torch-fre
 
 DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
-SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype", "--threads",
-                     "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots")
+SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype",
+                     "--threads", "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots",
+                     "--carry-memory", "--carry-eviction", "--carry-idle-s")
 """Flags that size or place the engine: with --server they are the server's parameters."""
 
 
@@ -175,6 +176,9 @@ def _settings() -> dict[str, Any]:
     slots = _carry_slots()
     if slots is not None:
         out["carry_slots"] = slots
+    out["carry_memory"] = str(settings.carry_memory())
+    out["carry_eviction"] = settings.carry_eviction()
+    out["carry_idle_s"] = settings.carry_idle_s()
     return out
 
 
@@ -225,7 +229,7 @@ def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, s
             "--turns, --new-span or --max-new-tokens")
     max_len = min(max_position, max(4096, 1 << (longest - 1).bit_length()))
     per_seq = -(-max_len // 16)
-    slots = _carry_slots() or 1
+    slots = _carry_slots() or len(sessions)  # 0: no slot cap, the carry may hold every session
     target_blocks = getattr(args, "target_blocks", None)
     if target_blocks is not None and target_blocks < per_seq:
         raise ValueError(f"--target-blocks {target_blocks} cannot hold one sequence of up to {max_len} "
@@ -247,7 +251,8 @@ def server_side_flags(args: argparse.Namespace) -> list[str]:
     """The `SERVER_SIDE_FLAGS` the user typed (settings flags and paths default to None)."""
     typed = set(getattr(args, "given_flags", ()))
     for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
-                 "--drafter-blocks", "--target-blocks"):
+                 "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-eviction",
+                 "--carry-idle-s"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             typed.add(flag)
     return [f for f in SERVER_SIDE_FLAGS if f in typed]

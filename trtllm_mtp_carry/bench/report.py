@@ -61,6 +61,9 @@ def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any
     out["outcomes"] = dict(sorted(kinds.items()))
     out["adoption_rate"] = kinds.get("adopted", 0) / len(s) if s else None
     out["refusals"] = {k: kinds[k] for k in REFUSAL_KINDS if kinds.get(k)}
+    misses = Counter(x.get("no_carry_reason") or "never_carried" for x in s
+                     if x["outcome_kind"] == "no_carry")
+    out["no_carry_reasons"] = dict(sorted(misses.items()))  # why no_carry: the session's entry was absent
     return out
 
 
@@ -207,6 +210,9 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
                          "its warm turns ran without carried rows")
         if s["refusals"]:
             notes.append(f"{policy}: refusals " + " ".join(f"{k}={v}" for k, v in s["refusals"].items()))
+        if s.get("no_carry_reasons"):
+            notes.append(f"{policy}: no_carry by reason "
+                         + " ".join(f"{k}={v}" for k, v in s["no_carry_reasons"].items()))
         flat = " ".join(f"{k}={v}" for k, v in s["evictions"].items() if v)
         if flat:
             notes.append(f"{policy}: evictions {flat}")

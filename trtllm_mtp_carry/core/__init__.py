@@ -9,26 +9,38 @@ Owner: the MTP drafter's model layer. Invariants across the core:
 """
 
 from .adopt import decide_adopt
-from .carry_store import EVICTION_CAUSES, CarryStore
+from .carry_store import EVICTION_CAUSES, MISS_MEMORY, REFUSAL_CAUSES, CarryStore
 from .debuglog import log_adopt, log_store
 from .drafter import CarriedDrafter
-from .outcome import OUTCOME_KINDS, CarryOutcome
+from .outcome import NO_CARRY_REASONS, OUTCOME_KINDS, CarryOutcome
 from .plan import AppendPlan, hidden_row_offset, plan_append
-from .session import TicketCounter, session_hash
+from .session import TicketCounter, carry_key, session_hash
 from .settings import (
+    DEFAULT_CARRY_EVICTION,
+    DEFAULT_CARRY_IDLE_S,
+    DEFAULT_CARRY_MEMORY,
     DEFAULT_CARRY_SLOTS,
     DEFAULT_MARCONI_MIN_TOKENS,
     DEFAULT_MTP_MAX_SEQS,
+    EVICTION_POLICIES,
+    CarryMemory,
     DrafterContext,
     PinnedSetting,
     carry_armed,
     carry_armed_with,
+    carry_eviction,
+    carry_idle_s,
+    carry_memory,
     carry_slots,
     marconi_min_tokens,
     mtp_carry_debug,
     mtp_carry_drafter_enabled,
     mtp_max_seqs,
     mtp_multi_seq_mode,
+    parse_carry_memory,
+    set_carry_eviction,
+    set_carry_idle_s,
+    set_carry_memory,
     set_carry_slots,
     set_marconi_min_tokens,
     set_mtp_max_seqs,
@@ -37,7 +49,23 @@ from .store_range import StoreRange, merge_interval, stamped_merge
 from .tokens import common_prefix_len
 
 __all__ = [
+    "DEFAULT_CARRY_EVICTION",
+    "DEFAULT_CARRY_IDLE_S",
+    "DEFAULT_CARRY_MEMORY",
     "DEFAULT_CARRY_SLOTS",
+    "EVICTION_POLICIES",
+    "MISS_MEMORY",
+    "NO_CARRY_REASONS",
+    "REFUSAL_CAUSES",
+    "CarryMemory",
+    "carry_eviction",
+    "carry_idle_s",
+    "carry_key",
+    "carry_memory",
+    "parse_carry_memory",
+    "set_carry_eviction",
+    "set_carry_idle_s",
+    "set_carry_memory",
     "DEFAULT_MARCONI_MIN_TOKENS",
     "EVICTION_CAUSES",
     "DEFAULT_MTP_MAX_SEQS",

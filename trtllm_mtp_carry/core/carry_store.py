@@ -1,51 +1,132 @@
-"""The carry store: carried drafter entries keyed by session hash, at most `slots` of them.
+"""The carry store: carried drafter entries keyed by carry key, bounded by memory.
 
-What it is for: the bookkeeping half of the carry across several sessions. The
-runtime deposits a finished turn's `CarriedDrafter` under its session hash and
-takes it back out when the session's next turn adopts it; the drafter pool
-holds the rows themselves under the same key. Plain Python, no torch.
+What it is for: the one carry bookkeeping every executor shares (the reference
+engine's runtime, the TensorRT-LLM adapter). The runtime deposits a finished
+turn's `CarriedDrafter` under its carry key (`carry_key(session, salt)`) and
+takes it back out when that key's next turn adopts it; the executor holds the
+rows themselves under the same key. `judge` is the carry decision: the key's
+own entry through `decide_adopt`, or `NoCarry` with the reason it is absent.
+Plain Python, no torch.
 
-Order is least recently deposited first (an entry is "used" by its deposit:
-adoption takes it out, and the adopting turn deposits it again when it ends)::
+Bounds: `budget_bytes` of rows (each deposit says its size), an optional cap of
+`slots` entries, and an idle time-to-live (`idle_s`). Entries are kept in
+deposit order; which one leaves first is the eviction policy's choice::
 
-    | oldest entry | ... | newest entry |   <- deposit appends here
-      ^ evicted first (capacity, pool pressure)
+    | oldest deposit | ... | newest deposit |   <- deposit appends here
+      lrd: evicted first                  incumbent: evicted first (and newcomers
+      slru: first never-adopted first     are refused while incumbents fill it)
+
+- `lrd` (least recently deposited): the seed's order; under a cyclic workload
+  larger than the store it evicts exactly the entry needed next (0 adopted).
+- `slru`: entries adopted at least once are protected; never-adopted ones go
+  first, oldest first, then protected ones, oldest first.
+- `incumbent` (the default; DECISIONS.md has the figures): keep what is held.
+  A newcomer that does not fit is refused (`not_admitted`) instead of evicting
+  anything; a returning key (one whose rows a running turn adopted, a lease,
+  or that replaces its own entry) makes room by evicting the newest entries
+  first. A lease reserves nothing: while the rows are out in a live sequence
+  a newcomer may use their room, and gives way (newest first) when they come
+  back. Idle expiry, session ends and pool pressure still evict, so entries
+  of sessions that never return make room in time.
 
 Invariants:
-- At most one entry per session hash, at most `slots` entries, never session 0.
+- At most one entry per key, never key 0; at most `slots` entries and at most
+  `budget_bytes` held (adopted rows out in live sequences are not held).
 - An entry leaves exactly once, by `take` (adopted) or an eviction with one
-  cause from `EVICTION_CAUSES`; every leave is counted.
-- `candidate(h)` is `h`'s own entry when there is one; else the newest entry
-  of another session (which `decide_adopt` refuses as ForeignSession), else
-  None. With one slot this is exactly the seed's single slot.
+  cause from `EVICTION_CAUSES`; every leave and every refused deposit is counted.
+- `candidate(k)` is `k`'s own entry; with one slot, else the slot's entry of
+  another key (which `decide_adopt` refuses as ForeignSession: the seed's
+  slot); else None, and `miss_reason(k)` says why (`NO_CARRY_REASONS`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from ._checks import check_u64
+from ._checks import check_non_negative, check_u64
+from .adopt import decide_adopt
 from .drafter import CarriedDrafter
+from .outcome import CarryOutcome, NoCarry
+from .settings import EVICTION_POLICIES, check_eviction_policy
+from .store_range import StoreRange
+from .tokens import Tokens
 
 EVICTION_CAUSES: tuple[str, ...] = (
-    "capacity",  # every slot was held: the least recently deposited entry made room
+    "capacity",  # the slot cap was reached: an entry made room for a deposit
+    "memory",  # the memory budget was full: an entry made room for a deposit
     "pool_pressure",  # a live sequence needed the blocks (live sequences always win)
-    "session_end",  # the session ended (`forget_session`)
-    "replaced",  # the same session deposited newer rows
-    "cleared",  # the runtime dropped every entry (`clear_slot`)
+    "idle",  # the session did not return within the idle time-to-live
+    "session_end",  # the session ended (`evict_session`)
+    "replaced",  # the same key deposited newer rows
+    "cleared",  # the runtime dropped every entry (`clear`)
 )
 """Why an entry left the store without being adopted, in the order counters list them."""
 
+REFUSAL_CAUSES: tuple[str, ...] = ("not_admitted", "too_large")
+"""Why a deposit was refused (nothing evicted), in the order counters list them."""
+
+MISS_MEMORY = 65536
+"""How many absent keys the store remembers a miss reason for, and at most how many leases
+it keeps (oldest forgotten first)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    entry: CarriedDrafter
+    nbytes: int
+    session: int
+    deposited_at: float
+    adoptions: int  # times this key's rows were adopted and deposited back (slru's protection)
+
+
+@dataclass(slots=True)
+class _Lease:
+    nbytes: int
+    session: int
+    taken_at: float
+    adoptions: int
+
 
 class CarryStore:
-    """At most `slots` carried entries keyed by session hash, least recently deposited first."""
+    """Carried entries keyed by carry key, bounded by bytes, an optional slot cap and an idle TTL.
 
-    def __init__(self, slots: int) -> None:
-        if type(slots) is not int or slots < 1:
-            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+    `CarryStore(slots)` alone is the seed-compatible store: no byte budget, no
+    TTL, least recently deposited evicted first. One slot is always `lrd` (the
+    seed's slot: the newest deposit wins it), whatever `policy` says.
+    """
+
+    def __init__(
+        self,
+        slots: int | None = None,
+        budget_bytes: int | None = None,
+        policy: str = "lrd",
+        idle_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if slots is not None and (type(slots) is not int or slots < 1):
+            raise ValueError(f"slots must be an int >= 1 or None (no cap), got {slots!r}")
+        if budget_bytes is not None:
+            check_non_negative("budget_bytes", budget_bytes)
+        if idle_s is not None and (isinstance(idle_s, bool) or not isinstance(idle_s, (int, float))
+                                   or not idle_s > 0):
+            raise ValueError(f"idle_s must be a positive number of seconds or None, got {idle_s!r}")
         self.slots = slots
-        self._entries: OrderedDict[int, CarriedDrafter] = OrderedDict()
+        self.budget_bytes = budget_bytes
+        self.policy = check_eviction_policy(policy, "policy")
+        if slots == 1:  # the seed's single slot: the newest finished session wins it
+            self.policy = "lrd"
+        self.idle_s = idle_s
+        self._clock = clock
+        self._entries: OrderedDict[int, _Held] = OrderedDict()
+        self._leases: dict[int, _Lease] = {}
+        self._misses: OrderedDict[int, str] = OrderedDict()
+        self._last_key: OrderedDict[int, int] = OrderedDict()  # session -> key it last deposited
         self._evictions = dict.fromkeys(EVICTION_CAUSES, 0)
+        self._refusals = dict.fromkeys(REFUSAL_CAUSES, 0)
+        self._bytes = 0
         self.deposits = 0
         self.adoptions = 0
 
@@ -54,77 +135,189 @@ class CarryStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, session_hash: object) -> bool:
-        return session_hash in self._entries
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
-    def get(self, session_hash: int) -> CarriedDrafter | None:
-        """The entry carried for `session_hash`, or None."""
-        return self._entries.get(session_hash)
+    def get(self, key: int) -> CarriedDrafter | None:
+        """The entry carried under `key`, or None."""
+        held = self._entries.get(key)
+        return None if held is None else held.entry
 
-    def candidate(self, session_hash: int) -> CarriedDrafter | None:
-        """The entry `decide_adopt` judges for `session_hash` (see the module invariants)."""
-        own = self._entries.get(session_hash) if session_hash != 0 else None
-        if own is not None:
-            return own
-        return next(reversed(self._entries.values()), None)
+    def candidate(self, key: int) -> CarriedDrafter | None:
+        """The entry `decide_adopt` judges for `key` (see the module invariants)."""
+        held = self._entries.get(key) if key != 0 else None
+        if held is not None:
+            return held.entry
+        if self.slots == 1 and self._entries:  # the seed's single slot: whoever holds it
+            return next(iter(self._entries.values())).entry
+        return None
+
+    def miss_reason(self, key: int, session: int | None = None) -> str:
+        """Why `key` has no entry now (a `NO_CARRY_REASONS` name); `session` names its session."""
+        if key in self._leases:
+            return "in_use"
+        reason = self._misses.get(key)
+        if reason is not None:
+            return reason
+        if session is not None and self._last_key.get(session, key) != key:
+            return "new_salt"
+        return "never_carried"
+
+    def judge(self, key: int, prompt: Tokens, ticket: int, store: StoreRange,
+              session: int | None = None) -> CarryOutcome:
+        """The carry decision for sequence `ticket` of carry key `key` (call only when armed).
+
+        `decide_adopt` on `candidate(key)`; a `NoCarry` carries `miss_reason(key, session)`.
+        """
+        outcome = decide_adopt(self.candidate(key), prompt, key, ticket, store)
+        if isinstance(outcome, NoCarry):
+            return NoCarry(self.miss_reason(key, session))
+        return outcome
 
     def entries(self) -> tuple[CarriedDrafter, ...]:
         """Every entry, least recently deposited first."""
-        return tuple(self._entries.values())
+        return tuple(h.entry for h in self._entries.values())
 
     def newest(self) -> CarriedDrafter | None:
         """The most recently deposited entry, or None."""
-        return next(reversed(self._entries.values()), None)
+        return next((h.entry for h in reversed(self._entries.values())), None)
+
+    def nbytes(self, key: int) -> int:
+        """Bytes the entry under `key` was deposited with (0 if none)."""
+        held = self._entries.get(key)
+        return 0 if held is None else held.nbytes
 
     @property
     def rows_held(self) -> int:
-        return sum(e.rows for e in self._entries.values())
+        return sum(h.entry.rows for h in self._entries.values())
 
     @property
     def blocks_held(self) -> int:
-        return sum(len(e.block_table) for e in self._entries.values())
+        return sum(len(h.entry.block_table) for h in self._entries.values())
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of every entry held (as each deposit stated them)."""
+        return self._bytes
+
+    @property
+    def leases(self) -> int:
+        """Keys whose rows a running turn adopted and may deposit back."""
+        return len(self._leases)
 
     def evictions(self) -> dict[str, int]:
         """Evictions so far by cause (every cause listed, zeros too)."""
         return dict(self._evictions)
 
+    def refusals(self) -> dict[str, int]:
+        """Deposits refused so far by cause (every cause listed, zeros too)."""
+        return dict(self._refusals)
+
+    def victim(self) -> int | None:
+        """The key the policy evicts first for pool pressure (None when nothing is held)."""
+        order = self._victims()
+        return order[0] if order else None
+
     # ---- changes -------------------------------------------------------------
 
-    def make_room(self, session_hash: int) -> list[CarriedDrafter]:
-        """Evict what must go before `session_hash` deposits; return the evicted, in order.
+    def admit(self, key: int, nbytes: int = 0, session: int | None = None) -> list[CarriedDrafter] | None:
+        """Make room for `key`'s deposit of `nbytes` under the policy; return the evicted, in order.
 
-        The session's own older entry goes first (`replaced`), then the least
-        recently deposited entries (`capacity`) until a slot is free. The caller
-        frees their rows.
+        None means refused (nothing evicted; `miss_reason(key)` says why, and the
+        key's lease, if any, is dropped): `too_large` if `nbytes` exceeds the whole
+        budget, `not_admitted` if the policy keeps its incumbents. The caller
+        frees the evicted entries' rows, then `put`s the entry.
+        """
+        check_u64("key", key)
+        check_non_negative("nbytes", nbytes)
+        if self.budget_bytes is not None and nbytes > self.budget_bytes:
+            self._refuse(key, "too_large")
+            return None
+        returning = key in self._entries or key in self._leases
+        if self.policy == "incumbent" and not returning and not self._fits(key, nbytes, ()):
+            self._refuse(key, "not_admitted")
+            return None
+        gone = [key] if key in self._entries else []  # its own older rows go (`replaced`)
+        if not self._fits(key, nbytes, gone):
+            for k in self._victims():
+                if k != key:
+                    gone.append(k)
+                    if self._fits(key, nbytes, gone):
+                        break
+            if not self._fits(key, nbytes, gone):  # unreachable: nbytes <= budget, all may go
+                self._refuse(key, "not_admitted")
+                return None
+        return [self._remove(k, "replaced" if k == key else self._room_cause())
+                for k in gone]
+
+    def make_room(self, session_hash: int, nbytes: int = 0) -> list[CarriedDrafter]:
+        """Evict what must go before `session_hash` deposits (never refuses); return the evicted.
+
+        The key's own older entry goes first (`replaced`), then entries in the
+        policy's victim order until the deposit fits. Prefer `admit`, which lets
+        the policy refuse a newcomer.
         """
         check_u64("session_hash", session_hash)
+        check_non_negative("nbytes", nbytes)
         evicted = []
         if session_hash in self._entries:
             evicted.append(self._remove(session_hash, "replaced"))
-        while len(self._entries) >= self.slots:
-            evicted.append(self._remove(next(iter(self._entries)), "capacity"))
+        for k in self._victims():
+            if self._fits(session_hash, nbytes, ()):
+                break
+            evicted.append(self._remove(k, self._room_cause()))
         return evicted
 
-    def put(self, entry: CarriedDrafter) -> None:
-        """Deposit `entry` as the newest; RuntimeError unless `make_room` made room for it."""
+    def put(self, entry: CarriedDrafter, nbytes: int = 0, session: int | None = None) -> None:
+        """Deposit `entry` (of `nbytes`, session `session`, default its key) as the newest.
+
+        RuntimeError unless `admit` or `make_room` made room for it.
+        """
         key = entry.session_hash
+        check_non_negative("nbytes", nbytes)
         if key == 0:
             raise ValueError("an entry of session 0 never carries (session 0 matches nothing)")
-        if key in self._entries or len(self._entries) >= self.slots:
+        if key in self._entries or not self._fits(key, nbytes, ()):
             raise RuntimeError(
-                f"no room for session 0x{key:016x}: {len(self._entries)} of {self.slots} slots held"
-                f"{' (its own entry among them)' if key in self._entries else ''}; call make_room first"
+                f"no room for session 0x{key:016x}: {len(self._entries)} of {self.slots or 'any'} slots, "
+                f"{self._bytes} of {self.budget_bytes} bytes held"
+                f"{' (its own entry among them)' if key in self._entries else ''}; call admit first"
             )
-        self._entries[key] = entry
+        lease = self._leases.pop(key, None)
+        owner = key if session is None else check_u64("session", session)
+        self._entries[key] = _Held(entry, nbytes, owner, self._clock(),
+                                   0 if lease is None else lease.adoptions + 1)
+        self._bytes += nbytes
+        self._misses.pop(key, None)
+        self._last_key[owner] = key
+        self._last_key.move_to_end(owner)
+        if len(self._last_key) > MISS_MEMORY:
+            self._last_key.popitem(last=False)
         self.deposits += 1
 
     def take(self, session_hash: int) -> CarriedDrafter:
-        """Remove and return `session_hash`'s entry for adoption; RuntimeError if it has none."""
-        entry = self._entries.pop(session_hash, None) if session_hash != 0 else None
-        if entry is None:
+        """Remove and return `session_hash`'s entry for adoption; RuntimeError if it has none.
+
+        The key holds a lease until it deposits again or `end_lease` drops it.
+        """
+        held = self._entries.pop(session_hash, None) if session_hash != 0 else None
+        if held is None:
             raise RuntimeError(f"no carried entry for session 0x{session_hash:016x} to take")
+        self._bytes -= held.nbytes
+        self._leases[session_hash] = _Lease(held.nbytes, held.session, self._clock(), held.adoptions)
+        if len(self._leases) > MISS_MEMORY:  # a caller that never ends its leases stays bounded
+            oldest = next(iter(self._leases))
+            del self._leases[oldest]
+            self._remember(oldest, "not_deposited")
         self.adoptions += 1
-        return entry
+        return held.entry
+
+    def end_lease(self, key: int, reason: str = "not_deposited") -> bool:
+        """The turn that adopted `key`'s rows ended without depositing them; remember `reason`."""
+        if self._leases.pop(key, None) is None:
+            return False
+        self._remember(key, reason)
+        return True
 
     def evict(self, session_hash: int, cause: str) -> CarriedDrafter | None:
         """Remove `session_hash`'s entry for `cause` and return it (None, uncounted, if it has none)."""
@@ -134,10 +327,78 @@ class CarryStore:
             return None
         return self._remove(session_hash, cause)
 
+    def evict_session(self, session: int, cause: str = "session_end") -> list[CarriedDrafter]:
+        """Evict every entry of `session` (under any salt) for `cause`; drop its leases too."""
+        if cause not in self._evictions:
+            raise ValueError(f"cause must be one of {EVICTION_CAUSES}, got {cause!r}")
+        keys = [k for k, h in self._entries.items() if h.session == session or k == session]
+        for k in [k for k, lease in self._leases.items() if lease.session == session or k == session]:
+            del self._leases[k]
+            self._remember(k, cause)
+        return [self._remove(k, cause) for k in keys]
+
+    def expire(self) -> list[CarriedDrafter]:
+        """Evict (`idle`) entries deposited more than `idle_s` ago, and drop leases that old."""
+        if self.idle_s is None:
+            return []
+        cutoff = self._clock() - self.idle_s
+        out = []
+        while self._entries:  # deposit order is time order: stop at the first young entry
+            key, held = next(iter(self._entries.items()))
+            if held.deposited_at > cutoff:
+                break
+            out.append(self._remove(key, "idle"))
+        for k in [k for k, lease in self._leases.items() if lease.taken_at <= cutoff]:
+            del self._leases[k]
+            self._remember(k, "idle")
+        return out
+
     def clear(self) -> list[CarriedDrafter]:
         """Evict every entry (`cleared`); return them, oldest first."""
         return [self._remove(key, "cleared") for key in list(self._entries)]
 
+    # ---- internals -----------------------------------------------------------
+
+    def _victims(self) -> list[int]:
+        """Held keys in the order the policy evicts them."""
+        if self.policy == "lrd":
+            return list(self._entries)
+        if self.policy == "slru":
+            return ([k for k, h in self._entries.items() if h.adoptions == 0]
+                    + [k for k, h in self._entries.items() if h.adoptions > 0])
+        return list(reversed(self._entries))  # incumbent: the newest entry is evicted first
+
+    def _fits(self, key: int, nbytes: int, without: list[int] | tuple[int, ...]) -> bool:
+        """Whether `key`'s deposit of `nbytes` fits once the entries `without` are gone."""
+        gone = sum(self._entries[k].nbytes for k in without)
+        if self.slots is not None and len(self._entries) - len(without) + 1 > self.slots:
+            return False
+        return self.budget_bytes is None or self._bytes - gone + nbytes <= self.budget_bytes
+
+    def _room_cause(self) -> str:
+        """`capacity` while the slot cap is what is full, else `memory`."""
+        if self.slots is not None and len(self._entries) + 1 > self.slots:
+            return "capacity"
+        return "memory"
+
+    def _refuse(self, key: int, cause: str) -> None:
+        self._refusals[cause] += 1
+        self._leases.pop(key, None)
+        self._remember(key, cause)
+
+    def _remember(self, key: int, reason: str) -> None:
+        self._misses[key] = reason
+        self._misses.move_to_end(key)
+        if len(self._misses) > MISS_MEMORY:
+            self._misses.popitem(last=False)
+
     def _remove(self, key: int, cause: str) -> CarriedDrafter:
         self._evictions[cause] += 1
-        return self._entries.pop(key)
+        held = self._entries.pop(key)
+        self._bytes -= held.nbytes
+        if cause != "replaced":
+            self._remember(key, cause)
+        return held.entry
+
+
+__all__ = ["EVICTION_CAUSES", "EVICTION_POLICIES", "MISS_MEMORY", "REFUSAL_CAUSES", "CarryStore"]

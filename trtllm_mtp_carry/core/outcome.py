@@ -46,14 +46,36 @@ class Adopted(CarryOutcome):
         return f"adopted rows={self.rows} appended={self.appended} first_key={self.first_key}"
 
 
+NO_CARRY_REASONS: tuple[str, ...] = (
+    "never_carried",  # nothing was ever deposited under this key (that the store remembers)
+    "new_salt",  # the session carried rows under another cache_salt: a new salt starts fresh
+    "in_use",  # another turn of this key adopted the entry and has not deposited it back yet
+    "capacity",  # evicted: every slot of the optional slot cap was held
+    "memory",  # evicted: the carry's memory budget (carry_memory) was full
+    "pool_pressure",  # evicted: a live sequence needed the drafter pool's blocks
+    "idle",  # evicted: the session did not return within the idle time-to-live
+    "session_end",  # evicted: the session ended
+    "cleared",  # evicted: the runtime dropped every entry
+    "not_admitted",  # the last deposit was refused: the store was full of incumbents
+    "too_large",  # the last deposit was refused: its rows exceed the whole budget
+    "not_deposited",  # the last turn adopted the rows and ended without depositing them
+)
+"""Why a session's own carried entry was absent, in the order counters list them."""
+
+
 @dataclass(frozen=True, slots=True)
 class NoCarry(CarryOutcome):
-    """Nothing was carried (the store was empty)."""
+    """The store holds no entry under this session's key; `reason` says why (`NO_CARRY_REASONS`)."""
 
+    reason: str = "never_carried"
     kind: ClassVar[str] = "no_carry"
 
+    def __post_init__(self) -> None:
+        if self.reason not in NO_CARRY_REASONS:
+            raise ValueError(f"NoCarry reason must be one of {NO_CARRY_REASONS}, got {self.reason!r}")
+
     def __str__(self) -> str:
-        return "no carried state"
+        return f"no carried state: {self.reason}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +92,11 @@ class PrefixMismatch(CarryOutcome):
 
 @dataclass(frozen=True, slots=True)
 class ForeignSession(CarryOutcome):
-    """The store holds only other sessions' rows (or the prompt has no session)."""
+    """The entry judged belongs to another session (or salt), or the prompt has no session.
+
+    With several slots a session is only ever judged against its own entry, so
+    this is the one-slot case (the seed's single slot holds another session's rows).
+    """
 
     entry_session: int
     prompt_session: int

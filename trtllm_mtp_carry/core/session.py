@@ -9,6 +9,11 @@ Invariants:
 - `session_hash` is stable across processes and machines (blake2b, not
   Python's salted `hash()`); strings and ints hash in separate domains, so
   `"7"` and `7` are different sessions.
+- `carry_key(h, None) == h`: an unsalted session's carry key is its session
+  hash; `carry_key(h, salt)` is another non-zero u64 for every salt, so rows
+  deposited under one salt are never adopted under another (the salt closes a
+  timing side channel between tenants, as TensorRT-LLM and vLLM scope prefix
+  reuse by it). A str salt and its UTF-8 bytes are the same salt.
 - A `TicketCounter` hands out 1, 2, 3, ... once each, under a lock, and is
   never shared with any other generation counter.
 """
@@ -40,6 +45,34 @@ def session_hash(session_id: str | int) -> int:
             raise ValueError(f"session id int must be in [0, 2**64), got {session_id}")
         data = b"i" + int(session_id).to_bytes(8, "little")
     digest = hashlib.blake2b(data, digest_size=8, person=b"mtpcarry-session").digest()
+    return int.from_bytes(digest, "little") or _ZERO_STANDIN
+
+
+def carry_key(session: int, cache_salt: str | bytes | None = None) -> int:
+    """The carry store's key for session hash `session` under `cache_salt`.
+
+    Every executor (the reference engine, the TensorRT-LLM adapter) derives
+    the key here, so a session that switches salt starts fresh everywhere.
+    `session` 0 (no session) stays 0: it never carries. None is the unsalted
+    namespace (the key is `session` itself). TypeError/ValueError name a salt
+    that is not a non-empty str or bytes.
+    """
+    if type(session) is not int or not 0 <= session < U64_LIMIT:
+        raise TypeError(f"session must be a session hash (an int in [0, 2**64)), got {session!r}")
+    if cache_salt is None:
+        return session
+    if isinstance(cache_salt, str):
+        salt = cache_salt.encode("utf-8", "surrogatepass")
+    elif isinstance(cache_salt, (bytes, bytearray)):
+        salt = bytes(cache_salt)
+    else:
+        raise TypeError(f"cache_salt must be a str, bytes or None, got {cache_salt!r}")
+    if not salt:
+        raise ValueError("cache_salt must be non-empty (None is the unsalted namespace), got an empty salt")
+    if session == 0:
+        return 0
+    digest = hashlib.blake2b(session.to_bytes(8, "little") + salt, digest_size=8,
+                             person=b"mtpcarry-carry").digest()
     return int.from_bytes(digest, "little") or _ZERO_STANDIN
 
 

@@ -1,5 +1,6 @@
 """Process-wide carry settings: the SSM restore threshold, the MTP dispatch cap,
-the number of carry slots, the drafter policy and whether the carry is armed.
+the carry store's bounds (memory budget, optional slot cap, idle time-to-live,
+eviction policy), the drafter policy and whether the carry is armed.
 
 Invariants:
 - A pinned setting is fixed by its first read or write, for the whole process:
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from ._checks import check_non_negative
 
@@ -29,13 +31,29 @@ DEFAULT_MARCONI_MIN_TOKENS = 256
 DEFAULT_MTP_MAX_SEQS = 32
 """Default MTP dispatch cap when neither the runtime nor the environment sets one."""
 
-DEFAULT_CARRY_SLOTS = 16
-"""Default number of carried entries (one per session): the bench's concurrency
-target is 16 sessions, and a slot costs nothing until it holds rows; the pool
-budget, not the slot count, bounds memory (pool pressure evicts entries LRU)."""
+DEFAULT_CARRY_SLOTS = 0
+"""Default cap on carried entries: 0, no cap. Memory (`carry_memory`) bounds the
+store; a slot count is an optional extra cap (1 is the seed's single slot)."""
+
+DEFAULT_CARRY_MEMORY = "1.0"
+"""Default carry budget: the whole drafter pool, so a server at default settings
+keeps every session whose rows fit (live sequences still win: pool pressure
+evicts carried entries before any sequence loses its drafter)."""
+
+DEFAULT_CARRY_IDLE_S = 600
+"""Default idle time-to-live of a carried entry, in seconds (0: never expire):
+an entry whose session has not come back for ten minutes is dropped."""
+
+EVICTION_POLICIES: tuple[str, ...] = ("incumbent", "lrd", "slru")
+"""Carry store eviction policies (see `carry_store.py`); the first is the default."""
+
+DEFAULT_CARRY_EVICTION = EVICTION_POLICIES[0]
 
 ENV_MARCONI_MIN_TOKENS = "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS"
 ENV_CARRY_SLOTS = "TRTLLM_MTP_CARRY_SLOTS"
+ENV_CARRY_MEMORY = "TRTLLM_MTP_CARRY_MEMORY"
+ENV_CARRY_IDLE_S = "TRTLLM_MTP_CARRY_IDLE_S"
+ENV_CARRY_EVICTION = "TRTLLM_MTP_CARRY_EVICTION"
 ENV_MTP_MAX_SEQS = "TRTLLM_MTP_CARRY_MAX_SEQS"
 ENV_DEBUG = "TRTLLM_MTP_CARRY_DEBUG"
 
@@ -51,23 +69,26 @@ def parse_env_int(name: str, raw: str, minimum: int = 0) -> int:
     return value
 
 
-class PinnedSetting:
-    """An int fixed for the process by its first read or write (thread-safe).
+T = TypeVar("T")
 
-    Read order when nothing pinned it: env `env_var`, else `default`. The
-    module holds one instance per setting; tests make their own instances.
+
+class Pinned(Generic[T]):
+    """A value fixed for the process by its first read or write (thread-safe).
+
+    Read order when nothing pinned it: env `env_var` (through `parse(name, raw)`,
+    which raises a ValueError naming the variable and the value), else `default`.
     """
 
-    def __init__(self, name: str, env_var: str, default: int, minimum: int = 0) -> None:
+    def __init__(self, name: str, env_var: str, default: T, parse: Callable[[str, str], T]) -> None:
         self.name = name
         self.env_var = env_var
         self.default = default
-        self.minimum = minimum
+        self._parse = parse
         self._lock = threading.Lock()
-        self._value: int | None = None
+        self._value: T | None = None
         self._source = ""
 
-    def get(self) -> int:
+    def get(self) -> T:
         """The pinned value; the first call pins it from env or the default."""
         value = self._value
         if value is not None:
@@ -78,15 +99,11 @@ class PinnedSetting:
                 if raw is None:
                     self._value, self._source = self.default, "default"
                 else:
-                    self._value = parse_env_int(self.env_var, raw, self.minimum)
+                    self._value = self._parse(self.env_var, raw)
                     self._source = f"env {self.env_var}"
             return self._value
 
-    def set(self, value: int, source: str = "set") -> bool:
-        """Pin `value`. `True` if this call set it; `False` (nothing changed) if already pinned."""
-        value = check_non_negative(self.name, value)
-        if value < self.minimum:
-            raise ValueError(f"{self.name} must be at least {self.minimum}, got {value}")
+    def _pin(self, value: T, source: str) -> bool:
         with self._lock:
             if self._value is not None:
                 return False
@@ -104,11 +121,141 @@ class PinnedSetting:
         return self._value is not None
 
 
+class PinnedSetting(Pinned[int]):
+    """An int fixed for the process by its first read or write (thread-safe).
+
+    Read order when nothing pinned it: env `env_var`, else `default`. The
+    module holds one instance per setting; tests make their own instances.
+    """
+
+    def __init__(self, name: str, env_var: str, default: int, minimum: int = 0) -> None:
+        super().__init__(name, env_var, default, lambda var, raw: parse_env_int(var, raw, minimum))
+        self.minimum = minimum
+
+    def set(self, value: int, source: str = "set") -> bool:
+        """Pin `value`. `True` if this call set it; `False` (nothing changed) if already pinned."""
+        value = check_non_negative(self.name, value)
+        if value < self.minimum:
+            raise ValueError(f"{self.name} must be at least {self.minimum}, got {value}")
+        return self._pin(value, source)
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True, slots=True)
+class CarryMemory:
+    """The carry budget: `nbytes` of drafter rows, or a `fraction` of the drafter pool.
+
+    Exactly one of the two is set; `resolve(pool_bytes)` gives the budget in bytes.
+    """
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.nbytes is None) == (self.fraction is None):
+            raise ValueError("CarryMemory takes exactly one of nbytes and fraction")
+        if self.nbytes is not None:
+            check_non_negative("carry_memory bytes", self.nbytes)
+        if self.fraction is not None and not (
+                isinstance(self.fraction, float) and 0.0 <= self.fraction <= 1.0):
+            raise ValueError(f"carry_memory fraction must be in [0, 1], got {self.fraction!r}")
+
+    def resolve(self, pool_bytes: int) -> int:
+        """The budget in bytes for a drafter pool of `pool_bytes` bytes."""
+        if self.nbytes is not None:
+            return self.nbytes
+        assert self.fraction is not None
+        return int(self.fraction * check_non_negative("pool_bytes", pool_bytes))
+
+    def __str__(self) -> str:
+        if self.nbytes is not None:
+            return _format_bytes(self.nbytes)
+        return f"{100 * (self.fraction or 0.0):g}% of the drafter pool"
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
+def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
+    """`text` as a carry budget: bytes with a unit (`4GiB`, `512MiB`, `1000000B`,
+    `2GB`) or a bare fraction of the drafter pool in [0, 1] (`0.5`, `1`).
+
+    ValueError naming `what` and the value otherwise (a bare number above 1 is
+    refused: bytes need a unit, so `2` can never be read as two bytes by mistake).
+    """
+    if isinstance(text, CarryMemory):
+        return text
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise TypeError(f"{what} must be a str like '4GiB' or '0.5', got {text!r}")
+    if isinstance(text, int):
+        return CarryMemory(nbytes=check_non_negative(what, text))
+    if isinstance(text, float):
+        if not 0.0 <= text <= 1.0:
+            raise ValueError(f"{what or 'carry_memory'}={text!r}: a fraction of the drafter pool must be in [0, 1]")
+        return CarryMemory(fraction=text)
+    label = f"{what}={text!r}" if what else repr(text)
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    try:
+        value = float(number) if number else None
+    except ValueError:
+        value = None
+    if value is None or value != value or value in (float("inf"), float("-inf")) or (
+            unit and unit not in _UNITS):
+        raise ValueError(
+            f"{label} is not a size: use bytes with a unit (4GiB, 512MiB, 1000000B) "
+            "or a fraction of the drafter pool in [0, 1] (0.5)"
+        )
+    if not unit:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(
+                f"{label}: a bare number is a fraction of the drafter pool and must be "
+                "in [0, 1]; give bytes with a unit (e.g. 4GiB)"
+            )
+        return CarryMemory(fraction=float(value))
+    nbytes = value * _UNITS[unit]
+    if nbytes < 0 or nbytes != int(nbytes):
+        raise ValueError(f"{label} must be a whole, non-negative number of bytes")
+    return CarryMemory(nbytes=int(nbytes))
+
+
+def _parse_env_memory(name: str, raw: str) -> CarryMemory:
+    try:
+        return parse_carry_memory(raw, what=f"environment variable {name}")
+    except TypeError as exc:  # env values are str: unreachable, kept for mypy's sake
+        raise ValueError(str(exc)) from None
+
+
+def check_eviction_policy(value: object, what: str = "carry_eviction") -> str:
+    """`value` if it names an eviction policy, else a ValueError naming `what`, the value and the choices."""
+    if value not in EVICTION_POLICIES:
+        raise ValueError(f"{what}={value!r} is not an eviction policy; expected one of "
+                         f"{', '.join(EVICTION_POLICIES)}")
+    assert isinstance(value, str)
+    return value
+
+
 MARCONI_MIN_TOKENS = PinnedSetting(
     "marconi_min_tokens", ENV_MARCONI_MIN_TOKENS, DEFAULT_MARCONI_MIN_TOKENS
 )
 MTP_MAX_SEQS = PinnedSetting("mtp_max_seqs", ENV_MTP_MAX_SEQS, DEFAULT_MTP_MAX_SEQS, minimum=1)
 CARRY_SLOTS = PinnedSetting("carry_slots", ENV_CARRY_SLOTS, DEFAULT_CARRY_SLOTS, minimum=1)
+CARRY_IDLE_S = PinnedSetting("carry_idle_s", ENV_CARRY_IDLE_S, DEFAULT_CARRY_IDLE_S)
+CARRY_MEMORY: Pinned[CarryMemory] = Pinned(
+    "carry_memory", ENV_CARRY_MEMORY, parse_carry_memory(DEFAULT_CARRY_MEMORY), _parse_env_memory
+)
+CARRY_EVICTION: Pinned[str] = Pinned(
+    "carry_eviction", ENV_CARRY_EVICTION, DEFAULT_CARRY_EVICTION,
+    lambda name, raw: check_eviction_policy(raw.strip(), f"environment variable {name}"),
+)
 
 
 def marconi_min_tokens() -> int:
@@ -132,16 +279,48 @@ def set_mtp_max_seqs(value: int) -> bool:
 
 
 def carry_slots() -> int:
-    """How many sessions' drafter rows the carry store keeps at once (runtime, else env, else 16).
+    """The optional cap on carried entries (runtime, else env, else 0: no cap).
 
-    1 is the seed's single slot: the newest finished session wins it.
+    Memory (`carry_memory`) is what bounds the store; 1 is the seed's single
+    slot: the newest finished session wins it.
     """
     return CARRY_SLOTS.get()
 
 
 def set_carry_slots(value: int) -> bool:
-    """Pin the carry store's slot count (at least 1); `False` (nothing changed) if already pinned."""
+    """Pin the carry store's slot cap (at least 1); `False` (nothing changed) if already pinned."""
     return CARRY_SLOTS.set(value)
+
+
+def carry_memory() -> CarryMemory:
+    """The carry budget (runtime, else env `TRTLLM_MTP_CARRY_MEMORY`, else the whole drafter pool)."""
+    return CARRY_MEMORY.get()
+
+
+def set_carry_memory(value: CarryMemory | str | int | float, source: str = "set") -> bool:
+    """Pin the carry budget: `'4GiB'`, `'512MiB'`, bytes as an int, or a fraction of the pool
+    (`0.5`, `'0.5'`). ValueError/TypeError naming a malformed value; `False` if already pinned."""
+    return CARRY_MEMORY._pin(parse_carry_memory(value), source)
+
+
+def carry_idle_s() -> int:
+    """Seconds a carried entry may wait for its session before it is dropped (0: never; default 600)."""
+    return CARRY_IDLE_S.get()
+
+
+def set_carry_idle_s(value: int, source: str = "set") -> bool:
+    """Pin the idle time-to-live in seconds (0: never expire); `False` if already pinned."""
+    return CARRY_IDLE_S.set(value, source)
+
+
+def carry_eviction() -> str:
+    """The carry store's eviction policy (runtime, else env, else `incumbent`)."""
+    return CARRY_EVICTION.get()
+
+
+def set_carry_eviction(value: str, source: str = "set") -> bool:
+    """Pin the eviction policy (one of `EVICTION_POLICIES`); `False` if already pinned."""
+    return CARRY_EVICTION._pin(check_eviction_policy(value), source)
 
 
 def mtp_multi_seq_mode() -> bool:

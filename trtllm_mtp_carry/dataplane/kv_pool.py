@@ -12,9 +12,10 @@ its prompt still agrees with::
     0                 rows_kept           old rows            new rows
 
 Carried entries are kept least recently carried first. Live sequences always
-win: a grow the free list cannot serve evicts carried entries, oldest first,
-until it can (and reports each eviction to `on_evict`); a grow that even every
-carried block could not serve is refused and evicts nothing.
+win: a grow the free list cannot serve evicts carried entries until it can, in
+the order `victim` names (the carry store's eviction policy; oldest first when
+unset), and reports each eviction to `on_evict`; a grow that even every carried
+block could not serve is refused and evicts nothing.
 
 Bookkeeping is plain ints and lists (like nano-vllm's block manager); tensors
 hold only the K/V data. Ownership calls name the owner and raise RuntimeError
@@ -130,6 +131,8 @@ class DrafterKVPool:
         self._pressure_evictions = 0
         self.on_evict: Callable[[int], None] | None = None
         """Called with each carried key a grow evicted (after the pool is consistent again)."""
+        self.victim: Callable[[], int | None] | None = None
+        """Names the carried key a grow evicts next (None or unset: the oldest)."""
 
     # ---- queries -------------------------------------------------------------
 
@@ -140,6 +143,16 @@ class DrafterKVPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block holds, K and V together (what a carried block costs)."""
+        return 2 * self.k_cache[0].numel() * self.k_cache.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool's K and V (what a carry budget fraction is a fraction of)."""
+        return self.num_blocks * self.block_nbytes
 
     @property
     def num_carried_blocks(self) -> int:
@@ -225,7 +238,9 @@ class DrafterKVPool:
             )
         evicted: list[int] = []
         while need > len(self._free):
-            key = next(iter(self._carried))
+            named = self.victim() if self.victim is not None else None
+            key = named if named in self._carried else next(iter(self._carried))
+            assert key is not None
             self._release_carried(key)
             evicted.append(key)
         self._pressure_evictions += len(evicted)

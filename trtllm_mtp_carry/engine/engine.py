@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ..core import marconi_min_tokens, set_mtp_max_seqs
-from ..core.session import session_hash
+from ..core.session import carry_key, session_hash
 from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import DrafterKVPool, PoolExhaustedError
 from ..dataplane.rope import RopeConfig, apply_rope_reference
@@ -84,6 +84,7 @@ class _Sequence:
     request_id: int
     session_id: str | int | None
     session_hash: int
+    carry_key: int  # carry_key(session_hash, cache_salt): the carry store's key
     ticket: int
     policy: DrafterPolicy
     draft_len: int
@@ -141,6 +142,7 @@ class _Request:
     draft_len: int
     policy: DrafterPolicy
     root: int = ROOT_HASH  # prefix key root: ROOT_HASH, or salt_root(cache_salt)
+    carry_key: int = 0  # carry_key(session_hash, cache_salt): rows carry only within the salt
 
 
 class ReferenceEngine:
@@ -249,8 +251,9 @@ class ReferenceEngine:
 
         `cache_salt` (a non-empty str or bytes, as vLLM's and TensorRT-LLM's
         `cache_salt`) puts the request's KV blocks and SSM snapshots in that
-        salt's namespace: it reuses only what requests with the same salt cached.
-        None is the shared unsalted namespace.
+        salt's namespace: it reuses only what requests with the same salt cached,
+        and its carried drafter rows too (`carry_key`): a session under a new salt
+        starts fresh. None is the shared unsalted namespace.
 
         A request is refused here when it can never fit: its prompt, answer and
         drafts past `max_model_len`, or more target KV blocks than the engine has.
@@ -279,8 +282,8 @@ class ReferenceEngine:
         assert isinstance(chosen, DrafterPolicy)
         rid = self._next_request_id
         self._next_request_id += 1
-        self._waiting.append(
-            _Request(rid, session_id, h, tokens, max_new_tokens, draft_len, chosen, root))
+        self._waiting.append(_Request(rid, session_id, h, tokens, max_new_tokens, draft_len, chosen,
+                                      root, carry_key(h, cache_salt)))
         return rid
 
     def generate(self, session_id: str | int | None, prompt: Prompt, max_new_tokens: int = 128,
@@ -297,6 +300,8 @@ class ReferenceEngine:
     def cancel(self, request_id: int) -> TurnResult | None:
         """Stop a queued or running request now and free everything it holds.
 
+        Its drafter rows are not lost: they go back to the carry store
+        (`CarryRuntime.cancel`), so the session's next turn still adopts them.
         The other running sequences are untouched: each owns its own blocks,
         drafter rows and states, and the next batched step simply leaves this one out.
         """
@@ -308,7 +313,11 @@ class ReferenceEngine:
         for seq in self._running:
             if seq.request_id == request_id:
                 self._running.remove(seq)
-                self._planner(seq).release(seq.request_id)
+                if seq.policy is DrafterPolicy.PAIRED:
+                    self.paired.release(seq.request_id)
+                else:  # a cancelled turn keeps the session's carry (its rows are valid)
+                    self.runtime.cancel(seq.request_id, seq.carry_key, seq.tokens, seq.policy,
+                                        seq.ticket, seq.session_hash)
                 self.blocks.free(seq.request_id)
                 return self._result(seq, "cancelled")
         return None
@@ -454,10 +463,11 @@ class ReferenceEngine:
                 stats.drafter_depth_lost = paired.depth_lost if warm else 0
                 stats.recomputed_for_cap = paired.recomputed_for_cap if warm else 0
             else:
-                build = self.runtime.prepare(req.request_id, ticket, req.session_hash, req.prompt,
-                                             alloc.num_cached_tokens, req.policy, warm=warm)
+                build = self.runtime.prepare(req.request_id, ticket, req.carry_key, req.prompt,
+                                             alloc.num_cached_tokens, req.policy, warm=warm,
+                                             session=req.session_hash)
             seq = _Sequence(
-                req.request_id, req.session_id, req.session_hash, ticket,
+                req.request_id, req.session_id, req.session_hash, req.carry_key, ticket,
                 req.policy, req.draft_len, req.max_new_tokens, req.prompt, list(req.prompt), keys,
                 kv, stats, time.perf_counter(), build=build,
             )
@@ -497,6 +507,7 @@ class ReferenceEngine:
             s = seq.stats
             s.outcome = prep.describe()
             s.outcome_kind = prep.outcome.kind if prep.outcome else prep.mode
+            s.no_carry_reason = getattr(prep.outcome, "reason", "")  # NoCarry's, else ""
             s.drafter_rows_kept = prep.rows_kept
             s.drafter_rows_computed = prep.rows_computed
             s.keys_skipped = prep.keys_skipped
@@ -671,7 +682,10 @@ class ReferenceEngine:
         changes nothing).
         """
         logger.warning("request %d: drafter off for the rest of the turn: %s", seq.request_id, why)
-        self._planner(seq).release(seq.request_id)
+        if seq.policy is DrafterPolicy.PAIRED:
+            self.paired.release(seq.request_id)
+        else:
+            self.runtime.release(seq.request_id, "pool_pressure")
         seq.drafter_off, seq.mirror = True, None
 
     def _append_real_rows(self, seq: _Sequence, first_key: int, hidden: torch.Tensor) -> None:
@@ -699,7 +713,8 @@ class ReferenceEngine:
         if seq.policy is DrafterPolicy.PAIRED:  # publish the rows to the drafter tree
             self.paired.finish(seq.request_id, seq.tokens, seq.keys.root)
         else:
-            self.runtime.finish(seq.request_id, seq.session_hash, seq.tokens, seq.policy, seq.ticket)
+            self.runtime.finish(seq.request_id, seq.carry_key, seq.tokens, seq.policy, seq.ticket,
+                                seq.session_hash)
         done = seq.tokens[:computed]
         self._put_snapshot(PrefixKeys(done, self.config.block_size, seq.keys.root), computed, seq.kv)
         self.blocks.free(seq.request_id, done)

@@ -1,8 +1,10 @@
 """The carry runtime: the carry store, sequence tickets, the admission plan, adopt and deposit.
 
-What it is for: it keeps the carried entries (a `CarryStore` of `carry_slots()`
-`CarriedDrafter`s keyed by session hash; their rows live in the drafter pool
-under the same key) between executor requests and, when a sequence is
+What it is for: it keeps the carried entries (a `CarryStore` of
+`CarriedDrafter`s keyed by carry key, `carry_key(session, cache_salt)`, bounded
+by `carry_memory()` bytes, an optional `carry_slots()` cap and a
+`carry_idle_s()` time-to-live, evicted under `carry_eviction()`; their rows live
+in the drafter pool under the same key) between executor requests and, when a sequence is
 admitted, decides how its drafter gets rows (`prepare`); the engine then calls
 `build_chunk` right after each prefill chunk's target forward, and the rows of
 that chunk's keys are built from its hidden rows while the ticket still owns
@@ -29,8 +31,15 @@ Invariants:
   blocks out of the entry (zero copy), so two sequences never own the same rows.
 - The store and the pool carry the same keys in the same order (`check()`);
   live sequences always win: a pool grow that runs short evicts carried
-  entries oldest first (counted as `pool_pressure`) before any sequence
-  loses its drafter.
+  entries in the store's victim order (counted as `pool_pressure`) before any
+  sequence loses its drafter. The memory budget bounds carried rows only,
+  never a live sequence's.
+- A turn that finds no entry of its own gets `NoCarry(reason)`, counted by
+  reason (`no_carry_reasons`); `ForeignSession` only ever means the seed's one
+  slot holds another session's (or salt's) rows.
+- A cancelled turn deposits what it holds (`cancel`): every row in the pool
+  was built from this ticket's hidden rows or adopted, and is valid for the
+  tokens it consumed, so the session's next turn adopts them as after a finish.
 - Rows are adopted only by the entry's own non-zero session, at most once (the
   entry leaves the store), and hidden rows are read only under the reading
   sequence's own ticket (the store refuses any other read). The adopt
@@ -47,26 +56,32 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..core import (
+    NO_CARRY_REASONS,
     OUTCOME_KINDS,
     CarriedDrafter,
+    CarryMemory,
     CarryOutcome,
     CarryStore,
     DrafterContext,
     carry_armed_with,
+    carry_eviction,
+    carry_idle_s,
+    carry_memory,
     carry_slots,
-    decide_adopt,
     log_adopt,
     log_store,
     mtp_max_seqs,
+    parse_carry_memory,
     plan_append,
 )
-from ..core.outcome import Adopted
+from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.kv_pool import CarriedBlocks
@@ -124,11 +139,15 @@ class DrafterBuild:
 class CarryStats:
     """A frozen snapshot of the runtime's counters.
 
-    `outcomes` counts each carry decision by kind (`adopted` and every refusal);
-    `evictions` counts carried entries that left unadopted, by cause
-    (`EVICTION_CAUSES`); `slots_held`/`blocks_held`/`slot_rows` describe what the
-    store holds now, out of `carry_slots` slots and a pool of `pool_blocks`
-    blocks of `pool_block_size` rows.
+    `outcomes` counts each carry decision by kind (`adopted` and every refusal),
+    `no_carry_reasons` breaks `no_carry` down by why the session's own entry was
+    absent (`NO_CARRY_REASONS`); `evictions` counts carried entries that left
+    unadopted, by cause (`EVICTION_CAUSES`), `refusals` deposits the store
+    refused (`REFUSAL_CAUSES`); `entries_held`/`bytes_held`/`blocks_held`/
+    `slot_rows` describe what the store holds now, out of `carry_memory_bytes`
+    (the budget), `carry_slots` (0: no cap) and a pool of `pool_blocks` blocks of
+    `pool_block_size` rows; `turns_cancelled_kept` counts cancelled turns whose
+    rows were deposited. `slots_held` is `entries_held` (its older name).
     """
 
     armed: bool
@@ -149,6 +168,15 @@ class CarryStats:
     blocks_held: int = 0
     pool_blocks: int = 0
     pool_block_size: int = 0
+    no_carry_reasons: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+    entries_held: int = 0
+    bytes_held: int = 0
+    carry_memory_bytes: int = 0
+    leases: int = 0
+    turns_cancelled_kept: int = 0
+    eviction_policy: str = ""
+    idle_s: int = 0
 
 
 @dataclass
@@ -161,6 +189,8 @@ class _Counters:
     rows_rebuilt: int = 0
     turns_blind: int = 0
     deposits: int = 0
+    no_carry: Counter[str] = field(default_factory=Counter)
+    cancelled_kept: int = 0
 
 
 class CarryRuntime:
@@ -169,17 +199,27 @@ class CarryRuntime:
     The carry is armed whenever configured (`carry_armed_with`), at any MTP
     dispatch cap: rows are built right after each prefill chunk from that
     chunk's hidden rows, read under the sequence's own ticket, so another
-    sequence's chunk can never overwrite them first. `slots` overrides
-    `carry_slots()` (tests, engines that size the store themselves).
+    sequence's chunk can never overwrite them first. `slots` (None: no cap),
+    `memory` (a `carry_memory` value), `eviction` and `idle_s` (None: never)
+    override the process settings `carry_slots()`, `carry_memory()`,
+    `carry_eviction()` and `carry_idle_s()` (tests, engines that size the store
+    themselves); `clock` is the idle TTL's clock.
     One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
-    and refuses a pool that already carries another runtime's entries.
+    names their victims (`pool.victim`), and refuses a pool that already
+    carries another runtime's entries.
     """
+
+    _UNSET: Any = object()
 
     def __init__(
         self,
         backend: CarryBackend,
         policy: DrafterPolicy | str = DrafterPolicy.CARRY,
-        slots: int | None = None,
+        slots: int | None = _UNSET,
+        memory: CarryMemory | str | int | float | None = None,
+        eviction: str | None = None,
+        idle_s: float | None = _UNSET,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.policy = DrafterPolicy.parse(policy)
@@ -191,10 +231,19 @@ class CarryRuntime:
                 "of another runtime: one runtime per pool (clear_slot() the old one first)"
             )
         self._tickets = TicketCounter()
-        self._store = CarryStore(carry_slots() if slots is None else slots)
+        pool = backend.drafter_pool
+        if slots is CarryRuntime._UNSET:
+            slots = carry_slots() or None
+        if idle_s is CarryRuntime._UNSET:
+            idle_s = carry_idle_s() or None
+        self.memory = carry_memory() if memory is None else parse_carry_memory(memory)
+        self._store = CarryStore(slots, self.memory.resolve(pool.nbytes),
+                                 carry_eviction() if eviction is None else eviction, idle_s, clock)
         self._counters = _Counters()
+        self._adopted: dict[int, int] = {}  # seq_id -> carry key whose rows it adopted (a lease)
         self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
-        backend.drafter_pool.on_evict = self._on_pool_evict
+        pool.on_evict = self._on_pool_evict
+        pool.victim = self._pressure_victim
 
     # ---- per sequence ----------------------------------------------------------
 
@@ -211,9 +260,13 @@ class CarryRuntime:
         prefill_from: int,
         policy: DrafterPolicy | str | None = None,
         warm: bool | None = None,
+        session: int | None = None,
     ) -> DrafterBuild:
         """Decide, at admission, how sequence `seq_id` gets its drafter rows for `prompt`.
 
+        `session_hash` is the carry key (`carry_key(session, cache_salt)`; the
+        session hash itself when unsalted); `session` is the unsalted session
+        hash, so a miss under a new salt is told apart (`new_salt`).
         `prefill_from` is the first position the target prefill will compute (the
         prefix cache serves `[0, prefill_from)`); the rows of every key the plan
         needs are then built by `build_chunk` right after each prefill chunk, from
@@ -232,11 +285,13 @@ class CarryRuntime:
         projected = StoreRange(ticket, prefill_from, hi)
         outcome: CarryOutcome | None = None
         if policy is DrafterPolicy.CARRY and self.armed:
-            outcome = decide_adopt(self._candidate(session_hash), tokens, session_hash, ticket,
-                                   projected)
-            log_adopt(outcome, session_hash, ticket, len(tokens))
             with self._lock:
+                self._expire()
+                outcome = self._store.judge(session_hash, tokens, ticket, projected, session)
                 self._counters.outcomes[outcome.kind] += 1
+                if isinstance(outcome, NoCarry):
+                    self._counters.no_carry[outcome.reason] += 1
+            log_adopt(outcome, session_hash, ticket, len(tokens))
             if isinstance(outcome, Adopted):
                 return self._adopt(seq_id, session_hash, outcome, start)
         pool.allocate_sequence(seq_id)
@@ -292,35 +347,74 @@ class CarryRuntime:
         tokens: Sequence[int],
         policy: DrafterPolicy | str | None = None,
         ticket: int = 0,
-    ) -> None:
-        """End `seq_id`: deposit its rows in the store (carry armed, non-zero session) or free them.
+        session: int | None = None,
+    ) -> bool:
+        """End `seq_id`: deposit its rows under carry key `session_hash` (carry armed, non-zero
+        key, the store admits them) or free them; returns whether they were deposited.
 
-        The deposit is the newest entry; the session's older entry and, when every
-        slot is held, the least recently deposited entries are evicted first.
-        `tokens` are the finished sequence's tokens (prompt plus output); its
-        rows must cover pair keys up to at most `len(tokens) - 2`.
+        The store's policy decides what leaves to make room (`admit`); the key's
+        older entry is replaced. `tokens` are the finished sequence's tokens
+        (prompt plus output); its rows must cover pair keys up to at most
+        `len(tokens) - 2`. `session` is the unsalted session (default: the key).
         """
         policy = self.policy if policy is None else DrafterPolicy.parse(policy)
         pool = self.backend.drafter_pool
-        if not pool.has_sequence(seq_id):
-            return  # policy off: the sequence never held drafter rows
+        lease = self._adopted.pop(seq_id, None)
+        if not pool.has_sequence(seq_id):  # policy off, or the drafter was dropped already
+            self._end_lease(lease, "not_deposited")
+            return False
         rows = pool.sequence(seq_id)
         if policy is DrafterPolicy.CARRY and self.armed and session_hash != 0 and rows.rows > 0:
+            nbytes = -(-rows.rows // pool.block_size) * pool.block_nbytes
             with self._lock:
-                for old in self._store.make_room(session_hash):  # one slot: the newest wins
-                    pool.free_carried(old.session_hash)
-                carried = pool.move_to_carried(seq_id, session_hash)
-                entry = CarriedDrafter(
-                    carried.block_table, carried.rows, carried.last_pair_key, tokens, session_hash
-                )
-                self._store.put(entry)
-                self._counters.deposits += 1
-            log_store(entry, ticket)
-            return
+                evicted = self._store.admit(session_hash, nbytes, session)
+                if evicted is not None:
+                    for old in evicted:
+                        pool.free_carried(old.session_hash)
+                    carried = pool.move_to_carried(seq_id, session_hash)
+                    entry = CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key,
+                                           tokens, session_hash)
+                    self._store.put(entry, nbytes, session)
+                    self._counters.deposits += 1
+            if evicted is not None:
+                log_store(entry, ticket)
+                return True
+        else:
+            self._end_lease(lease, "not_deposited")
         pool.free_sequence(seq_id)
+        return False
 
-    def release(self, seq_id: int) -> None:
-        """Free a cancelled sequence's drafter rows (never deposited: its turn did not finish)."""
+    def cancel(
+        self,
+        seq_id: int,
+        session_hash: int,
+        tokens: Sequence[int],
+        policy: DrafterPolicy | str | None = None,
+        ticket: int = 0,
+        session: int | None = None,
+    ) -> bool:
+        """A cancelled turn keeps its session's carry: deposit the rows `seq_id` holds, as `finish`.
+
+        Every row in the pool was adopted or built from this ticket's hidden rows
+        for the tokens the turn has consumed (`tokens`: the prompt and the
+        verified output so far), so each is valid for the session's next turn,
+        which keeps what its prompt still agrees with. Returns whether deposited.
+        """
+        kept = self.finish(seq_id, session_hash, tokens, policy, ticket, session)
+        if kept:
+            with self._lock:
+                self._counters.cancelled_kept += 1
+        return kept
+
+    def release(self, seq_id: int, reason: str = "not_deposited") -> None:
+        """Free a sequence's drafter rows without depositing them (its drafter was dropped).
+
+        If it had adopted a carried entry, the store remembers `reason`
+        (a `NO_CARRY_REASONS` name) as why that key's next turn finds nothing.
+        """
+        if reason not in NO_CARRY_REASONS:
+            raise ValueError(f"reason must be one of {NO_CARRY_REASONS}, got {reason!r}")
+        self._end_lease(self._adopted.pop(seq_id, None), reason)
         pool = self.backend.drafter_pool
         if pool.has_sequence(seq_id):
             pool.free_sequence(seq_id)
@@ -332,18 +426,21 @@ class CarryRuntime:
                 self.backend.drafter_pool.free_carried(old.session_hash)
 
     def forget_session(self, session_hash: int) -> int:
-        """Drop the rows carried for `session_hash` (the session ended); returns the rows freed.
-
-        A session that holds no carried rows is a no-op returning 0.
+        """Drop the rows carried for session `session_hash` under every salt (the session
+        ended); returns the rows freed. A session that holds no carried rows is a no-op returning 0.
         """
         if session_hash == 0:
             return 0
         with self._lock:
-            entry = self._store.evict(session_hash, "session_end")
-            if entry is None:
-                return 0
-            self.backend.drafter_pool.free_carried(session_hash)
-        return entry.rows
+            entries = self._store.evict_session(session_hash, "session_end")
+            for e in entries:
+                self.backend.drafter_pool.free_carried(e.session_hash)
+        return sum(e.rows for e in entries)
+
+    def expire(self) -> int:
+        """Drop entries idle past the time-to-live now (admission does it too); returns how many."""
+        with self._lock:
+            return self._expire()
 
     @property
     def entry(self) -> CarriedDrafter | None:
@@ -389,11 +486,20 @@ class CarryRuntime:
                 slot_rows=self._store.rows_held,
                 adoptions=self._store.adoptions,
                 evictions=self._store.evictions(),
-                carry_slots=self._store.slots,
+                carry_slots=self._store.slots or 0,
                 slots_held=len(self._store),
                 blocks_held=self._store.blocks_held,
                 pool_blocks=self.backend.drafter_pool.num_blocks,
                 pool_block_size=self.backend.drafter_pool.block_size,
+                no_carry_reasons={r: c.no_carry.get(r, 0) for r in NO_CARRY_REASONS},
+                refusals=self._store.refusals(),
+                entries_held=len(self._store),
+                bytes_held=self._store.bytes_held,
+                carry_memory_bytes=self._store.budget_bytes or 0,
+                leases=self._store.leases,
+                turns_cancelled_kept=c.cancelled_kept,
+                eviction_policy=self._store.policy,
+                idle_s=int(self._store.idle_s or 0),
             )
 
     # ---- carried entries (the seam with the engine: signatures are stable) -----
@@ -401,9 +507,8 @@ class CarryRuntime:
     def _candidate(self, session_hash: int) -> CarriedDrafter | None:
         """The carried entry `decide_adopt` must judge for `session_hash` (None: nothing carried).
 
-        The session's own entry when there is one; else the newest entry of another
-        session, which `decide_adopt` refuses as ForeignSession (with one slot:
-        exactly the seed's slot).
+        The key's own entry when there is one; with one slot, else the slot's
+        entry (refused as ForeignSession: the seed's slot); else None.
         """
         with self._lock:
             return self._store.candidate(session_hash)
@@ -422,12 +527,30 @@ class CarryRuntime:
                 )
             held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
             self._store.take(session_hash)
+            self._adopted[seq_id] = session_hash
         return held
 
     def _on_pool_evict(self, session_hash: int) -> None:
         """The pool evicted `session_hash`'s rows for a live sequence: drop the entry too."""
         with self._lock:
             self._store.evict(session_hash, "pool_pressure")
+
+    def _pressure_victim(self) -> int | None:
+        """The carried key a pool grow evicts next: the store policy's first victim."""
+        with self._lock:
+            return self._store.victim()
+
+    def _expire(self) -> int:
+        """Evict idle entries and free their rows (caller holds the lock)."""
+        expired = self._store.expire()
+        for e in expired:
+            self.backend.drafter_pool.free_carried(e.session_hash)
+        return len(expired)
+
+    def _end_lease(self, key: int | None, reason: str) -> None:
+        if key is not None:
+            with self._lock:
+                self._store.end_lease(key, reason)
 
     # ---- steps -----------------------------------------------------------------
 

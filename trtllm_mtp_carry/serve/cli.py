@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import carry_memory_size, non_negative_int, positive_int
 from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
 from .options import ENGINES, POLICIES, ServeOptions
 from .triton.repo import (
@@ -82,6 +82,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the model's SSM restore threshold (pinned in each instance)")
     p.add_argument("--carry-slots", dest="serve_carry_slots", type=positive_int, default=None,
                    metavar="N", help="carry slots per instance (pinned in each instance)")
+    p.add_argument("--carry-memory", dest="serve_carry_memory", type=carry_memory_size, default=None,
+                   metavar="SIZE", help="carry budget per instance: 4GiB, 512MiB or a drafter pool "
+                   "fraction like 0.5 (default: the whole pool)")
     p.add_argument("--device", default=d.device)
     # The settings flags of this process stay unset: these options pin each served instance.
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
@@ -95,6 +98,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
     options = ServeOptions(
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
         marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
+        carry_memory=args.serve_carry_memory,
         max_model_len=args.max_model_len, max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs, device=args.device, max_turn_s=args.max_turn_s,
     )

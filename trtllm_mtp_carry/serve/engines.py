@@ -78,6 +78,24 @@ def apply_settings(options: ServeOptions) -> None:
                 f"parameter carry_slots={options.carry_slots} could not be applied: "
                 f"already pinned to {getter()} in this process"
             )
+    _apply_carry_store_settings(options)
+
+
+def _apply_carry_store_settings(options: ServeOptions) -> None:
+    """Pin carry_memory, carry_eviction and carry_idle_s; ValueError naming one that is
+    already pinned to another value in this process."""
+    from ..core import settings
+
+    pins: list[tuple[str, object, Any, Any]] = [
+        ("carry_memory", options.carry_memory and settings.parse_carry_memory(options.carry_memory),
+         settings.set_carry_memory, settings.carry_memory),
+        ("carry_eviction", options.carry_eviction, settings.set_carry_eviction, settings.carry_eviction),
+        ("carry_idle_s", options.carry_idle_s, settings.set_carry_idle_s, settings.carry_idle_s),
+    ]
+    for name, value, setter, getter in pins:
+        if value is not None and not setter(value, source=f"parameter {name}") and getter() != value:
+            raise ValueError(f"parameter {name}={getattr(options, name)} could not be applied: "
+                             f"already pinned to {getter()} in this process")
 
 
 def reference_engine(options: ServeOptions) -> ServingEngine:

@@ -27,6 +27,9 @@ class ServeOptions:
     draft_len: int = 2
     marconi_min_tokens: int | None = None
     carry_slots: int | None = None
+    carry_memory: str | None = None  # "4GiB", "512MiB" or a drafter pool fraction "0.5"
+    carry_eviction: str | None = None  # incumbent, lrd, slru
+    carry_idle_s: int | None = None  # 0: carried entries never expire
     max_model_len: int | None = None
     max_tokens: int = 64  # used when a request sends no max_tokens
     max_num_seqs: int = 8
@@ -38,7 +41,15 @@ class ServeOptions:
         _choice("drafter_policy", self.drafter_policy, POLICIES)
         if not 0 <= _int("draft_len", self.draft_len) <= MAX_DRAFT_LEN:
             raise ValueError(f"parameter draft_len must be in [0, {MAX_DRAFT_LEN}], got {self.draft_len!r}")
-        for name in ("marconi_min_tokens",):
+        if self.carry_memory is not None:
+            from ..core.settings import parse_carry_memory
+
+            parse_carry_memory(self.carry_memory, what="parameter carry_memory")
+        if self.carry_eviction is not None:
+            from ..core.settings import check_eviction_policy
+
+            check_eviction_policy(self.carry_eviction, what="parameter carry_eviction")
+        for name in ("marconi_min_tokens", "carry_idle_s"):
             value = getattr(self, name)
             if value is not None and _int(name, value) < 0:
                 raise ValueError(f"parameter {name} must be >= 0, got {value!r}")
@@ -70,7 +81,7 @@ class ServeOptions:
             text = text.strip()
             if text == "":
                 continue
-            if known[key].type in ("str",):
+            if known[key].type in ("str", "str | None"):
                 values[key] = text
                 continue
             try:

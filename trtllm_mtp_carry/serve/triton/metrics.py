@@ -4,6 +4,8 @@ What it is for: per model instance (labels `model`, `instance`), counters of
 what the carry did and gauges of what it holds:
 
     mtp_carry_outcomes_total{kind}            turns by carry outcome kind
+    mtp_carry_no_carry_total{reason}          no_carry turns by why the session's entry was
+                                              absent (never_carried, memory, idle, ...)
     mtp_carry_drafter_rows_total{source}      rows adopted (kept) / computed
     mtp_carry_drafts_total{result}            drafts proposed / accepted
     mtp_carry_sessions_ended_total{cause}     end / restart / idle
@@ -12,8 +14,9 @@ what the carry did and gauges of what it holds:
                                               (Triton counts a decoupled model's error
                                               responses as successes)
     mtp_carry_runtime{field}                  every int (and dict-of-int) field of the
-                                              runtime's stats: slot_rows now; slots and
-                                              blocks held appear as the runtime grows them
+                                              runtime's stats: carry_memory_bytes (the budget),
+                                              bytes_held, entries_held, evictions.<cause>,
+                                              no_carry_reasons.<reason>, refusals.<cause>
 
 Called from the model instance's stepping thread, and for errors also from
 `execute`'s thread: metric creation is locked. `pb_utils` is passed in, as it
@@ -35,6 +38,8 @@ class CarryMetrics:
         self._labels = {"model": model, "instance": instance}
         self._families = {
             "outcomes": family("mtp_carry_outcomes_total", "Turns by carry outcome kind", family.COUNTER),
+            "no_carry": family("mtp_carry_no_carry_total",
+                               "no_carry turns by why the session's own entry was absent", family.COUNTER),
             "rows": family("mtp_carry_drafter_rows_total",
                            "Drafter rows adopted from the carry (source=adopted) or computed", family.COUNTER),
             "drafts": family("mtp_carry_drafts_total", "Draft tokens proposed and accepted", family.COUNTER),
@@ -60,6 +65,9 @@ class CarryMetrics:
     def record_turn(self, stats: Any) -> None:
         """Count one finished turn from its TurnStats."""
         self._metric("outcomes", "kind", stats.outcome_kind or "none").increment(1)
+        if stats.outcome_kind == "no_carry":
+            reason = getattr(stats, "no_carry_reason", "") or "never_carried"
+            self._metric("no_carry", "reason", reason).increment(1)
         for source, value in (("adopted", stats.drafter_rows_kept), ("computed", stats.drafter_rows_computed)):
             if value:
                 self._metric("rows", "source", source).increment(value)
