@@ -192,7 +192,9 @@ def test_two_conversations_with_identical_tokens_never_adopt_each_others_rows() 
     llm.run_until_done()
     assert b.reused == 4 * CHUNK  # the target's prefix cache is shared: R > 0 for "b"
     stats = carry.stats()
-    assert stats["outcomes"]["foreign_session"] == 1 and stats["outcomes"]["adopted"] == 0
+    # with several slots "b" has no entry of its own: an honest miss, never "a"'s rows
+    assert stats["outcomes"]["no_carry"] == 1 and stats["outcomes"]["adopted"] == 0
+    assert stats["outcomes"]["foreign_session"] == 0
     assert stats["rows_scattered"] == 0 and stats["skipped"]["gap"] == 1  # b ran blind
 
 
@@ -212,13 +214,14 @@ def test_one_conversation_under_two_salts_keeps_two_sessions() -> None:
                               cache_salt="y")
     llm.executor.step()
     assert warm.reused == 4 * CHUNK and carry.stats()["outcomes"]["adopted"] == 1
-    assert manager.carried.candidate(x_key).session_hash == x_key  # x's entry untouched
-    assert manager.carried.candidate(y_key).session_hash == x_key  # y's was taken, not x's
+    assert manager.carried.get(x_key).session_hash == x_key  # x's entry untouched
+    assert manager.carried.get(y_key) is None  # y's was taken, not x's
     llm.run_until_done()
 
 
-@pytest.mark.parametrize(("slots", "cause"), [(3, "pool_pressure"), (2, "capacity")])
-def test_memory_budget_and_slots_evict_the_oldest_with_their_cause(slots: int, cause: str) -> None:
+@pytest.mark.parametrize("slots", [3, 2])  # 3: the byte budget is what is full; 2: the slot cap
+def test_memory_budget_and_slots_bound_the_store_and_a_newcomer_that_does_not_fit_is_refused(
+        slots: int) -> None:
     row_bytes = 2 * 2 * 32 * 2  # K and V, 2 KV heads of 32, bf16
     llm, _ = make_llm("blind", max_batch=1)
     from trtllm_mtp_carry.trtllm import attach
@@ -229,12 +232,32 @@ def test_memory_budget_and_slots_evict_the_oldest_with_their_cause(slots: int, c
                            conversation_params=ConversationParams(conversation_id=conv))
     llm.run_until_done()
     stats = carry.stats()
-    # each turn deposits 128 + 16 - 1 = 143 rows: two fit in 300 rows (and in 2 slots)
-    assert stats["deposits"] == 3 and stats["entries"] == 2 and stats["rows_held"] == 2 * 143
-    assert stats["evictions"] == {**dict.fromkeys(stats["evictions"], 0), cause: 1}
+    # each turn deposits 128 + 16 - 1 = 143 rows: two fit in 300 rows (and in 2 slots); the
+    # store's default policy (incumbent) keeps them and refuses the third, as the runtime's does
+    assert stats["deposits"] == 2 and stats["entries"] == 2 and stats["rows_held"] == 2 * 143
+    assert stats["evictions"] == dict.fromkeys(stats["evictions"], 0)
+    assert stats["refusals"] == {"not_admitted": 1, "too_large": 0}
     assert stats["bytes_held"] == 2 * 143 * row_bytes
-    assert carry.manager.carried.candidate(session_key_for("m1")).session_hash != session_key_for("m1")
-    carry.manager.carried.check()
+    held = carry.manager.carried
+    assert held.get(session_key_for("m1")) is not None and held.get(session_key_for("m3")) is None
+    held.check()
+
+
+@pytest.mark.parametrize(("slots", "cause"), [(3, "memory"), (2, "capacity")])
+def test_least_recently_deposited_evicts_the_oldest_rows_with_their_cause(slots: int, cause: str) -> None:
+    import torch
+
+    from trtllm_mtp_carry.trtllm.carried import CarriedRows
+
+    rows = torch.zeros(10, 2, 2, 4, dtype=torch.bfloat16)  # 320 bytes an entry
+    carried = CarriedRows(slots, budget_bytes=700, policy="lrd")
+    for key in (11, 12, 13):
+        assert carried.deposit(key, list(range(12)), rows.clone())
+    stats = carried.stats()
+    assert stats["entries"] == 2 and stats["bytes_held"] == 640
+    assert stats["evictions"] == {**dict.fromkeys(stats["evictions"], 0), cause: 1}
+    assert carried.get(11) is None and carried.get(13).rows == 10
+    carried.check()
 
 
 def test_a_deposit_keeps_keys_below_n_minus_1_never_the_later_draft_steps_rows() -> None:

@@ -92,7 +92,8 @@ class CarryAttachment:
         if self.manager is not None:
             out: dict[str, object] = self.manager.stats()
         else:
-            from ..core import EVICTION_CAUSES, OUTCOME_KINDS
+            from ..core.carry_store import EVICTION_CAUSES, REFUSAL_CAUSES
+            from ..core.outcome import OUTCOME_KINDS
             from .manager import SKIP_REASONS
 
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
@@ -102,7 +103,7 @@ class CarryAttachment:
                    "carry_slots": self.slots, "entries": 0, "rows_held": 0,
                    "bytes_held": 0, "budget_bytes": self.options.carry_memory, "deposits": 0,
                    "adoptions": 0, "evictions": dict.fromkeys(EVICTION_CAUSES, 0),
-                   "refused_too_large": 0}
+                   "refusals": dict.fromkeys(REFUSAL_CAUSES, 0)}
         return {"topology": self.topology, "armed": self.armed, **out}
 
     def turn(self, request_id: int) -> dict[str, object] | None:

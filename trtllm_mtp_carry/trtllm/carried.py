@@ -12,9 +12,11 @@ with no gap (`rows == last_pair_key + 1`), so an adopted prefix is rows
 `[0, n)`.
 
 Invariants:
-- At most `slots` entries and at most `budget_bytes` of rows; a deposit
-  evicts the session's older entry (`replaced`), then the least recently
-  deposited entries for slots (`capacity`) or bytes (`pool_pressure`).
+- The store's own bounds hold: at most `slots` entries (None: no cap), at
+  most `budget_bytes` of rows, the idle time-to-live, and the eviction policy
+  (`carry_eviction()`), exactly as in the reference runtime: a deposit is
+  admitted (evicting by policy, counted `capacity`/`memory`) or refused
+  (`not_admitted`/`too_large`), and a miss says why (`CarryStore.judge`).
 - An entry leaves exactly once (taken, or evicted with a cause), and its
   tensor leaves with it; `check()` proves the store and the tensors agree.
 - Thread-safe: `stats()` may be read while the executor thread deposits.
@@ -29,6 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from ..core import CarriedDrafter, CarryStore
+from ..core.outcome import CarryOutcome
+from ..core.store_range import StoreRange
+from ..core.tokens import Tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,43 +45,52 @@ class TakenRows:
 
 
 class CarriedRows:
-    """Carried MTP rows keyed by session, at most `slots` entries and `budget_bytes` bytes."""
+    """Carried MTP rows keyed by carry key, bounded as the core's `CarryStore` bounds them."""
 
-    def __init__(self, slots: int, budget_bytes: int) -> None:
-        self._store = CarryStore(slots)
+    def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent",
+                 idle_s: float | None = None) -> None:
+        self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s)
         self._rows: dict[int, torch.Tensor] = {}
         self.budget_bytes = budget_bytes
-        self.refused_too_large = 0  # deposits larger than the whole budget
         self._lock = threading.RLock()
 
-    def candidate(self, session: int) -> CarriedDrafter | None:
-        """The entry `decide_adopt` judges for `session` (CarryStore.candidate)."""
+    def judge(self, key: int, prompt: Tokens, ticket: int, projected: StoreRange) -> CarryOutcome:
+        """The core's carry decision for `key`'s turn (`CarryStore.judge`: a miss names its reason)."""
         with self._lock:
-            return self._store.candidate(session)
+            self._expire()
+            return self._store.judge(key, prompt, ticket, projected)
 
-    def take(self, session: int) -> TakenRows:
-        """Remove `session`'s entry for adoption; RuntimeError if it has none."""
+    def get(self, key: int) -> CarriedDrafter | None:
+        """The entry carried under `key`, or None."""
         with self._lock:
-            entry = self._store.take(session)
-            return TakenRows(entry, self._rows.pop(session))
+            return self._store.get(key)
 
-    def deposit(self, session: int, tokens: Sequence[int], rows: torch.Tensor) -> bool:
-        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`) for `session`; False if over budget."""
+    def take(self, key: int) -> TakenRows:
+        """Remove `key`'s entry for adoption; RuntimeError if it has none."""
+        with self._lock:
+            entry = self._store.take(key)
+            return TakenRows(entry, self._rows.pop(key))
+
+    def end_lease(self, key: int, reason: str = "not_deposited") -> None:
+        """The request that adopted `key`'s rows ended without depositing them."""
+        with self._lock:
+            self._store.end_lease(key, reason)
+
+    def deposit(self, key: int, tokens: Sequence[int], rows: torch.Tensor) -> bool:
+        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`) under `key`; False if refused."""
         # rows: [n, 2, Hkv, D], a copy owned by the store from now on
         n = rows.shape[0]
         nbytes = rows.numel() * rows.element_size()
         with self._lock:
-            if nbytes > self.budget_bytes or n == 0:
-                self.refused_too_large += int(n > 0)
-                self._evict(session, "replaced")  # the older rows are stale now
+            self._expire()
+            evicted = self._store.admit(key, nbytes) if n > 0 else None
+            if evicted is None:  # refused (the store counts why); older rows of `key` are stale
+                self._evict(key, "replaced")
                 return False
-            for old in self._store.make_room(session):
+            for old in evicted:
                 del self._rows[old.session_hash]
-            while self._bytes() + nbytes > self.budget_bytes:
-                oldest = self._store.entries()[0].session_hash
-                self._evict(oldest, "pool_pressure")
-            self._store.put(CarriedDrafter((), n, n - 1, tokens, session))
-            self._rows[session] = rows
+            self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes)
+            self._rows[key] = rows
             return True
 
     def forget(self, session: int) -> int:
@@ -98,12 +112,12 @@ class CarriedRows:
                 "carry_slots": self._store.slots,
                 "entries": len(self._store),
                 "rows_held": self._store.rows_held,
-                "bytes_held": self._bytes(),
+                "bytes_held": self._store.bytes_held,
                 "budget_bytes": self.budget_bytes,
                 "deposits": self._store.deposits,
                 "adoptions": self._store.adoptions,
                 "evictions": self._store.evictions(),
-                "refused_too_large": self.refused_too_large,
+                "refusals": self._store.refusals(),
             }
 
     def check(self) -> None:
@@ -123,5 +137,6 @@ class CarriedRows:
             del self._rows[session]
         return entry
 
-    def _bytes(self) -> int:
-        return sum(r.numel() * r.element_size() for r in self._rows.values())
+    def _expire(self) -> None:
+        for entry in self._store.expire():  # idle entries leave with their rows
+            del self._rows[entry.session_hash]

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 
-from ..core.session import session_hash
+from ..core.session import carry_key, session_hash
 
 
 def session_key_for(conversation_id: str, cache_salt: str | None = None,
                     lora_id: int | None = None) -> int:
-    """Non-zero 64-bit session hash of `(conversation_id.strip(), cache_salt, lora_id)`.
+    """Non-zero 64-bit carry key of `(conversation_id.strip(), lora_id)` under `cache_salt`.
 
     `ValueError` for an empty or blank conversation id or an empty salt,
     `TypeError` for a non-str id or salt or a non-int LoRA id; each names the value.
@@ -44,8 +44,10 @@ def session_key_for(conversation_id: str, cache_salt: str | None = None,
     if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)
                                 or lora_id < 0):
         raise TypeError(f"lora_id must be a non-negative int or None, got {lora_id!r}")
-    # JSON of a list: no separator trick can make two different triples collide
-    return session_hash(json.dumps(["trtllm", conv, cache_salt, lora_id], ensure_ascii=False))
+    # JSON of a list: no separator trick can make two different pairs collide; the salt
+    # scopes the key by the core's one rule (`carry_key`), as in the reference engine
+    session = session_hash(json.dumps(["trtllm", conv, lora_id], ensure_ascii=False))
+    return carry_key(session, cache_salt)
 
 
 def request_session_key(request: object) -> int | None:

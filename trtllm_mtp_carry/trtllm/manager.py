@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..core import OUTCOME_KINDS, carry_slots, decide_adopt
+from ..core import OUTCOME_KINDS, carry_eviction, carry_idle_s, carry_slots
 from ..core.outcome import Adopted
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
@@ -91,8 +91,9 @@ class CarryManagerCore:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
-        slots = carry_slots() if options.carry_slots is None else options.carry_slots
-        self.carried = CarriedRows(slots, options.carry_memory)
+        slots = (carry_slots() or None) if options.carry_slots is None else options.carry_slots
+        idle_s = carry_idle_s() or None  # 0: entries never expire
+        self.carried = CarriedRows(slots, options.carry_memory, carry_eviction(), idle_s)
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
         self._outcomes: Counter[str] = Counter()
@@ -150,18 +151,22 @@ class CarryManagerCore:
         rid = int(request.py_request_id)
         with self._lock:
             live = self._live.pop(rid, None)
+        if not self._deposit(rid, request, live) and live is not None and live.session is not None:
+            self.carried.end_lease(live.session)  # rows it adopted are gone with its pages
+
+    def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
         why = self._skip_reason(request, live)
         if why is not None:
             with self._lock:
                 self._skips[why] += 1
                 if live is not None:
                     live.record["skipped"] = why
-            return
+            return False
         assert live is not None and live.session is not None
         tokens = list(request.get_tokens(0))
         valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
         if valid <= 0:
-            return
+            return False
         try:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
             buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
@@ -170,11 +175,13 @@ class CarryManagerCore:
                 self._sync()
         except RuntimeError as exc:  # the carry may cost acceptance, never the executor
             self._failed("deposit", rid, exc, live)
-            return
-        if self.carried.deposit(live.session, tokens, rows):
-            with self._lock:
-                self.rows_deposited += valid
-                live.record["rows_deposited"] = valid
+            return False
+        if not self.carried.deposit(live.session, tokens, rows):
+            return False
+        with self._lock:
+            self.rows_deposited += valid
+            live.record["rows_deposited"] = valid
+        return True
 
     # ---- reporting ---------------------------------------------------------------------
 
@@ -214,8 +221,7 @@ class CarryManagerCore:
         # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
         # the span the core's plan may append, so it is this ticket's projected store range.
         projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
-        outcome = decide_adopt(self.carried.candidate(live.session), prompt, live.session,
-                               ticket, projected)
+        outcome = self.carried.judge(live.session, prompt, ticket, projected)
         with self._lock:
             self._outcomes[outcome.kind] += 1
             live.record["outcome"] = outcome.kind
