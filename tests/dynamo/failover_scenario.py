@@ -43,13 +43,15 @@ def main() -> None:
 
     def turn() -> dict:
         attempts = 0
+        failures = []
         while True:  # a 5xx after the SIGKILL is retried, 0.5 s apart, up to 40 attempts
             attempts += 1
             reply = chat(spec.base_url, spec.name, messages, job["max_tokens"], session_id="failover-1")
             if (reply.status == 200 and reply.error is None) or attempts == 40:
                 break
+            failures.append(f"{reply.status}: {reply.error}")
             time.sleep(0.5)
-        record = dict(asdict(reply), messages=list(messages), attempts=attempts,
+        record = dict(asdict(reply), messages=list(messages), attempts=attempts, failures=failures,
                       worker_index=worker_ids(deployment).get(reply.worker_id or -1))
         turns.append(record)
         if followups:
