@@ -11,7 +11,6 @@ Python-backend stub outlives the session. Without a server the tests skip.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,38 +27,16 @@ from serve_helpers import (
     SHORT_IDLE_S,
     SHORT_MAX_TURN_S,
     SHORT_SESSIONS,
+    free_ports,
+    tritonserver_or_skip,
 )
 
 from trtllm_mtp_carry.serve.options import ServeOptions
 from trtllm_mtp_carry.serve.triton.repo import RepoSpec, write_repository
 from trtllm_mtp_carry.serve.triton.server import (
     Endpoints,
-    ServeError,
     TritonServer,
-    find_tritonserver,
 )
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def tritonserver_or_skip() -> Path:
-    try:
-        import tritonclient.grpc  # noqa: F401
-    except ImportError:
-        pytest.skip('tritonclient is not installed (pip install -e ".[serve]")')
-    try:
-        return find_tritonserver()
-    except ServeError as exc:
-        pytest.skip(str(exc))
 
 
 @dataclass

@@ -1,9 +1,16 @@
-"""What the serve tests share: the served model's names and sizes, a metrics reader, a poll."""
+"""What the serve tests share: the served model's names and sizes, a metrics reader, a poll,
+free loopback ports and the server binary (imported by name: a bare `conftest` import
+would resolve to another folder's conftest when several test folders run together)."""
 
 import re
+import socket
 import time
+from pathlib import Path
+
+import pytest
 
 import trtllm_mtp_carry.core as core
+from trtllm_mtp_carry.serve.triton.server import ServeError, find_tritonserver
 
 MODEL = "mtp_carry"  # 2 instances, loaded at start
 PROBE = "mtp_carry_probe"  # loaded only with bad parameters
@@ -35,3 +42,25 @@ def wait_for(predicate, timeout_s: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tritonserver_or_skip() -> Path:
+    try:
+        import tritonclient.grpc  # noqa: F401
+    except ImportError:
+        pytest.skip('tritonclient is not installed (pip install -e ".[serve]")')
+    try:
+        return find_tritonserver()
+    except ServeError as exc:
+        pytest.skip(str(exc))

@@ -7,8 +7,7 @@ import json
 import sys
 
 import pytest
-from conftest import free_ports
-from serve_helpers import MODEL
+from serve_helpers import MODEL, free_ports
 
 from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.report import measured, outputs_identical, paired, policy_summary

@@ -19,8 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_ports, tritonserver_or_skip
-from serve_helpers import metric, wait_for
+from serve_helpers import free_ports, metric, tritonserver_or_skip, wait_for
 
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer

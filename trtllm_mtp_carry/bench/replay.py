@@ -17,7 +17,7 @@ but the summaries leave it out.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any
 
@@ -127,6 +127,29 @@ def replay(
     if policy is DrafterPolicy.PAIRED:
         run.runtime[replay_index]["paired"] = asdict(engine.paired.stats())
     yield run
+
+
+def lockstep_batches(sessions: Sequence[BenchSession], names: Sequence[str], turns: int,
+                     concurrency: int, replay_index: int) -> Iterator[tuple[int, str, list[BenchSession]]]:
+    """The replays through a server, one replay's schedule: `(turn, policy, batch)` in order.
+
+    Turn by turn; within a turn every policy in an order rotated by
+    `replay_index + turn` (no policy always runs first, as in `replay_lockstep`),
+    each policy's sessions that still have that turn in batches of `concurrency`.
+    """
+    for t in range(turns):
+        k = (replay_index + t) % len(names)
+        for policy in [*names[k:], *names[:k]]:
+            live = [s for s in sessions if t <= len(s.followups)]
+            for lo in range(0, len(live), concurrency):
+                yield t, policy, live[lo:lo + concurrency]
+
+
+def sort_turns(runs: Iterable[PolicyRun], sessions: Sequence[BenchSession]) -> None:
+    """Sort each run's turns by (replay, turn, session in `sessions`' order)."""
+    order = {s.name: i for i, s in enumerate(sessions)}
+    for run in runs:
+        run.turns.sort(key=lambda rec: (rec.replay, rec.turn, order[rec.session]))
 
 
 def replay_lockstep(

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ...bench.replay import PolicyRun, TurnRecord
+from ...bench.replay import PolicyRun, TurnRecord, lockstep_batches, sort_turns
 from ...bench.sessions import BenchSession
 from ...engine.tokenizer import ChatTokenizer
 from .openai_client import ChatReply, chat
@@ -70,30 +70,23 @@ def iter_replay_openai(
             salt = {p: f"{p}/replay{r}/run{run_id}" for p in names}
             for policy in names:
                 runs[policy].busy_s[r] = 0.0
-            for t in range(turns):
-                k = (r + t) % len(names)
-                for policy in names[k:] + names[:k]:
-                    live = [s for s in sessions if t <= len(s.followups)]
-                    for lo in range(0, len(live), concurrency):
-                        batch = live[lo:lo + concurrency]
-                        t0 = time.perf_counter()
-                        futures = {s.name: pool.submit(send, chats[(policy, s.name)],
-                                                       f"{run_id}/r{r}/{policy}/{s.name}", policy,
-                                                       salt[policy], max_new_tokens) for s in batch}
-                        replies = {name: f.result() for name, f in futures.items()}
-                        runs[policy].busy_s[r] += time.perf_counter() - t0
-                        for s in batch:
-                            messages = chats[(policy, s.name)]
-                            _record(runs[policy], tok, s.name, t, r, messages, replies[s.name])
-                            if t < len(s.followups):
-                                messages += [{"role": "assistant", "content": replies[s.name].text},
-                                             {"role": "user", "content": s.followups[t]}]
-                        yield [runs[p] for p in names]
+            for t, policy, batch in lockstep_batches(sessions, names, turns, concurrency, r):
+                t0 = time.perf_counter()
+                futures = {s.name: pool.submit(send, chats[(policy, s.name)],
+                                               f"{run_id}/r{r}/{policy}/{s.name}", policy,
+                                               salt[policy], max_new_tokens) for s in batch}
+                replies = {name: f.result() for name, f in futures.items()}
+                runs[policy].busy_s[r] += time.perf_counter() - t0
+                for s in batch:
+                    messages = chats[(policy, s.name)]
+                    _record(runs[policy], tok, s.name, t, r, messages, replies[s.name])
+                    if t < len(s.followups):
+                        messages += [{"role": "assistant", "content": replies[s.name].text},
+                                     {"role": "user", "content": s.followups[t]}]
+                yield [runs[p] for p in names]
             for policy in names:
                 runs[policy].runtime[r] = {"openai": base_url, "model": model, "policy": policy}
-    order = {s.name: i for i, s in enumerate(sessions)}
-    for run in runs.values():
-        run.turns.sort(key=lambda rec: (rec.replay, rec.turn, order[rec.session]))
+    sort_turns(runs.values(), sessions)
     yield [runs[p] for p in names]
 
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ...bench.replay import PolicyRun, TurnRecord, next_prompt
+from ...bench.replay import PolicyRun, TurnRecord, lockstep_batches, next_prompt, sort_turns
 from ...bench.sessions import BenchSession
 from ...engine.tokenizer import ChatTokenizer
 from .client import StreamClient, TurnReply
@@ -79,40 +79,33 @@ def iter_replay_on_server(
             for policy in names:
                 runs[policy].busy_s[r] = 0.0
             salt = {p: f"{p}/replay{r}/run{nonce >> _ID_BITS:x}" for p in names}
-            for t in range(turns):
-                k = (r + t) % len(names)
-                for policy in names[k:] + names[:k]:
-                    live = [s for s in sessions if t <= len(s.followups)]
-                    for lo in range(0, len(live), concurrency):
-                        batch = live[lo:lo + concurrency]
-                        t0 = time.perf_counter()
-                        sent = {}
-                        for s in batch:
-                            key = (policy, s.name)
-                            last = t == len(s.followups)
-                            if t == 0:
-                                sent[s.name] = client.send(corrid[key], start=True, end=last,
-                                                           input_ids=prompts[key],
-                                                           max_tokens=max_new_tokens, policy=policy,
-                                                           cache_salt=salt[policy])
-                            else:
-                                sent[s.name] = client.send(corrid[key], end=last, text=s.followups[t - 1],
-                                                           max_tokens=max_new_tokens, policy=policy,
-                                                           cache_salt=salt[policy])
-                        replies = {s.name: client.wait(sent[s.name], timeout_s) for s in batch}
-                        runs[policy].busy_s[r] += time.perf_counter() - t0
-                        for s in batch:
-                            key = (policy, s.name)
-                            _record(runs[policy], s.name, t, r, prompts[key], replies[s.name])
-                            if t < len(s.followups):
-                                prompts[key] = next_prompt(tok, prompts[key], replies[s.name].output,
-                                                           s.followups[t])
-                        yield [runs[p] for p in names]
+            for t, policy, batch in lockstep_batches(sessions, names, turns, concurrency, r):
+                t0 = time.perf_counter()
+                sent = {}
+                for s in batch:
+                    key = (policy, s.name)
+                    last = t == len(s.followups)
+                    if t == 0:
+                        sent[s.name] = client.send(corrid[key], start=True, end=last,
+                                                   input_ids=prompts[key],
+                                                   max_tokens=max_new_tokens, policy=policy,
+                                                   cache_salt=salt[policy])
+                    else:
+                        sent[s.name] = client.send(corrid[key], end=last, text=s.followups[t - 1],
+                                                   max_tokens=max_new_tokens, policy=policy,
+                                                   cache_salt=salt[policy])
+                replies = {s.name: client.wait(sent[s.name], timeout_s) for s in batch}
+                runs[policy].busy_s[r] += time.perf_counter() - t0
+                for s in batch:
+                    key = (policy, s.name)
+                    _record(runs[policy], s.name, t, r, prompts[key], replies[s.name])
+                    if t < len(s.followups):
+                        prompts[key] = next_prompt(tok, prompts[key], replies[s.name].output,
+                                                   s.followups[t])
+                yield [runs[p] for p in names]
             for policy in names:
                 runs[policy].runtime[r] = {"server": server, "model": model, "policy": policy}
-    order = {s.name: i for i, s in enumerate(sessions)}
-    for run in runs.values():
-        run.turns.sort(key=lambda rec: (rec.replay, rec.turn, order[rec.session]))
+    sort_turns(runs.values(), sessions)
     yield [runs[p] for p in names]
 
 
