@@ -1,6 +1,6 @@
 """Runs inside the tests' network namespace: a session across a SIGKILL and a SIGTERM of its worker.
 
-Two workers behind the frontend (kv router, soft session affinity). One
+Two workers behind the frontend (kv router, hard session affinity: the default). One
 session's turns: 2 turns on its worker A; SIGKILL A; turn 3 (retried on 5xx)
 and turn 4 on worker B; a third worker C joins; SIGTERM B; turns 5 and 6 on C.
 Prints every turn's reply (and the messages sent) and the worker of each step as JSON.
@@ -34,7 +34,7 @@ def worker_ids(deployment: DynamoDeployment) -> dict[int, int]:
 
 def main() -> None:
     job = json.load(sys.stdin)
-    spec = DynamoSpec(workers=2, http_port=8000, affinity_mode="soft",
+    spec = DynamoSpec(workers=2, http_port=8000, affinity_mode="hard",
                       options=ServeOptions(max_tokens=job["max_tokens"]))
     messages = list(job["messages"])
     followups = list(job["followups"])
