@@ -149,18 +149,69 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
-class TargetBlockManager:
-    """Target KV block ids for sequences named by `owner` (an int), with a prefix cache."""
+class RefCountedBlocks:
+    """Ref-counted block ids with a chained-hash index and an LRU of cached free blocks.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = _positive("num_blocks", num_blocks)
-        self.block_size = _positive("block_size", block_size)
+    The bookkeeping both prefix caches share (the target's `TargetBlockManager`
+    and the paired drafter tree, `paired_drafts.PairedDraftPool`): a block is
+    free (ref 0, no key), held (ref >= 1), or cached (ref 0 with a key, in the
+    LRU, oldest first). A key is a full block's chained hash (`_by_hash`) or
+    `(parent hash, token bytes)` for a final partial block (`_partials`).
+    """
+
+    def _init_blocks(self, num_blocks: int) -> None:
         self._ref = [0] * num_blocks
         self._key: list[BlockKey | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached-free, oldest first
         self._by_hash: dict[int, int] = {}
         self._partials: dict[int, dict[bytes, int]] = {}  # parent hash -> token bytes -> block
+
+    def _take(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._lru[block]
+        self._ref[block] += 1
+
+    def _drop(self, block: int) -> None:
+        if self._ref[block] < 1:
+            raise RuntimeError(f"block {block} released without a hold")
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if self._key[block] is None:
+                self._free.append(block)
+            else:
+                self._lru[block] = None
+
+    def _reclaim(self) -> tuple[int, BlockKey | None] | None:
+        """A block to reuse and the key it was evicted under (None: it was free); None if none."""
+        if self._free:
+            return self._free.popleft(), None
+        if not self._lru:
+            return None
+        block, _ = self._lru.popitem(last=False)
+        return block, self._unindex(block)
+
+    def _unindex(self, block: int) -> BlockKey | None:
+        """Take `block` out of the hash index (its key, or None if it had none)."""
+        key = self._key[block]
+        if isinstance(key, tuple):
+            siblings = self._partials[key[0]]
+            del siblings[key[1]]
+            if not siblings:
+                del self._partials[key[0]]
+        elif key is not None:
+            del self._by_hash[key]
+        self._key[block] = None
+        return key
+
+
+class TargetBlockManager(RefCountedBlocks):
+    """Target KV block ids for sequences named by `owner` (an int), with a prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = _positive("num_blocks", num_blocks)
+        self.block_size = _positive("block_size", block_size)
+        self._init_blocks(num_blocks)
         self._seqs: dict[int, _Seq] = {}
         self._queried = self._hits = self._evictions = self._copies = 0
         self.listener: BlockListener | None = None
@@ -444,43 +495,17 @@ class TargetBlockManager:
         pinned = sum(1 for b in used if self._ref[b] == 0)
         return len(self._free) + len(self._lru) - pinned
 
-    def _take(self, block: int) -> None:
-        if self._ref[block] == 0:
-            del self._lru[block]
-        self._ref[block] += 1
-
     def _draw(self) -> int:
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._lru.popitem(last=False)
-            self._unregister(block)
+        got = self._reclaim()
+        if got is None:  # callers check `can_allocate` first
+            _broken("a block was drawn with none free or cached")
+        block, evicted = got
+        if isinstance(evicted, int) and self.listener is not None:
+            self.listener.removed([evicted])  # a partial block was never announced
+        if evicted is not None:
             self._evictions += 1
         self._ref[block] = 1
         return block
-
-    def _drop(self, block: int) -> None:
-        if self._ref[block] < 1:
-            raise RuntimeError(f"block {block} released without a hold")
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            if self._key[block] is None:
-                self._free.append(block)
-            else:
-                self._lru[block] = None
-
-    def _unregister(self, block: int) -> None:
-        key = self._key[block]
-        if isinstance(key, tuple):
-            siblings = self._partials[key[0]]
-            del siblings[key[1]]
-            if not siblings:
-                del self._partials[key[0]]
-        elif key is not None:
-            del self._by_hash[key]
-            if self.listener is not None:
-                self.listener.removed([key])
-        self._key[block] = None
 
 
 def _broken(what: str) -> NoReturn:

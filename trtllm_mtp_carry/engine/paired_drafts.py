@@ -67,7 +67,6 @@ Invariants (`check()` proves them):
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -80,6 +79,7 @@ from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
 from ..dataplane.ops import drafter_row_append
 from ..dataplane.reference import slots_for_rows
 from ..dataplane.rope import RopeConfig
+from .block_manager import RefCountedBlocks
 from .prefix_hash import PrefixKeys, encode_tokens
 from .snapshot_cache import ResumePlan, plan_resume
 
@@ -127,7 +127,7 @@ class _Live:
         return self.runs[0][1] if self.runs and self.runs[0][0] == 0 else 0
 
 
-class PairedDraftPool:
+class PairedDraftPool(RefCountedBlocks):
     """The draft pool under paired reuse: paged rows `[num_blocks, block_size, Hkv, D]`,
     live sequences' block tables, and the published blocks' tree, ref-counted.
 
@@ -146,13 +146,8 @@ class PairedDraftPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)
         self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=device)
-        self._free: deque[int] = deque(range(num_blocks))
-        self._ref = [0] * num_blocks
-        self._key: list[TreeKey | None] = [None] * num_blocks
+        self._init_blocks(num_blocks)  # the LRU holds published blocks of ref 0
         self._next: list[int] = [-1] * num_blocks  # the lookahead token of a published block
-        self._lru: OrderedDict[int, None] = OrderedDict()  # published, ref 0, oldest first
-        self._by_hash: dict[int, int] = {}
-        self._partials: dict[int, dict[bytes, int]] = {}
         self._seqs: dict[int, _Live] = {}
         self.num_evictions = self.num_published = self.num_copies = 0
         self.peak_blocks_held = 0
@@ -392,38 +387,17 @@ class PairedDraftPool:
     def _take(self, block: int) -> None:
         if self._key[block] is None:
             raise RuntimeError(f"block {block} is not published: it cannot be shared")
-        if self._ref[block] == 0:
-            del self._lru[block]
-        self._ref[block] += 1
-
-    def _drop(self, block: int) -> None:
-        if self._ref[block] <= 0:
-            raise RuntimeError(f"block {block} released without a hold")
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            if self._key[block] is None:
-                self._free.append(block)
-            else:
-                self._lru[block] = None
+        super()._take(block)
 
     def _draw(self) -> int:
         """A free block (ref 0, no key): from the free list, else by evicting the LRU published one."""
-        if self._free:
-            block = self._free.popleft()
-        elif self._lru:
-            block, _ = self._lru.popitem(last=False)
-            key = self._key[block]
-            if isinstance(key, tuple):
-                siblings = self._partials[key[0]]
-                del siblings[key[1]]
-                if not siblings:
-                    del self._partials[key[0]]
-            else:
-                del self._by_hash[key]  # type: ignore[arg-type]
-            self._key[block], self._next[block] = None, -1
-            self.num_evictions += 1
-        else:
+        got = self._reclaim()
+        if got is None:
             raise PairedPoolExhausted(f"no free or evictable drafter block of {self.num_blocks}")
+        block, evicted = got
+        if evicted is not None:
+            self._next[block] = -1
+            self.num_evictions += 1
         self.peak_blocks_held = max(self.peak_blocks_held, self.num_blocks - len(self._free))
         return block
 
