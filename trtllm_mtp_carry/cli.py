@@ -62,6 +62,13 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         f"{settings.DEFAULT_CARRY_EVICTION}",
     )
     p.add_argument(
+        "--carry-share",
+        choices=("on", "off"),
+        help="share equal common-prefix drafter blocks between carried entries (a shared system "
+        "prompt is held once; only equal bytes merge, within one cache salt); "
+        f"default env {settings.ENV_CARRY_SHARE}, else {'on' if settings.DEFAULT_CARRY_SHARE else 'off'}",
+    )
+    p.add_argument(
         "--carry-idle-s",
         type=non_negative_int,
         metavar="S",
@@ -103,6 +110,10 @@ def apply_settings_flags(args: argparse.Namespace) -> list[str]:
     idle = getattr(args, "carry_idle_s", None)
     if idle is not None and not settings.set_carry_idle_s(idle, source="--carry-idle-s"):
         warnings.append(f"--carry-idle-s {idle} not applied: already pinned to {settings.carry_idle_s()}")
+    share = getattr(args, "carry_share", None)
+    if share is not None and not settings.set_carry_share(share, source="--carry-share"):
+        warnings.append(f"--carry-share {share} not applied: already pinned to "
+                        f"{'on' if settings.carry_share() else 'off'}")
     return warnings
 
 
@@ -138,6 +149,8 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "carry_eviction_source": settings.CARRY_EVICTION.source,
         "carry_idle_s": settings.carry_idle_s(),
         "carry_idle_s_source": settings.CARRY_IDLE_S.source,
+        "carry_share": settings.carry_share(),
+        "carry_share_source": settings.CARRY_SHARE.source,
         "drafter_pool_budget": DRAFTER_POOL_BUDGET,
         "drafter_prefill": cfg.prefill,
         "carry_configured": cfg.carry,
@@ -170,6 +183,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
         ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",
          report["carry_idle_s_source"]),
+        ("carry shares prefix blocks (carry_share)", "on" if report["carry_share"] else "off",
+         report["carry_share_source"]),
         ("drafter pool budget", "-", report["drafter_pool_budget"]),
         ("drafter prompt prefill", yes(report["drafter_prefill"]), ""),
         ("carry configured", yes(report["carry_configured"]), ""),

@@ -184,3 +184,60 @@ def test_policy_and_bounds_are_checked():
         CarryStore(budget_bytes=-1)
     with pytest.raises(ValueError, match="idle_s must be a positive number"):
         CarryStore(idle_s=0)
+
+
+# ---- charged by block: entries sharing common-prefix blocks ------------------------------
+
+
+def block_entry(key, blocks):
+    rows = 4 * len(blocks)
+    return CarriedDrafter(tuple(blocks), rows, rows - 1, list(range(rows + 1)), key)
+
+
+def deposit_blocks(store, key, blocks):
+    evicted = store.admit(key, session=None, blocks=blocks)
+    if evicted is None:
+        return None
+    store.put(block_entry(key, blocks))
+    return [e.session_hash for e in evicted]
+
+
+def test_a_block_two_entries_share_is_charged_once():
+    store = CarryStore(budget_bytes=100, policy="lrd", block_nbytes=10)
+    assert deposit_blocks(store, 1, [0, 1, 2]) == []
+    assert deposit_blocks(store, 2, [0, 1, 3]) == []
+    assert (store.bytes_held, store.blocks_held, store.shared_blocks) == (40, 4, 2)
+    assert (store.nbytes(1), store.nbytes(2)) == (30, 30)  # each entry's whole footprint
+    store.take(1)  # adopted: blocks 0 and 1 stay charged for entry 2
+    assert (store.bytes_held, store.blocks_held, store.shared_blocks) == (30, 3, 0)
+
+
+def test_evicting_a_sharer_frees_only_the_blocks_no_other_entry_nor_the_deposit_holds():
+    store = CarryStore(budget_bytes=40, policy="lrd", block_nbytes=10)
+    deposit_blocks(store, 1, [0, 1, 2])
+    deposit_blocks(store, 2, [0, 1, 3])  # 40 bytes: full
+    # entry 3 shares blocks 0 and 1 and brings block 4: evicting entry 1 frees block 2 only,
+    # which makes exactly the room block 4 needs; entry 2 stays
+    assert deposit_blocks(store, 3, [0, 1, 4]) == [1]
+    assert keys(store) == [2, 3] and store.bytes_held == 40
+    assert store.evictions() == zeros(memory=1)
+    # a deposit of blocks every entry already holds costs nothing
+    assert deposit_blocks(store, 4, [0, 1]) == [] and store.bytes_held == 40
+
+
+def test_charged_by_block_the_incumbent_admits_a_newcomer_whose_new_blocks_fit():
+    store = CarryStore(budget_bytes=40, policy="incumbent", block_nbytes=10)
+    deposit_blocks(store, 1, [0, 1, 2, 3])
+    assert deposit_blocks(store, 2, [0, 1, 2, 3]) == []  # all shared: nothing new to charge
+    assert deposit_blocks(store, 3, [0, 1, 2, 5]) is None  # block 5 does not fit
+    assert store.miss_reason(3) == "not_admitted"
+    assert deposit_blocks(store, 4, list(range(10, 15))) is None  # 50 bytes alone: too large
+    assert store.refusals() == {"not_admitted": 1, "too_large": 1}
+
+
+def test_a_store_charged_by_block_needs_the_deposits_blocks():
+    store = CarryStore(budget_bytes=40, block_nbytes=10)
+    with pytest.raises(ValueError, match="needs the deposit's blocks"):
+        store.admit(1, 10)
+    with pytest.raises(ValueError, match="block_nbytes must be an int >= 1 or None, got 0"):
+        CarryStore(block_nbytes=0)

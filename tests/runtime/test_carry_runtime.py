@@ -258,8 +258,8 @@ def watch_runtime(eng):
                 assert torch.equal(k[:kept], deposited[session_hash][:kept])
         return prep
 
-    def recording_finish(seq_id, session_hash, tokens, policy=None, ticket=0, session=None):
-        finish(seq_id, session_hash, tokens, policy, ticket, session)
+    def recording_finish(seq_id, session_hash, tokens, policy=None, ticket=0, session=None, share=None):
+        finish(seq_id, session_hash, tokens, policy, ticket, session, share)
         entry = eng.runtime.entry
         if entry is not None and entry.session_hash == session_hash and entry.tokens == list(tokens):
             deposited[session_hash] = eng.drafter_pool.gather_slot()[0].clone()

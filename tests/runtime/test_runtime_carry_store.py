@@ -157,8 +157,8 @@ class Watch:
             assert torch.equal(k[:rows_kept], self.deposited[id(entry)][:rows_kept])  # its own rows
             return held
 
-        def recording_finish(seq_id, h, tokens, policy=None, ticket=0, session=None):
-            finish(seq_id, h, tokens, policy, ticket, session)
+        def recording_finish(seq_id, h, tokens, policy=None, ticket=0, session=None, share=None):
+            finish(seq_id, h, tokens, policy, ticket, session, share)
             entry = rt._store.get(h)
             if entry is not None and id(entry) not in self.deposited:
                 self.deposited[id(entry)] = eng.drafter_pool.gather_carried(h)[0].clone()

@@ -63,12 +63,12 @@ def test_config_declares_the_tensorrt_llm_style_inputs_and_outputs():
 
 def test_every_option_round_trips_through_the_configs_parameters():
     options = ServeOptions(drafter_policy="blind", draft_len=3, marconi_min_tokens=0, carry_slots=5,
-                           carry_memory="512MiB", carry_eviction="lrd", carry_idle_s=30,
+                           carry_memory="512MiB", carry_eviction="lrd", carry_idle_s=30, carry_share="off",
                            max_model_len=1024, max_tokens=7, max_num_seqs=2, device="cuda", max_turn_s=9)
     cfg = parse(render_config(RepoSpec(options=options)))
     params = {k: {"string_value": v.string_value} for k, v in cfg.parameters.items()}
     assert set(params) == {"engine", "drafter_policy", "draft_len", "marconi_min_tokens", "carry_slots",
-                           "carry_memory", "carry_eviction", "carry_idle_s",
+                           "carry_memory", "carry_eviction", "carry_idle_s", "carry_share",
                            "max_model_len", "max_tokens", "max_num_seqs", "device", "max_turn_s"}
     assert ServeOptions.from_parameters(params) == options
     defaults = parse(render_config(RepoSpec())).parameters
@@ -87,6 +87,7 @@ def test_an_empty_parameter_means_the_engines_default():
     ("max_model_len", "0", "parameter max_model_len must be >= 1, got 0"),
     ("max_tokens", "-3", "parameter max_tokens must be >= 1, got -3"),
     ("drafter_policy", "fast", "parameter drafter_policy must be one of carry, rebuild, blind, off, got 'fast'"),
+    ("carry_share", "maybe", "parameter carry_share='maybe' is not on or off"),
     ("engine", "vllm", "parameter engine must be one of reference, got 'vllm'"),
     ("temperature", "0.7", "unknown parameter 'temperature'"),
 ])

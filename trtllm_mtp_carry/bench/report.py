@@ -87,6 +87,15 @@ def _memory(runtimes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for name in ("drafter_blocks_peak", "target_blocks_peak", "drafter_blocks", "target_blocks"):
         values = [d[name] for d in runtimes if d.get(name) is not None]
         out[name] = max(values) if values else None
+    shares = [d for d in runtimes if d.get("carry_share") and d.get("policy") == "carry"]
+    if shares:  # common-prefix blocks shared between carried entries (CarryStats)
+        out["carry_share"] = {
+            "share_merges": sum(d.get("share_merges", 0) for d in shares),
+            "share_mismatches": sum(d.get("share_mismatches", 0) for d in shares),
+            "shared_blocks": max(d.get("shared_blocks", 0) for d in shares),
+            "share_ms": sum(d.get("share_ms", 0.0) for d in shares),
+            "deposits": sum(d.get("deposits", 0) for d in shares),
+        }
     paired = [d["paired"] for d in runtimes if d.get("paired")]
     if paired:
         out["paired"] = {k: (max if k in PAIRED_PEAKS else sum)(p[k] for p in paired)
@@ -236,6 +245,13 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
         lines.append(f"{policy:<8} {_mid(s, 'target_computed', '.0f'):>24} "
                      f"{s['target_computed_total']:>8} {s['recomputed_for_cap_total']:>7} "
                      f"{drafter:>20} {target:>19}")
+        sh = s.get("carry_share")
+        if sh and policy == "carry":
+            notes.append(
+                f"{policy}: common-prefix blocks merged into equal ones other entries hold "
+                f"{sh['share_merges']} (bytes differed: {sh['share_mismatches']}), held by two or "
+                f"more entries at the end {sh['shared_blocks']}, sharing took {sh['share_ms']:.1f} ms "
+                f"over {sh['deposits']} deposits (--carry-share off: one copy each)")
         p = s.get("paired")
         if p:
             notes.append(

@@ -9,7 +9,11 @@ own entry through `decide_adopt`, or `NoCarry` with the reason it is absent.
 Plain Python, no torch.
 
 Bounds: `budget_bytes` of rows (each deposit says its size), an optional cap of
-`slots` entries, and an idle time-to-live (`idle_s`). Entries are kept in
+`slots` entries, and an idle time-to-live (`idle_s`). With `block_nbytes` set,
+entries are charged by block instead: an entry costs `block_nbytes` per block
+of its `block_table`, and a block several entries share (a common prompt
+prefix, `DrafterKVPool.share_blocks`) is charged once, so evicting an entry
+frees only the blocks no other entry holds. Entries are kept in
 deposit order; which one leaves first is the eviction policy's choice::
 
     | oldest deposit | ... | newest deposit |   <- deposit appends here
@@ -31,7 +35,8 @@ deposit order; which one leaves first is the eviction policy's choice::
 
 Invariants:
 - At most one entry per key, never key 0; at most `slots` entries and at most
-  `budget_bytes` held (adopted rows out in live sequences are not held).
+  `budget_bytes` held (adopted rows out in live sequences are not held; a
+  shared block counts once).
 - An entry leaves exactly once, by `take` (adopted) or an eviction with one
   cause from `EVICTION_CAUSES`; every leave and every refused deposit is counted.
 - `candidate(k)` is `k`'s own entry; with one slot, else the slot's entry of
@@ -42,8 +47,8 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ._checks import check_non_negative, check_u64
@@ -96,6 +101,8 @@ class CarryStore:
     `CarryStore(slots)` alone is the seed-compatible store: no byte budget, no
     TTL, least recently deposited evicted first. One slot is always `lrd` (the
     seed's slot: the newest deposit wins it), whatever `policy` says.
+    `block_nbytes` switches the charge from each deposit's stated bytes to its
+    blocks (see the module header): `admit` then takes the deposit's `blocks`.
     """
 
     def __init__(
@@ -105,6 +112,7 @@ class CarryStore:
         policy: str = "lrd",
         idle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        block_nbytes: int | None = None,
     ) -> None:
         if slots is not None and (type(slots) is not int or slots < 1):
             raise ValueError(f"slots must be an int >= 1 or None (no cap), got {slots!r}")
@@ -113,8 +121,12 @@ class CarryStore:
         if idle_s is not None and (isinstance(idle_s, bool) or not isinstance(idle_s, (int, float))
                                    or not idle_s > 0):
             raise ValueError(f"idle_s must be a positive number of seconds or None, got {idle_s!r}")
+        if block_nbytes is not None and (type(block_nbytes) is not int or block_nbytes < 1):
+            raise ValueError(f"block_nbytes must be an int >= 1 or None, got {block_nbytes!r}")
         self.slots = slots
         self.budget_bytes = budget_bytes
+        self.block_nbytes = block_nbytes
+        self._block_refs: Counter[int] = Counter()  # block -> entries holding it (blocks mode)
         self.policy = check_eviction_policy(policy, "policy")
         if slots == 1:  # the seed's single slot: the newest finished session wins it
             self.policy = "lrd"
@@ -183,7 +195,7 @@ class CarryStore:
         return next((h.entry for h in reversed(self._entries.values())), None)
 
     def nbytes(self, key: int) -> int:
-        """Bytes the entry under `key` was deposited with (0 if none)."""
+        """Bytes the entry under `key` was deposited with (0 if none; by block: all its blocks)."""
         held = self._entries.get(key)
         return 0 if held is None else held.nbytes
 
@@ -193,11 +205,19 @@ class CarryStore:
 
     @property
     def blocks_held(self) -> int:
+        """Blocks the entries hold (a block several entries share counts once when charged by block)."""
+        if self.block_nbytes is not None:
+            return len(self._block_refs)
         return sum(len(h.entry.block_table) for h in self._entries.values())
 
     @property
+    def shared_blocks(self) -> int:
+        """Blocks two or more entries hold (0 unless charged by block)."""
+        return sum(1 for n in self._block_refs.values() if n > 1)
+
+    @property
     def bytes_held(self) -> int:
-        """Bytes of every entry held (as each deposit stated them)."""
+        """Bytes of every entry held (as each deposit stated them, or by distinct block)."""
         return self._bytes
 
     @property
@@ -220,42 +240,48 @@ class CarryStore:
 
     # ---- changes -------------------------------------------------------------
 
-    def admit(self, key: int, nbytes: int = 0, session: int | None = None) -> list[CarriedDrafter] | None:
+    def admit(self, key: int, nbytes: int = 0, session: int | None = None,
+              blocks: Sequence[int] | None = None) -> list[CarriedDrafter] | None:
         """Make room for `key`'s deposit of `nbytes` under the policy; return the evicted, in order.
 
-        None means refused (nothing evicted; `miss_reason(key)` says why, and the
-        key's lease, if any, is dropped): `too_large` if `nbytes` exceeds the whole
-        budget, `not_admitted` if the policy keeps its incumbents. The caller
-        frees the evicted entries' rows, then `put`s the entry.
+        Charged by block, the deposit is `blocks` (its block table; `nbytes` is
+        ignored): it costs only the blocks no entry holds yet. None means refused
+        (nothing evicted; `miss_reason(key)` says why, and the key's lease, if any,
+        is dropped): `too_large` if the deposit alone exceeds the whole budget,
+        `not_admitted` if the policy keeps its incumbents. The caller frees the
+        evicted entries' rows, then `put`s the entry.
         """
         check_u64("key", key)
         check_non_negative("nbytes", nbytes)
-        if self.budget_bytes is not None and nbytes > self.budget_bytes:
+        room = self._room(nbytes, blocks)
+        if self.budget_bytes is not None and room.alone > self.budget_bytes:
             self._refuse(key, "too_large")
             return None
         returning = key in self._entries or key in self._leases
-        if self.policy == "incumbent" and not returning and not self._fits(key, nbytes, ()):
+        if self.policy == "incumbent" and not returning and not room.fits():
             self._refuse(key, "not_admitted")
             return None
-        gone = [key] if key in self._entries else []  # its own older rows go (`replaced`)
-        if not self._fits(key, nbytes, gone):
+        if key in self._entries:
+            room.remove(key)  # its own older rows go (`replaced`)
+        if not room.fits():
             for k in self._victims():
                 if k != key:
-                    gone.append(k)
-                    if self._fits(key, nbytes, gone):
+                    room.remove(k)
+                    if room.fits():
                         break
-            if not self._fits(key, nbytes, gone):  # unreachable: nbytes <= budget, all may go
+            if not room.fits():  # unreachable: the deposit fits alone, all may go
                 self._refuse(key, "not_admitted")
                 return None
         return [self._remove(k, "replaced" if k == key else self._room_cause())
-                for k in gone]
+                for k in room.gone]
 
-    def make_room(self, session_hash: int, nbytes: int = 0) -> list[CarriedDrafter]:
+    def make_room(self, session_hash: int, nbytes: int = 0,
+                  blocks: Sequence[int] | None = None) -> list[CarriedDrafter]:
         """Evict what must go before `session_hash` deposits (never refuses); return the evicted.
 
         The key's own older entry goes first (`replaced`), then entries in the
-        policy's victim order until the deposit fits. Prefer `admit`, which lets
-        the policy refuse a newcomer.
+        policy's victim order until the deposit fits (`blocks` as for `admit`).
+        Prefer `admit`, which lets the policy refuse a newcomer.
         """
         check_u64("session_hash", session_hash)
         check_non_negative("nbytes", nbytes)
@@ -263,7 +289,7 @@ class CarryStore:
         if session_hash in self._entries:
             evicted.append(self._remove(session_hash, "replaced"))
         for k in self._victims():
-            if self._fits(session_hash, nbytes, ()):
+            if self._room(nbytes, blocks).fits():
                 break
             evicted.append(self._remove(k, self._room_cause()))
         return evicted
@@ -277,7 +303,8 @@ class CarryStore:
         check_non_negative("nbytes", nbytes)
         if key == 0:
             raise ValueError("an entry of session 0 never carries (session 0 matches nothing)")
-        if key in self._entries or not self._fits(key, nbytes, ()):
+        blocks = entry.block_table if self.block_nbytes is not None else None
+        if key in self._entries or not self._room(nbytes, blocks).fits():
             raise RuntimeError(
                 f"no room for session 0x{key:016x}: {len(self._entries)} of {self.slots or 'any'} slots, "
                 f"{self._bytes} of {self.budget_bytes} bytes held"
@@ -285,9 +312,11 @@ class CarryStore:
             )
         lease = self._leases.pop(key, None)
         owner = key if session is None else check_u64("session", session)
+        if blocks is not None:
+            nbytes = len(blocks) * self.block_nbytes  # type: ignore[operator]
         self._entries[key] = _Held(entry, nbytes, owner, self._clock(),
                                    0 if lease is None else lease.adoptions + 1)
-        self._bytes += nbytes
+        self._charge(entry, nbytes)
         self._misses.pop(key, None)
         self._last_key[owner] = key
         self._last_key.move_to_end(owner)
@@ -303,7 +332,7 @@ class CarryStore:
         held = self._entries.pop(session_hash, None) if session_hash != 0 else None
         if held is None:
             raise RuntimeError(f"no carried entry for session 0x{session_hash:016x} to take")
-        self._bytes -= held.nbytes
+        self._uncharge(held)
         self._leases[session_hash] = _Lease(held.nbytes, held.session, self._clock(), held.adoptions)
         if len(self._leases) > MISS_MEMORY:  # a caller that never ends its leases stays bounded
             oldest = next(iter(self._leases))
@@ -368,12 +397,31 @@ class CarryStore:
                     + [k for k, h in self._entries.items() if h.adoptions > 0])
         return list(reversed(self._entries))  # incumbent: the newest entry is evicted first
 
-    def _fits(self, key: int, nbytes: int, without: list[int] | tuple[int, ...]) -> bool:
-        """Whether `key`'s deposit of `nbytes` fits once the entries `without` are gone."""
-        gone = sum(self._entries[k].nbytes for k in without)
-        if self.slots is not None and len(self._entries) - len(without) + 1 > self.slots:
-            return False
-        return self.budget_bytes is None or self._bytes - gone + nbytes <= self.budget_bytes
+    def _room(self, nbytes: int, blocks: Sequence[int] | None) -> _Room:
+        """What a deposit (`nbytes`, or its `blocks` when charged by block) needs, entry removals aside."""
+        if self.block_nbytes is None:
+            return _Room(self, nbytes, None)
+        if blocks is None:
+            raise ValueError("a store charged by block needs the deposit's blocks")
+        return _Room(self, len(blocks) * self.block_nbytes, frozenset(blocks))
+
+    def _charge(self, entry: CarriedDrafter, nbytes: int) -> None:
+        if self.block_nbytes is None:
+            self._bytes += nbytes
+            return
+        self._block_refs.update(entry.block_table)
+        self._bytes = len(self._block_refs) * self.block_nbytes
+
+    def _uncharge(self, held: _Held) -> None:
+        if self.block_nbytes is None:
+            self._bytes -= held.nbytes
+            return
+        refs = self._block_refs
+        for b in held.entry.block_table:
+            refs[b] -= 1
+            if not refs[b]:
+                del refs[b]
+        self._bytes = len(refs) * self.block_nbytes
 
     def _room_cause(self) -> str:
         """`capacity` while the slot cap is what is full, else `memory`."""
@@ -395,10 +443,53 @@ class CarryStore:
     def _remove(self, key: int, cause: str) -> CarriedDrafter:
         self._evictions[cause] += 1
         held = self._entries.pop(key)
-        self._bytes -= held.nbytes
+        self._uncharge(held)
         if cause != "replaced":
             self._remember(key, cause)
         return held.entry
+
+
+class _Room:
+    """The bytes and entries the store would hold after a deposit, as entries are removed first.
+
+    `remove(k)` adds one more entry to leave (`gone`, in order); `fits()` says
+    whether the deposit then fits the slot cap and the budget. Charged by block,
+    a removed entry frees only its blocks no remaining entry nor the deposit holds.
+    """
+
+    __slots__ = ("_store", "alone", "_blocks", "gone", "_freed", "_left", "_cost")
+
+    def __init__(self, store: CarryStore, alone: int, blocks: Collection[int] | None) -> None:
+        self._store = store
+        self.alone = alone  # bytes the deposit costs with nothing else held
+        self._blocks = blocks
+        self.gone: list[int] = []
+        self._freed = 0  # bytes freed by the removals so far
+        self._left: Counter[int] = Counter()  # block -> removed entries holding it (by block)
+        if blocks is None:
+            self._cost = alone
+        else:
+            bnb = store.block_nbytes or 0
+            self._cost = sum(bnb for b in blocks if b not in store._block_refs)
+
+    def remove(self, key: int) -> None:
+        held = self._store._entries[key]
+        self.gone.append(key)
+        if self._blocks is None:
+            self._freed += held.nbytes
+            return
+        refs, left, bnb = self._store._block_refs, self._left, self._store.block_nbytes or 0
+        for b in held.entry.block_table:
+            left[b] += 1
+            if left[b] == refs[b] and b not in self._blocks:
+                self._freed += bnb
+
+    def fits(self) -> bool:
+        store = self._store
+        if store.slots is not None and len(store._entries) - len(self.gone) + 1 > store.slots:
+            return False
+        return store.budget_bytes is None or (
+            store._bytes - self._freed + self._cost <= store.budget_bytes)
 
 
 __all__ = ["EVICTION_CAUSES", "EVICTION_POLICIES", "MISS_MEMORY", "REFUSAL_CAUSES", "CarryStore"]

@@ -1,6 +1,7 @@
 """Process-wide carry settings: the SSM restore threshold, the MTP dispatch cap,
 the carry store's bounds (memory budget, optional slot cap, idle time-to-live,
-eviction policy), the drafter policy and whether the carry is armed.
+eviction policy), common-prefix sharing, the drafter policy and whether the
+carry is armed.
 
 Invariants:
 - A pinned setting is fixed by its first read or write, for the whole process:
@@ -44,6 +45,11 @@ DEFAULT_CARRY_IDLE_S = 600
 """Default idle time-to-live of a carried entry, in seconds (0: never expire):
 an entry whose session has not come back for ten minutes is dropped."""
 
+DEFAULT_CARRY_SHARE = True
+"""Default for sharing common-prefix drafter blocks between carried entries: on.
+Only blocks whose bytes are equal merge (within one cache salt), so it never
+changes a row any session reads; `0` turns it off (each entry its own copy)."""
+
 EVICTION_POLICIES: tuple[str, ...] = ("incumbent", "lrd", "slru")
 """Carry store eviction policies (see `carry_store.py`); the first is the default."""
 
@@ -54,6 +60,7 @@ ENV_CARRY_SLOTS = "TRTLLM_MTP_CARRY_SLOTS"
 ENV_CARRY_MEMORY = "TRTLLM_MTP_CARRY_MEMORY"
 ENV_CARRY_IDLE_S = "TRTLLM_MTP_CARRY_IDLE_S"
 ENV_CARRY_EVICTION = "TRTLLM_MTP_CARRY_EVICTION"
+ENV_CARRY_SHARE = "TRTLLM_MTP_CARRY_SHARE"
 ENV_MTP_MAX_SEQS = "TRTLLM_MTP_CARRY_MAX_SEQS"
 ENV_DEBUG = "TRTLLM_MTP_CARRY_DEBUG"
 
@@ -227,6 +234,22 @@ def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
     return CarryMemory(nbytes=int(nbytes))
 
 
+_SWITCH = {"1": True, "on": True, "true": True, "yes": True,
+           "0": False, "off": False, "false": False, "no": False}
+
+
+def parse_switch(value: object, what: str) -> bool:
+    """`value` as on/off: a bool, or one of 1/0, on/off, true/false, yes/no (any case).
+
+    ValueError naming `what` and the value otherwise.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _SWITCH:
+        return _SWITCH[value.strip().lower()]
+    raise ValueError(f"{what}={value!r} is not on or off; use 1/0, on/off, true/false or yes/no")
+
+
 def _parse_env_memory(name: str, raw: str) -> CarryMemory:
     try:
         return parse_carry_memory(raw, what=f"environment variable {name}")
@@ -255,6 +278,11 @@ CARRY_MEMORY: Pinned[CarryMemory] = Pinned(
 CARRY_EVICTION: Pinned[str] = Pinned(
     "carry_eviction", ENV_CARRY_EVICTION, DEFAULT_CARRY_EVICTION,
     lambda name, raw: check_eviction_policy(raw.strip(), f"environment variable {name}"),
+)
+
+CARRY_SHARE: Pinned[bool] = Pinned(
+    "carry_share", ENV_CARRY_SHARE, DEFAULT_CARRY_SHARE,
+    lambda name, raw: parse_switch(raw, f"environment variable {name}"),
 )
 
 
@@ -321,6 +349,16 @@ def carry_eviction() -> str:
 def set_carry_eviction(value: str, source: str = "set") -> bool:
     """Pin the eviction policy (one of `EVICTION_POLICIES`); `False` if already pinned."""
     return CARRY_EVICTION._pin(check_eviction_policy(value), source)
+
+
+def carry_share() -> bool:
+    """Whether carried entries share equal common-prefix drafter blocks (runtime, else env, else on)."""
+    return CARRY_SHARE.get()
+
+
+def set_carry_share(value: bool | str, source: str = "set") -> bool:
+    """Pin common-prefix sharing on or off (`parse_switch`); `False` if already pinned."""
+    return CARRY_SHARE._pin(parse_switch(value, "carry_share"), source)
 
 
 def mtp_multi_seq_mode() -> bool:

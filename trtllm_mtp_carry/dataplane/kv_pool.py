@@ -17,13 +17,37 @@ the order `victim` names (the carry store's eviction policy; oldest first when
 unset), and reports each eviction to `on_evict`; a grow that even every carried
 block could not serve is refused and evicts nothing.
 
-Bookkeeping is plain ints and lists (like nano-vllm's block manager); tensors
-hold only the K/V data. Ownership calls name the owner and raise RuntimeError
-on a double claim or a release without a hold.
+Common-prefix sharing (`share_blocks`): sessions that share a prompt prefix
+(a system prompt) build the same drafter rows for it. Before a finished
+sequence is carried, each of its full blocks holding pair keys
+`[i*B, (i+1)*B)` is looked up under the prefix key of the tokens its rows
+depend on, `[0, (i+1)*B]` (the caller's chained key; a salt is part of it, so
+salts never share) and, when a published block of that key holds the same
+bytes, replaced by a reference to it; otherwise the block is published under
+its key (first publisher wins)::
+
+    entry A: | s0 | s1 | s2 | a3 | a4 |      s0-s2: one copy, refs = 2
+    entry B: | s0 | s1 | s2 | b3 |           (bytes equal, so B's own copies went back)
+
+Only bytes that are equal merge (K and V compared exactly), so every owner
+reads exactly the rows it wrote itself; the key is only where to look (equal
+tokens that gave other bytes, e.g. batch-dependent kernels, are counted as
+mismatches and kept apart).
+
+Bookkeeping is plain ints and lists (like nano-vllm's block manager), plus
+numpy reference counts per block; tensors hold only the K/V data. Ownership
+calls name the owner and raise RuntimeError on a double claim or a release
+without a hold.
 
 Invariants (`check()` proves them):
-- every block is owned by exactly one of: a live sequence, one carried entry,
-  the free pool;
+- every block is free (in the free pool once, no reference) or referenced by
+  its owners: live sequences and carried entries, each at most once; its
+  reference count is the number of them;
+- a block with two or more owners is never written: rows go only into a
+  block their sequence alone holds (a shared tail is copied first: copy on
+  write), and a block leaves the index before its bytes change, so a
+  published block's bytes never change (an owner that truncated into a
+  shared block reads a prefix of the same bytes);
 - an owner with `rows` rows holds at least `cdiv(rows, block_size)` blocks
   (a carried entry exactly that many);
 - an owner's keys are strictly increasing, one per row;
@@ -35,7 +59,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from .checks import CACHE_DTYPES
@@ -43,7 +69,7 @@ from .ops import drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
 
-__all__ = ["CarriedBlocks", "DrafterKVPool", "PoolExhaustedError", "PoolStats"]
+__all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "PoolExhaustedError", "PoolStats", "ShareStats"]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -59,9 +85,39 @@ class CarriedBlocks:
     last_pair_key: int | None
 
 
+class BlockKeys(Protocol):
+    """Prefix keys of one token sequence (`engine.prefix_hash.PrefixKeys` is one).
+
+    `key(d)` is the key of its first `d` tokens, the sharing scope (a cache
+    salt) included; equal keys name equal prefixes.
+    """
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def key(self, depth: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class ShareStats:
+    """What one `share_blocks` call did: blocks merged, published, and lookups whose bytes differed."""
+
+    merged: int
+    published: int
+    mismatched: int
+
+
 @dataclass(frozen=True)
 class PoolStats:
-    """A frozen snapshot of the pool's block accounting."""
+    """A frozen snapshot of the pool's block accounting.
+
+    Blocks are counted once however many owners share them: `num_sequence_blocks`
+    are those a live sequence holds, `num_carried_blocks` those only carried
+    entries hold, and the three counts add up to `num_blocks`. `num_shared_blocks`
+    have two or more owners; `blocks_saved` is the copies sharing avoids (owners'
+    block references minus distinct blocks held); `shared_merges`,
+    `share_mismatches` and `cow_copies` count since the pool was made.
+    """
 
     num_blocks: int
     block_size: int
@@ -72,6 +128,12 @@ class PoolStats:
     num_carried: int
     carried_rows: int
     evictions_for_pressure: int
+    num_shared_blocks: int = 0
+    blocks_saved: int = 0
+    shared_merges: int = 0
+    share_mismatches: int = 0
+    cow_copies: int = 0
+    blocks_published: int = 0
 
 
 @dataclass
@@ -127,8 +189,13 @@ class DrafterKVPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._seqs: dict[int, _Rows] = {}
         self._carried: OrderedDict[int, _Rows] = OrderedDict()  # first = least recently carried
-        self._carried_blocks = 0
+        # per block: owners referencing it (0: free), and how many of them are live sequences
+        self._refs = np.zeros(num_blocks, dtype=np.int64)
+        self._live_refs = np.zeros(num_blocks, dtype=np.int64)
+        self._published: dict[int, int] = {}  # prefix key -> the block published under it
+        self._key_of: dict[int, int] = {}  # published block -> its prefix key
         self._pressure_evictions = 0
+        self._merges = self._mismatches = self._cow = self._publications = 0
         self.on_evict: Callable[[int], None] | None = None
         """Called with each carried key a grow evicted (after the pool is consistent again)."""
         self.victim: Callable[[], int | None] | None = None
@@ -156,8 +223,8 @@ class DrafterKVPool:
 
     @property
     def num_carried_blocks(self) -> int:
-        """Blocks held by carried entries (what pool pressure may evict)."""
-        return self._carried_blocks
+        """Blocks only carried entries hold: what evicting every carried entry would free."""
+        return int(np.count_nonzero((self._refs > 0) & (self._live_refs == 0)))
 
     def carried(self, key: int) -> CarriedBlocks | None:
         """What the entry carried under `key` holds, or None."""
@@ -187,28 +254,40 @@ class DrafterKVPool:
         return torch.tensor(self._live(seq_id).block_table, dtype=torch.int32, device=self.device)
 
     def num_blocks_needed(self, seq_id: int, num_new_rows: int) -> int:
-        """Blocks a grow by `num_new_rows` rows would allocate (0 when capacity suffices)."""
+        """Blocks a grow by `num_new_rows` rows would allocate (0 when capacity suffices).
+
+        One more when the rows start inside a block another owner shares (its copy).
+        """
         if num_new_rows < 0:
             raise ValueError(f"num_new_rows must be >= 0, got {num_new_rows}")
         state = self._live(seq_id)
-        return max(0, _cdiv(state.rows + num_new_rows, self.block_size) - len(state.block_table))
+        grow = max(0, _cdiv(state.rows + num_new_rows, self.block_size) - len(state.block_table))
+        return grow + (1 if num_new_rows and self._shared_tail(state) is not None else 0)
 
     def can_grow(self, seq_id: int, num_new_rows: int) -> bool:
         """Whether a grow by `num_new_rows` rows would succeed (evicting carried entries if need be)."""
-        return self.num_blocks_needed(seq_id, num_new_rows) <= len(self._free) + self._carried_blocks
+        return self.num_blocks_needed(seq_id, num_new_rows) <= len(self._free) + self.num_carried_blocks
 
     def stats(self) -> PoolStats:
         """A frozen snapshot of the block accounting."""
+        held = self._refs > 0
+        live = self._live_refs > 0
         return PoolStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             num_free_blocks=len(self._free),
-            num_sequence_blocks=sum(len(s.block_table) for s in self._seqs.values()),
-            num_carried_blocks=self._carried_blocks,
+            num_sequence_blocks=int(np.count_nonzero(live)),
+            num_carried_blocks=int(np.count_nonzero(held & ~live)),
             num_sequences=len(self._seqs),
             num_carried=len(self._carried),
             carried_rows=sum(s.rows for s in self._carried.values()),
             evictions_for_pressure=self._pressure_evictions,
+            num_shared_blocks=int(np.count_nonzero(self._refs > 1)),
+            blocks_saved=int(self._refs.sum()) - int(np.count_nonzero(held)),
+            shared_merges=self._merges,
+            share_mismatches=self._mismatches,
+            cow_copies=self._cow,
+            blocks_published=self._publications,
         )
 
     # ---- ownership -----------------------------------------------------------
@@ -224,17 +303,19 @@ class DrafterKVPool:
 
         Live sequences win: when the free list is short, carried entries are evicted,
         least recently carried first, until it is not (`on_evict` hears each key).
-        All or nothing: PoolExhaustedError (pool unchanged, nothing evicted) when even
-        every carried block would not be enough.
+        A shared block the new rows would start in is copied first (copy on write;
+        the copy replaces it in the table and is not among the returned ids). All or nothing: PoolExhaustedError
+        (pool unchanged, nothing evicted) when even every carried block would not be enough.
         """
         need = self.num_blocks_needed(seq_id, num_new_rows)
-        if need > len(self._free) + self._carried_blocks:
+        carried_blocks = self.num_carried_blocks
+        if need > len(self._free) + carried_blocks:
             state = self._seqs[seq_id]
             raise PoolExhaustedError(
                 f"sequence {seq_id} needs {need} more blocks for {num_new_rows} new rows "
                 f"(has {state.rows} rows in {len(state.block_table)} blocks), "
                 f"only {len(self._free)} of {self.num_blocks} blocks are free "
-                f"and {self._carried_blocks} are carried"
+                f"and {carried_blocks} are carried"
             )
         evicted: list[int] = []
         while need > len(self._free):
@@ -243,24 +324,80 @@ class DrafterKVPool:
             assert key is not None
             self._release_carried(key)
             evicted.append(key)
+            need = self.num_blocks_needed(seq_id, num_new_rows)  # an eviction may unshare the tail
         self._pressure_evictions += len(evicted)
+        state = self._seqs[seq_id]
         new = [self._free.popleft() for _ in range(need)]
-        self._seqs[seq_id].block_table.extend(new)
+        self._hold(new, live=True)
+        if num_new_rows and state.rows % self.block_size:  # the rows start in a written block
+            if self._shared_tail(state) is not None:
+                self._copy_on_write(state, new.pop(0))
+            else:  # this sequence alone holds it: its bytes change, so no one may find it
+                self._unpublish(state.block_table[state.rows // self.block_size])
+        state.block_table.extend(new)
         if self.on_evict is not None:
             for key in evicted:
                 self.on_evict(key)
         return new
 
     def truncate(self, seq_id: int, rows_kept: int) -> int:
-        """Keep the first `rows_kept` rows of `seq_id`, free whole blocks past them; return #freed."""
+        """Keep the first `rows_kept` rows of `seq_id`, drop whole blocks past them; return #dropped."""
         return self._truncate(self._live(seq_id), rows_kept, f"sequence {seq_id}")
 
     def free_sequence(self, seq_id: int) -> int:
-        """Release `seq_id` and return its blocks to the free pool; return #freed."""
+        """Release `seq_id`; its blocks no other owner holds return to the free pool; return #held."""
         state = self._live(seq_id)
         del self._seqs[seq_id]
-        self._free.extend(state.block_table)
+        self._release(state.block_table, live=True)
         return len(state.block_table)
+
+    def share_blocks(self, seq_id: int, keys: BlockKeys) -> ShareStats:
+        """Merge `seq_id`'s full prefix blocks into equal published ones; publish the rest.
+
+        Call when the sequence has stopped writing (before `move_to_carried`).
+        Block `i` qualifies when it holds pair keys `[i*B, (i+1)*B)`, exactly (the
+        sequence's first key run starts at 0 and covers it). Its rows depend on
+        tokens `[0, (i+1)*B]` (row `k` on `t_{k+1}` too), so its key is
+        `keys.key((i + 1) * B + 1)`. It is replaced by the block published under
+        that key when their K and V bytes are equal (`merged`), kept and counted
+        `mismatched` when they differ (the same tokens gave other bytes), and
+        published itself when no block holds the key (`published`). Rows never
+        change: only blocks whose bytes are equal merge.
+        """
+        state = self._live(seq_id)
+        dense = state.runs[0][1] if state.runs and state.runs[0][0] == 0 else 0
+        n_full = min(dense // self.block_size, (keys.num_tokens - 1) // self.block_size)
+        table = state.block_table
+        pairs: list[tuple[int, int]] = []  # (block index, published block with its key)
+        published = 0
+        for i in range(n_full):
+            own = table[i]
+            if own in self._key_of:
+                continue  # published already (or merged on an earlier turn)
+            key = keys.key((i + 1) * self.block_size + 1)
+            found = self._published.get(key)
+            if found is None:
+                self._publish(own, key)
+                published += 1
+            elif found != own:
+                pairs.append((i, found))
+        merged = 0
+        if pairs:
+            idx = torch.tensor([i for i, _ in pairs], dtype=torch.int64)
+            own_ids = torch.tensor(table, dtype=torch.int64)[idx].to(self.device)
+            found_ids = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
+            same = ((self.k_cache[own_ids] == self.k_cache[found_ids]).flatten(1).all(1)
+                    & (self.v_cache[own_ids] == self.v_cache[found_ids]).flatten(1).all(1)).tolist()
+            for (i, found), equal in zip(pairs, same, strict=True):
+                if equal:
+                    own = table[i]
+                    table[i] = found
+                    self._hold([found], live=True)
+                    self._release([own], live=True)
+                    merged += 1
+        self._merges += merged
+        self._mismatches += len(pairs) - merged
+        return ShareStats(merged, published, len(pairs) - merged)
 
     def move_to_carried(self, seq_id: int, key: int) -> CarriedBlocks:
         """Move `seq_id`'s rows into a new carried entry under `key` (zero copy); end the sequence.
@@ -277,10 +414,10 @@ class DrafterKVPool:
             )
         del self._seqs[seq_id]
         keep = _cdiv(state.rows, self.block_size)
-        self._free.extend(state.block_table[keep:])
+        self._release(state.block_table[keep:], live=True)
         del state.block_table[keep:]
+        self._live_refs[state.block_table] -= 1  # the owner stays, as a carried entry
         self._carried[key] = state
-        self._carried_blocks += keep
         return state.snapshot()
 
     def adopt_carried(self, key: int, seq_id: int, rows_kept: int | None = None) -> CarriedBlocks:
@@ -288,7 +425,7 @@ class DrafterKVPool:
 
         The entry leaves the pool's carried set. `seq_id` must be new or live with no
         blocks; RuntimeError otherwise or if nothing is carried under `key`. Returns
-        what the sequence now holds.
+        what the sequence now holds. Blocks the entry shares stay shared (read only).
         """
         slot = self._carried.get(key)
         if slot is None:
@@ -302,14 +439,17 @@ class DrafterKVPool:
         if rows_kept is not None and not 0 <= rows_kept <= slot.rows:
             raise ValueError(f"rows_kept must be in [0, {slot.rows}], got {rows_kept}")
         del self._carried[key]
-        self._carried_blocks -= len(slot.block_table)
+        self._live_refs[slot.block_table] += 1
         self._seqs[seq_id] = slot
         if rows_kept is not None:
             self._truncate(slot, rows_kept, f"sequence {seq_id}")
         return slot.snapshot()
 
     def free_carried(self, key: int) -> int:
-        """Return entry `key`'s blocks to the free pool; return #freed. RuntimeError if none."""
+        """Drop entry `key`; its blocks no other owner holds return to the free pool; return #held.
+
+        RuntimeError if nothing is carried under `key`.
+        """
         if key not in self._carried:
             raise RuntimeError(f"nothing carried under {key}: nothing to free")
         return self._release_carried(key)
@@ -326,7 +466,8 @@ class DrafterKVPool:
         """Append `n` rows after the sequence's last row: grow, then RoPE(k at key+1) and v in one kernel.
 
         Keys must exceed the sequence's `last_pair_key`. Refusals (ValueError, RuntimeError,
-        PoolExhaustedError) leave the pool and caches unchanged.
+        PoolExhaustedError) leave the pool and caches unchanged. The rows are written
+        only into blocks this sequence alone holds (`grow` copies a shared tail first).
         """
         state = self._live(seq_id)
         keys_cpu = (keys.detach().to("cpu") if isinstance(keys, torch.Tensor)
@@ -365,6 +506,8 @@ class DrafterKVPool:
             )
         except BaseException:
             del state.block_table[len(state.block_table) - len(new_blocks):]
+            self._refs[new_blocks] -= 1
+            self._live_refs[new_blocks] -= 1
             self._free.extendleft(reversed(new_blocks))
             raise
         # Runs of consecutive keys, found with tensor ops (loop over runs only).
@@ -398,20 +541,19 @@ class DrafterKVPool:
     # ---- invariants ----------------------------------------------------------
 
     def check(self) -> None:
-        """Raise RuntimeError unless every block has exactly one owner and rows fit their blocks."""
+        """Raise RuntimeError unless every block's references match its owners and rows fit their blocks."""
         owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
+        live = np.zeros(self.num_blocks, dtype=np.int64)
         named = [(f"sequence {sid}", s, False) for sid, s in self._seqs.items()]
         named += [(f"carried entry {key}", s, True) for key, s in self._carried.items()]
-        carried_blocks = sum(len(s.block_table) for s in self._carried.values())
-        if carried_blocks != self._carried_blocks:
-            raise RuntimeError(
-                f"carried entries hold {carried_blocks} blocks, the count says {self._carried_blocks}"
-            )
         for name, state, carried in named:
+            if len(set(state.block_table)) != len(state.block_table):
+                raise RuntimeError(f"{name} holds a block twice: {state.block_table}")
             for b in state.block_table:
                 if not 0 <= b < self.num_blocks:
                     raise RuntimeError(f"{name} holds block id {b} outside [0, {self.num_blocks})")
                 owners[b].append(name)
+                live[b] += not carried
             need = _cdiv(state.rows, self.block_size)
             if len(state.block_table) < need or (carried and len(state.block_table) != need):
                 raise RuntimeError(f"{name} has {state.rows} rows in {len(state.block_table)} blocks")
@@ -422,11 +564,25 @@ class DrafterKVPool:
             for (k0, c0), (k1, _) in zip(state.runs, state.runs[1:], strict=False):
                 if k1 <= k0 + c0 - 1:
                     raise RuntimeError(f"{name} keys are not strictly increasing: runs {state.runs}")
-        for b in self._free:
-            owners[b].append("free pool")
+        free = list(self._free)
+        if len(set(free)) != len(free):
+            raise RuntimeError("the free pool lists a block twice")
+        for b in free:
+            if owners[b]:
+                raise RuntimeError(f"block {b} is in the free pool and owned by {owners[b]}")
         for b, who in enumerate(owners):
-            if len(who) != 1:
-                raise RuntimeError(f"block {b} is owned by {who or 'nobody'}, expected exactly one owner")
+            if not who and b not in self._free:
+                raise RuntimeError(f"block {b} is owned by nobody and not in the free pool")
+            if len(who) != self._refs[b] or live[b] != self._live_refs[b]:
+                raise RuntimeError(
+                    f"block {b} is owned by {who} but counted {int(self._refs[b])} references "
+                    f"({int(self._live_refs[b])} live)"
+                )
+        for key, b in self._published.items():
+            if self._key_of.get(b) != key or not owners[b]:
+                raise RuntimeError(f"prefix key {key:#x} names block {b}, which is not published or not held")
+        if len(self._key_of) != len(self._published):
+            raise RuntimeError("published blocks and prefix keys differ")
 
     # ---- internals -----------------------------------------------------------
 
@@ -436,13 +592,60 @@ class DrafterKVPool:
             raise RuntimeError(f"sequence {seq_id} is not live in the drafter pool")
         return state
 
+    def _hold(self, blocks: list[int], live: bool) -> None:
+        """One more owner (a live sequence if `live`) references each of `blocks`."""
+        self._refs[blocks] += 1
+        if live:
+            self._live_refs[blocks] += 1
+
+    def _release(self, blocks: list[int], live: bool) -> None:
+        """One owner fewer references each of `blocks`; the unreferenced ones go back to the free pool."""
+        if not blocks:
+            return
+        arr = np.asarray(blocks, dtype=np.int64)
+        self._refs[arr] -= 1
+        if live:
+            self._live_refs[arr] -= 1
+        gone = arr[self._refs[arr] == 0].tolist()
+        if self._key_of:
+            for b in gone:
+                self._unpublish(b)
+        self._free.extend(gone)
+
     def _release_carried(self, key: int) -> int:
         state = self._carried.pop(key)
-        self._carried_blocks -= len(state.block_table)
-        self._free.extend(state.block_table)
+        self._release(state.block_table, live=False)
         return len(state.block_table)
 
+    def _publish(self, block: int, key: int) -> None:
+        self._published[key] = block
+        self._key_of[block] = key
+        self._publications += 1
+
+    def _unpublish(self, block: int) -> None:
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._published[key]
+
+    def _shared_tail(self, state: _Rows) -> int | None:
+        """The partial block the next row of `state` goes into, when another owner shares it."""
+        if state.rows % self.block_size == 0:
+            return None
+        tail = state.block_table[state.rows // self.block_size]
+        return tail if self._refs[tail] > 1 else None
+
+    def _copy_on_write(self, state: _Rows, fresh: int) -> None:
+        """Give `state` its own copy (`fresh`, held already) of the shared block its next row goes into."""
+        at = state.rows // self.block_size
+        shared = state.block_table[at]
+        self.k_cache[fresh].copy_(self.k_cache[shared])
+        self.v_cache[fresh].copy_(self.v_cache[shared])
+        state.block_table[at] = fresh
+        self._release([shared], live=True)
+        self._cow += 1
+
     def _truncate(self, state: _Rows, rows_kept: int, name: str) -> int:
+        """Keep `state`'s first `rows_kept` rows (a live sequence's); drop whole blocks past them."""
         if not 0 <= rows_kept <= state.rows:
             raise ValueError(f"rows_kept must be in [0, {state.rows}] for {name}, got {rows_kept}")
         drop = state.rows - rows_kept
@@ -455,10 +658,12 @@ class DrafterKVPool:
                 state.runs.pop()
         state.rows = rows_kept
         keep = _cdiv(rows_kept, self.block_size)
-        freed = state.block_table[keep:]
+        dropped = state.block_table[keep:]
         del state.block_table[keep:]
-        self._free.extend(freed)
-        return len(freed)
+        self._release(dropped, live=True)
+        if rows_kept % self.block_size:  # the tail's rows past `rows_kept` will be overwritten
+            self._unpublish(state.block_table[-1])
+        return len(dropped)
 
     def _gather(self, state: _Rows, start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not 0 <= start_row <= state.rows:

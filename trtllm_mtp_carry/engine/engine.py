@@ -317,7 +317,7 @@ class ReferenceEngine:
                     self.paired.release(seq.request_id)
                 else:  # a cancelled turn keeps the session's carry (its rows are valid)
                     self.runtime.cancel(seq.request_id, seq.carry_key, seq.tokens, seq.policy,
-                                        seq.ticket, seq.session_hash)
+                                        seq.ticket, seq.session_hash, self._share_keys(seq))
                 self.blocks.free(seq.request_id)
                 return self._result(seq, "cancelled")
         return None
@@ -714,11 +714,16 @@ class ReferenceEngine:
             self.paired.finish(seq.request_id, seq.tokens, seq.keys.root)
         else:
             self.runtime.finish(seq.request_id, seq.carry_key, seq.tokens, seq.policy, seq.ticket,
-                                seq.session_hash)
+                                seq.session_hash, self._share_keys(seq))
         done = seq.tokens[:computed]
         self._put_snapshot(PrefixKeys(done, self.config.block_size, seq.keys.root), computed, seq.kv)
         self.blocks.free(seq.request_id, done)
         return self._result(seq, seq.finish_reason)
+
+    def _share_keys(self, seq: _Sequence) -> PrefixKeys:
+        """Prefix keys of `seq`'s tokens at the drafter's block size, in its salt's namespace:
+        where its carried blocks may be shared with other entries' equal ones."""
+        return PrefixKeys(seq.tokens, self.config.drafter_block_size, seq.keys.root)
 
     def _result(self, seq: _Sequence, reason: str) -> TurnResult:
         output = seq.tokens[len(seq.prompt):]

@@ -26,9 +26,16 @@ What each policy builds on a warm turn (prefix cache serves `[0, prefill_from)`)
 - cold turn, every policy but `off`: every key's row (the drafter prompt prefill).
 
 Invariants:
-- Every drafter block is owned by exactly one of: a live sequence, one carried
-  entry, the free pool (`DrafterKVPool.check()` proves it); adoption moves
-  blocks out of the entry (zero copy), so two sequences never own the same rows.
+- Every drafter block is free or referenced by its owners (live sequences,
+  carried entries), and only a block one owner alone holds is written
+  (`DrafterKVPool.check()` proves the counts); adoption moves blocks out of the
+  entry (zero copy), so two sequences never write the same rows.
+- Entries share blocks only where their bytes are equal (`share`, on by
+  default: a finished sequence's full prefix blocks merge into equal blocks
+  published under the same prefix key, salt included, before it is carried);
+  the store charges a shared block once. Sharing changes no row anyone reads,
+  so adoption and its ownership checks are unchanged: an entry is adopted only
+  by its own key, and a shared block is copied before anyone writes into it.
 - The store and the pool carry the same keys in the same order (`check()`);
   live sequences always win: a pool grow that runs short evicts carried
   entries in the store's victim order (counted as `pool_pressure`) before any
@@ -74,6 +81,7 @@ from ..core import (
     carry_eviction,
     carry_idle_s,
     carry_memory,
+    carry_share,
     carry_slots,
     log_adopt,
     log_store,
@@ -84,7 +92,7 @@ from ..core import (
 from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from ..dataplane.kv_pool import CarriedBlocks
+from ..dataplane.kv_pool import BlockKeys, CarriedBlocks
 from .backend import CarryBackend
 from .policy import DrafterPolicy
 
@@ -144,7 +152,11 @@ class CarryStats:
     absent (`NO_CARRY_REASONS`); `evictions` counts carried entries that left
     unadopted, by cause (`EVICTION_CAUSES`), `refusals` deposits the store
     refused (`REFUSAL_CAUSES`); `entries_held`/`bytes_held`/`blocks_held`/
-    `slot_rows` describe what the store holds now, out of `carry_memory_bytes`
+    `slot_rows` describe what the store holds now (`blocks_held` counts a
+    shared block once; `shared_blocks` are held by two or more entries; with
+    `carry_share`, `share_merges` blocks merged into equal published ones and
+    `share_mismatches` lookups found different bytes, taking `share_ms` in all),
+    out of `carry_memory_bytes`
     (the budget), `carry_slots` (0: no cap) and a pool of `pool_blocks` blocks of
     `pool_block_size` rows; `turns_cancelled_kept` counts cancelled turns whose
     rows were deposited. `slots_held` is `entries_held` (its older name).
@@ -166,6 +178,11 @@ class CarryStats:
     carry_slots: int = 1
     slots_held: int = 0
     blocks_held: int = 0
+    carry_share: bool = False
+    shared_blocks: int = 0
+    share_merges: int = 0
+    share_mismatches: int = 0
+    share_ms: float = 0.0
     pool_blocks: int = 0
     pool_block_size: int = 0
     no_carry_reasons: dict[str, int] = field(default_factory=dict)
@@ -191,6 +208,7 @@ class _Counters:
     deposits: int = 0
     no_carry: Counter[str] = field(default_factory=Counter)
     cancelled_kept: int = 0
+    share_ms: float = 0.0
 
 
 class CarryRuntime:
@@ -203,7 +221,8 @@ class CarryRuntime:
     `memory` (a `carry_memory` value), `eviction` and `idle_s` (None: never)
     override the process settings `carry_slots()`, `carry_memory()`,
     `carry_eviction()` and `carry_idle_s()` (tests, engines that size the store
-    themselves); `clock` is the idle TTL's clock.
+    themselves); `clock` is the idle TTL's clock; `share` overrides
+    `carry_share()` (common-prefix blocks shared between entries).
     One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
     names their victims (`pool.victim`), and refuses a pool that already
     carries another runtime's entries.
@@ -220,6 +239,7 @@ class CarryRuntime:
         eviction: str | None = None,
         idle_s: float | None = _UNSET,
         clock: Callable[[], float] = time.monotonic,
+        share: bool | None = None,
     ) -> None:
         self.backend = backend
         self.policy = DrafterPolicy.parse(policy)
@@ -237,8 +257,10 @@ class CarryRuntime:
         if idle_s is CarryRuntime._UNSET:
             idle_s = carry_idle_s() or None
         self.memory = carry_memory() if memory is None else parse_carry_memory(memory)
+        self.share = carry_share() if share is None else bool(share)
         self._store = CarryStore(slots, self.memory.resolve(pool.nbytes),
-                                 carry_eviction() if eviction is None else eviction, idle_s, clock)
+                                 carry_eviction() if eviction is None else eviction, idle_s, clock,
+                                 block_nbytes=pool.block_nbytes)
         self._counters = _Counters()
         self._adopted: dict[int, int] = {}  # seq_id -> carry key whose rows it adopted (a lease)
         self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
@@ -348,6 +370,7 @@ class CarryRuntime:
         policy: DrafterPolicy | str | None = None,
         ticket: int = 0,
         session: int | None = None,
+        share: BlockKeys | None = None,
     ) -> bool:
         """End `seq_id`: deposit its rows under carry key `session_hash` (carry armed, non-zero
         key, the store admits them) or free them; returns whether they were deposited.
@@ -356,6 +379,10 @@ class CarryRuntime:
         older entry is replaced. `tokens` are the finished sequence's tokens
         (prompt plus output); its rows must cover pair keys up to at most
         `len(tokens) - 2`. `session` is the unsalted session (default: the key).
+        `share` is the prefix keys of `tokens` in the request's sharing scope
+        (its cache salt; `PrefixKeys(tokens, pool.block_size, root)`): with it
+        (and sharing on), full prefix blocks whose bytes equal a published
+        block's are merged into it before the deposit (`DrafterKVPool.share_blocks`).
         """
         policy = self.policy if policy is None else DrafterPolicy.parse(policy)
         pool = self.backend.drafter_pool
@@ -365,16 +392,21 @@ class CarryRuntime:
             return False
         rows = pool.sequence(seq_id)
         if policy is DrafterPolicy.CARRY and self.armed and session_hash != 0 and rows.rows > 0:
-            nbytes = -(-rows.rows // pool.block_size) * pool.block_nbytes
             with self._lock:
-                evicted = self._store.admit(session_hash, nbytes, session)
+                if share is not None and self.share:
+                    t0 = time.perf_counter()
+                    pool.share_blocks(seq_id, share)
+                    self._counters.share_ms += _ms(t0)
+                table = pool.sequence(seq_id).block_table[: -(-rows.rows // pool.block_size)]
+                evicted = self._store.admit(session_hash, len(table) * pool.block_nbytes, session,
+                                            blocks=table)
                 if evicted is not None:
                     for old in evicted:
                         pool.free_carried(old.session_hash)
                     carried = pool.move_to_carried(seq_id, session_hash)
                     entry = CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key,
                                            tokens, session_hash)
-                    self._store.put(entry, nbytes, session)
+                    self._store.put(entry, len(table) * pool.block_nbytes, session)
                     self._counters.deposits += 1
             if evicted is not None:
                 log_store(entry, ticket)
@@ -392,6 +424,7 @@ class CarryRuntime:
         policy: DrafterPolicy | str | None = None,
         ticket: int = 0,
         session: int | None = None,
+        share: BlockKeys | None = None,
     ) -> bool:
         """A cancelled turn keeps its session's carry: deposit the rows `seq_id` holds, as `finish`.
 
@@ -400,7 +433,7 @@ class CarryRuntime:
         verified output so far), so each is valid for the session's next turn,
         which keeps what its prompt still agrees with. Returns whether deposited.
         """
-        kept = self.finish(seq_id, session_hash, tokens, policy, ticket, session)
+        kept = self.finish(seq_id, session_hash, tokens, policy, ticket, session, share)
         if kept:
             with self._lock:
                 self._counters.cancelled_kept += 1
@@ -472,6 +505,7 @@ class CarryRuntime:
         """A frozen snapshot of every counter (zeros listed for outcomes never seen)."""
         with self._lock:
             c = self._counters
+            pool_stats = self.backend.drafter_pool.stats()
             return CarryStats(
                 armed=self.armed,
                 policy=self.policy.value,
@@ -489,6 +523,11 @@ class CarryRuntime:
                 carry_slots=self._store.slots or 0,
                 slots_held=len(self._store),
                 blocks_held=self._store.blocks_held,
+                carry_share=self.share,
+                shared_blocks=self._store.shared_blocks,
+                share_merges=pool_stats.shared_merges,
+                share_mismatches=pool_stats.share_mismatches,
+                share_ms=c.share_ms,
                 pool_blocks=self.backend.drafter_pool.num_blocks,
                 pool_block_size=self.backend.drafter_pool.block_size,
                 no_carry_reasons={r: c.no_carry.get(r, 0) for r in NO_CARRY_REASONS},

@@ -82,7 +82,7 @@ def apply_settings(options: ServeOptions) -> None:
 
 
 def _apply_carry_store_settings(options: ServeOptions) -> None:
-    """Pin carry_memory, carry_eviction and carry_idle_s; ValueError naming one that is
+    """Pin carry_memory, carry_eviction, carry_idle_s and carry_share; ValueError naming one that is
     already pinned to another value in this process."""
     from ..core import settings
 
@@ -91,6 +91,8 @@ def _apply_carry_store_settings(options: ServeOptions) -> None:
          settings.set_carry_memory, settings.carry_memory),
         ("carry_eviction", options.carry_eviction, settings.set_carry_eviction, settings.carry_eviction),
         ("carry_idle_s", options.carry_idle_s, settings.set_carry_idle_s, settings.carry_idle_s),
+        ("carry_share", options.carry_share and settings.parse_switch(options.carry_share, "carry_share"),
+         settings.set_carry_share, settings.carry_share),
     ]
     for name, value, setter, getter in pins:
         if value is not None and not setter(value, source=f"parameter {name}") and getter() != value:

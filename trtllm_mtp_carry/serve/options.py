@@ -30,6 +30,7 @@ class ServeOptions:
     carry_memory: str | None = None  # "4GiB", "512MiB" or a drafter pool fraction "0.5"
     carry_eviction: str | None = None  # incumbent, lrd, slru
     carry_idle_s: int | None = None  # 0: carried entries never expire
+    carry_share: str | None = None  # on/off: carried entries share equal common-prefix blocks
     max_model_len: int | None = None
     max_tokens: int = 64  # used when a request sends no max_tokens
     max_num_seqs: int = 8
@@ -49,6 +50,10 @@ class ServeOptions:
             from ..core.settings import check_eviction_policy
 
             check_eviction_policy(self.carry_eviction, what="parameter carry_eviction")
+        if self.carry_share is not None:
+            from ..core.settings import parse_switch
+
+            parse_switch(self.carry_share, what="parameter carry_share")
         for name in ("marconi_min_tokens", "carry_idle_s"):
             value = getattr(self, name)
             if value is not None and _int(name, value) < 0:
