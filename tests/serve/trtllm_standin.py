@@ -111,7 +111,9 @@ class _Completion:
 class _Result:
     """Streams the answer two tokens per step, like RequestOutput under streaming=True."""
 
-    def __init__(self, answer: list[int], finish: str, reused_blocks: int, tok: ChatMLTokenizer) -> None:
+    def __init__(self, answer: list[int], finish: str, reused_blocks: int, tok: ChatMLTokenizer,
+                 request_id: int) -> None:
+        self.request_id = request_id  # GenerationResult.request_id: the worker's client id
         self.outputs = [_Completion()]
         self.finished = False
         self.decoding_iter = 0
@@ -179,7 +181,7 @@ class LLM:
                     break
                 common += 1
             reused = common // 4
-        result = _Result(answer[:n], finish, reused, tok)
+        result = _Result(answer[:n], finish, reused, tok, request_id=100 + len(self.calls))
         self.results.append(result)
         return result
 
