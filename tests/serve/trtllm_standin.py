@@ -111,23 +111,34 @@ class _Completion:
         return self.text[self._last_text:]
 
 
-class _Result:
-    """Streams the answer two tokens per step, like RequestOutput under streaming=True."""
+class _Output:
+    """What the model reads of a streamed `RequestOutput`: `request_id` (GenerationResult's:
+    the worker's client id), `outputs[0]`, `finished`, `decoding_iter`; `abort()`."""
 
-    def __init__(self, answer: list[int], finish: str, reused_blocks: int, tok: ChatMLTokenizer,
-                 request_id: int) -> None:
-        self.request_id = request_id  # GenerationResult.request_id: the worker's client id
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
         self.outputs = [_Completion()]
         self.finished = False
         self.decoding_iter = 0
         self.aborted = False
-        self._answer, self._finish, self._reused, self._tok = answer, finish, reused_blocks, tok
 
     def abort(self) -> None:
         self.aborted = True
 
     def __aiter__(self):
         return self._run()
+
+    def _run(self):
+        raise NotImplementedError
+
+
+class _Result(_Output):
+    """Streams the answer two tokens per step, like RequestOutput under streaming=True."""
+
+    def __init__(self, answer: list[int], finish: str, reused_blocks: int, tok: ChatMLTokenizer,
+                 request_id: int) -> None:
+        super().__init__(request_id)
+        self._answer, self._finish, self._reused, self._tok = answer, finish, reused_blocks, tok
 
     async def _run(self):
         c = self.outputs[0]
@@ -200,25 +211,18 @@ def reference_model() -> Any:
     return load_reference()[0]
 
 
-class _ExecutorResult:
+class _ExecutorResult(_Output):
     """A `RequestOutput`-like stream of one request on the CPU STAND-IN executor: `request_id`
     is its LLM API id (`LlmRequest.py_client_id`); each iteration steps the executor, which
     advances every request it holds, as TensorRT-LLM's executor loop does."""
 
     def __init__(self, executor: Any, request: Any, tok: Any, tokens_per_block: int) -> None:
-        self.request_id = request.py_client_id
-        self.outputs = [_Completion()]
-        self.finished = False
-        self.decoding_iter = 0
-        self.aborted = False
+        super().__init__(request.py_client_id)
         self._executor, self._request, self._tok, self._tpb = executor, request, tok, tokens_per_block
 
     def abort(self) -> None:
-        self.aborted = True
+        super().abort()
         self._executor.cancel(self._request.py_request_id)
-
-    def __aiter__(self):
-        return self._run()
 
     async def _run(self):
         c, req = self.outputs[0], self._request
