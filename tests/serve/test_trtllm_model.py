@@ -3,11 +3,12 @@
 What is pinned here: the request mapping with exact values (CORRID to the
 conversation id, the salt, the sampling keywords, the LLM options and their
 `mtp_carry` section, the next turn's prompt from a chat template, the per-turn
-statistics read from TensorRT-LLM's outputs), the generated repository, the
-command line's errors, and, against the real tritonserver, that the model
-fails to load with one line naming the `trtllm` extra. Serving turns needs
-TensorRT-LLM and a GPU: `scripts/trtllm_smoke.py` and the README say what
-was and was not run.
+statistics read from TensorRT-LLM's outputs and the adapter's turn record),
+the generated repository, the command line's errors, and, against the real
+tritonserver, that the model fails to load with one line naming the `trtllm`
+extra. Serving turns with real TensorRT-LLM needs a GPU: `scripts/trtllm_smoke.py`
+and the README say what was and was not run (test_trtllm_model_standin.py and
+test_trtllm_model_carry.py serve turns in process on stand-ins).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from trtllm_mtp_carry.trtllm.serving import (
     ChatTemplate,
     TrtllmServeOptions,
     TrtllmTurnStats,
+    carry_fields,
     conversation_id_for,
     salt_text,
     sampling_kwargs,
-    split_llm_options,
     stats_gauges,
+    triton_llm_args,
     turn_stats,
 )
 from trtllm_mtp_carry.trtllm.triton_model import require_tensorrt_llm
@@ -103,16 +105,16 @@ def test_sampling_is_greedy_with_the_turns_max_tokens_and_perf_metrics():
         sampling_kwargs(0, 64)
 
 
-def test_the_mtp_carry_section_is_split_off_the_llm_keywords():
+def test_triton_llm_args_add_the_model_and_return_the_carry_section_unparsed():
     options = {"speculative_config": {"decoding_type": "MTP", "max_draft_len": 3},
                "kv_cache_config": {"enable_block_reuse": True},
                "mtp_carry": {"enable": True, "carry_slots": 8},
                "triton_config": {"decoupled": True}}
-    llm_args, carry = split_llm_options(options, "/ckpt/qwen3-next")
+    llm_args, carry = triton_llm_args(options, "/ckpt/qwen3-next")
     assert llm_args == {"speculative_config": {"decoding_type": "MTP", "max_draft_len": 3},
                         "kv_cache_config": {"enable_block_reuse": True}, "model": "/ckpt/qwen3-next"}
     assert carry == {"enable": True, "carry_slots": 8}
-    assert split_llm_options(None, "m") == ({"model": "m"}, None)
+    assert triton_llm_args(None, "m") == ({"model": "m"}, None)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -122,7 +124,7 @@ def test_the_mtp_carry_section_is_split_off_the_llm_keywords():
 ])
 def test_bad_llm_options_are_refused_naming_what(options, message):
     with pytest.raises(ValueError) as err:
-        split_llm_options(options, "m")
+        triton_llm_args(options, "m")
     assert str(err.value) == message
 
 
@@ -193,11 +195,15 @@ def test_turn_stats_read_tensorrt_llms_per_request_metrics():
     perf = SimpleNamespace(speculative_decoding=SimpleNamespace(total_draft_tokens=9, total_accepted_draft_tokens=6),
                            kv_cache_metrics=SimpleNamespace(num_reused_blocks=4, kv_cache_hit_rate=0.5))
     output = SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", request_perf_metrics=perf)
+    record = {"reused": 64, "outcome": "adopted", "no_carry_reason": "", "rows_scattered": 64,
+              "rows_computed": 55, "rows_deposited": 0, "skipped": None}
     stats = turn_stats(120, output, SimpleNamespace(decoding_iter=3), ttft_ms=12.5, total_ms=40.0,
-                       topology="unpaired", carry_armed=True)
+                       topology="unpaired", carry_armed=True, carry=record)
     assert stats == TrtllmTurnStats(prompt_tokens=120, output_tokens=3, drafted=9, accepted=6, verify_steps=3,
                                     kv_cache_reused_blocks=4, kv_cache_hit_rate=0.5, ttft_ms=12.5,
-                                    decode_ms=27.5, finish_reason="stop", topology="unpaired", carry_armed=True)
+                                    decode_ms=27.5, finish_reason="stop", topology="unpaired", carry_armed=True,
+                                    outcome_kind="adopted", no_carry_reason="", reused_tokens=64,
+                                    drafter_rows_kept=64, drafter_rows_computed=55)
     d = stats.as_dict()
     assert d["acceptance"] == 6 / 9 and d["accepted_per_step"] == 2.0
     assert json.loads(json.dumps(d)) == d
@@ -210,6 +216,24 @@ def test_a_metric_tensorrt_llm_did_not_return_stays_zero():
     assert stats.finish_reason == "" and stats.acceptance == 0.0
 
 
+def test_a_no_carry_turn_reports_the_reason_from_the_adapters_record():
+    record = {"reused": 32, "outcome": "no_carry", "no_carry_reason": "session_end", "rows_scattered": 0,
+              "rows_computed": 40, "rows_deposited": 0, "skipped": None}
+    assert carry_fields(record, armed=True) == {
+        "outcome_kind": "no_carry", "no_carry_reason": "session_end", "reused_tokens": 32,
+        "drafter_rows_kept": 0, "drafter_rows_computed": 40}
+
+
+def test_what_the_adapter_does_not_know_is_left_unknown_not_guessed():
+    # not armed: nothing was carried (known), R and the rows computed are not known
+    assert carry_fields(None, armed=False) == {"outcome_kind": "not_armed", "drafter_rows_kept": 0}
+    stats = turn_stats(10, SimpleNamespace(token_ids=[1]), SimpleNamespace(), 1.0, 2.0, "unpaired", True, None)
+    d = stats.as_dict()  # armed, but no record of the request: every carry field unknown
+    assert (d["outcome_kind"], d["no_carry_reason"], d["reused_tokens"], d["drafter_rows_kept"],
+            d["drafter_rows_computed"]) == ("", "", None, None, None)
+    assert json.loads(json.dumps(d))["drafter_rows_computed"] is None
+
+
 def test_the_adapters_counters_become_gauges_like_the_reference_runtimes():
     assert stats_gauges({"armed": True, "rows_adopted": 12, "topology": "unpaired",
                          "outcomes": {"adopted": 2, "miss": 1}, "ratio": 0.5}) == {
@@ -219,7 +243,7 @@ def test_the_adapters_counters_become_gauges_like_the_reference_runtimes():
 # ---- the repository and the command line -------------------------------------------
 
 
-def test_the_config_keeps_the_sequence_contract_with_tensorrt_llms_outputs(tmp_path):
+def test_the_config_keeps_the_sequence_contract_with_the_reference_outputs_and_reused_blocks(tmp_path):
     spec = trtllm_spec("m", str(tmp_path), None, 2.5, 32)
     cfg = parse(render_trtllm_config(spec))
     t = model_config_pb2
@@ -230,7 +254,8 @@ def test_the_config_keeps_the_sequence_contract_with_tensorrt_llms_outputs(tmp_p
         ("text_input", t.TYPE_STRING, (1,), True), ("input_ids", t.TYPE_INT64, (-1,), True),
         ("max_tokens", t.TYPE_INT32, (1,), True), ("cache_salt", t.TYPE_STRING, (1,), True)}
     assert {(o.name, o.data_type) for o in cfg.output} == {
-        ("text_output", t.TYPE_STRING), ("output_ids", t.TYPE_INT64), ("drafted", t.TYPE_INT32),
+        ("text_output", t.TYPE_STRING), ("output_ids", t.TYPE_INT64), ("carry_outcome", t.TYPE_STRING),
+        ("drafter_rows_computed", t.TYPE_INT32), ("drafted", t.TYPE_INT32),
         ("accepted", t.TYPE_INT32), ("ttft_ms", t.TYPE_FP32), ("model_instance", t.TYPE_STRING),
         ("turn_stats", t.TYPE_STRING), ("kv_cache_reused_blocks", t.TYPE_INT32)}
     assert [g.count for g in cfg.instance_group] == [1]

@@ -30,13 +30,20 @@ def served(monkeypatch, tmp_path):
     standin.install_tensorrt_llm(monkeypatch)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", standin.pb_utils_module())
     monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
-    record: dict = {"options": [], "detached": 0}
+    record: dict = {"options": [], "detached": 0, "popped": [], "forgotten": []}
 
     def attach(llm, options):
         record["options"].append(options)
         llm.events.append("attached")
         stats = {"rows_adopted": 5, "outcomes": {"adopted": 1}}
-        return standin.SimpleNamespace(topology="unpaired", armed=True, reason="stand-in", stats=lambda: stats)
+
+        def forget_conversation(conversation_id):
+            record["forgotten"].append(conversation_id)
+            return 7
+
+        return standin.SimpleNamespace(topology="unpaired", armed=True, reason="stand-in", stats=lambda: stats,
+                                       pop_turn=lambda rid: record["popped"].append(rid),  # no record: None
+                                       forget_conversation=forget_conversation)
 
     def detach(llm):
         record["detached"] += 1
@@ -82,7 +89,7 @@ def test_the_llm_is_built_single_process_then_attached_before_any_request(served
 
 
 def test_a_session_streams_its_turns_as_one_conversation_with_its_salt(served):
-    model, llm, _ = served
+    model, llm, record = served
     first = send(model, standin.Request(7, start=True, text_input="hi", cache_salt="tenant-a", max_tokens=32))
     assert first.error() is None and len(first.responses) > 1  # streamed, then the final response
     ids, text = streamed(first)
@@ -100,6 +107,10 @@ def test_a_session_streams_its_turns_as_one_conversation_with_its_salt(served):
                                                                                       steps)
     assert (stats["topology"], stats["carry_armed"], stats["finish_reason"]) == ("unpaired", True, "stop")
     assert final["model_instance"][0] == b"m_0"
+    # the recorder has no turn record: the carry fields are left out, not guessed
+    assert record["popped"] == [llm.results[0].request_id] and llm.results[0].request_id != 0
+    assert "carry_outcome" not in final and "drafter_rows_computed" not in final
+    assert (stats["outcome_kind"], stats["drafter_rows_computed"]) == ("", None)
 
     second = send(model, standin.Request(7, text_input="more", cache_salt="tenant-a"))
     assert second.error() is None
@@ -122,15 +133,18 @@ def test_two_sessions_are_two_conversations(served):
 
 
 def test_end_ends_the_session_and_a_continuation_of_an_unknown_one_is_refused(served):
-    model, llm, _ = served
+    model, llm, record = served
     send(model, standin.Request(4, start=True, end=True, text_input="bye"))
     late = send(model, standin.Request(4, text_input="again"))
     assert late.error() == "unknown session CORRID=4: its first request must set START"
     assert len(llm.calls) == 1
     assert standin.metric("mtp_carry_sessions_ended_total", cause="end") == 1
+    assert record["forgotten"] == ["triton-corrid-4"]  # only the session TensorRT-LLM served
+    assert standin.metric("mtp_carry_rows_freed_total") == 7  # what forget_conversation dropped
     send(model, standin.Request(5, start=True, input_ids=[1, 2]))
     send(model, standin.Request(5, start=True, input_ids=[1, 2]))  # START again: the old session ends
     assert standin.metric("mtp_carry_sessions_ended_total", cause="restart") == 1
+    assert record["forgotten"] == ["triton-corrid-4", "triton-corrid-5"]
 
 
 @pytest.mark.parametrize("request_kwargs, message", [

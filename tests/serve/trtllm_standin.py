@@ -9,11 +9,14 @@ record every call; and a `pb_utils` with the response sender, tensors and
 metric families the model touches. They let the tests run the model's
 sessions, streaming and error paths without a GPU; what real TensorRT-LLM
 does is checked by scripts/trtllm_smoke.py on a machine that has it.
+`ExecutorLLM` is the same LLM API over the package's CPU stand-in executor,
+so the real adapter (attach, its resource manager, forget) runs under the model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 import threading
@@ -108,21 +111,34 @@ class _Completion:
         return self.text[self._last_text:]
 
 
-class _Result:
-    """Streams the answer two tokens per step, like RequestOutput under streaming=True."""
+class _Output:
+    """What the model reads of a streamed `RequestOutput`: `request_id` (GenerationResult's:
+    the worker's client id), `outputs[0]`, `finished`, `decoding_iter`; `abort()`."""
 
-    def __init__(self, answer: list[int], finish: str, reused_blocks: int, tok: ChatMLTokenizer) -> None:
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
         self.outputs = [_Completion()]
         self.finished = False
         self.decoding_iter = 0
         self.aborted = False
-        self._answer, self._finish, self._reused, self._tok = answer, finish, reused_blocks, tok
 
     def abort(self) -> None:
         self.aborted = True
 
     def __aiter__(self):
         return self._run()
+
+    def _run(self):
+        raise NotImplementedError
+
+
+class _Result(_Output):
+    """Streams the answer two tokens per step, like RequestOutput under streaming=True."""
+
+    def __init__(self, answer: list[int], finish: str, reused_blocks: int, tok: ChatMLTokenizer,
+                 request_id: int) -> None:
+        super().__init__(request_id)
+        self._answer, self._finish, self._reused, self._tok = answer, finish, reused_blocks, tok
 
     async def _run(self):
         c = self.outputs[0]
@@ -179,9 +195,95 @@ class LLM:
                     break
                 common += 1
             reused = common // 4
-        result = _Result(answer[:n], finish, reused, tok)
+        result = _Result(answer[:n], finish, reused, tok, request_id=100 + len(self.calls))
         self.results.append(result)
         return result
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@functools.cache
+def reference_model() -> Any:
+    """The package's reference weights (float32), loaded once for every ExecutorLLM."""
+    from trtllm_mtp_carry.engine.model import load_reference
+
+    return load_reference()[0]
+
+
+class _ExecutorResult(_Output):
+    """A `RequestOutput`-like stream of one request on the CPU STAND-IN executor: `request_id`
+    is its LLM API id (`LlmRequest.py_client_id`); each iteration steps the executor, which
+    advances every request it holds, as TensorRT-LLM's executor loop does."""
+
+    def __init__(self, executor: Any, request: Any, tok: Any, tokens_per_block: int) -> None:
+        super().__init__(request.py_client_id)
+        self._executor, self._request, self._tok, self._tpb = executor, request, tok, tokens_per_block
+
+    def abort(self) -> None:
+        super().abort()
+        self._executor.cancel(self._request.py_request_id)
+
+    async def _run(self):
+        c, req = self.outputs[0], self._request
+        while True:
+            await asyncio.sleep(0)
+            if not req.is_finished:
+                self._executor.step()
+            c._last_ids, c._last_text = len(c.token_ids), len(c.text)
+            c.token_ids = list(req.output)
+            c.text = self._tok.decode([i for i in c.token_ids if i != self._tok.eos_id])
+            self.decoding_iter = req.verify_steps + 1  # the context step, then one per verify
+            if req.is_finished:
+                self.finished = True
+                c.finish_reason = ("cancelled" if self.aborted else
+                                   "stop" if c.token_ids and c.token_ids[-1] == self._tok.eos_id else "length")
+                c.request_perf_metrics = SimpleNamespace(
+                    speculative_decoding=SimpleNamespace(total_draft_tokens=req.drafted,
+                                                         total_accepted_draft_tokens=req.accepted),
+                    kv_cache_metrics=SimpleNamespace(num_reused_blocks=req.reused // self._tpb,
+                                                     kv_cache_hit_rate=None))
+                yield self
+                return
+            yield self
+
+
+class ExecutorLLM:
+    """The LLM API (`LLM(**kwargs)`, `generate_async`, `shutdown`) over the package's CPU STAND-IN
+    executor (`trtllm_mtp_carry/trtllm/standin.py`, not TensorRT-LLM), so the real adapter
+    attaches to `_executor.engine` and its resource manager runs every turn. Requests get LLM
+    API ids of their own (from 1001), distinct from the executor's ids, as TensorRT-LLM's
+    worker's client ids are. No tokenizer: text turns are refused, tests send `input_ids`."""
+
+    trtllm_standin = True  # the adapter's probe: a stand-in, reporting its own version
+    instances: list[ExecutorLLM] = []
+    CHUNK = 32  # the stand-in executor's prefill chunk and tokens per block
+
+    def __init__(self, **kwargs: Any) -> None:
+        from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
+        from trtllm_mtp_carry.trtllm.standin import StandinPyExecutor
+
+        self.kwargs = kwargs
+        engine = StandinPyExecutor(reference_model(), chunk_size=self.CHUNK, tokens_per_block=self.CHUNK,
+                                   max_batch=4)
+        self._executor = SimpleNamespace(engine=engine)  # llm._executor.engine, as in TensorRT-LLM
+        self.tokenizer = None
+        self._tok = ChatTokenizer()
+        self._next_id = 1000
+        self.shut_down = False
+        ExecutorLLM.instances.append(self)
+
+    @property
+    def executor(self) -> Any:
+        return self._executor.engine
+
+    def generate_async(self, inputs, sampling_params, streaming=False, conversation_params=None,
+                       cache_salt=None):
+        self._next_id += 1
+        conv = None if conversation_params is None else conversation_params.conversation_id
+        req = self.executor.submit(list(inputs["prompt_token_ids"]), sampling_params.max_tokens,
+                                   conversation_id=conv, cache_salt=cache_salt, client_id=self._next_id)
+        return _ExecutorResult(self.executor, req, self._tok, self.CHUNK)
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -191,10 +293,11 @@ def update_llm_args_with_extra_dict(llm_args: dict, llm_args_dict: dict, extra_l
     return {**llm_args, **llm_args_dict}
 
 
-def install_tensorrt_llm(monkeypatch: Any) -> None:
-    """Put the stand-in modules in sys.modules under TensorRT-LLM's names (for this test only)."""
+def install_tensorrt_llm(monkeypatch: Any, llm: type = LLM) -> None:
+    """Put the stand-in modules in sys.modules under TensorRT-LLM's names (for this test only);
+    `llm` is the stand-in `tensorrt_llm.LLM` (`LLM`, or `ExecutorLLM` for the real adapter)."""
     root = types.ModuleType("tensorrt_llm")
-    root.LLM, root.SamplingParams = LLM, SamplingParams
+    root.LLM, root.SamplingParams = llm, SamplingParams
     conv = types.ModuleType("tensorrt_llm.conversation_params")
     conv.ConversationParams = ConversationParams
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
@@ -204,6 +307,7 @@ def install_tensorrt_llm(monkeypatch: Any) -> None:
                          ("tensorrt_llm.llmapi", llmapi), ("tensorrt_llm.llmapi.llm_utils", utils)):
         monkeypatch.setitem(sys.modules, name, module)
     LLM.instances.clear()
+    ExecutorLLM.instances.clear()
 
 
 # ---- Triton's pb_utils stand-in ---------------------------------------------------------

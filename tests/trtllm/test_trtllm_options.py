@@ -11,7 +11,7 @@ from trtllm_mtp_carry.trtllm import (
     TrtllmAdapterError,
     parse_carry_options,
     session_key_for,
-    split_llm_options,
+    split_carry_options,
 )
 
 
@@ -42,9 +42,9 @@ def test_every_bad_key_or_value_is_one_line_naming_it(section: object, named: st
     assert isinstance(exc.value, ValueError)
 
 
-def test_split_takes_the_section_out_of_the_llm_options() -> None:
-    rest, opts = split_llm_options({"kv_cache_config": {"enable_block_reuse": True},
-                                    "mtp_carry": {"carry_slots": 2}})
+def test_split_carry_options_takes_the_section_out_of_the_llm_options_parsed() -> None:
+    rest, opts = split_carry_options({"kv_cache_config": {"enable_block_reuse": True},
+                                      "mtp_carry": {"carry_slots": 2}})
     assert rest == {"kv_cache_config": {"enable_block_reuse": True}}
     assert opts == CarryOptions(carry_slots=2)
 

@@ -65,10 +65,11 @@ def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
     cold, warm_turn = runs["carry"][0][SESSIONS[0].name]
     carry = runs["carry"][1]
     assert carry.turn(cold.py_request_id) == {
-        "reused": 0, "outcome": "cold", "rows_scattered": 0,
-        "rows_deposited": len(cold.get_tokens(0)) - 1, "skipped": None}
+        "reused": 0, "outcome": "cold", "no_carry_reason": "", "rows_scattered": 0,
+        "rows_computed": len(cold.prompt) - 1, "rows_deposited": len(cold.get_tokens(0)) - 1, "skipped": None}
     assert carry.turn(warm_turn.py_request_id) == {
-        "reused": warm_turn.reused, "outcome": "adopted", "rows_scattered": warm_turn.reused,
+        "reused": warm_turn.reused, "outcome": "adopted", "no_carry_reason": "",
+        "rows_scattered": warm_turn.reused, "rows_computed": len(warm_turn.prompt) - 1 - warm_turn.reused,
         "rows_deposited": len(warm_turn.get_tokens(0)) - 1, "skipped": None}
 
 

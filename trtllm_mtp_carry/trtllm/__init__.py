@@ -25,6 +25,9 @@ the executor's protocol so the same classes are tested without TensorRT-LLM.
 Invariants:
 - At most one attachment per LLM; `detach` removes the manager and drops every
   carried row. Attach before the first request.
+- `pop_turn(RequestOutput.request_id)` says what the carry did for that request
+  (each record is read once, and at most `manager.TURN_LOG` are kept);
+  `forget_conversation(conversation_id)` drops an ended conversation's rows.
 - Paired and folded topologies, a disabled carry, or block reuse off install
   nothing (`armed` is False and `reason` says why).
 """
@@ -41,7 +44,7 @@ from .options import (
     TrtllmAdapterError,
     load_llm_options,
     parse_carry_options,
-    split_llm_options,
+    split_carry_options,
 )
 
 __all__ = [
@@ -54,7 +57,7 @@ __all__ = [
     "load_llm_options",
     "parse_carry_options",
     "session_key_for",
-    "split_llm_options",
+    "split_carry_options",
 ]
 
 CARRY_MANAGER_KEY = "MTP_CARRY"
@@ -110,6 +113,23 @@ class CarryAttachment:
         """The turn record of executor request `request_id` (`LlmRequest.py_request_id`): R, the
         carry outcome, rows scattered and deposited (see `CarryManagerCore.turn`); None unarmed."""
         return None if self.manager is None else self.manager.turn(request_id)
+
+    def pop_turn(self, client_id: int) -> dict[str, object] | None:
+        """The turn record of the request `LLM.generate_async` returned as `RequestOutput` with
+        `request_id == client_id` (the executor's `LlmRequest.py_client_id`), removed (each is
+        read once; see `CarryManagerCore.pop_turn`); None unarmed, unknown or already read."""
+        return None if self.manager is None else self.manager.pop_turn(client_id)
+
+    def forget_conversation(self, conversation_id: str, lora_id: int | None = None) -> int:
+        """The conversation ended: drop its carried rows under every salt (`session_end`
+        evictions) and let its live requests deposit nothing; returns the rows dropped
+        (0 unarmed, or when nothing was carried). ValueError/TypeError name a bad id."""
+        if self.manager is None:
+            from .identity import conversation_session
+
+            conversation_session(conversation_id, lora_id)  # the same errors armed or not
+            return 0
+        return self.manager.forget_conversation(conversation_id, lora_id)
 
     def info(self) -> list[tuple[str, str, str]]:
         """`(name, value, note)` rows as `trtllm-mtp-carry info` prints them, configured beside armed."""

@@ -19,6 +19,10 @@ Invariants:
   (`not_admitted`/`too_large`), and a miss says why (`CarryStore.judge`).
 - An entry leaves exactly once (taken, or evicted with a cause), and its
   tensor leaves with it; `check()` proves the store and the tensors agree.
+- Every entry names its conversation's session (the key before the salt), so
+  `forget(session)` drops the conversation's rows under every salt, counted
+  `session_end` (`CarryStore.evict_session`), as the reference runtime's
+  `forget_session` does.
 - Thread-safe: `stats()` may be read while the executor thread deposits.
 """
 
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import CarriedDrafter, CarryStore
-from ..core.outcome import CarryOutcome
+from ..core.outcome import Adopted, CarryOutcome
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
 
@@ -54,11 +58,20 @@ class CarriedRows:
         self.budget_bytes = budget_bytes
         self._lock = threading.RLock()
 
-    def judge(self, key: int, prompt: Tokens, ticket: int, projected: StoreRange) -> CarryOutcome:
+    def judge(self, key: int, prompt: Tokens, ticket: int, projected: StoreRange,
+              session: int | None = None) -> CarryOutcome:
         """The core's carry decision for `key`'s turn (`CarryStore.judge`: a miss names its reason)."""
         with self._lock:
             self._expire()
-            return self._store.judge(key, prompt, ticket, projected)
+            return self._store.judge(key, prompt, ticket, projected, session)
+
+    def judge_and_take(self, key: int, prompt: Tokens, ticket: int, projected: StoreRange,
+                       session: int | None = None) -> tuple[CarryOutcome, TakenRows | None]:
+        """`judge`, and on `Adopted` take the entry, in one step: a `forget` of the session
+        in between cannot leave an adopted outcome without its rows."""
+        with self._lock:
+            outcome = self.judge(key, prompt, ticket, projected, session)
+            return outcome, self.take(key) if isinstance(outcome, Adopted) else None
 
     def get(self, key: int) -> CarriedDrafter | None:
         """The entry carried under `key`, or None."""
@@ -76,28 +89,33 @@ class CarriedRows:
         with self._lock:
             self._store.end_lease(key, reason)
 
-    def deposit(self, key: int, tokens: Sequence[int], rows: torch.Tensor) -> bool:
-        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`) under `key`; False if refused."""
+    def deposit(self, key: int, tokens: Sequence[int], rows: torch.Tensor,
+                session: int | None = None) -> bool:
+        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`) under `key`, an entry of
+        conversation `session` (None: `key` itself); False if refused."""
         # rows: [n, 2, Hkv, D], a copy owned by the store from now on
         n = rows.shape[0]
         nbytes = rows.numel() * rows.element_size()
         with self._lock:
             self._expire()
-            evicted = self._store.admit(key, nbytes) if n > 0 else None
+            evicted = self._store.admit(key, nbytes, session) if n > 0 else None
             if evicted is None:  # refused (the store counts why); older rows of `key` are stale
                 self._evict(key, "replaced")
                 return False
             for old in evicted:
                 del self._rows[old.session_hash]
-            self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes)
+            self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes, session)
             self._rows[key] = rows
             return True
 
     def forget(self, session: int) -> int:
-        """Drop `session`'s rows (the session ended); returns the rows dropped."""
+        """Drop conversation `session`'s rows under every salt, and its leases (the session
+        ended: `session_end`); returns the rows dropped (0 when it held none)."""
         with self._lock:
-            entry = self._evict(session, "session_end")
-            return 0 if entry is None else entry.rows
+            entries = self._store.evict_session(session, "session_end")
+            for entry in entries:
+                del self._rows[entry.session_hash]
+            return sum(entry.rows for entry in entries)
 
     def clear(self) -> None:
         """Drop every entry (`cleared`)."""

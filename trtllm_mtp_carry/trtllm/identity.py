@@ -15,6 +15,9 @@ Invariants:
 - A different salt or LoRA id is a different session; no salt and an empty
   salt are refused as different spellings of one thing (empty is an error).
 - A request without a conversation id has no session (`None`): it is never carried.
+- `conversation_session` is the key without the salt: every key of one
+  conversation (any salt) names it as its session, so ending the conversation
+  drops its rows under every salt (`CarryStore.evict_session`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,24 @@ import json
 from ..core.session import carry_key, session_hash
 
 
+def conversation_session(conversation_id: str, lora_id: int | None = None) -> int:
+    """Non-zero 64-bit session of `(conversation_id.strip(), lora_id)`, before any salt.
+
+    `ValueError` for an empty or blank conversation id, `TypeError` for a non-str id
+    or a non-int LoRA id; each names the value.
+    """
+    if not isinstance(conversation_id, str):
+        raise TypeError(f"conversation_id must be a str, got {conversation_id!r}")
+    conv = conversation_id.strip()  # ConversationParams strips it the same way
+    if not conv:
+        raise ValueError(f"conversation_id must be a non-blank string, got {conversation_id!r}")
+    if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)
+                                or lora_id < 0):
+        raise TypeError(f"lora_id must be a non-negative int or None, got {lora_id!r}")
+    # JSON of a list: no separator trick can make two different pairs collide
+    return session_hash(json.dumps(["trtllm", conv, lora_id], ensure_ascii=False))
+
+
 def session_key_for(conversation_id: str, cache_salt: str | None = None,
                     lora_id: int | None = None) -> int:
     """Non-zero 64-bit carry key of `(conversation_id.strip(), lora_id)` under `cache_salt`.
@@ -31,27 +52,19 @@ def session_key_for(conversation_id: str, cache_salt: str | None = None,
     `ValueError` for an empty or blank conversation id or an empty salt,
     `TypeError` for a non-str id or salt or a non-int LoRA id; each names the value.
     """
-    if not isinstance(conversation_id, str):
-        raise TypeError(f"conversation_id must be a str, got {conversation_id!r}")
-    conv = conversation_id.strip()  # ConversationParams strips it the same way
-    if not conv:
-        raise ValueError(f"conversation_id must be a non-blank string, got {conversation_id!r}")
+    session = conversation_session(conversation_id, lora_id)
     if cache_salt is not None:
         if not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         if not cache_salt:
             raise ValueError("cache_salt must be a non-empty string or None, got ''")
-    if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)
-                                or lora_id < 0):
-        raise TypeError(f"lora_id must be a non-negative int or None, got {lora_id!r}")
-    # JSON of a list: no separator trick can make two different pairs collide; the salt
-    # scopes the key by the core's one rule (`carry_key`), as in the reference engine
-    session = session_hash(json.dumps(["trtllm", conv, lora_id], ensure_ascii=False))
+    # the salt scopes the key by the core's one rule (`carry_key`), as in the reference engine
     return carry_key(session, cache_salt)
 
 
-def request_session_key(request: object) -> int | None:
-    """The session of an executor request (`LlmRequest`), or None when it has no conversation id.
+def request_session(request: object) -> tuple[int, int] | None:
+    """`(carry key, conversation session)` of an executor request (`LlmRequest`), or None
+    when it has no conversation id.
 
     Reads `py_conversation_params.conversation_id`, `cache_salt` and
     `lora_task_id`; a missing or blank conversation id means "no session".
@@ -62,4 +75,11 @@ def request_session_key(request: object) -> int | None:
         return None
     salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_task_id", None)
-    return session_key_for(conv, salt or None, None if lora is None else int(lora))
+    lora_id = None if lora is None else int(lora)
+    return session_key_for(conv, salt or None, lora_id), conversation_session(conv, lora_id)
+
+
+def request_session_key(request: object) -> int | None:
+    """The carry key of an executor request (`request_session`'s first item), or None."""
+    found = request_session(request)
+    return None if found is None else found[0]

@@ -22,10 +22,20 @@ gives a warm turn fresh, unwritten draft pages for the reused prefix
   valid rows, keys `[0, N - 1)` of its `N` tokens, are gathered into the
   carry store. Rows past `N - 2` are later draft steps' rows over drafted
   tokens: never kept.
+- `forget_conversation(conversation_id)` (the session ended: the Triton
+  model's END, restart or idle timeout) drops the conversation's carried rows
+  under every salt (`CarryStore.evict_session`, counted `session_end`), and
+  marks its requests still live so they deposit nothing when freed
+  (TensorRT-LLM may free a request after its final response went out).
+- Every request's turn record (R, the outcome, rows kept and computed) is kept
+  under its executor id (`turn`) and under its LLM API id (`pop_turn`:
+  `RequestOutput.request_id`, which is `LlmRequest.py_client_id`), each an LRU
+  of `TURN_LOG` records, so a turn nobody reads never grows memory.
 
 Invariants:
-- Dummy requests, requests without a conversation id, cancelled requests and
-  requests freed before their context finished are never carried, and leave
+- Dummy requests, requests without a conversation id, cancelled requests,
+  requests freed before their context finished and requests whose
+  conversation was forgotten while they ran are never carried, and leave
   nothing behind (their bookkeeping is dropped at free).
 - A request deposits only if every key `[0, N - 1)` is valid: a cold turn, or
   a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
@@ -52,11 +62,11 @@ from typing import Any
 import torch
 
 from ..core import OUTCOME_KINDS, carry_eviction, carry_idle_s, carry_slots
-from ..core.outcome import Adopted
+from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from .carried import CarriedRows
-from .identity import request_session_key
+from .identity import conversation_session, request_session, request_session_key
 from .layout import gather_rows, scatter_rows
 from .options import CarryOptions
 
@@ -68,20 +78,23 @@ SKIP_REASONS: tuple[str, ...] = (
     "cancelled",  # is_finished_due_to_cancellation
     "context_unfinished",  # freed before its context finished (failed or aborted)
     "gap",  # a blind warm turn: keys [0, R) hold no valid rows
+    "session_end",  # its conversation was forgotten (the session ended) while it ran
 )
 """Why a freed request deposited nothing, in the order `stats()` lists them."""
 
 
 TURN_LOG = 4096
-"""How many recent requests' turn records `turn()` keeps (oldest dropped first)."""
+"""How many recent requests' turn records `turn()` and `pop_turn()` each keep (oldest dropped first)."""
 
 
 @dataclass
 class _Live:
-    session: int | None
+    key: int | None  # the carry key (None: no conversation, never carried)
+    conversation: int | None  # the conversation's session, before the salt
     reused: int  # R at first sight
     complete: bool  # keys [0, R) hold valid rows (cold turn, or fully restored)
     record: dict[str, object]  # the turn record `turn()` returns
+    forgotten: bool = False  # its conversation ended while it ran: it deposits nothing
 
 
 class CarryManagerCore:
@@ -100,7 +113,8 @@ class CarryManagerCore:
         self._skips: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()  # data-plane failures by step (scatter, deposit)
-        self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()
+        self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_request_id
+        self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
         self.rows_scattered = 0
         self.rows_deposited = 0
         self._lock = threading.RLock()
@@ -130,19 +144,25 @@ class CarryManagerCore:
                 continue  # a later chunk of a request already judged
             if _is_dummy(request):
                 continue  # never tracked: free skips it as dummy
-            session = request_session_key(request)
+            found = request_session(request)
+            key, conversation = (None, None) if found is None else found
             reused = int(request.context_current_position)  # read outside request_context
-            first = "no_conversation" if session is None else "pending" if reused else "cold"
-            record: dict[str, object] = {"reused": reused, "outcome": first, "rows_scattered": 0,
-                                         "rows_deposited": 0, "skipped": None}
-            live = _Live(session, reused, reused == 0, record)
+            prompt_len = int(request.prompt_len)  # LlmRequest.prompt_len: no token copy
+            first = "no_conversation" if key is None else "pending" if reused else "cold"
+            # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
+            # as the reference engine counts `drafter_rows_computed`
+            record: dict[str, object] = {
+                "reused": reused, "outcome": first, "no_carry_reason": "", "rows_scattered": 0,
+                "rows_computed": max(0, prompt_len - 1 - reused), "rows_deposited": 0, "skipped": None}
+            live = _Live(key, conversation, reused, reused == 0, record)
+            client = getattr(request, "py_client_id", None)  # the LLM API's id of the request
             with self._lock:
                 self._live[rid] = live
                 self._turns["warm" if reused else "cold"] += 1
-                self._turn_log[rid] = record
-                while len(self._turn_log) > TURN_LOG:
-                    self._turn_log.popitem(last=False)
-            if session is None or reused == 0:
+                _remember(self._turn_log, rid, record)
+                if client is not None:
+                    _remember(self._client_log, int(client), record)
+            if key is None or reused == 0:
                 continue
             self._adopt(rid, request, live)
 
@@ -150,19 +170,32 @@ class CarryManagerCore:
         """Deposit a finished request's valid rows, before the draft pool frees its pages."""
         rid = int(request.py_request_id)
         with self._lock:
-            live = self._live.pop(rid, None)
-        if not self._deposit(rid, request, live) and live is not None and live.session is not None:
-            self.carried.end_lease(live.session)  # rows it adopted are gone with its pages
+            live = self._live.get(rid)
+        deposited = self._deposit(rid, request, live)
+        with self._lock:
+            # popped only now: a forget until here marks it (`_deposit` checks under the lock)
+            self._live.pop(rid, None)
+            ended = live is not None and live.forgotten
+        if not deposited and live is not None and live.key is not None and not ended:
+            self.carried.end_lease(live.key)  # rows it adopted are gone with its pages
+
+    def forget_conversation(self, conversation_id: str, lora_id: int | None = None) -> int:
+        """Drop the carried rows of conversation `conversation_id` (under every salt): its
+        session ended. Its requests still live deposit nothing (skipped `session_end`).
+        Returns the rows dropped from the store; ValueError/TypeError name a bad id."""
+        conversation = conversation_session(conversation_id, lora_id)
+        with self._lock:
+            for live in self._live.values():
+                if live.conversation == conversation:
+                    live.forgotten = True
+            return self.carried.forget(conversation)
 
     def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
         why = self._skip_reason(request, live)
         if why is not None:
-            with self._lock:
-                self._skips[why] += 1
-                if live is not None:
-                    live.record["skipped"] = why
+            self._skip(why, live)
             return False
-        assert live is not None and live.session is not None
+        assert live is not None and live.key is not None
         tokens = list(request.get_tokens(0))
         valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
         if valid <= 0:
@@ -176,25 +209,46 @@ class CarryManagerCore:
         except RuntimeError as exc:  # the carry may cost acceptance, never the executor
             self._failed("deposit", rid, exc, live)
             return False
-        if not self.carried.deposit(live.session, tokens, rows):
-            return False
-        with self._lock:
+        with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
+            if live.forgotten:
+                self._skip("session_end", live)
+                return False
+            if not self.carried.deposit(live.key, tokens, rows, live.conversation):
+                return False
             self.rows_deposited += valid
             live.record["rows_deposited"] = valid
         return True
+
+    def _skip(self, why: str, live: _Live | None) -> None:
+        with self._lock:
+            self._skips[why] += 1
+            if live is not None:
+                live.record["skipped"] = why
 
     # ---- reporting ---------------------------------------------------------------------
 
     def turn(self, request_id: int) -> dict[str, object] | None:
         """One request's turn record, or None (unknown, dummy, or older than `TURN_LOG` requests).
 
-        Keys: `reused` (R), `outcome` (`cold`, `no_conversation`, or the core's
-        outcome kind: `adopted`, `foreign_session`, ...), `rows_scattered`,
-        `rows_deposited` (0 until it was freed), `skipped` (why nothing was
-        deposited, `SKIP_REASONS`, or None).
+        Keys: `reused` (R), `outcome` (`cold`: R = 0, nothing to judge; `no_conversation`;
+        or the core's outcome kind: `adopted`, `no_carry`, `prefix_mismatch`, ...),
+        `no_carry_reason` (a `no_carry` outcome's reason, else ""), `rows_scattered` (the
+        carried rows kept, keys `[0, n)`), `rows_computed` (the prompt's pair keys
+        `[R, L - 1)` TensorRT-LLM's context phase computes), `rows_deposited` (0 until it was
+        freed), `skipped` (why nothing was deposited, `SKIP_REASONS`, or None).
         """
         with self._lock:
             record = self._turn_log.get(int(request_id))
+            return None if record is None else dict(record)
+
+    def pop_turn(self, client_id: int) -> dict[str, object] | None:
+        """The turn record (as `turn`) of the request the LLM API calls `client_id`
+        (`RequestOutput.request_id`, the executor's `LlmRequest.py_client_id`), removed: each
+        is read once. None if unknown, dummy, already read or older than `TURN_LOG` requests.
+        Complete once the request's context started, so by its first token; `rows_deposited`
+        may still be 0 then (TensorRT-LLM frees a request after its final response)."""
+        with self._lock:
+            record = self._client_log.pop(int(client_id), None)
             return None if record is None else dict(record)
 
     def stats(self) -> dict[str, object]:
@@ -214,20 +268,22 @@ class CarryManagerCore:
     # ---- steps -------------------------------------------------------------------------
 
     def _adopt(self, rid: int, request: Any, live: _Live) -> None:
-        assert live.session is not None
+        assert live.key is not None
         # int64 buffer: decide_adopt compares it with the entry's buffer in typed memory
         prompt = array("q", request.get_tokens(0))
         ticket = self._tickets.draw()
         # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
         # the span the core's plan may append, so it is this ticket's projected store range.
         projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
-        outcome = self.carried.judge(live.session, prompt, ticket, projected)
+        outcome, taken = self.carried.judge_and_take(live.key, prompt, ticket, projected,
+                                                     live.conversation)
         with self._lock:
             self._outcomes[outcome.kind] += 1
             live.record["outcome"] = outcome.kind
-        if not isinstance(outcome, Adopted):
+            if isinstance(outcome, NoCarry):
+                live.record["no_carry_reason"] = outcome.reason
+        if not isinstance(outcome, Adopted) or taken is None:
             return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
-        taken = self.carried.take(live.session)
         n = min(outcome.rows, live.reused)
         try:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
@@ -253,7 +309,7 @@ class CarryManagerCore:
     def _skip_reason(self, request: Any, live: _Live | None) -> str | None:
         if _is_dummy(request):
             return "dummy"
-        if (live.session if live is not None else request_session_key(request)) is None:
+        if (live.key if live is not None else request_session_key(request)) is None:
             return "no_conversation"
         if getattr(request, "is_finished_due_to_cancellation", False):
             return "cancelled"
@@ -261,6 +317,8 @@ class CarryManagerCore:
             return "context_unfinished"  # never scheduled, or freed before its context finished
         if not live.complete:
             return "gap"
+        if live.forgotten:
+            return "session_end"
         return None
 
     def _draft_stream(self) -> AbstractContextManager[Any]:
@@ -275,6 +333,13 @@ class CarryManagerCore:
         stream = getattr(self.draft, "_stream", None)
         if stream is not None and torch.cuda.is_available():
             stream.synchronize()
+
+
+def _remember(log: OrderedDict[int, dict[str, object]], key: int, record: dict[str, object]) -> None:
+    log[key] = record
+    log.move_to_end(key)
+    while len(log) > TURN_LOG:
+        log.popitem(last=False)
 
 
 def _is_dummy(request: Any) -> bool:

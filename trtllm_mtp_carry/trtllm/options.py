@@ -15,8 +15,8 @@ mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB}
 # TLLM_WORKER_USE_SINGLE_PROCESS=1 in the environment before the first LLM is built
 ```
 
-`split_llm_options` takes the section out, so the rest can go to `LLM(**rest)`
-unchanged (TensorRT-LLM would refuse an unknown keyword).
+`split_carry_options` takes the section out and parses it, so the rest can go
+to `LLM(**rest)` unchanged (TensorRT-LLM would refuse an unknown keyword).
 
 Invariants:
 - Every bad key or value is one `TrtllmAdapterError` line naming the key
@@ -110,8 +110,9 @@ def parse_size(key: str, value: object) -> int:
     return _check_int(key, value, minimum=0)
 
 
-def split_llm_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], CarryOptions]:
-    """`(the LLM(**kwargs) options without mtp_carry, the parsed CarryOptions)`."""
+def split_carry_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], CarryOptions]:
+    """`(the LLM(**kwargs) options without mtp_carry, the parsed CarryOptions)` of an
+    `extra_llm_api_options` mapping (None: no options, the default CarryOptions)."""
     if options is None:
         return {}, CarryOptions()
     if not isinstance(options, Mapping):
@@ -121,7 +122,7 @@ def split_llm_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any]
 
 
 def load_llm_options(path: str | Path) -> tuple[dict[str, Any], CarryOptions]:
-    """`split_llm_options` of an `extra_llm_api_options` YAML file (PyYAML ships with tensorrt_llm)."""
+    """`split_carry_options` of an `extra_llm_api_options` YAML file (PyYAML ships with tensorrt_llm)."""
     try:
         import yaml
     except ImportError as exc:
@@ -136,7 +137,7 @@ def load_llm_options(path: str | Path) -> tuple[dict[str, Any], CarryOptions]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise TrtllmAdapterError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
-    return split_llm_options({} if data is None else data)
+    return split_carry_options({} if data is None else data)
 
 
 def _check_bool(key: str, value: object) -> bool:

@@ -7,9 +7,10 @@ the session identity (`conversation_id_for`: the sequence batcher's `CORRID`
 becomes `ConversationParams.conversation_id`), the salt (`salt_text`: the
 `cache_salt` input becomes `generate_async(cache_salt=...)`), the sampling
 keywords, the next turn's prompt from a chat template (`ChatTemplate`), the
-`mtp_carry` section split off the LLM options (`split_llm_options`), and the
-per-turn statistics read from TensorRT-LLM's `RequestOutput`
-(`TrtllmTurnStats`).
+the model's `LLM(**...)` arguments from its options file (`triton_llm_args`:
+`model` from the parameter, TensorRT-LLM's `triton_config` dropped, the
+`mtp_carry` section returned unparsed), and the per-turn statistics read from
+TensorRT-LLM's `RequestOutput` and the adapter's turn record (`TrtllmTurnStats`).
 
 Invariants:
 - one CORRID is one conversation id, and distinct CORRIDs never share one;
@@ -120,8 +121,9 @@ def sampling_kwargs(max_tokens: int | None, default_max_tokens: int) -> dict[str
     return {"max_tokens": n, "top_k": 1, "return_perf_metrics": True}
 
 
-def split_llm_options(options: Mapping[str, Any] | None, model: str) -> tuple[dict[str, Any], Any]:
-    """(the `LLM(**...)` keywords, the `mtp_carry` section or None) from the parsed YAML.
+def triton_llm_args(options: Mapping[str, Any] | None, model: str) -> tuple[dict[str, Any], Any]:
+    """(the Triton model's `LLM(**...)` keywords with `model`, its `mtp_carry` section
+    unparsed or None) from the parsed YAML of its options file.
 
     `model` comes from the model's parameter, so the YAML may not set it; TensorRT-LLM's
     own `triton_config` key is dropped (config.pbtxt is this model's Triton config)."""
@@ -195,14 +197,25 @@ class ChatTemplate:
         return [*prompt, *output, *self.encode(self.follow_up(user, closed))]
 
 
+NOT_ARMED = "not_armed"
+"""`outcome_kind` of a turn on a model whose carry is not armed (paired, folded, disabled)."""
+
+
 @dataclass
 class TrtllmTurnStats:
-    """What one turn cost and bought, as TensorRT-LLM reports it (times in milliseconds).
+    """What one turn cost and bought: TensorRT-LLM's per-request metrics and the adapter's
+    turn record (times in milliseconds).
 
     The names are the reference model's (`TurnStats`) where the meaning is the same;
     `ttft_ms` is measured by the model from the request's submission to its first token.
-    The carry's per-turn outcome is not reported by TensorRT-LLM; the adapter's
-    counters (gauges `mtp_carry_runtime{field}`) say what the carry did."""
+    The carry's fields come from the adapter (`CarryAttachment.pop_turn`), which takes the
+    carry decision for every request: `outcome_kind` is the core's outcome kind (`adopted`,
+    `no_carry`, ...) when the adapter judged the turn (TensorRT-LLM reused a prefix),
+    `cold` when TensorRT-LLM reused nothing (no decision to take), `not_armed` when the
+    carry is not installed, "" when unknown (no record); `drafter_rows_kept` the carried
+    rows restored over the reused prefix; `drafter_rows_computed` the prompt's pair keys
+    `[R, L - 1)` TensorRT-LLM's context phase computes (the reference's count); a value
+    the adapter does not know is None (not armed, or no record)."""
 
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -216,6 +229,11 @@ class TrtllmTurnStats:
     finish_reason: str = ""
     topology: str = ""  # the adapter's: unpaired / paired / folded
     carry_armed: bool = False
+    outcome_kind: str = ""
+    no_carry_reason: str = ""  # a no_carry outcome's reason (NO_CARRY_REASONS), else ""
+    reused_tokens: int | None = None  # R: the prompt tokens TensorRT-LLM reused
+    drafter_rows_kept: int | None = None
+    drafter_rows_computed: int | None = None
 
     @property
     def acceptance(self) -> float:
@@ -232,10 +250,24 @@ class TrtllmTurnStats:
         return {**asdict(self), "acceptance": self.acceptance, "accepted_per_step": self.accepted_per_step}
 
 
+def carry_fields(record: Mapping[str, Any] | None, armed: bool) -> dict[str, Any]:
+    """`TrtllmTurnStats`'s carry fields from the adapter's turn record (`pop_turn`), or
+    what is known without one: `not_armed` (nothing was carried) or unknown ("" and None)."""
+    if not armed:
+        return {"outcome_kind": NOT_ARMED, "drafter_rows_kept": 0}
+    if record is None:
+        return {}
+    return {"outcome_kind": str(record["outcome"]), "no_carry_reason": str(record["no_carry_reason"]),
+            "reused_tokens": int(record["reused"]), "drafter_rows_kept": int(record["rows_scattered"]),
+            "drafter_rows_computed": int(record["rows_computed"])}
+
+
 def turn_stats(prompt_tokens: int, output: Any, result: Any, ttft_ms: float, total_ms: float,
-               topology: str = "", carry_armed: bool = False) -> TrtllmTurnStats:
+               topology: str = "", carry_armed: bool = False,
+               carry: Mapping[str, Any] | None = None) -> TrtllmTurnStats:
     """The statistics of a finished turn from its final `CompletionOutput` (`output`) and
-    `RequestOutput` (`result`); a metric TensorRT-LLM did not return stays 0."""
+    `RequestOutput` (`result`), and the adapter's turn record `carry` (`carry_fields`);
+    a metric TensorRT-LLM did not return stays 0."""
     perf = getattr(output, "request_perf_metrics", None)
     spec = getattr(perf, "speculative_decoding", None)
     kv = getattr(perf, "kv_cache_metrics", None)
@@ -252,7 +284,7 @@ def turn_stats(prompt_tokens: int, output: Any, result: Any, ttft_ms: float, tot
         kv_cache_hit_rate=float(hit) if hit is not None else 0.0,
         ttft_ms=ttft_ms, decode_ms=max(0.0, total_ms - ttft_ms),
         finish_reason=str(getattr(output, "finish_reason", None) or ""),
-        topology=topology, carry_armed=carry_armed,
+        topology=topology, carry_armed=carry_armed, **carry_fields(carry, carry_armed),
     )
 
 

@@ -8,7 +8,9 @@ commits 38198e34 / 218ea169) and runs the package's reference model
 
 - resource managers in an `OrderedDict` in TensorRT-LLM's order (DRAFT_KV,
   SEQ_SLOT, KV), `prepare_resources` forward and `free_resources` reversed;
-- requests with the fields the adapter reads (`py_request_id`,
+- requests with the fields the adapter reads (`py_request_id`, `py_client_id`
+  (the LLM API's id; the executor's own id when none is given, as
+  `executor_request_to_llm_request` does), `prompt_len`,
   `context_current_position`, `get_tokens`, `py_conversation_params`,
   `cache_salt`, `lora_task_id`, `is_dummy`, `is_context_finished`,
   `is_finished_due_to_cancellation`);
@@ -136,6 +138,7 @@ class LlmRequest:
     cache_salt: str | None = None
     lora_task_id: int | None = None
     is_dummy: bool = False
+    py_client_id: int | None = None  # the LLM API's id (RequestOutput.request_id)
     state: LlmRequestState = LlmRequestState.CONTEXT_INIT
     context_current_position: int = 0
     context_chunk_size: int = 0
@@ -149,6 +152,8 @@ class LlmRequest:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
+        if self.py_client_id is None:  # TensorRT-LLM: the client id, else the request id
+            self.py_client_id = self.py_request_id
 
     @property
     def is_dummy_request(self) -> bool:
@@ -540,12 +545,13 @@ class StandinPyExecutor:
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *,
                conversation_id: str | None = None, cache_salt: str | None = None,
-               lora_task_id: int | None = None, dummy: bool = False) -> LlmRequest:
+               lora_task_id: int | None = None, dummy: bool = False,
+               client_id: int | None = None) -> LlmRequest:
         if len(prompt) < 2:
             raise ValueError(f"the stand-in needs a prompt of at least 2 tokens, got {len(prompt)}")
         params = None if conversation_id is None else ConversationParams(conversation_id=conversation_id)
         req = LlmRequest(self._next_id, list(prompt), max_new_tokens, params, cache_salt,
-                         lora_task_id, is_dummy=dummy)
+                         lora_task_id, is_dummy=dummy, py_client_id=client_id)
         self._next_id += 1
         self.waiting.append(req)
         return req

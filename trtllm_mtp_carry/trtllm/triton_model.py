@@ -11,18 +11,35 @@ adds: `TLLM_WORKER_USE_SINGLE_PROCESS=1` is set before the LLM is built (the
 adapter needs the in-process executor), the YAML's `mtp_carry` section goes
 to `attach` before the first request, `CORRID` becomes
 `ConversationParams(conversation_id=...)`, the `cache_salt` input becomes
-`cache_salt`, and the sessions follow the reference model's contract.
+`cache_salt`, the sessions follow the reference model's contract, and the
+adapter's turn record of each request gives the turn's carry outcome.
 
 Request contract (the reference model's, `serve/triton/model.py`):
 - control `CORRID` (uint64, the session), `START`, `END`;
 - `text_input` (the new user message: the model extends the session's last
   prompt and output with the chat template's closing and the message) or
   `input_ids` (the full prompt), `max_tokens`, optional `cache_salt`;
-- streamed `text_output`, `output_ids`; with the final response `drafted`,
-  `accepted`, `ttft_ms`, `kv_cache_reused_blocks`, `model_instance` and
-  `turn_stats` (JSON of `TrtllmTurnStats`). TensorRT-LLM reports no per-turn
-  carry outcome, so `carry_outcome` and `drafter_rows_computed` are not
-  outputs; the adapter's counters are gauges `mtp_carry_runtime{field}`.
+- streamed `text_output`, `output_ids`; with the final response
+  `carry_outcome`, `drafter_rows_computed`, `drafted`, `accepted`, `ttft_ms`,
+  `kv_cache_reused_blocks`, `model_instance` and `turn_stats` (JSON of
+  `TrtllmTurnStats`).
+- The carry fields come from the adapter, which takes the carry decision of
+  every request: `CarryAttachment.pop_turn(RequestOutput.request_id)` (the
+  executor's `LlmRequest.py_client_id`; each record is read once, at most
+  `TURN_LOG` are kept). `carry_outcome` is the core's outcome kind (`adopted`,
+  `no_carry`, `prefix_mismatch`, ...) when TensorRT-LLM reused a prefix and
+  the adapter judged the turn, `cold` when it reused nothing, `not_armed` when
+  the carry is not installed; `turn_stats` adds `no_carry_reason`,
+  `reused_tokens` (R), `drafter_rows_kept`. `drafter_rows_computed` counts the
+  prompt's pair keys `[R, L - 1)` TensorRT-LLM's context phase computes, as
+  the reference counts them; TensorRT-LLM itself reports none of these. Not
+  known, and left out of the response (null in `turn_stats`) rather than
+  guessed: `drafter_rows_computed` (and R) when the carry is not armed, and
+  every carry field of a request the adapter has no record of.
+- END, a START on an open session and the idle timeout end the session:
+  `CarryAttachment.forget_conversation` drops its carried rows (`session_end`
+  evictions, the freed rows counted in `mtp_carry_rows_freed_total`), as the
+  reference model's `forget_session` does.
 
 Invariants: a session's turns run one at a time in arrival order (one
 asyncio lock per CORRID); START on a known session, END and the idle timeout
@@ -56,8 +73,8 @@ from .serving import (
     conversation_id_for,
     salt_text,
     sampling_kwargs,
-    split_llm_options,
     stats_gauges,
+    triton_llm_args,
     turn_stats,
 )
 
@@ -85,8 +102,8 @@ def _adapter() -> Any:
     return importlib.import_module("trtllm_mtp_carry.trtllm")
 
 
-def load_llm_options(path: Path) -> Any:
-    """The parsed YAML of the LLM options file (PyYAML comes with TensorRT-LLM)."""
+def read_options_yaml(path: Path) -> Any:
+    """The parsed YAML of the model's LLM options file (PyYAML comes with TensorRT-LLM)."""
     try:
         import yaml
     except ImportError:
@@ -100,9 +117,13 @@ def load_llm_options(path: Path) -> Any:
 
 class TrtllmMetrics(CarryMetrics):
     """The reference model's metric families, fed from TensorRT-LLM's per-request metrics
-    (drafts) and the adapter's counters (`mtp_carry_runtime{field}` gauges)."""
+    (drafts), the adapter's turn records (outcomes, no-carry reasons, rows) and its
+    counters (`mtp_carry_runtime{field}` gauges)."""
 
     def record_trtllm_turn(self, stats: TrtllmTurnStats) -> None:
+        if stats.outcome_kind:  # the reference's families; an unknown outcome is not counted
+            self.record_turn(stats)
+            return
         for result, value in (("proposed", stats.drafted), ("accepted", stats.accepted)):
             if value:
                 self._metric("drafts", "result", result).increment(value)
@@ -119,7 +140,13 @@ class _TrtllmSink(_TritonSink):
         import numpy as np
 
         s: TrtllmTurnStats = result
-        tensors = self._stream(ids, text) + [
+        carry = []  # what the adapter knows of this turn; an unknown value is left out
+        if s.outcome_kind:
+            carry.append(self._pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)))
+        if s.drafter_rows_computed is not None:
+            carry.append(self._pb.Tensor("drafter_rows_computed",
+                                         np.asarray([s.drafter_rows_computed], dtype=np.int32)))
+        tensors = self._stream(ids, text) + carry + [
             self._pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
             self._pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
             self._pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
@@ -216,8 +243,8 @@ class TritonPythonModel:
         os.environ[SINGLE_PROCESS_ENV] = "1"
         from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
 
-        raw = load_llm_options(options_path) if options_path is not None else None
-        llm_args, carry_section = split_llm_options(raw, self._options.model)
+        raw = read_options_yaml(options_path) if options_path is not None else None
+        llm_args, carry_section = triton_llm_args(raw, self._options.model)
         carry_options = _adapter().parse_carry_options(carry_section)  # a bad key fails before the LLM is built
         model = llm_args.pop("model")
         llm_args = update_llm_args_with_extra_dict({"model": model}, llm_args)
@@ -315,8 +342,11 @@ class TritonPythonModel:
             if out.finished:
                 total_ms = (time.perf_counter() - start) * 1e3
                 attachment = self._engine.attachment
+                # RequestOutput.request_id is the executor request's py_client_id (the
+                # worker's client id), under which the adapter recorded the turn
                 stats = turn_stats(len(prompt), completion, out, ttft_ms or total_ms, total_ms,
-                                   attachment.topology, bool(attachment.armed))
+                                   attachment.topology, bool(attachment.armed),
+                                   attachment.pop_turn(out.request_id))
                 if completion.finish_reason != "cancelled":
                     conv.prompt, conv.output = list(prompt), list(completion.token_ids)
                 conv.last_seen = time.monotonic()
@@ -341,9 +371,12 @@ class TritonPythonModel:
         return self._chat.next_prompt(conv.prompt, conv.output, turn.text_input)
 
     def _end(self, corrid: int, cause: str) -> None:
-        # the carried rows of an ended session age out of the adapter's store (LRU and budget)
-        if self._conversations.pop(corrid, None) is not None or cause == "end":
-            self._metrics.record_session_end(cause, 0)
+        # as the reference model's forget_session: the ended session's carried rows go now
+        # (a session TensorRT-LLM never took a turn of carries nothing)
+        known = self._conversations.pop(corrid, None) is not None
+        rows = self._engine.attachment.forget_conversation(conversation_id_for(corrid)) if known else 0
+        if known or cause == "end":
+            self._metrics.record_session_end(cause, rows)
 
     def _expire_idle(self) -> None:
         if self._idle_s is None:

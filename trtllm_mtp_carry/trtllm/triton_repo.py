@@ -38,9 +38,9 @@ LLM_OPTIONS_FILE = "llm_options.yaml"
 
 # the reference model's inputs less drafter_policy: TensorRT-LLM's drafting is set per deployment
 TRTLLM_INPUTS = tuple(i for i in INPUTS if i[0] != "drafter_policy")
-# the reference model's outputs that TensorRT-LLM reports per turn, and its reused blocks
-TRTLLM_OUTPUTS = (*(o for o in OUTPUTS if o[0] not in ("carry_outcome", "drafter_rows_computed")),
-                  ("kv_cache_reused_blocks", "TYPE_INT32", "[ 1 ]"))
+# the reference model's outputs (carry_outcome and drafter_rows_computed from the adapter's
+# turn record), and TensorRT-LLM's reused blocks
+TRTLLM_OUTPUTS = (*OUTPUTS, ("kv_cache_reused_blocks", "TYPE_INT32", "[ 1 ]"))
 
 
 @dataclass(frozen=True)
