@@ -266,7 +266,8 @@ class DrafterKVPool:
 
     def can_grow(self, seq_id: int, num_new_rows: int) -> bool:
         """Whether a grow by `num_new_rows` rows would succeed (evicting carried entries if need be)."""
-        return self.num_blocks_needed(seq_id, num_new_rows) <= len(self._free) + self.num_carried_blocks
+        need = self.num_blocks_needed(seq_id, num_new_rows)
+        return need <= len(self._free) or need <= len(self._free) + self.num_carried_blocks
 
     def stats(self) -> PoolStats:
         """A frozen snapshot of the block accounting."""
@@ -308,7 +309,7 @@ class DrafterKVPool:
         (pool unchanged, nothing evicted) when even every carried block would not be enough.
         """
         need = self.num_blocks_needed(seq_id, num_new_rows)
-        carried_blocks = self.num_carried_blocks
+        carried_blocks = self.num_carried_blocks if need > len(self._free) else 0  # O(blocks): only if short
         if need > len(self._free) + carried_blocks:
             state = self._seqs[seq_id]
             raise PoolExhaustedError(
