@@ -175,24 +175,40 @@ class Watch:
         monkeypatch.setattr(carry_store, "decide_adopt", counted_decide)
 
 
-def run_interleaving(model, monkeypatch, seed, slots, blocks, steps=70, eviction="lrd"):
+def run_interleaving(model, monkeypatch, seed, slots, blocks, steps=70, eviction="lrd", system=0,
+                     conversation=120):
     """Sessions submit, cancel and end at random beside each other; every step is checked.
 
-    Returns the runtime's stats after the run (nothing in flight, entries still carried).
+    With `system` > 0 every conversation starts with one shared system prompt of
+    that many tokens, or (one time in three) that prompt with one token of its
+    second half edited, so carried entries share blocks and a session's next
+    conversation can diverge from its own entry inside a shared block. A
+    conversation restarts under the same id once it passes `conversation`
+    tokens past the system prompt.
+    Returns the runtime's and the pool's stats after the run (nothing in flight,
+    entries still carried).
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     eng = with_slots(engine(model, max_num_seqs=3, num_drafter_blocks=blocks), slots, eviction)
+    shared = random_prompt(gen, system)
+
+    def opening():
+        prompt = list(shared)
+        if prompt and rng.random() < 1 / 3:  # in its second half: past the snapshot floor (48)
+            at = rng.randrange(len(prompt) // 2, len(prompt))
+            prompt[at] = 32 if prompt[at] != 32 else 33
+        return prompt
     with monkeypatch.context() as mp:
         watch = Watch(eng, mp)
-        history = {s: [] for s in "abcd"}
+        history = {s: opening() for s in "abcd"}
         inflight = {}  # request id -> session
         for _ in range(steps):
             r = rng.random()
             if r < 0.45 and len(inflight) < 3:
                 s = rng.choice([s for s in history if s not in inflight.values()])
-                if len(history[s]) > 120:
-                    history[s] = []  # keep turns short: a new conversation under the same id
+                if len(history[s]) > conversation + system:
+                    history[s] = opening()  # keep turns short: a new conversation under the same id
                 prompt = history[s] + random_prompt(gen, rng.choice([6, 12, 30]))
                 inflight[eng.submit(s, prompt, max_new_tokens=rng.choice([3, 6]))] = s
             elif r < 0.5 and inflight:
@@ -203,7 +219,7 @@ def run_interleaving(model, monkeypatch, seed, slots, blocks, steps=70, eviction
                 s = rng.choice(sorted(history))
                 if s not in inflight.values():
                     eng.runtime.forget_session(session_hash(s))
-                    history[s] = []  # the session ended; the next turn starts a new one
+                    history[s] = opening()  # the session ended; the next turn starts a new one
             for result in eng.step():
                 s = inflight.pop(result.request_id)
                 assert result.output == greedy_oracle(model, result.prompt, len(result.output))
@@ -212,7 +228,7 @@ def run_interleaving(model, monkeypatch, seed, slots, blocks, steps=70, eviction
         while eng.has_unfinished():
             eng.step()
             check_all(eng)
-    stats = eng.runtime.stats()
+    stats, pool_stats = eng.runtime.stats(), eng.drafter_pool.stats()
     assert stats.outcomes == {k: watch.kinds.count(k) for k in stats.outcomes}  # every decision counted
     assert stats.adoptions == stats.outcomes["adopted"] == len(watch.taken)
     assert stats.deposits == stats.adoptions + sum(stats.evictions.values()) + stats.slots_held
@@ -221,7 +237,7 @@ def run_interleaving(model, monkeypatch, seed, slots, blocks, steps=70, eviction
     eng.runtime.clear_slot()
     check_all(eng)
     assert eng.drafter_pool.num_free_blocks == eng.drafter_pool.num_blocks  # nothing leaked
-    return stats
+    return stats, pool_stats
 
 
 @settings(max_examples=5, deadline=None,
@@ -233,8 +249,26 @@ def test_random_interleavings_keep_sessions_apart_and_account_for_every_entry(
     run_interleaving(model, monkeypatch, seed, slots, blocks, eviction=eviction)
 
 
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), slots=st.integers(2, 4), blocks=st.sampled_from([8, 12, 64]))
+def test_random_interleavings_sharing_a_system_prompt_keep_every_session_on_its_own_rows(
+        model, monkeypatch, seed, slots, blocks):
+    run_interleaving(model, monkeypatch, seed, slots, blocks, eviction="incumbent", system=80,
+                     conversation=40)
+
+
+def test_an_interleaving_that_shares_blocks_and_copies_one_on_write_keeps_sessions_apart(model, monkeypatch):
+    """A fixed run (seed picked so that it happens) where entries merge prompt blocks and a
+    session's next conversation, edited inside a shared block, copies it before writing."""
+    stats, pool = run_interleaving(model, monkeypatch, seed=9, slots=3, blocks=24, eviction="incumbent",
+                                   system=80, conversation=40)
+    assert (stats.share_merges, stats.share_mismatches, pool.cow_copies) == (10, 0, 1)
+    assert stats.outcomes["adopted"] == 22
+
+
 def test_a_tight_pool_interleaving_adopts_and_evicts_for_pressure(model, monkeypatch):
     """A fixed run that reaches adoption, capacity and pool-pressure evictions (the property holds there too)."""
-    stats = run_interleaving(model, monkeypatch, seed=9, slots=2, blocks=5)  # (seed re-picked for admission-time adoption)
+    stats, _ = run_interleaving(model, monkeypatch, seed=9, slots=2, blocks=5)  # (seed re-picked for admission-time adoption)
     assert stats.outcomes["adopted"] > 0
     assert stats.evictions["pool_pressure"] > 0 and stats.evictions["capacity"] > 0
