@@ -78,3 +78,24 @@ def test_a_malformed_carry_memory_is_one_error_naming_it():
     assert out.stderr.strip() == (
         "trtllm-mtp-carry: error: environment variable TRTLLM_MTP_CARRY_MEMORY='4 gigs' is not a size: "
         "use bytes with a unit (4GiB, 512MiB, 1000000B) or a fraction of the drafter pool in [0, 1] (0.5)")
+
+
+def test_carry_share_defaults_on_and_is_pinned_by_flag_env_or_setter():
+    report = json.loads(run_cli("info", "--json").stdout)
+    assert (report["carry_share"], report["carry_share_source"]) == (True, "default")
+    report = json.loads(run_cli("info", "--json", "--carry-share", "off", TRTLLM_MTP_CARRY_SHARE="1").stdout)
+    assert (report["carry_share"], report["carry_share_source"]) == (False, "--carry-share")
+    report = json.loads(run_cli("info", "--json", TRTLLM_MTP_CARRY_SHARE=" Off ").stdout)
+    assert (report["carry_share"], report["carry_share_source"]) == (False, "env TRTLLM_MTP_CARRY_SHARE")
+    code = "import trtllm_mtp_carry.core as c\nprint(c.set_carry_share('no'), c.carry_share(), c.set_carry_share(True))"
+    assert run_py(code).stdout.split() == ["True", "False", "False"]
+
+
+def test_a_malformed_carry_share_is_one_error_naming_it():
+    out = run_cli("info", TRTLLM_MTP_CARRY_SHARE="maybe")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "trtllm-mtp-carry: error: environment variable TRTLLM_MTP_CARRY_SHARE='maybe' is not on or off; "
+        "use 1/0, on/off, true/false or yes/no")
+    out = run_py("import trtllm_mtp_carry.core as c; c.set_carry_share(2)")
+    assert "ValueError: carry_share=2 is not on or off" in out.stderr
