@@ -297,7 +297,8 @@ class CarryStore:
     def put(self, entry: CarriedDrafter, nbytes: int = 0, session: int | None = None) -> None:
         """Deposit `entry` (of `nbytes`, session `session`, default its key) as the newest.
 
-        RuntimeError unless `admit` or `make_room` made room for it.
+        Charged by block, its cost is its `block_table`'s blocks no entry holds yet
+        (`nbytes` is ignored). RuntimeError unless `admit` or `make_room` made room for it.
         """
         key = entry.session_hash
         check_non_negative("nbytes", nbytes)
