@@ -11,8 +11,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from . import __version__
 from .argtypes import carry_memory_size, non_negative_int, positive_int
@@ -79,41 +79,20 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
 
 def apply_settings_flags(args: argparse.Namespace) -> list[str]:
     """Pin the settings named by flags; return a warning for each that was not applied."""
+    pins: list[tuple[str, Callable[[Any, str], bool], Callable[[], object]]] = [
+        ("--marconi-min-tokens", settings.MARCONI_MIN_TOKENS.set, settings.marconi_min_tokens),
+        ("--mtp-max-seqs", settings.MTP_MAX_SEQS.set, settings.mtp_max_seqs),
+        ("--carry-slots", settings.CARRY_SLOTS.set, settings.carry_slots),
+        ("--carry-memory", settings.set_carry_memory, settings.carry_memory),
+        ("--carry-eviction", settings.set_carry_eviction, settings.carry_eviction),
+        ("--carry-idle-s", settings.set_carry_idle_s, settings.carry_idle_s),
+        ("--carry-share", settings.set_carry_share, lambda: "on" if settings.carry_share() else "off"),
+    ]
     warnings = []
-    if args.marconi_min_tokens is not None and not settings.MARCONI_MIN_TOKENS.set(
-        args.marconi_min_tokens, source="--marconi-min-tokens"
-    ):
-        warnings.append(
-            f"--marconi-min-tokens {args.marconi_min_tokens} not applied: "
-            f"already pinned to {settings.marconi_min_tokens()}"
-        )
-    if args.mtp_max_seqs is not None and not settings.MTP_MAX_SEQS.set(
-        args.mtp_max_seqs, source="--mtp-max-seqs"
-    ):
-        warnings.append(
-            f"--mtp-max-seqs {args.mtp_max_seqs} not applied: already pinned to {settings.mtp_max_seqs()}"
-        )
-    if args.carry_slots is not None and not settings.CARRY_SLOTS.set(
-        args.carry_slots, source="--carry-slots"
-    ):
-        warnings.append(
-            f"--carry-slots {args.carry_slots} not applied: already pinned to {settings.carry_slots()}"
-        )
-    memory = getattr(args, "carry_memory", None)
-    if memory is not None and not settings.set_carry_memory(memory, source="--carry-memory"):
-        warnings.append(f"--carry-memory {memory} not applied: already pinned to {settings.carry_memory()}")
-    eviction = getattr(args, "carry_eviction", None)
-    if eviction is not None and not settings.set_carry_eviction(eviction, source="--carry-eviction"):
-        warnings.append(
-            f"--carry-eviction {eviction} not applied: already pinned to {settings.carry_eviction()}"
-        )
-    idle = getattr(args, "carry_idle_s", None)
-    if idle is not None and not settings.set_carry_idle_s(idle, source="--carry-idle-s"):
-        warnings.append(f"--carry-idle-s {idle} not applied: already pinned to {settings.carry_idle_s()}")
-    share = getattr(args, "carry_share", None)
-    if share is not None and not settings.set_carry_share(share, source="--carry-share"):
-        warnings.append(f"--carry-share {share} not applied: already pinned to "
-                        f"{'on' if settings.carry_share() else 'off'}")
+    for flag, pin, current in pins:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not pin(value, flag):
+            warnings.append(f"{flag} {value} not applied: already pinned to {current()}")
     return warnings
 
 

@@ -102,8 +102,9 @@ def test_a_session_that_diverges_inside_a_shared_block_copies_it_and_the_other_k
     assert eng.drafter_pool.stats().cow_copies == 1
     for x, y in zip(eng.drafter_pool.gather_carried(b_key), b_rows, strict=True):
         assert torch.equal(x, y)  # b's entry, which shares blocks 0-3, is untouched
-    assert r.output == carry_engine_output(model, edited + r1["a"].output + spans["a"])
+    assert r.output == plain_output(model, edited + r1["a"].output + spans["a"])
 
 
-def carry_engine_output(model, prompt):
+def plain_output(model, prompt):
+    """What an engine that drafts nothing (`off`) generates for `prompt`."""
     return engine(model, policy="off").generate("a", prompt, max_new_tokens=NEW).output

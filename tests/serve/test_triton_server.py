@@ -166,7 +166,8 @@ def test_the_metrics_endpoint_shows_the_counters_moving(served):
     assert 'mtp_carry_runtime{field="rows_adopted"' in after
     assert 'mtp_carry_runtime{field="outcomes.adopted"' in after
     assert moved("mtp_carry_no_carry_total", reason="never_carried") == 1  # the cold first turn
-    for gauge in ("carry_memory_bytes", "bytes_held", "entries_held", "no_carry_reasons.memory"):
+    for gauge in ("carry_memory_bytes", "bytes_held", "entries_held", "no_carry_reasons.memory",
+                  "shared_blocks", "share_merges", "share_mismatches"):
         assert f'mtp_carry_runtime{{field="{gauge}"' in after, gauge
 
 
@@ -175,6 +176,7 @@ def test_the_metrics_endpoint_shows_the_counters_moving(served):
     ("drafter_policy", "fast", "parameter drafter_policy must be one of carry, rebuild, blind, off"),
     ("engine", "vllm", "parameter engine must be one of reference"),
     ("max_tokens", "0", "parameter max_tokens must be >= 1, got 0"),
+    ("carry_share", "maybe", "parameter carry_share='maybe' is not on or off"),
 ])
 def test_a_bad_parameter_fails_the_models_load_naming_it(served, key, value, message):
     import tritonclient.grpc as grpcclient

@@ -60,6 +60,27 @@ def plan_append(
     return AppendPlan(first_key, last_needed - first_key + 1)
 
 
+def chunk_keys(seq_id: int, next_key: int | None, start: int, end: int,
+               prompt_len: int) -> tuple[int, int] | None:
+    """The pair keys `(first, last)` (inclusive) that the prefill chunk of positions
+    `[start, end)` lets sequence `seq_id` build, `next_key` being the next key it
+    still needs (None: nothing left); None when the chunk holds none of them.
+
+    A chunk's forward writes the hidden rows of keys `[start, end)`, and keys stop
+    at `prompt_len - 2`. RuntimeError when the chunk starts past `next_key`:
+    chunks must run in order, or a key would never be built.
+    """
+    if next_key is None:
+        return None
+    first, last = max(next_key, start), min(end - 1, prompt_len - 2)
+    if first > last:
+        return None
+    if first != next_key:
+        raise RuntimeError(f"sequence {seq_id}: chunk [{start}, {end}) skips key "
+                           f"{next_key} (chunks must run in order)")
+    return first, last
+
+
 def hidden_row_offset(base: int, pos: int, hidden_size: int) -> int:
     """Byte address of hidden row `pos` in a `[capacity, hidden_size]` BF16 store at `base`."""
     check_non_negative("base", base)

@@ -369,9 +369,9 @@ class DrafterKVPool:
         dense = state.runs[0][1] if state.runs and state.runs[0][0] == 0 else 0
         n_full = min(dense // self.block_size, (keys.num_tokens - 1) // self.block_size)
         table = state.block_table
-        pairs: list[tuple[int, int]] = []  # (block index, published block with its key)
+        pairs: list[tuple[int, int, int]] = []  # (block index, its block, the one published under its key)
         published = 0
-        for i in range(n_full):
+        for i in range(n_full):  # a loop over blocks: one dict lookup (and one hash) each
             own = table[i]
             if own in self._key_of:
                 continue  # published already (or merged on an earlier turn)
@@ -381,17 +381,15 @@ class DrafterKVPool:
                 self._publish(own, key)
                 published += 1
             elif found != own:
-                pairs.append((i, found))
+                pairs.append((i, own, found))
         merged = 0
-        if pairs:
-            idx = torch.tensor([i for i, _ in pairs], dtype=torch.int64)
-            own_ids = torch.tensor(table, dtype=torch.int64)[idx].to(self.device)
-            found_ids = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
+        if pairs:  # one comparison of every candidate pair's K and V bytes
+            own_ids = torch.tensor([o for _, o, _ in pairs], dtype=torch.int64, device=self.device)
+            found_ids = torch.tensor([f for _, _, f in pairs], dtype=torch.int64, device=self.device)
             same = ((self.k_cache[own_ids] == self.k_cache[found_ids]).flatten(1).all(1)
                     & (self.v_cache[own_ids] == self.v_cache[found_ids]).flatten(1).all(1)).tolist()
-            for (i, found), equal in zip(pairs, same, strict=True):
+            for (i, own, found), equal in zip(pairs, same, strict=True):
                 if equal:
-                    own = table[i]
                     table[i] = found
                     self._hold([found], live=True)
                     self._release([own], live=True)

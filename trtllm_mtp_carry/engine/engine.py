@@ -722,7 +722,8 @@ class ReferenceEngine:
 
     def _share_keys(self, seq: _Sequence) -> PrefixKeys:
         """Prefix keys of `seq`'s tokens at the drafter's block size, in its salt's namespace:
-        where its carried blocks may be shared with other entries' equal ones."""
+        where its carried blocks may be shared with other entries' equal ones (lazy: the
+        runtime hashes only blocks it shares, and only when it carries and shares)."""
         return PrefixKeys(seq.tokens, self.config.drafter_block_size, seq.keys.root)
 
     def _result(self, seq: _Sequence, reason: str) -> TurnResult:

@@ -74,6 +74,7 @@ from typing import Any, Protocol
 import torch
 
 from ..core import plan_append
+from ..core.plan import chunk_keys
 from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
 from ..dataplane.ops import drafter_row_append
@@ -566,15 +567,11 @@ class PairedDrafts:
     def build_chunk(self, seq_id: int, ticket: int, build: PairedBuild, prompt: Sequence[int],
                     start: int, end: int) -> int:
         """Build the rows `build` still needs among keys `[start, end)` (as `CarryRuntime.build_chunk`)."""
-        if build.next_key is None:
+        span = chunk_keys(seq_id, build.next_key, start, end, len(prompt))
+        if span is None:
             return 0
         t0 = time.perf_counter()
-        last_needed = len(prompt) - 2
-        a, b = max(build.next_key, start), min(end - 1, last_needed)
-        if a > b:
-            return 0
-        if a != build.next_key:
-            raise RuntimeError(f"sequence {seq_id}: chunk [{start}, {end}) skips key {build.next_key}")
+        a, b = span
         hidden = self.builder.hidden_store.read(ticket, a, b + 1)  # [rows, H] bf16, this ticket's
         dev = hidden.device
         keys = torch.arange(a, b + 1, dtype=torch.int64, device=dev)
@@ -582,7 +579,7 @@ class PairedDrafts:
         k, v = self.builder.drafter_kv(nxt, hidden, keys)
         self.pool.append_rows(seq_id, keys, k, v)
         rows = b - a + 1
-        build.next_key = None if b >= last_needed else b + 1
+        build.next_key = None if b >= len(prompt) - 2 else b + 1
         build.rows_computed += rows
         build.prep_ms += (time.perf_counter() - t0) * 1e3
         self._built += rows

@@ -6,8 +6,27 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class DraftRates:
+    """`acceptance` and `accepted_per_step` of a turn's `drafted`, `accepted` and `verify_steps`
+    (every executor's turn statistics report them the same way)."""
+
+    drafted: int
+    accepted: int
+    verify_steps: int
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted drafts / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Accepted draft tokens per verify step (0 before the first step)."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+
 @dataclass
-class TurnStats:
+class TurnStats(DraftRates):
     """What one turn cost and bought (times in milliseconds)."""
 
     prompt_tokens: int = 0
@@ -33,16 +52,6 @@ class TurnStats:
     drafter_tree_tokens: int = 0
     drafter_depth_lost: int = 0
     recomputed_for_cap: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        """Accepted drafts / drafted tokens (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def accepted_per_step(self) -> float:
-        """Accepted draft tokens per verify step."""
-        return self.accepted / self.verify_steps if self.verify_steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

@@ -90,6 +90,7 @@ from ..core import (
     plan_append,
 )
 from ..core.outcome import Adopted, NoCarry
+from ..core.plan import chunk_keys
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.kv_pool import BlockKeys, CarriedBlocks
@@ -338,19 +339,14 @@ class CarryRuntime:
         wrote their hidden rows under `ticket`: the rows are read back under the
         ticket (the guard), so another sequence's rows can never be read.
         """
-        if build.next_key is None:
+        span = chunk_keys(seq_id, build.next_key, start, end, len(prompt))
+        if span is None:
             return 0
         t0 = time.perf_counter()
-        last_needed = len(prompt) - 2
-        a, b = max(build.next_key, start), min(end - 1, last_needed)
-        if a > b:
-            return 0
-        if a != build.next_key:
-            raise RuntimeError(f"sequence {seq_id}: chunk [{start}, {end}) skips key "
-                               f"{build.next_key} (chunks must run in order)")
+        a, b = span
         self._append(seq_id, ticket, prompt, a, b - a + 1)
         rows = b - a + 1
-        build.next_key = None if b >= last_needed else b + 1
+        build.next_key = None if b >= len(prompt) - 2 else b + 1
         build.rows_computed += rows
         build.prep_ms += _ms(t0)
         with self._lock:

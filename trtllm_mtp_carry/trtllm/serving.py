@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
+from ..engine.turn import DraftRates
 from ..serve.options import ServeOptions
 
 TRTLLM_ENGINE = "trtllm"
@@ -202,7 +203,7 @@ NOT_ARMED = "not_armed"
 
 
 @dataclass
-class TrtllmTurnStats:
+class TrtllmTurnStats(DraftRates):
     """What one turn cost and bought: TensorRT-LLM's per-request metrics and the adapter's
     turn record (times in milliseconds).
 
@@ -234,16 +235,6 @@ class TrtllmTurnStats:
     reused_tokens: int | None = None  # R: the prompt tokens TensorRT-LLM reused
     drafter_rows_kept: int | None = None
     drafter_rows_computed: int | None = None
-
-    @property
-    def acceptance(self) -> float:
-        """Accepted drafts / drafted tokens (0 when nothing was drafted), as `TurnStats`."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def accepted_per_step(self) -> float:
-        """Accepted draft tokens per verify step, as `TurnStats`."""
-        return self.accepted / self.verify_steps if self.verify_steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Every field, with `acceptance` and `accepted_per_step` (the turn_stats JSON)."""
