@@ -9,7 +9,6 @@ import sys
 import pytest
 from serve_helpers import MODEL, free_ports
 
-from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.report import measured, outputs_identical, paired, policy_summary
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
 from trtllm_mtp_carry.cli import main
@@ -37,7 +36,7 @@ def test_replay_on_server_records_every_replay_with_greedy_outputs_and_outcomes(
         by = {t.key: t for t in run.turns}
         for s in sessions:
             first = TOK.render_chat(s.history)
-            second = next_prompt(TOK, first, by[(0, s.name, 0)].output, s.followups[0])
+            second = TOK.next_prompt(first, by[(0, s.name, 0)].output, s.followups[0])
             for turn, prompt in ((0, first), (1, second)):
                 record = by[(0, s.name, turn)]
                 assert record.output == greedy.generate(None, prompt, max_new_tokens=16, policy="off").output
