@@ -192,14 +192,16 @@ def test_the_scan_sees_the_package():
 
 @pytest.fixture
 def synthetic(tmp_path: Path) -> Path:
-    """pkg/a.py <-> pkg/b.py (b's edge inside a function), pkg/sub/c.py taking
-    pkg.a._hidden (from-import) and pkg.b._helper (attribute of a module alias),
-    pkg/a.py taking pkg.sub.c._inner (a parent taking a child's), pkg/sub/d.py
-    taking c's _inner (same package: allowed)."""
+    """pkg/a.py <-> pkg/b.py (b's edge inside a function, taking a's _hidden: same
+    package, allowed), pkg/sub/c.py taking pkg.a._hidden (from-import) and
+    pkg.b._helper (attribute of a module alias), pkg/e.py taking pkg.sub.c._inner
+    (a parent package taking a child's), pkg/sub/d.py taking c's _inner twice
+    (same package: allowed). Only a <-> b is a cycle."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from . import b\nfrom .sub.c import _inner\n_hidden = 1\n")
+    (pkg / "a.py").write_text("from . import b\n_hidden = 1\n")
+    (pkg / "e.py").write_text("import os\n\ndef h():\n    from .sub.c import _inner\n    return _inner\n")
     (pkg / "b.py").write_text("def f():\n    from .a import _hidden\n    return _hidden\n"
                               "def _helper():\n    pass\n")
     (pkg / "sub" / "__init__.py").write_text("")
@@ -217,7 +219,7 @@ def test_the_check_flags_a_synthetic_cycle(synthetic: Path):
 
 def test_the_check_flags_synthetic_private_names_across_packages(synthetic: Path):
     assert sorted(str(u) for u in foreign_private_uses(synthetic)) == [
-        "pkg.a:2 takes pkg.sub.c._inner",
+        "pkg.e:4 takes pkg.sub.c._inner",
         "pkg.sub.c:1 takes pkg.a._hidden",
         "pkg.sub.c:4 takes pkg.b._helper",
     ]

@@ -9,22 +9,23 @@ import sys
 import pytest
 from serve_helpers import MODEL, free_ports
 
+from trtllm_mtp_carry.bench.driver import replay_all
 from trtllm_mtp_carry.bench.report import measured, outputs_identical, paired, policy_summary
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
+from trtllm_mtp_carry.bench.triton_driver import TritonDriver
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.engine import ReferenceEngine
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
-from trtllm_mtp_carry.serve.triton.bench_client import replay_on_server
 
 TOK = ChatTokenizer()
 SMALL = ["--sessions", "2", "--turns", "2", "--history", "120", "--new-span", "30",
          "--max-new-tokens", "8", "--concurrency", "2", "--policies", "carry,blind", "--no-progress"]
 
 
-def test_replay_on_server_records_every_replay_with_greedy_outputs_and_outcomes(served):
+def test_the_triton_driver_records_every_replay_with_greedy_outputs_and_outcomes(served):
     sessions = builtin_sessions(2, 2, 120, 30, TOK)
-    runs = replay_on_server(served.endpoints.grpc, sessions, ["carry", "blind"], max_new_tokens=16,
-                            concurrency=2, model=MODEL, repeat=2)
+    driver = TritonDriver(served.endpoints.grpc, MODEL, max_new_tokens=16, concurrency=2, repeat=2)
+    runs = replay_all(driver, sessions, ["carry", "blind"])
     assert [r.policy for r in runs] == ["carry", "blind"]
     assert outputs_identical(runs)
     greedy = ReferenceEngine.from_pretrained(policy="off")
@@ -64,8 +65,8 @@ def test_each_policy_and_replay_has_its_own_prefix_cache_on_the_server(served):
     end, so an unsalted one would reuse 512 tokens), and a warm turn reuses its own history only."""
     sessions = builtin_sessions(1, 2, 450, 30, TOK)
     assert len(TOK.render_chat(sessions[0].history)) == 660
-    runs = replay_on_server(served.endpoints.grpc, sessions, ["carry", "blind", "off"], max_new_tokens=4,
-                            concurrency=1, model=MODEL, repeat=2)
+    driver = TritonDriver(served.endpoints.grpc, MODEL, max_new_tokens=4, concurrency=1, repeat=2)
+    runs = replay_all(driver, sessions, ["carry", "blind", "off"])
     for run in runs:
         assert [(t.replay, t.turn, t.stats["reused_tokens"]) for t in run.turns] == [
             (0, 0, 0), (0, 1, 660 + 4 - 1), (1, 0, 0), (1, 1, 660 + 4 - 1)], run.policy
