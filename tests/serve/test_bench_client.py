@@ -136,6 +136,12 @@ def test_bench_server_refuses_server_side_flags(capsys, flags, named):
                     f"drop {'it' if ',' not in named else 'them'} here")
 
 
+def test_bench_server_names_a_model_it_does_not_serve(served, capsys):
+    assert main(["bench", "--server", served.endpoints.grpc, "--model", "nosuch", *SMALL]) == 2
+    assert _one_error_line(capsys) == (f"trtllm-mtp-carry: error: --server {served.endpoints.grpc}: "
+                                       "model 'nosuch' is not ready there (see --model)")
+
+
 def test_bench_server_without_tritonclient_names_the_extra(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)  # import fails as if not installed
     assert main(["bench", "--server", "127.0.0.1:1", *SMALL]) == 2
