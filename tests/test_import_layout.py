@@ -183,6 +183,14 @@ def test_no_module_takes_a_private_name_from_another_package():
     assert [str(u) for u in foreign_private_uses(PACKAGE_ROOT)] == []
 
 
+def test_serving_imports_nothing_of_the_bench():
+    # a served request's path never climbs into the benchmark (issue 24)
+    graph, _ = scan(PACKAGE_ROOT)
+    serving = ("trtllm_mtp_carry.serve", "trtllm_mtp_carry.trtllm")
+    assert sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith(serving)
+                  for t in targets if t.startswith("trtllm_mtp_carry.bench")) == []
+
+
 def test_the_scan_sees_the_package():
     # the walk reads the real tree: a known edge each way of writing an import
     graph, _ = scan(PACKAGE_ROOT)
