@@ -4,7 +4,8 @@ Read with `ast`, never by importing: every `import a.b` and `from a import b`
 (module level, inside functions, under `if TYPE_CHECKING:` too: a cycle that
 only type checking walks is still two modules that each need the other),
 relative ones resolved, and every `alias._name` attribute use where `alias`
-is a module bound by one of those imports.
+is a module bound by one of those imports (or a class or function imported
+from one: `Klass._name` takes `_name` from `Klass`'s module).
 
 - An edge A -> B means module A imports module B (`from pkg import mod` is an
   edge to `pkg.mod` when that is a module, else to `pkg`). A cycle is a
@@ -86,6 +87,15 @@ def _owner(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+def _dotted(node: ast.expr) -> list[str] | None:
+    """`a.b.c` as ["a", "b", "c"]; None for anything but names and attributes."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
 def scan(root: Path) -> tuple[dict[str, set[str]], list[Use]]:
     """The import graph of the package at `root` (module -> modules it imports) and
     every private name one module takes from another module."""
@@ -94,7 +104,9 @@ def scan(root: Path) -> tuple[dict[str, set[str]], list[Use]]:
     uses: list[Use] = []
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        aliases: dict[str, str] = {}  # a local name bound to one of our modules -> that module
+        # a local name bound to one of our modules, or to a name one of them defines:
+        # -> (that module, the name in it, "" for the module itself)
+        aliases: dict[str, tuple[str, str]] = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
@@ -103,11 +115,11 @@ def scan(root: Path) -> tuple[dict[str, set[str]], list[Use]]:
                         continue
                     graph[module].add(target)
                     if alias.asname:
-                        aliases[alias.asname] = target
+                        aliases[alias.asname] = (target, "")
                     else:  # `import a.b.c` binds `a`
                         top = alias.name.split(".")[0]
                         if top in modules:
-                            aliases[top] = top
+                            aliases[top] = (top, "")
             elif isinstance(node, ast.ImportFrom):
                 source = _resolve(module, modules, node.level, node.module)
                 if _owner(source, modules) is None:
@@ -116,17 +128,29 @@ def scan(root: Path) -> tuple[dict[str, set[str]], list[Use]]:
                     submodule = f"{source}.{alias.name}"
                     if submodule in modules:
                         graph[module].add(submodule)
-                        aliases[alias.asname or alias.name] = submodule
+                        aliases[alias.asname or alias.name] = (submodule, "")
                         continue
                     owner = _owner(source, modules)
                     assert owner is not None
                     graph[module].add(owner)
                     if _private(alias.name):
                         uses.append(Use(module, node.lineno, owner, alias.name))
+                    # a class or function of ours: `Name._x` is taken from its module too
+                    aliases[alias.asname or alias.name] = (owner, alias.name)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and _private(node.attr)
-                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
-                uses.append(Use(module, node.lineno, aliases[node.value.id], node.attr))
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            chain = _dotted(node.value)
+            if chain is None or chain[0] not in aliases:
+                continue
+            source, name = aliases[chain[0]]
+            if not name:  # `mod.sub._x`: the longest module prefix is the source
+                full = ".".join([source, *chain[1:]])
+                source = _owner(full, modules) or source
+                name = full[len(source) + 1:]
+            else:
+                name = ".".join([name, *chain[1:]])
+            uses.append(Use(module, node.lineno, source, f"{name}.{node.attr}" if name else node.attr))
         graph[module].discard(module)
     return graph, uses
 
@@ -201,21 +225,25 @@ def test_the_scan_sees_the_package():
 @pytest.fixture
 def synthetic(tmp_path: Path) -> Path:
     """pkg/a.py <-> pkg/b.py (b's edge inside a function, taking a's _hidden: same
-    package, allowed), pkg/sub/c.py taking pkg.a._hidden (from-import) and
-    pkg.b._helper (attribute of a module alias), pkg/e.py taking pkg.sub.c._inner
-    (a parent package taking a child's), pkg/sub/d.py taking c's _inner twice
-    (same package: allowed). Only a <-> b is a cycle."""
+    package, allowed), pkg/sub/c.py taking pkg.a._hidden (from-import),
+    pkg.b._helper (attribute of a module alias) and pkg.b.Klass._secret
+    (attribute of an imported class), pkg/e.py taking pkg.sub.c._inner
+    (a parent package taking a child's), pkg/sub/d.py taking pkg.a._hidden
+    (`import pkg.a`, then the dotted path) and c's _inner three ways (same
+    package: allowed). Only a <-> b is a cycle."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from . import b\n_hidden = 1\n")
     (pkg / "e.py").write_text("import os\n\ndef h():\n    from .sub.c import _inner\n    return _inner\n")
     (pkg / "b.py").write_text("def f():\n    from .a import _hidden\n    return _hidden\n"
-                              "def _helper():\n    pass\n")
+                              "def _helper():\n    pass\nclass Klass:\n    _secret = 3\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "c.py").write_text("from ..a import _hidden\nfrom .. import b as bee\n"
-                                      "def g():\n    return bee._helper()\n_inner = 2\n")
-    (pkg / "sub" / "d.py").write_text("from .c import _inner\nimport pkg.sub.c as cc\nx = cc._inner\n")
+                                      "def g():\n    return bee._helper()\n_inner = 2\n"
+                                      "from ..b import Klass\ny = Klass._secret\n")
+    (pkg / "sub" / "d.py").write_text("from .c import _inner\nimport pkg.sub.c as cc\nx = cc._inner\n"
+                                      "import pkg.a\nw = pkg.a._hidden\nv = pkg.sub.c._inner\n")
     return pkg
 
 
@@ -230,4 +258,6 @@ def test_the_check_flags_synthetic_private_names_across_packages(synthetic: Path
         "pkg.e:4 takes pkg.sub.c._inner",
         "pkg.sub.c:1 takes pkg.a._hidden",
         "pkg.sub.c:4 takes pkg.b._helper",
+        "pkg.sub.c:7 takes pkg.b.Klass._secret",
+        "pkg.sub.d:5 takes pkg.a._hidden",
     ]
