@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_reference()
     llms = {}
     for p in POLICIES:
-        llms[p] = StandinLLM(model, chunk_size=args.chunk, max_batch=1, num_pages=16384,
+        llms[p] = StandinLLM(model, single_process=True, chunk_size=args.chunk, max_batch=1,
+                             num_pages=16384,
                              prefix_entries=4 * args.sessions,
                              enable_block_reuse=p != "rebuild")
     carry = attach(llms["carry"], {"carry_slots": args.sessions})
-    warm = StandinLLM(model, chunk_size=args.chunk)  # warm-up: torch's first calls are slow
+    warm = StandinLLM(model, single_process=True, chunk_size=args.chunk)  # warm-up: torch's first calls are slow
     warm.generate_async(tok.render_chat([{"role": "user", "content": "warm up"}]), 8)
     warm.run_until_done()
 

@@ -34,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,6 @@ CARRY_MANAGER_KEY = "MTP_CARRY"
 """The carry manager's key in `resource_managers` (string keys are what
 `TorchLlmArgs.extra_resource_managers` installs too)."""
 
-_ATTR = "_mtp_carry_attachment"
 
 
 @dataclass
@@ -147,6 +147,10 @@ class CarryAttachment:
         ]
 
 
+_ATTACHED: weakref.WeakKeyDictionary[Any, CarryAttachment] = weakref.WeakKeyDictionary()
+"""The attachment of each LLM (kept here, not on the LLM: the adapter adds no name to it)."""
+
+
 def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) -> CarryAttachment:
     """Probe `llm`'s in-process executor and install the carry where it can run.
 
@@ -157,7 +161,7 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
     the carry runs, `reason` why (or why not).
     """
     opts = options if isinstance(options, CarryOptions) else parse_carry_options(options)
-    if getattr(llm, _ATTR, None) is not None:
+    if _ATTACHED.get(llm) is not None:
         raise TrtllmAdapterError("the carry is already attached to this LLM (detach it first)")
     from .manager import carry_manager_class
     from .probe import probe_executor
@@ -174,13 +178,13 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
     attachment = CarryAttachment(probe.topology, armed, reason, opts, probe.version,
                                  probe.mtp_layer, probe.tokens_per_block, manager,
                                  probe.resource_manager)
-    setattr(llm, _ATTR, attachment)
+    _ATTACHED[llm] = attachment
     return attachment
 
 
 def detach(llm: Any) -> None:
     """Remove the carry from `llm` and drop its carried rows (no-op if it was never attached)."""
-    attachment: CarryAttachment | None = getattr(llm, _ATTR, None)
+    attachment: CarryAttachment | None = _ATTACHED.get(llm)
     if attachment is None:
         return
     if attachment.manager is not None:
@@ -188,7 +192,7 @@ def detach(llm: Any) -> None:
         if managers.get(CARRY_MANAGER_KEY) is attachment.manager:
             del managers[CARRY_MANAGER_KEY]
         attachment.manager.shutdown()
-    setattr(llm, _ATTR, None)
+    _ATTACHED.pop(llm, None)
 
 
 def _base_resource_manager(draft: Any) -> type:

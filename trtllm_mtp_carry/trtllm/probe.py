@@ -83,11 +83,11 @@ def find_manager(resource_manager: Any, name: str) -> tuple[object, Any] | None:
 def reach_executor(llm: Any) -> tuple[Any, str]:
     """`(llm._executor.engine, tensorrt_llm version)`; TrtllmAdapterError naming what is missing.
 
-    A TensorRT-LLM stand-in (`trtllm_standin = True`) reports its own version;
-    anything else needs `tensorrt_llm` importable.
+    The package's stand-in (`standin.StandinLLM`, told apart by its class's module)
+    reports itself as a stand-in; anything else needs `tensorrt_llm` importable.
     """
-    if getattr(llm, "trtllm_standin", False):
-        version = f"stand-in ({type(llm).__module__})"
+    if any(c.__module__ == "trtllm_mtp_carry.trtllm.standin" for c in type(llm).__mro__):
+        version = "stand-in"
     else:
         try:
             import tensorrt_llm
@@ -102,29 +102,38 @@ def reach_executor(llm: Any) -> tuple[Any, str]:
     executor = getattr(proxy, "engine", None)
     if executor is None:
         raise TrtllmAdapterError(
-            f"llm._executor ({type(proxy).__name__}) has no in-process engine: set "
-            "TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM is built (TP=1 only)")
+            f"llm._executor ({type(proxy).__name__}) reaches no executor: the PyExecutor runs in "
+            "a worker process; install the carry there (TRTLLM_MTP_CARRY, trtllm_mtp_carry.trtllm."
+            "worker) or set TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM (TP=1) for attach")
     return executor, version
 
 
 def probe_executor(llm: Any) -> ExecutorProbe:
-    """Probe `llm`'s executor; refuse what the carry cannot run on, detect the topology.
-
-    Refused (TrtllmAdapterError, one line each): no in-process executor, a missing
-    attribute or signature, no conversation id support, TP > 1, attention data
-    parallelism, a KV dtype other than BF16, the fresh-page fill. Not refused but
-    not runnable (the carry stands aside, `reason` says why): paired, folded,
-    block reuse off.
-    """
+    """Probe `llm`'s in-process executor (see `probe_managers`), after checking that
+    `LLM.generate_async` takes `conversation_params`."""
     executor, version = reach_executor(llm)
     _require_conversation_params(llm)
     rm = _attr(executor, "resource_manager", "PyExecutor")
-    _attr(rm, "resource_managers", "ResourceManager")
-    found_target = find_manager(rm, TARGET_KV)
+    managers = _attr(rm, "resource_managers", "ResourceManager")
+    return probe_managers(managers, version, executor, rm)
+
+
+def probe_managers(managers: Any, version: str, executor: Any = None,
+                   resource_manager: Any = None) -> ExecutorProbe:
+    """Probe an executor's resource managers (the `resources` dict the worker hook sees, or
+    `ResourceManager.resource_managers`); refuse what the carry cannot run on, detect the topology.
+
+    Refused (TrtllmAdapterError, one line each): a missing attribute or signature, TP > 1,
+    attention data parallelism, a V1 hybrid target manager, a draft manager other than
+    KVCacheManagerV2, a KV dtype other than BF16, the fresh-page fill, and pairing markers
+    that are missing or disagree (`_pairing`). Not refused but not runnable (the carry
+    stands aside, `reason` says why): paired, folded, block reuse off.
+    """
+    found_target = _find(managers, TARGET_KV)
     if found_target is None:
         raise TrtllmAdapterError(f"the executor has no {TARGET_KV} resource manager")
     target = found_target[1]
-    found_draft = find_manager(rm, DRAFT_KV)
+    found_draft = _find(managers, DRAFT_KV)
     mapping = _attr(found_draft[1] if found_draft else target, "mapping", "KV cache manager")
     tp = _attr(mapping, "tp_size", "Mapping")
     if tp != 1:
@@ -135,6 +144,12 @@ def probe_executor(llm: Any) -> ExecutorProbe:
             "attention data parallelism is on: the carry needs one executor holding every "
             "request's draft pages (enable_attention_dp must be false)")
     reuse = bool(_attr(target, "enable_block_reuse", "target KV cache manager"))
+    if type(target).__name__ in V1_HYBRID_MANAGERS:
+        raise TrtllmAdapterError(
+            f"the target KV cache manager is {type(target).__name__} (KV cache manager V1, as "
+            "TensorRT-LLM 1.2.x gives a hybrid model with block reuse): the carry supports "
+            "KVCacheManagerV2 only (kv_cache_config.use_kv_cache_manager_v2)")
+    rm = resource_manager
     if found_draft is None:
         return ExecutorProbe(executor, rm, target, None, None, None, "folded", False,
                              "folded: no separate draft KV cache manager, the MTP layer's KV "
@@ -150,17 +165,64 @@ def probe_executor(llm: Any) -> ExecutorProbe:
     mtp_layer = int(next(iter(offsets)))
     tpb = int(_attr(draft, "tokens_per_block", "draft KV cache manager"))
     _check_buffer(draft, mtp_layer, tpb)
-    if getattr(draft, "enable_joint_kv_cache_reuse", False):
-        return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
-                             "paired: enable_joint_kv_cache_reuse restores the drafter's prefix "
-                             "from the draft pool's own tree; the carry stands aside", version)
     if not reuse:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", False,
                              "block reuse is off (kv_cache_config.enable_block_reuse): no prefix "
                              "is reused, so there is nothing to carry", version)
+    paired, found = _pairing(draft, target)
+    if paired:
+        return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
+                             f"paired: the draft pool publishes and reuses its own blocks ({found}); "
+                             "TensorRT-LLM restores the drafter's prefix itself, the carry stands "
+                             "aside", version)
     return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", True,
-                         "unpaired draft pool with block reuse: the carry restores the "
+                         f"unpaired draft pool with block reuse ({found}): the carry restores the "
                          "drafter's rows over the reused prefix", version)
+
+
+V1_HYBRID_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager"})
+"""Target manager classes of KV cache manager V1 for hybrid models (`_util.py`, 1.2.x)."""
+
+_MISSING = object()
+
+
+def _pairing(draft: Any, target: Any) -> tuple[bool, str]:
+    """`(paired, what was found)`: read every pairing marker; fail closed.
+
+    Paired (stand aside) when the draft pool publishes (`_can_publish_block_reuse`) or
+    reuses (`enable_joint_kv_cache_reuse`) blocks. Unpaired only when both markers are
+    present and false and the target's class does not claim joint reuse
+    (`_supports_joint_kv_cache_reuse`, absent or false); anything else (a marker
+    missing, or the target claiming joint reuse the draft does not show) is refused.
+    """
+    joint = getattr(draft, "enable_joint_kv_cache_reuse", _MISSING)
+    publish = getattr(draft, "_can_publish_block_reuse", _MISSING)
+    supports = getattr(target, "_supports_joint_kv_cache_reuse", _MISSING)
+
+    def show(value: object) -> str:
+        return "missing" if value is _MISSING else repr(value)
+
+    found = (f"draft {type(draft).__name__}.enable_joint_kv_cache_reuse={show(joint)}, "
+             f"_can_publish_block_reuse={show(publish)}; target {type(target).__name__}."
+             f"_supports_joint_kv_cache_reuse={show(supports)}")
+    if joint is True or publish is True:
+        return True, found
+    if joint is _MISSING or publish is _MISSING:
+        raise TrtllmAdapterError(
+            f"cannot prove the draft pool shares no blocks ({found}): a pairing marker is "
+            "missing, so the carry stands aside")
+    if joint is not False or publish is not False or supports not in (_MISSING, False):
+        raise TrtllmAdapterError(
+            f"the pairing markers disagree ({found}): the carry cannot tell whether the draft "
+            "pool shares blocks, so it stands aside")
+    return False, found
+
+
+def _find(managers: Any, name: str) -> tuple[object, Any] | None:
+    for key, manager in managers.items():
+        if manager_name(key) == name:
+            return key, manager
+    return None
 
 
 def _attr(obj: Any, name: str, owner: str) -> Any:
@@ -204,7 +266,7 @@ def _check_draft(draft: Any) -> None:
         raise TrtllmAdapterError(
             f"draft KV cache dtype is {name}: the carry supports BF16 KV only (kv_cache_config.dtype "
             "auto with a BF16 model)")
-    if getattr(draft, "_fresh_page_fill", None) is not None:
+    if getattr(draft, "_fresh_page_fill", None) is not None:  # TRTLLM_KV_FRESH_PAGE_FILL
         raise TrtllmAdapterError(
             "the fresh-page fill is on for the draft pool: it would overwrite the rows the carry "
             "scatters into fresh pages; turn it off")
