@@ -161,7 +161,7 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
     the carry runs, `reason` why (or why not).
     """
     opts = options if isinstance(options, CarryOptions) else parse_carry_options(options)
-    if _ATTACHED.get(llm) is not None:
+    if _attached(llm) is not None:
         raise TrtllmAdapterError("the carry is already attached to this LLM (detach it first)")
     from .manager import carry_manager_class
     from .probe import probe_executor
@@ -184,7 +184,7 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
 
 def detach(llm: Any) -> None:
     """Remove the carry from `llm` and drop its carried rows (no-op if it was never attached)."""
-    attachment: CarryAttachment | None = _ATTACHED.get(llm)
+    attachment = _attached(llm)
     if attachment is None:
         return
     if attachment.manager is not None:
@@ -193,6 +193,13 @@ def detach(llm: Any) -> None:
             del managers[CARRY_MANAGER_KEY]
         attachment.manager.shutdown()
     _ATTACHED.pop(llm, None)
+
+
+def _attached(llm: Any) -> CarryAttachment | None:
+    try:
+        return _ATTACHED.get(llm)
+    except TypeError:  # not weak-referenceable: never attached (attach refuses it first)
+        return None
 
 
 def _base_resource_manager(draft: Any) -> type:
