@@ -77,7 +77,7 @@ def test_a_parent_process_attach_reaches_no_executor_and_says_so_in_one_line() -
     llm = StandinLLM(model(), chunk_size=32, num_pages=64)  # default: a worker-process executor
     assert _refusal(llm) == (
         "llm._executor (_WorkerProxy) reaches no executor: the PyExecutor runs in a worker "
-        "process; install the carry there (TRTLLM_MTP_CARRY, trtllm_mtp_carry.trtllm.worker) "
+        "process; install the carry there (TRTLLM_MTP_CARRY_WORKER, trtllm_mtp_carry.trtllm.worker) "
         "or set TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM (TP=1) for attach")
     assert CARRY_MANAGER_KEY not in llm.executor.resource_manager.resource_managers
 

@@ -103,7 +103,7 @@ def reach_executor(llm: Any) -> tuple[Any, str]:
     if executor is None:
         raise TrtllmAdapterError(
             f"llm._executor ({type(proxy).__name__}) reaches no executor: the PyExecutor runs in "
-            "a worker process; install the carry there (TRTLLM_MTP_CARRY, trtllm_mtp_carry.trtllm."
+            "a worker process; install the carry there (TRTLLM_MTP_CARRY_WORKER, trtllm_mtp_carry.trtllm."
             "worker) or set TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM (TP=1) for attach")
     return executor, version
 

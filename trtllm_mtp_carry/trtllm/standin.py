@@ -1073,7 +1073,7 @@ class StandinLLM(Conformant):
 
     By default (as TensorRT-LLM) the PyExecutor is built "in a worker process":
     `_executor` is a proxy without `engine`, and the executor is created through
-    `create_py_executor_instance` with the `TRTLLM_MTP_CARRY` worker hook applied
+    `create_py_executor_instance` with the `TRTLLM_MTP_CARRY_WORKER` worker hook applied
     when that variable is set (`trtllm.worker.boot`, what the `.pth` line runs in
     every TensorRT-LLM worker). `single_process=True`, or
     `TLLM_WORKER_USE_SINGLE_PROCESS=1` in the environment, builds it in process:

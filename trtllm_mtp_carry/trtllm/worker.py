@@ -16,15 +16,15 @@ the place `extra_resource_managers` would: after `DRAFT_KV_CACHE_MANAGER` in
 prepare (its pages exist), before it in free (its pages are still live), and
 before the executor exists, so before any request.
 
-Turn it on: `TRTLLM_MTP_CARRY=<file>` (a YAML file with an `mtp_carry:`
+Turn it on: `TRTLLM_MTP_CARRY_WORKER=<file>` (a YAML file with an `mtp_carry:`
 section; `1` for the defaults) in the environment of the process that starts
 TensorRT-LLM (its workers inherit it), and once per environment
 `python -m trtllm_mtp_carry.trtllm.worker install`, which writes a one-line
 `.pth` file into site-packages: every interpreter start runs it, and it imports
-this module only when `TRTLLM_MTP_CARRY` is set.
+this module only when `TRTLLM_MTP_CARRY_WORKER` is set.
 
 Invariants:
-- Nothing happens unless `TRTLLM_MTP_CARRY` is set; the hook is installed once per process.
+- Nothing happens unless `TRTLLM_MTP_CARRY_WORKER` is set; the hook is installed once per process.
 - At executor creation it prints one line (stderr and the `trtllm_mtp_carry` logger):
   what it installed, or why the carry stands aside; it never raises into
   TensorRT-LLM's executor creation (a refusal is that line, and the executor
@@ -45,7 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ENV = "TRTLLM_MTP_CARRY"
+ENV = "TRTLLM_MTP_CARRY_WORKER"
 """The environment variable that turns the worker-side install on (a YAML file, or `1`)."""
 
 CREATOR = "tensorrt_llm._torch.pyexecutor.py_executor_creator"
@@ -63,7 +63,7 @@ _messages: list[str] = []
 
 
 def boot() -> None:
-    """What the `.pth` line runs at interpreter start: install the hook if `TRTLLM_MTP_CARRY` is set."""
+    """What the `.pth` line runs at interpreter start: install the hook if `TRTLLM_MTP_CARRY_WORKER` is set."""
     global _installed
     if not os.environ.get(ENV) or _installed:
         return
@@ -81,7 +81,7 @@ def messages() -> list[str]:
 
 
 def carry_options_from_env() -> Any:
-    """`CarryOptions` from `TRTLLM_MTP_CARRY`: `1`/`true` the defaults, else a YAML file's `mtp_carry`."""
+    """`CarryOptions` from `TRTLLM_MTP_CARRY_WORKER`: `1`/`true` the defaults, else a YAML file's `mtp_carry`."""
     from .options import CarryOptions, TrtllmAdapterError, load_llm_options
 
     value = os.environ.get(ENV, "")
