@@ -67,7 +67,8 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
     "ScheduledRequests": frozenset({"context_requests", "generation_requests", "all_requests"}),
     "KVCacheManagerV2": frozenset({
         "is_draft", "dtype", "mapping", "enable_block_reuse", "tokens_per_block", "layer_offsets",
-        "enable_joint_kv_cache_reuse", "_can_publish_block_reuse", "_fresh_page_fill", "_stream", "get_buffers",
+        "enable_joint_kv_cache_reuse", "_can_publish_block_reuse", "_supports_joint_kv_cache_reuse",
+        "_fresh_page_fill", "_stream", "get_buffers",
         "get_batch_cache_indices", "prepare_resources", "update_resources", "free_resources",
         "add_dummy_requests", "shutdown", "get_max_resource_count",
         "get_needed_resource_to_completion"}),
@@ -615,6 +616,7 @@ class DraftKVManager(KVCacheManagerV2):
         super().__init__(is_draft=True, mtp_layer=mtp_layer, paged=paged, dtype=dtype,
                          mapping=mapping, enable_block_reuse=enable_block_reuse)
         self.pool = paged  # the same PagedRows as self.paged, typed as present
+        self.paired = paired  # what the pool does (the markers below say it; a build may lack them)
         self.enable_joint_kv_cache_reuse = paired
         self._can_publish_block_reuse = paired or not self.is_draft
         self.entries = entries
@@ -623,7 +625,7 @@ class DraftKVManager(KVCacheManagerV2):
 
     def match_depth(self, req: LlmRequest) -> tuple[int, _DraftEntry | None]:
         """Paired: the depth the draft tree serves for this prompt (0 unpaired)."""
-        if not self.enable_joint_kv_cache_reuse:
+        if not self.paired:
             return 0, None
         scope = (req.cache_salt, req.lora_task_id)
         best: _DraftEntry | None = None
@@ -647,7 +649,7 @@ class DraftKVManager(KVCacheManagerV2):
 
     def commit_context(self, req: LlmRequest) -> None:
         """Paired: publish the context's pages (keys [0, L)) to the tree; a partial page is copied."""
-        if not self.enable_joint_kv_cache_reuse or req.is_dummy:
+        if not self.paired or req.is_dummy:
             return
         tpb, n = self.pool.tpb, len(req.prompt)
         table = self.pool.tables[req.py_request_id]
@@ -878,7 +880,7 @@ class StandinPyExecutor(Conformant):
 
     def _admit(self, req: LlmRequest) -> None:
         entry = self.target.match(req)
-        if self.draft is not None and self.draft.enable_joint_kv_cache_reuse:
+        if self.draft is not None and self.draft.paired:
             depth, tree = self.draft.match_depth(req)  # the target's reuse is capped at it
             if entry is not None and (tree is None or depth < len(entry.tokens)):
                 entry = None  # no recurrent state below the cap: prefill from 0
