@@ -125,6 +125,18 @@ def test_worker_install_prints_one_line_of_why_it_stands_aside_and_installs_noth
     assert _manager(llm) is None
 
 
+def test_with_kv_cache_estimation_the_served_executor_gets_a_carry_bound_to_its_own_draft_pool(
+        carry_env) -> None:
+    llm = StandinLLM(model(), chunk_size=32, num_pages=256, estimate_kv_cache=True)
+    executor = llm.executor
+    manager = _manager(llm)
+    assert manager is not None and manager.draft is executor.draft
+    assert executor.draft is not executor.estimation_draft
+    names = [getattr(k, "name", k) for k in executor.resource_manager.resource_managers]
+    assert names == ["DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER"]
+    assert sum(m.startswith("mtp carry: installed") for m in worker.messages()[-2:]) == 2
+
+
 def test_a_disabled_carry_stands_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "carry.yaml"
     config.write_text("mtp_carry: {enable: false}\n")

@@ -623,6 +623,16 @@ class DraftKVManager(KVCacheManagerV2):
         self.draft_len = draft_len
         self.tree: OrderedDict[tuple[Any, ...], _DraftEntry] = OrderedDict()
 
+    def rebuilt(self) -> DraftKVManager:
+        """A fresh manager over the same pool and settings (after a teardown), markers kept."""
+        fresh = DraftKVManager(self.pool, mtp_layer=self.mtp_layer, paired=self.paired,
+                               entries=self.entries, draft_len=self.draft_len, dtype=self.dtype,
+                               mapping=self.mapping, enable_block_reuse=self.enable_block_reuse)
+        for name in ("enable_joint_kv_cache_reuse", "_can_publish_block_reuse"):
+            if name not in vars(self):
+                delattr(fresh, name)
+        return fresh
+
     def match_depth(self, req: LlmRequest) -> tuple[int, _DraftEntry | None]:
         """Paired: the depth the draft tree serves for this prompt (0 unpaired)."""
         if not self.paired:
@@ -721,7 +731,9 @@ class StandinPyExecutor(Conformant):
     most `max_batch` requests. Requests move through `LlmRequestState` as in
     PyExecutor: `finish_by_reason` (END_ID, STOP_WORDS, LENGTH; CANCELLED by
     `cancel`) or the error path (`fail`: GENERATION_COMPLETE set directly),
-    then `free_resources`.
+    then `free_resources`. `estimate_kv_cache=True` builds the executor twice over one
+    `resources` dict, the draft manager rebuilt in between, as `create_py_executor`
+    does when it estimates the KV cache size.
     """
 
     TRTLLM_CLASS = "PyExecutor"
@@ -732,7 +744,8 @@ class StandinPyExecutor(Conformant):
                  kv_dtype: DataType = DataType.BF16, tp_size: int = 1,
                  enable_attention_dp: bool = False, version: str = "1.3.0rc29",
                  overlap_scheduler: bool = False, stop_token_ids: Sequence[int] = (),
-                 extra_resource_managers: Mapping_[str, Any] | None = None) -> None:
+                 extra_resource_managers: Mapping_[str, Any] | None = None,
+                 estimate_kv_cache: bool = False) -> None:
         if version not in VERSIONS:
             raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
         profile = VERSIONS[version]
@@ -765,14 +778,22 @@ class StandinPyExecutor(Conformant):
                 del self.draft.enable_joint_kv_cache_reuse
                 del self.draft._can_publish_block_reuse
             managers[ResourceManagerType.DRAFT_KV_CACHE_MANAGER] = self.draft
-        managers[ResourceManagerType.SEQ_SLOT_MANAGER] = SeqSlotManager()
         target_cls = _target_class(profile["target_class"], profile["supports_joint"])
         self.target = target_cls(
             model, enable_block_reuse=enable_block_reuse, entries=prefix_entries,
             folded_paged=self.paged if topology == "folded" and max_draft_len > 0 else None,
             mtp_layer=self.mtp_layer, dtype=kv_dtype, mapping=mapping)
         managers[ResourceManagerType.KV_CACHE_MANAGER] = self.target
-        create_py_executor_instance(self, managers, extra_resource_managers or {})
+        extra = extra_resource_managers or {}
+        if estimate_kv_cache:  # as create_py_executor with KV cache estimation: build, tear the
+            # KV managers down, build them again into the same dict, build the executor again
+            create_py_executor_instance(self, managers, extra)
+            self.estimation_draft = self.draft
+            if self.draft is not None:
+                self.draft = self.draft.rebuilt()
+                managers[ResourceManagerType.DRAFT_KV_CACHE_MANAGER] = self.draft
+            extra = {}  # already in `managers`: TensorRT-LLM would refuse to overwrite them
+        create_py_executor_instance(self, managers, extra)
         self.waiting: deque[LlmRequest] = deque()
         self.active: list[LlmRequest] = []
         self.finished: dict[int, LlmRequest] = {}
@@ -1035,7 +1056,7 @@ def create_py_executor_instance(executor: StandinPyExecutor, resources: OrderedD
 
     As TensorRT-LLM: each `extra_resource_managers` entry is added to `resources`
     (ValueError on an existing key: "Cannot overwrite existing resource manager"),
-    then `ResourceManager(resources)` is built and the KV cache manager is moved to
+    then the sequence slot manager, then `ResourceManager(resources)` is built and the KV cache manager is moved to
     the end ("always invoked last"). The worker-side hook (`trtllm.worker`) wraps
     this function, as it wraps TensorRT-LLM's, to add the carry before the
     executor exists.
@@ -1044,6 +1065,8 @@ def create_py_executor_instance(executor: StandinPyExecutor, resources: OrderedD
         if key in resources:
             raise ValueError(f"Cannot overwrite existing resource manager {key}.")
         resources[key] = value
+    if ResourceManagerType.SEQ_SLOT_MANAGER not in resources:  # added after the extras
+        resources[ResourceManagerType.SEQ_SLOT_MANAGER] = SeqSlotManager()
     rm = ResourceManager(resources)
     if ResourceManagerType.KV_CACHE_MANAGER in resources:
         resources.move_to_end(ResourceManagerType.KV_CACHE_MANAGER)

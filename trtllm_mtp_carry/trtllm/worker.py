@@ -10,11 +10,15 @@ managers in all stages"), which `_util.create_py_executor_instance` adds to the
 KV cache manager last. A carry manager must hold the worker's own draft KV
 manager, which exists only inside the worker, so no parent-side value can be
 given there. This module wraps `create_py_executor_instance` in the worker
-(module `tensorrt_llm._torch.pyexecutor.py_executor_creator`, which calls it
-with keyword `resources=`) and puts the carry manager into that same dict, at
-the place `extra_resource_managers` would: after `DRAFT_KV_CACHE_MANAGER` in
-prepare (its pages exist), before it in free (its pages are still live), and
-before the executor exists, so before any request.
+(module `tensorrt_llm._torch.pyexecutor.py_executor_creator`, which imports it
+by name from `_util` and calls it with keyword `resources=` and
+`start_worker=False`, then `py_executor.start_worker()`) and puts the carry
+manager into that same dict, at the place `extra_resource_managers` would:
+after `DRAFT_KV_CACHE_MANAGER` in prepare (its pages exist), before it in free
+(its pages are still live), before the executor exists, so before any request.
+With KV cache estimation the executor is built twice over one `resources` dict
+(the KV managers torn down and rebuilt in between): each build gets a fresh
+carry manager bound to that build's draft manager.
 
 Turn it on: `TRTLLM_MTP_CARRY_WORKER=<file>` (a YAML file with an `mtp_carry:`
 section; `1` for the defaults) in the environment of the process that starts
@@ -124,6 +128,11 @@ def _install(resources: Any, standin: bool) -> None:
     from .options import TrtllmAdapterError
     from .probe import probe_managers
 
+    if isinstance(resources, dict):
+        # KV cache estimation builds the executor twice over one `resources` dict, tearing the
+        # KV managers down and building them again in between (`create_py_executor`): a carry
+        # manager from the first build holds a torn-down draft manager, never reused
+        resources.pop(CARRY_MANAGER_KEY, None)
     try:
         if not isinstance(resources, dict):
             raise TrtllmAdapterError(
@@ -198,9 +207,9 @@ class _WrappingLoader(importlib.abc.Loader):
 
 def install_pth(site_dir: str | Path | None = None) -> Path:
     """Write the `.pth` line into `site_dir` (default: this interpreter's site-packages)."""
-    target = Path(site_dir or sysconfig.get_paths()["purelib"]) / PTH_NAME
-    target.write_text(PTH_LINE)
-    return target
+    pth = Path(site_dir or sysconfig.get_paths()["purelib"]) / PTH_NAME
+    pth.write_text(PTH_LINE)
+    return pth
 
 
 def main(argv: Sequence[str] | None = None) -> int:
