@@ -125,6 +125,20 @@ def test_worker_install_prints_one_line_of_why_it_stands_aside_and_installs_noth
     assert _manager(llm) is None
 
 
+def test_the_worker_install_runs_after_the_draft_manager_in_prepare_and_before_it_in_free(
+        carry_env) -> None:
+    llm = StandinLLM(model(), chunk_size=32, num_pages=64)
+    names = [getattr(k, "name", k) for k in llm.executor.resource_manager.resource_managers]
+    assert names == ["DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER"]
+    req = llm.generate_async(user_tokens(0, 64), 4,
+                             conversation_params=ConversationParams(conversation_id="o"))
+    llm.run_until_done()
+    calls = [(m, op) for m, op, rid in llm.executor.resource_manager.calls if rid == req.py_request_id]
+    assert [m for m, op in calls if op == "prepare"][:2] == ["DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY]
+    assert [m for m, op in calls if op == "free"][-2:] == [CARRY_MANAGER_KEY, "DRAFT_KV_CACHE_MANAGER"]
+    assert _manager(llm).stats()["deposits"] == 1
+
+
 def test_with_kv_cache_estimation_the_served_executor_gets_a_carry_bound_to_its_own_draft_pool(
         carry_env) -> None:
     llm = StandinLLM(model(), chunk_size=32, num_pages=256, estimate_kv_cache=True)
@@ -133,7 +147,9 @@ def test_with_kv_cache_estimation_the_served_executor_gets_a_carry_bound_to_its_
     assert manager is not None and manager.draft is executor.draft
     assert executor.draft is not executor.estimation_draft
     names = [getattr(k, "name", k) for k in executor.resource_manager.resource_managers]
-    assert names == ["DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER"]
+    # the second build found the sequence slot manager in the dict already: the carry comes
+    # after it; what is guaranteed is after the draft manager (prepare) and before it (free)
+    assert names == ["DRAFT_KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", CARRY_MANAGER_KEY, "KV_CACHE_MANAGER"]
     assert sum(m.startswith("mtp carry: installed") for m in worker.messages()[-2:]) == 2
 
 
