@@ -56,7 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtllm_mtp_carry.bench.stats import Spread  # noqa: E402
-from trtllm_mtp_carry.trtllm.serving import (  # noqa: E402
+from trtllm_mtp_carry.serve.trtllm.serving import (  # noqa: E402
     TRTLLM_EXTRA,
     ChatTemplate,
     conversation_id_for,

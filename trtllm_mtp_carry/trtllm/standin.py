@@ -58,7 +58,7 @@ BAD_PAGE_INDEX = -1
 
 TRTLLM_NAMES: dict[str, frozenset[str]] = {
     # class (as docs/TRTLLM-CONFORMANCE.md names it) -> the TensorRT-LLM names the stand-in has
-    "LLM": frozenset({"_executor", "generate_async", "args", "shutdown"}),
+    "LLM": frozenset({"_executor", "generate_async", "args", "shutdown", "tokenizer"}),
     "GenerationExecutor": frozenset({"engine"}),
     "PyExecutor": frozenset({"resource_manager", "model_engine"}),
     "ResourceManager": frozenset({

@@ -92,7 +92,7 @@ def parse_request(request: Any, pb_utils: Any) -> TurnRequest:
     )
 
 
-class _TritonSink:
+class TritonSink:
     """One request's response sender; the final response carries the turn's statistics."""
 
     def __init__(self, pb_utils: Any, request: Any, instance: str) -> None:
@@ -173,7 +173,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sink = _TritonSink(self._pb, request, self._instance)
+            sink = TritonSink(self._pb, request, self._instance)
             try:
                 turn = parse_request(request, self._pb)
             except ValueError as exc:
