@@ -22,6 +22,14 @@ from serve_helpers import MODEL
 from trtllm_standin import ChatMLTokenizer
 
 from trtllm_mtp_carry.cli import main
+from trtllm_mtp_carry.serve.trtllm.model import require_tensorrt_llm
+from trtllm_mtp_carry.serve.trtllm.repo import (
+    LLM_OPTIONS_FILE,
+    TrtllmRepoSpec,
+    render_trtllm_config,
+    trtllm_spec,
+    write_trtllm_repository,
+)
 from trtllm_mtp_carry.serve.trtllm.serving import (
     MISSING_TRTLLM,
     ChatTemplate,
@@ -34,14 +42,6 @@ from trtllm_mtp_carry.serve.trtllm.serving import (
     stats_gauges,
     triton_llm_args,
     turn_stats,
-)
-from trtllm_mtp_carry.serve.trtllm.model import require_tensorrt_llm
-from trtllm_mtp_carry.serve.trtllm.repo import (
-    LLM_OPTIONS_FILE,
-    TrtllmRepoSpec,
-    render_trtllm_config,
-    trtllm_spec,
-    write_trtllm_repository,
 )
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",

@@ -753,6 +753,7 @@ class StandinPyExecutor(Conformant):
         if topology not in ("unpaired", "paired", "folded"):
             raise ValueError(f"topology must be unpaired, paired or folded, got {topology!r}")
         self.version = version
+        self.resource_manager: ResourceManager  # built by create_py_executor_instance below
         self.overlap_scheduler = overlap_scheduler
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self._lagging: list[tuple[LlmRequest, FinishReason]] = []

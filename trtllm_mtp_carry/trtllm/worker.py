@@ -104,7 +104,8 @@ def wrap_creator(module: ModuleType) -> None:
     original = getattr(module, "create_py_executor_instance", None)
     if original is None or getattr(original, _WRAPPED, False):
         return
-    module.create_py_executor_instance = _wrapped(original, module.__name__ == STANDIN_CREATOR)
+    wrapped = _wrapped(original, module.__name__ == STANDIN_CREATOR)
+    module.create_py_executor_instance = wrapped  # type: ignore[attr-defined]
 
 
 def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
