@@ -172,7 +172,7 @@ def _trtllm_version() -> str:
 
 def _say(line: str) -> None:
     _messages.append(line)
-    logger.warning("%s", line)
+    logger.info("%s", line)
     print(line, file=sys.stderr, flush=True)
 
 
