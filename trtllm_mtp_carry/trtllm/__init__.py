@@ -1,11 +1,16 @@
-"""The carry inside TensorRT-LLM's PyTorch backend: `attach(llm)` installs it, `detach(llm)` removes it.
+"""The carry inside TensorRT-LLM's PyTorch backend, installed where the executor is built.
 
 What it is for: a user serving a hybrid MTP model (Qwen3-Next) on TensorRT-LLM
 with block reuse gets a drafter that is blind over every reused prefix on a
-build without paired draft reuse. `attach` reaches the in-process executor,
-probes it (`probe.py`), detects the topology and, on an unpaired draft pool,
-appends the carry resource manager (`manager.py`) to the executor's resource
-managers:
+build without paired draft reuse. The carry resource manager (`manager.py`)
+restores it. Two ways in, both probing first (`probe.py`) and installing only on
+an unpaired draft pool:
+
+- in TensorRT-LLM's worker process, where the default `LLM(...)`, `trtllm-serve`
+  and Dynamo build the executor: `TRTLLM_MTP_CARRY_WORKER` and `trtllm.worker`
+  (a hook at `create_py_executor_instance`);
+- in one process (`TLLM_WORKER_USE_SINGLE_PROCESS=1`, TP=1): `attach(llm)` reaches
+  the in-process executor and appends the manager (`detach(llm)` removes it):
 
 ```python
 import os
@@ -17,9 +22,10 @@ carry = attach(llm, {"carry_slots": 16})
 print(carry.topology, carry.armed, carry.reason)
 ```
 
-This package is the only code that imports `tensorrt_llm`, and only inside
-`attach` (`probe.reach_executor`); without it, attach on a real LLM fails with
-one line naming the `trtllm` extra. The CPU stand-in (`standin.py`) follows
+The adapter imports `tensorrt_llm` only inside `attach` (`probe.reach_executor`)
+and depends on no front end (the Triton model lives in `serve/trtllm/`);
+without TensorRT-LLM, attach on a real LLM fails with one line naming the
+`trtllm` extra. The CPU stand-in (`standin.py`) follows
 the executor's protocol so the same classes are tested without TensorRT-LLM.
 
 Invariants:

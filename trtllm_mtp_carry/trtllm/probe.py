@@ -1,38 +1,30 @@
-"""What the adapter needs from a TensorRT-LLM executor, probed once at attach time.
+"""What the adapter needs from a TensorRT-LLM executor, probed once before anything is installed.
 
-What it is for: TensorRT-LLM has no public hook for a resource manager, so the
-adapter reaches into the in-process `PyExecutor`. Every attribute it relies on
-is named here with the source file it was read from, and checked before
-anything is installed: a build that lacks one is refused with one line naming
+What it is for: the adapter reaches into TensorRT-LLM's `PyExecutor` (in
+process through `attach`, or in the worker through `trtllm.worker`'s hook at
+`create_py_executor_instance`). Every name it relies on is in
+docs/TRTLLM-CONFORMANCE.md with the file and commit it was read from, and is
+checked here first: a build that lacks one is refused with one line naming
 what is missing, never guessed around.
 
-Read from NVIDIA/TensorRT-LLM (`tensorrt_llm/_torch/pyexecutor/`; commits
-38198e34 and 218ea169, see docs in DECISIONS.md "TensorRT-LLM adapter"):
-- `llm._executor.engine` is the `PyExecutor` when `TLLM_WORKER_USE_SINGLE_PROCESS=1`
-  was set before the first `LLM` (the check is cached by TensorRT-LLM).
-- `PyExecutor.resource_manager.resource_managers`: an `OrderedDict` keyed by
-  `ResourceManagerType` (resource_manager.py); prepare iterates it forward,
-  free in reverse. `DRAFT_KV_CACHE_MANAGER` is the separate one-model draft
-  pool (`_util.py`, `_create_one_model_draft_kv_cache_manager`).
-- The draft manager (`KVCacheManagerV2`, kv_cache_manager_v2.py): `is_draft`,
-  `tokens_per_block`, `dtype` (a `DataType`), `layer_offsets` (global layer ->
-  local; the one layer is the MTP layer, index `num_hidden_layers`),
-  `mapping` (`tp_size`, `enable_attention_dp`), `get_buffers(layer_idx, kv_layout)`,
-  `get_batch_cache_indices(request_ids, layer_idx, ...)`, `_stream`;
-  newer builds: `enable_joint_kv_cache_reuse` (paired draft reuse, PR #19303)
-  and `_fresh_page_fill` (None unless the fresh-page fill diagnostic is on).
-- The target manager: `enable_block_reuse`.
-- `LLM.generate_async(..., conversation_params=...)` (llmapi/llm.py), which
-  puts `py_conversation_params` on the executor request.
+- `probe_executor(llm)`: the in-process path (`llm._executor.engine`, only with
+  `TLLM_WORKER_USE_SINGLE_PROCESS=1`); `probe_managers(resources)`: the checks
+  themselves, over the executor's resource managers.
+- The draft manager (`KVCacheManagerV2`): `is_draft`, `tokens_per_block`, `dtype`,
+  `layer_offsets` (the one layer is the MTP layer, `num_hidden_layers`),
+  `mapping`, `get_buffers(layer_idx, kv_layout)`, `get_batch_cache_indices(request_ids,
+  layer_idx, ...)`, `_stream`, `_fresh_page_fill`, and the pairing markers
+  `enable_joint_kv_cache_reuse`, `_can_publish_block_reuse` (#18093); the target
+  manager: `enable_block_reuse`, its class (V1 hybrid managers are refused) and
+  `_supports_joint_kv_cache_reuse`.
 
 Topologies:
-- `unpaired`: a separate draft pool without joint reuse; released builds
-  (1.2.x, 1.3.x) for hybrids: the drafter is blind over the reused prefix,
-  and the carry restores it.
-- `paired`: `enable_joint_kv_cache_reuse` is on: TensorRT-LLM matches the
-  draft's own radix tree and caps the target's reuse at the draft's depth, so
-  every key below the reused depth is a tree-matched (shared) page: nothing is
-  left to restore and nothing may be written. The carry stands aside.
+- `unpaired`: a separate draft pool that provably neither publishes nor reuses
+  blocks (both markers present and false, the target not claiming joint reuse):
+  the drafter is blind over the reused prefix, and the carry restores it.
+- `paired`: the draft pool publishes or reuses its own blocks: every key below
+  the reused depth may be a tree-matched (shared) page: nothing may be written.
+  The carry stands aside. Markers missing or disagreeing: refused (fail closed).
 - `folded`: no separate draft pool (attention DP, a shared KV cache): the MTP
   layer's KV lives in the target pool and is reused with it. Stands aside.
 """

@@ -1,36 +1,44 @@
 """A CPU STAND-IN for TensorRT-LLM's `PyExecutor` and `LLM`: not TensorRT-LLM, never claimed as it.
 
 What it is for: TensorRT-LLM cannot be installed here, so CI proves the
-adapter's logic on this stand-in, which follows the executor's protocol as
-TensorRT-LLM's source defines it (`tensorrt_llm/_torch/pyexecutor/`, read at
-commits 38198e34 / 218ea169) and runs the package's reference model
-(`engine/model.py`), so outputs and acceptance are real:
+adapter's logic on this stand-in, which follows TensorRT-LLM's source row by
+row (docs/TRTLLM-CONFORMANCE.md names each name, file and commit) and runs the
+package's reference model (`engine/model.py`), so outputs and acceptance are real:
 
-- resource managers in an `OrderedDict` in TensorRT-LLM's order (DRAFT_KV,
-  SEQ_SLOT, KV), `prepare_resources` forward and `free_resources` reversed;
-- requests with the fields the adapter reads (`py_request_id`, `py_client_id`
-  (the LLM API's id; the executor's own id when none is given, as
-  `executor_request_to_llm_request` does), `prompt_len`,
-  `context_current_position`, `get_tokens`, `py_conversation_params`,
-  `cache_salt`, `lora_task_id`, `is_dummy`, `is_context_finished`,
-  `is_finished_due_to_cancellation`);
-- a separate draft KV manager (`is_draft`, one MTP layer at index
-  `num_layers`) with HND pages, `get_buffers` and `get_batch_cache_indices`;
-  a target manager with a prefix cache (attention rows plus the recurrent
-  state at the end of each context, like the `per_conversation` policy);
+- the request state machine: `LlmRequestState` with the C++ values (including
+  GENERATION_TO_COMPLETE and the disaggregated states) and every predicate with
+  the C++ semantics (`is_context_finished` is False at GENERATION_COMPLETE, so
+  at every free); finishing as PyExecutor does (`finish_by_reason` for end id,
+  stop token, max tokens, cancel; the error path sets the state directly), then
+  `free_resources`; the overlap scheduler's one-step lag as an option;
+- resource managers assembled as `create_py_executor_instance` does (extras,
+  the sequence slot manager, the KV cache manager last), `prepare_resources`
+  forward and `free_resources` reversed; KV cache estimation's two builds;
+- the process split: the default `StandinLLM` builds its executor "in a worker"
+  (`llm._executor` has no `engine`, as TensorRT-LLM's proxy), where only the
+  worker hook (`trtllm.worker`) can install the carry; `single_process=True` (or
+  `TLLM_WORKER_USE_SINGLE_PROCESS=1`) is the in-process executor `attach` reaches;
+- a separate draft KV manager (`is_draft`, one MTP layer at index `num_layers`)
+  with HND pages, `get_buffers`, `get_batch_cache_indices` and the pairing
+  markers; a target manager with a prefix cache (attention rows plus the
+  recurrent state at the end of each context, like the `per_conversation`
+  policy), named as each TensorRT-LLM version names it (`VERSIONS`);
 - the MTP layer's rows for the new span computed by the context phase, roped
   at position k as TensorRT-LLM's MTP rows are (the reference engine ropes at
   k + 1; attention is unchanged since RoPE is relative), the golden token at
   the last slot; generation runs MTP-Eagle steps: verify, then rows for all
   1 + D positions (those past the accepted tokens are junk), then draft steps
-  that write rows past the accepted tokens too.
-- Topologies: `unpaired` (draft pages fresh and unwritten over the reused
-  prefix: the blind drafter), `paired` (`enable_joint_kv_cache_reuse`: the
-  draft pool commits its context pages to its own tree and the target's reuse
-  is capped at the draft's matched depth), `folded` (no draft manager: the MTP
-  layer's pages belong to the target manager and are restored with its prefix).
+  that write rows past the accepted tokens too;
+- topologies: `unpaired` (draft pages fresh and unwritten over the reused
+  prefix: the blind drafter), `paired` (the draft pool commits its context
+  pages to its own tree and the target's reuse is capped at the draft's matched
+  depth), `folded` (no draft manager: the MTP layer's pages belong to the target
+  manager and are restored with its prefix).
 
 Invariants:
+- Package code (any `trtllm_mtp_carry.*` module but this one) reading a name
+  of a stand-in TensorRT-LLM class that is not in `TRTLLM_NAMES` gets
+  AttributeError (`Conformant`): it can lean on nothing TensorRT-LLM lacks.
 - Every page is owned by live requests and tree entries with a reference count;
   `check()` proves none leaked once nothing runs.
 - Greedy decoding: the target verifies every draft, so outputs never depend on
