@@ -160,3 +160,20 @@ def test_a_turn_ended_by_cancel_or_error(how: str, where: str) -> None:
         assert torch.equal(taken.rows, _rows(seen[0], llm.executor.paged.tpb, n - 1))
     assert stats["live_requests"] == 0
     llm.executor.check()
+
+
+def test_a_warm_turn_starts_at_the_prepopulated_length_and_moves_by_its_chunks() -> None:
+    llm, _ = make_llm("blind")
+    conv = ConversationParams(conversation_id="q")
+    first = llm.generate_async(user_tokens(0, 3 * CHUNK), 8, conversation_params=conv)
+    llm.run_until_done()
+    warm = llm.generate_async(first.get_tokens(0) + user_tokens(99, 2 * CHUNK), 8,
+                              conversation_params=conv)
+    seen = []
+    while warm.is_context_init_state:
+        llm.executor.step()
+        seen.append(warm.context_current_position)
+    reused = 3 * CHUNK
+    assert warm.prepopulated_prompt_len == reused
+    assert seen[0] == 4 * CHUNK and seen[-1] == warm.prompt_len  # one chunk past R, then the end
+    assert warm.state is S.GENERATION_IN_PROGRESS and warm.is_context_finished

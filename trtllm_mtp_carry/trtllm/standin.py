@@ -576,7 +576,9 @@ class TargetKVManager(KVCacheManagerV2):
                 self.paged.ensure(req.py_request_id, len(entry.tokens))
                 self.paged.write(req.py_request_id, 0, *entry.mtp)
         self.caches[req.py_request_id] = cache
-        req.context_current_position = req.reused = 0 if entry is None else len(entry.tokens)
+        reused = 0 if entry is None else len(entry.tokens)
+        # setContextCurrentPosition and setPrepopulatedPromptLen, as V2's prepare_context does
+        req.context_current_position = req.prepopulated_prompt_len = req.reused = reused
 
     def commit_context(self, req: LlmRequest) -> None:
         """Cache the finished context (attention rows, recurrent state, folded MTP rows)."""
