@@ -130,11 +130,12 @@ def test_a_finished_turn_deposits_keys_below_n_minus_1_and_is_context_finished_i
     llm.executor.check()
 
 
-@pytest.mark.parametrize("how", ["cancel", "error"])
+@pytest.mark.parametrize("how", ["cancel", "cancel_freed_first", "error"])
 @pytest.mark.parametrize("where", ["context", "generation"])
 def test_a_turn_ended_by_cancel_or_error(how: str, where: str) -> None:
     """In context: nothing is deposited (`context_unfinished`). In generation: the rows of
-    the tokens it has are valid (written by completed steps), so they are deposited."""
+    the tokens it has are valid (written by completed steps), so they are deposited. The
+    same whichever order the PyExecutor version frees and finishes a cancelled request in."""
     llm, carry = make_llm("carry")
     seen = _at_free(llm)
     req = llm.generate_async(user_tokens(0, 4 * CHUNK), 64,
@@ -143,13 +144,18 @@ def test_a_turn_ended_by_cancel_or_error(how: str, where: str) -> None:
     if where == "generation":
         while len(req.output) < 5:
             llm.executor.step()
-    if how == "cancel":
-        llm.executor.cancel(req.py_request_id)
-        assert req.finish_reasons == [FinishReason.CANCELLED]
-    else:
+    if how == "error":
         llm.executor.fail(req.py_request_id)
         assert req.finish_reasons == [FinishReason.NOT_FINISHED]  # _handle_errors sets no reason
-    assert seen[0]["state"] is S.GENERATION_COMPLETE and seen[0]["context_finished"] is False
+    else:
+        llm.executor.cancel(req.py_request_id, free_first=how == "cancel_freed_first")
+        assert req.finish_reasons == [FinishReason.CANCELLED]
+    if how == "cancel_freed_first":  # older PyExecutors: freed while still running
+        running = S.CONTEXT_INIT if where == "context" else S.GENERATION_IN_PROGRESS
+        assert seen[0]["state"] is running
+        assert seen[0]["context_finished"] is (where == "generation")
+    else:
+        assert seen[0]["state"] is S.GENERATION_COMPLETE and seen[0]["context_finished"] is False
     stats = carry.stats()
     if where == "context":
         assert stats["skipped"]["context_unfinished"] == 1 and stats["deposits"] == 0

@@ -829,13 +829,15 @@ class StandinPyExecutor(Conformant):
         self.waiting.append(req)
         return req
 
-    def cancel(self, rid: int, *, failed: bool = False) -> None:
+    def cancel(self, rid: int, *, failed: bool = False, free_first: bool = False) -> None:
         """Cancel a request (queued or running, mid-context too) between two steps.
 
         As `PyExecutor._handle_canceled_requests`: `finish_by_reason(CANCELLED)`, then
-        `_terminate_request` (free). `failed=True` is `_handle_errors` instead: the
-        state is set to GENERATION_COMPLETE directly (no finish reason), then freed.
-        A queued request is dropped before it got resources.
+        `_terminate_request` (free); `free_first=True` is older PyExecutors' order
+        (`_terminate_request`, then `finish_by_reason`: at free the request is still
+        in its running state). `failed=True` is `_handle_errors` instead: the state is
+        set to GENERATION_COMPLETE directly (no finish reason), then freed. A queued
+        request is dropped before it got resources.
         """
         for req in list(self.waiting):
             if req.py_request_id == rid:
@@ -846,6 +848,10 @@ class StandinPyExecutor(Conformant):
                 if failed:
                     req.failed = True
                     req.state = LlmRequestState.GENERATION_COMPLETE
+                elif free_first:
+                    self._terminate(req)
+                    req.finish_by_reason(FinishReason.CANCELLED)
+                    return
                 else:
                     req.finish_by_reason(FinishReason.CANCELLED)
                 self._terminate(req)
