@@ -23,12 +23,16 @@ user's machine, what the CPU stand-in cannot:
               speculation (off);
   ttft        time to first token per turn and mode (median, p25-p75), reported.
 
-Modes, each its own LLM in this process (TLLM_WORKER_USE_SINGLE_PROCESS=1, TP=1):
+Modes, each its own LLM in this process (TLLM_WORKER_USE_SINGLE_PROCESS=1, TP=1, so
+the checks can read the draft pages; the carry is installed as in a worker process):
   off      no speculative decoding, block reuse on;
   rebuild  one-model MTP, block reuse off (every turn prefills its whole history);
   blind    one-model MTP, block reuse on, no carry (the drafter is blind over the
            reused prefix on unpaired builds);
-  carry    one-model MTP, block reuse on, `trtllm_mtp_carry.trtllm.attach`.
+  carry    one-model MTP, block reuse on, the carry installed by the supported path
+           (`trtllm_mtp_carry.trtllm.worker`: TRTLLM_MTP_CARRY_WORKER set while the LLM is
+           built, so the hook puts the carry into `create_py_executor_instance`'s
+           resources, exactly as in a trtllm-serve or Dynamo worker).
 
 It prints one line per check, PROVED / FAILED / NOT CHECKED with the reason, and
 exits 1 if a check failed, 0 otherwise (a check it could not make is not a
@@ -56,7 +60,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtllm_mtp_carry.bench.stats import Spread  # noqa: E402
-from trtllm_mtp_carry.trtllm.serving import (  # noqa: E402
+from trtllm_mtp_carry.serve.trtllm.serving import (  # noqa: E402
     TRTLLM_EXTRA,
     ChatTemplate,
     conversation_id_for,
@@ -126,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="carry - blind warm-turn acceptance required (absolute)")
     p.add_argument("--llm-options", default=None, metavar="YAML",
                    help="extra LLM(**options) keywords (extra_llm_api_options YAML) for every mode; "
-                        "its mtp_carry section goes to attach in the carry mode")
+                        "its mtp_carry section goes to the worker-side install in the carry mode")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--json-out", default=None, metavar="PATH", help="write every turn and verdict as JSON")
     args = p.parse_args(argv)
@@ -166,14 +170,15 @@ def require_environment() -> dict[str, Any]:
     from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
 
     try:
-        from trtllm_mtp_carry.trtllm import attach, detach, parse_carry_options
+        from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, parse_carry_options, worker
+        from trtllm_mtp_carry.trtllm.probe import probe_managers
     except ImportError as exc:
         raise SmokeError(f"the carry adapter is missing from this checkout: {exc}") from None
     return dict(LLM=LLM, SamplingParams=SamplingParams, ConversationParams=ConversationParams,
                 KvCacheConfig=KvCacheConfig, MTPDecodingConfig=MTPDecodingConfig,
                 BaseResourceManager=BaseResourceManager, ResourceManagerType=ResourceManagerType,
-                update=update_llm_args_with_extra_dict, attach=attach, detach=detach,
-                parse_carry_options=parse_carry_options)
+                update=update_llm_args_with_extra_dict, worker=worker, carry_key=CARRY_MANAGER_KEY,
+                parse_carry_options=parse_carry_options, probe_managers=probe_managers)
 
 
 # ---- the workload ----------------------------------------------------------------------
@@ -218,6 +223,28 @@ def build_llm(env: dict[str, Any], mode: str, args: argparse.Namespace, extra: d
     if mode != "off":
         kwargs["speculative_config"] = env["MTPDecodingConfig"](max_draft_len=args.max_draft_len)
     return env["LLM"](**kwargs)
+
+
+def build_carry_llm(env: dict[str, Any], args: argparse.Namespace, extra: dict[str, Any],
+                    carry_section: Any) -> Any:
+    """The carry mode's LLM, with the carry installed where TensorRT-LLM builds the executor:
+    `TRTLLM_MTP_CARRY_WORKER` names a file holding the `mtp_carry` section while the LLM is
+    built (the worker hook reads it at `create_py_executor_instance`), then is unset."""
+    import tempfile
+
+    import yaml
+
+    env["parse_carry_options"](carry_section)  # a bad section is one line, before any GPU work
+    worker = env["worker"]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="mtp_carry_", delete=False) as f:
+        yaml.safe_dump({"mtp_carry": carry_section or {}}, f)
+    os.environ[worker.ENV] = f.name
+    try:
+        worker.boot()  # what the .pth line runs in a worker process
+        return build_llm(env, "carry", args, extra)
+    finally:
+        os.environ.pop(worker.ENV, None)
+        os.unlink(f.name)
 
 
 def executor_of(llm: Any) -> Any:
@@ -584,15 +611,21 @@ def scatter_verdict(carry_probe: Any, rebuild_probe: Any) -> Verdict:
 def run_mode(env: dict[str, Any], mode: str, args: argparse.Namespace, extra: dict[str, Any],
              carry_section: Any, convs: list[list[str]], watch: set[str],
              verdicts: list[Verdict]) -> tuple[Run, Any]:
-    llm = build_llm(env, mode, args, extra)
+    llm = build_carry_llm(env, args, extra, carry_section) if mode == "carry" else \
+        build_llm(env, mode, args, extra)
     run, probe = Run(mode), None
     try:
         executor = executor_of(llm)
         managers = executor.resource_manager.resource_managers
         draft = managers.get(env["ResourceManagerType"].DRAFT_KV_CACHE_MANAGER)
+        carry = managers.get(env["carry_key"]) if mode == "carry" else None
         if mode == "carry":
-            attachment = env["attach"](llm, env["parse_carry_options"](carry_section))
-            run.topology, run.armed, run.reason = attachment.topology, bool(attachment.armed), attachment.reason
+            said = env["worker"].messages()
+            run.armed, run.reason = carry is not None, said[-1] if said else "the worker hook printed nothing"
+            try:
+                run.topology = env["probe_managers"](managers, "installed").topology
+            except ValueError as exc:  # TrtllmAdapterError: refused
+                run.topology = f"refused ({exc})"
             print(f"carry: topology {run.topology}, {'armed' if run.armed else 'not armed'}: {run.reason}")
         chat = ChatTemplate(getattr(llm.tokenizer, "tokenizer", llm.tokenizer))
         if draft is not None and mode in ("carry", "rebuild"):
@@ -611,10 +644,8 @@ def run_mode(env: dict[str, Any], mode: str, args: argparse.Namespace, extra: di
         start = time.perf_counter()
         run.records = asyncio.run(replay(env, llm, chat, convs, args))
         print(f"{mode}: {len(run.records)} turns in {time.perf_counter() - start:.1f} s")
-        if mode == "carry":
-            run.armed = bool(attachment.armed)
-            print(f"carry counters: {attachment.stats()}")
-            env["detach"](llm)
+        if carry is not None:
+            print(f"carry counters: {carry.stats()}")
     finally:
         llm.shutdown()
         import gc

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Carry vs blind vs rebuild on the TensorRT-LLM STAND-IN executor (CPU; not TensorRT-LLM).
 
-What it measures: the adapter (`trtllm_mtp_carry.trtllm`, attached unchanged)
-on the stand-in executor that follows TensorRT-LLM's PyExecutor protocol, at
-a long history. Policies: `carry` (attached), `blind` (TensorRT-LLM as is:
+What it measures: the adapter (`trtllm_mtp_carry.trtllm`, installed unchanged
+by the worker-process path, `TRTLLM_MTP_CARRY_WORKER`) on the stand-in executor
+that follows TensorRT-LLM's PyExecutor source, at a long history. Policies:
+`carry` (installed in the stand-in's worker-side executor), `blind` (TensorRT-LLM as is:
 fresh draft pages over the reused prefix), `rebuild` (block reuse off: every
 turn prefills from position 0). One executor per policy, in one process;
 each (session, turn) runs under the three policies back to back, so every
@@ -22,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+import tempfile
 import time
 from itertools import cycle
+from pathlib import Path
 
 import torch
 
@@ -33,7 +37,7 @@ from trtllm_mtp_carry.bench.sessions import load_conversations
 from trtllm_mtp_carry.bench.stats import Spread, paired_ratio
 from trtllm_mtp_carry.engine.model import load_reference
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
-from trtllm_mtp_carry.trtllm import attach
+from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
 
 POLICIES = ("carry", "blind", "rebuild")
@@ -77,12 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     model, tok = load_reference()
     llms = {}
-    for p in POLICIES:
-        llms[p] = StandinLLM(model, chunk_size=args.chunk, max_batch=1, num_pages=16384,
-                             prefix_entries=4 * args.sessions,
-                             enable_block_reuse=p != "rebuild")
-    carry = attach(llms["carry"], {"carry_slots": args.sessions})
-    warm = StandinLLM(model, chunk_size=args.chunk)  # warm-up: torch's first calls are slow
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "carry.yaml"
+        config.write_text(f"mtp_carry: {{carry_slots: {args.sessions}}}\n")
+        for p in POLICIES:
+            if p == "carry":  # the executor "in a worker": only the worker hook can install it
+                os.environ[worker.ENV] = str(config)
+            llms[p] = StandinLLM(model, single_process=p != "carry", chunk_size=args.chunk,
+                                 max_batch=1, num_pages=16384, prefix_entries=4 * args.sessions,
+                                 enable_block_reuse=p != "rebuild")
+            os.environ.pop(worker.ENV, None)
+    carry = llms["carry"].executor.resource_manager.resource_managers[CARRY_MANAGER_KEY]
+    warm = StandinLLM(model, single_process=True, chunk_size=args.chunk)  # warm-up: torch's first calls are slow
     warm.generate_async(tok.render_chat([{"role": "user", "content": "warm up"}]), 8)
     warm.run_until_done()
 
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 req = llm.generate_async(prompts[p], args.max_new, conversation_params=
                                          ConversationParams(conversation_id=f"s{s}"))
-                while not req.is_context_finished:
+                while not req.output and not req.is_finished:  # until the first token
                     llm.executor.step()
                 ttft = (time.perf_counter() - t0) * 1e3
                 llm.run_until_done()

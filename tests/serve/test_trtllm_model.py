@@ -22,7 +22,15 @@ from serve_helpers import MODEL
 from trtllm_standin import ChatMLTokenizer
 
 from trtllm_mtp_carry.cli import main
-from trtllm_mtp_carry.trtllm.serving import (
+from trtllm_mtp_carry.serve.trtllm.model import require_tensorrt_llm
+from trtllm_mtp_carry.serve.trtllm.repo import (
+    LLM_OPTIONS_FILE,
+    TrtllmRepoSpec,
+    render_trtllm_config,
+    trtllm_spec,
+    write_trtllm_repository,
+)
+from trtllm_mtp_carry.serve.trtllm.serving import (
     MISSING_TRTLLM,
     ChatTemplate,
     TrtllmServeOptions,
@@ -34,14 +42,6 @@ from trtllm_mtp_carry.trtllm.serving import (
     stats_gauges,
     triton_llm_args,
     turn_stats,
-)
-from trtllm_mtp_carry.trtllm.triton_model import require_tensorrt_llm
-from trtllm_mtp_carry.trtllm.triton_repo import (
-    LLM_OPTIONS_FILE,
-    TrtllmRepoSpec,
-    render_trtllm_config,
-    trtllm_spec,
-    write_trtllm_repository,
 )
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
@@ -274,7 +274,7 @@ def test_triton_repo_engine_trtllm_writes_a_self_contained_repository(tmp_path, 
                  "--llm-options", str(yaml_file), "--max-tokens", "48"]) == 0
     model_dir = repo / "mtp_carry"
     assert (model_dir / LLM_OPTIONS_FILE).read_text() == OPTIONS_YAML
-    assert "from trtllm_mtp_carry.trtllm.triton_model import TritonPythonModel" in \
+    assert "from trtllm_mtp_carry.serve.trtllm.model import TritonPythonModel" in \
         (model_dir / "1" / "model.py").read_text()
     params = {k: v.string_value for k, v in parse((model_dir / "config.pbtxt").read_text()).parameters.items()}
     assert params == {"engine": "trtllm", "model": str(ckpt.resolve()), "llm_options": LLM_OPTIONS_FILE,
@@ -361,7 +361,7 @@ def test_importing_the_trtllm_model_loads_no_torch_and_no_tensorrt_llm():
     import subprocess
     import sys
 
-    code = ("import sys, trtllm_mtp_carry.trtllm.triton_model, trtllm_mtp_carry.trtllm.triton_repo\n"
+    code = ("import sys, trtllm_mtp_carry.serve.trtllm.model, trtllm_mtp_carry.serve.trtllm.repo\n"
             "print(sorted(m for m in ('torch', 'tensorrt_llm', 'yaml') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]"

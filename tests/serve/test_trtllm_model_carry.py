@@ -24,7 +24,7 @@ import pytest
 import trtllm_standin as standin
 
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
-from trtllm_mtp_carry.trtllm.triton_model import TritonPythonModel
+from trtllm_mtp_carry.serve.trtllm.model import TritonPythonModel
 
 CORPUS = ChatTokenizer().encode(Path(json.__file__).with_name("decoder.py").read_text())
 MAX_TOKENS = 6

@@ -18,8 +18,8 @@ import pytest
 import trtllm_standin as standin
 
 import trtllm_mtp_carry.trtllm as adapter_package
-from trtllm_mtp_carry.trtllm.serving import ChatTemplate
-from trtllm_mtp_carry.trtllm.triton_model import TritonPythonModel
+from trtllm_mtp_carry.serve.trtllm.model import TritonPythonModel
+from trtllm_mtp_carry.serve.trtllm.serving import ChatTemplate
 
 TOK = standin.ChatMLTokenizer()
 CHAT = ChatTemplate(TOK)

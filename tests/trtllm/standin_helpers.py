@@ -54,7 +54,7 @@ def padded(prefix: list[int], offset: int, minimum: int = CHUNK // 2) -> list[in
 def make_llm(policy: str, **options: object) -> tuple[StandinLLM, CarryAttachment | None]:
     """A stand-in LLM for `policy`: carry (attached), blind (TensorRT-LLM as is), rebuild
     (block reuse off: every turn prefills from 0), off (no speculation)."""
-    kw: dict[str, object] = {"chunk_size": CHUNK, "max_batch": 4}
+    kw: dict[str, object] = {"chunk_size": CHUNK, "max_batch": 4, "single_process": True}
     if policy == "rebuild":
         kw["enable_block_reuse"] = False
     if policy == "off":

@@ -13,7 +13,7 @@ from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 
 
 def _llm(**options: Any) -> StandinLLM:
-    return StandinLLM(model(), chunk_size=32, num_pages=64, **options)
+    return StandinLLM(model(), chunk_size=32, num_pages=64, single_process=True, **options)
 
 
 def _refusal(llm: Any) -> str:
@@ -62,7 +62,7 @@ def test_no_conversation_id_support_is_refused() -> None:
         def generate_async(self, prompt_token_ids: Any, max_new_tokens: int = 32) -> Any:  # type: ignore[override]
             return super().generate_async(prompt_token_ids, max_new_tokens)
 
-    msg = _refusal(OldLLM(model(), chunk_size=32, num_pages=64))
+    msg = _refusal(OldLLM(model(), chunk_size=32, num_pages=64, single_process=True))
     assert msg.startswith("this TensorRT-LLM build has no conversation id support")
 
 
@@ -73,10 +73,16 @@ def test_the_fresh_page_fill_is_refused() -> None:
     assert _refusal(llm).startswith("the fresh-page fill is on for the draft pool")
 
 
-def test_a_multi_process_executor_and_a_missing_tensorrt_llm_name_the_fix() -> None:
-    llm = _llm()
-    llm._executor = SimpleNamespace()  # type: ignore[assignment]
-    assert "TLLM_WORKER_USE_SINGLE_PROCESS=1" in _refusal(llm)
+def test_a_parent_process_attach_reaches_no_executor_and_says_so_in_one_line() -> None:
+    llm = StandinLLM(model(), chunk_size=32, num_pages=64)  # default: a worker-process executor
+    assert _refusal(llm) == (
+        "llm._executor (_WorkerProxy) reaches no executor: the PyExecutor runs in a worker "
+        "process; install the carry there (TRTLLM_MTP_CARRY_WORKER, trtllm_mtp_carry.trtllm.worker) "
+        "or set TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM (TP=1) for attach")
+    assert CARRY_MANAGER_KEY not in llm.executor.resource_manager.resource_managers
+
+
+def test_a_missing_tensorrt_llm_names_the_extra() -> None:
     # not a stand-in and tensorrt_llm cannot be imported here: the extra is named
     assert _refusal(SimpleNamespace()) == (
         "attach needs TensorRT-LLM, which is not importable here: "
@@ -100,7 +106,7 @@ def test_unpaired_arms_and_installs_after_the_draft_manager() -> None:
 
 
 @pytest.mark.parametrize(("options", "topology", "reason"), [
-    ({"topology": "paired"}, "paired", "paired: enable_joint_kv_cache_reuse restores"),
+    ({"topology": "paired"}, "paired", "paired: the draft pool publishes and reuses its own blocks"),
     ({"topology": "folded"}, "folded", "folded: no separate draft KV cache manager"),
     ({"enable_block_reuse": False}, "unpaired", "block reuse is off"),
 ])

@@ -38,9 +38,9 @@ from .triton.repo import (
 )
 
 if TYPE_CHECKING:
-    from ..trtllm.triton_repo import TrtllmRepoSpec
+    from .trtllm.repo import TrtllmRepoSpec
 
-TRTLLM_ENGINE = "trtllm"  # TensorRT-LLM's model (trtllm_mtp_carry/trtllm/triton_model.py)
+TRTLLM_ENGINE = "trtllm"  # TensorRT-LLM's model (trtllm_mtp_carry/serve/trtllm/model.py)
 
 
 def _port(text: str) -> int:
@@ -108,7 +108,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
 
 
 def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
-    from ..trtllm.triton_repo import trtllm_spec
+    from .trtllm.repo import trtllm_spec
 
     for flag, value, where in (("--carry-slots", args.serve_carry_slots, "carry_slots in the mtp_carry section"),
                                ("--max-model-len", args.max_model_len, "max_seq_len"),
@@ -125,7 +125,7 @@ def _write(directory: str, spec: RepoSpec | TrtllmRepoSpec) -> Path:
 
     if isinstance(spec, RepoSpec):
         return write_repository(directory, spec)
-    from ..trtllm.triton_repo import write_trtllm_repository
+    from .trtllm.repo import write_trtllm_repository
 
     return write_trtllm_repository(directory, spec)
 

@@ -1,11 +1,16 @@
-"""The carry inside TensorRT-LLM's PyTorch backend: `attach(llm)` installs it, `detach(llm)` removes it.
+"""The carry inside TensorRT-LLM's PyTorch backend, installed where the executor is built.
 
 What it is for: a user serving a hybrid MTP model (Qwen3-Next) on TensorRT-LLM
 with block reuse gets a drafter that is blind over every reused prefix on a
-build without paired draft reuse. `attach` reaches the in-process executor,
-probes it (`probe.py`), detects the topology and, on an unpaired draft pool,
-appends the carry resource manager (`manager.py`) to the executor's resource
-managers:
+build without paired draft reuse. The carry resource manager (`manager.py`)
+restores it. Two ways in, both probing first (`probe.py`) and installing only on
+an unpaired draft pool:
+
+- in TensorRT-LLM's worker process, where the default `LLM(...)`, `trtllm-serve`
+  and Dynamo build the executor: `TRTLLM_MTP_CARRY_WORKER` and `trtllm.worker`
+  (a hook at `create_py_executor_instance`);
+- in one process (`TLLM_WORKER_USE_SINGLE_PROCESS=1`, TP=1): `attach(llm)` reaches
+  the in-process executor and appends the manager (`detach(llm)` removes it):
 
 ```python
 import os
@@ -17,9 +22,10 @@ carry = attach(llm, {"carry_slots": 16})
 print(carry.topology, carry.armed, carry.reason)
 ```
 
-This package is the only code that imports `tensorrt_llm`, and only inside
-`attach` (`probe.reach_executor`); without it, attach on a real LLM fails with
-one line naming the `trtllm` extra. The CPU stand-in (`standin.py`) follows
+The adapter imports `tensorrt_llm` only inside `attach` (`probe.reach_executor`)
+and depends on no front end (the Triton model lives in `serve/trtllm/`);
+without TensorRT-LLM, attach on a real LLM fails with one line naming the
+`trtllm` extra. The CPU stand-in (`standin.py`) follows
 the executor's protocol so the same classes are tested without TensorRT-LLM.
 
 Invariants:
@@ -34,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +71,6 @@ CARRY_MANAGER_KEY = "MTP_CARRY"
 """The carry manager's key in `resource_managers` (string keys are what
 `TorchLlmArgs.extra_resource_managers` installs too)."""
 
-_ATTR = "_mtp_carry_attachment"
 
 
 @dataclass
@@ -147,6 +153,10 @@ class CarryAttachment:
         ]
 
 
+_ATTACHED: weakref.WeakKeyDictionary[Any, CarryAttachment] = weakref.WeakKeyDictionary()
+"""The attachment of each LLM (kept here, not on the LLM: the adapter adds no name to it)."""
+
+
 def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) -> CarryAttachment:
     """Probe `llm`'s in-process executor and install the carry where it can run.
 
@@ -157,7 +167,7 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
     the carry runs, `reason` why (or why not).
     """
     opts = options if isinstance(options, CarryOptions) else parse_carry_options(options)
-    if getattr(llm, _ATTR, None) is not None:
+    if _attached(llm) is not None:
         raise TrtllmAdapterError("the carry is already attached to this LLM (detach it first)")
     from .manager import carry_manager_class
     from .probe import probe_executor
@@ -174,13 +184,13 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
     attachment = CarryAttachment(probe.topology, armed, reason, opts, probe.version,
                                  probe.mtp_layer, probe.tokens_per_block, manager,
                                  probe.resource_manager)
-    setattr(llm, _ATTR, attachment)
+    _ATTACHED[llm] = attachment
     return attachment
 
 
 def detach(llm: Any) -> None:
     """Remove the carry from `llm` and drop its carried rows (no-op if it was never attached)."""
-    attachment: CarryAttachment | None = getattr(llm, _ATTR, None)
+    attachment = _attached(llm)
     if attachment is None:
         return
     if attachment.manager is not None:
@@ -188,7 +198,14 @@ def detach(llm: Any) -> None:
         if managers.get(CARRY_MANAGER_KEY) is attachment.manager:
             del managers[CARRY_MANAGER_KEY]
         attachment.manager.shutdown()
-    setattr(llm, _ATTR, None)
+    _ATTACHED.pop(llm, None)
+
+
+def _attached(llm: Any) -> CarryAttachment | None:
+    try:
+        return _ATTACHED.get(llm)
+    except TypeError:  # not weak-referenceable: never attached (attach refuses it first)
+        return None
 
 
 def _base_resource_manager(draft: Any) -> type:

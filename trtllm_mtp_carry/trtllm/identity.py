@@ -6,8 +6,12 @@ tokens). Inside TensorRT-LLM's PyTorch backend the session is the request's
 `py_conversation_params.conversation_id` (`tensorrt_llm/conversation_params.py`:
 `ConversationParams(conversation_id: str)`, stripped; copied onto the
 executor request as `py_conversation_params`), scoped like TensorRT-LLM's own
-reuse by `cache_salt` and `lora_task_id` (`KVCacheManagerV2._create_kv_cache`
-builds `ReuseScope(lora_id=lora_task_id, salt=cache_salt)`).
+reuse by the salt and `lora_task_id` (`KVCacheManagerV2._create_kv_cache`
+builds `ReuseScope(lora_id=lora_task_id, salt=...)` from the request's
+`cache_salt_id`). The executor request carries no salt text: only
+`cache_salt_id`, the 64-bit hash `tensorrt_llm.inputs.utils.get_cache_salt_id`
+makes of the client's `cache_salt` (`executor_request_to_llm_request`), so
+the executor-side key is scoped by that id (`cache_salt_id=`).
 
 Invariants:
 - `session_key_for` is stable across processes (the core's blake2b
@@ -46,13 +50,22 @@ def conversation_session(conversation_id: str, lora_id: int | None = None) -> in
 
 
 def session_key_for(conversation_id: str, cache_salt: str | None = None,
-                    lora_id: int | None = None) -> int:
-    """Non-zero 64-bit carry key of `(conversation_id.strip(), lora_id)` under `cache_salt`.
+                    lora_id: int | None = None, *, cache_salt_id: int | None = None) -> int:
+    """Non-zero 64-bit carry key of `(conversation_id.strip(), lora_id)` under a salt.
 
-    `ValueError` for an empty or blank conversation id or an empty salt,
-    `TypeError` for a non-str id or salt or a non-int LoRA id; each names the value.
+    The salt is `cache_salt` (text) or `cache_salt_id` (TensorRT-LLM's 64-bit id of
+    a salt, what its executor request holds), not both. `ValueError` for an empty or
+    blank conversation id, an empty salt or both salts, `TypeError` for a non-str id
+    or salt, a non-int salt id or LoRA id; each names the value.
     """
     session = conversation_session(conversation_id, lora_id)
+    if cache_salt_id is not None:
+        if cache_salt is not None:
+            raise ValueError("give cache_salt or cache_salt_id, not both")
+        if isinstance(cache_salt_id, bool) or not isinstance(cache_salt_id, int) or \
+                not 0 <= cache_salt_id < 1 << 64:
+            raise TypeError(f"cache_salt_id must be an int in [0, 2**64), got {cache_salt_id!r}")
+        return carry_key(session, f"trtllm-salt-id:{cache_salt_id}")
     if cache_salt is not None:
         if not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
@@ -66,17 +79,19 @@ def request_session(request: object) -> tuple[int, int] | None:
     """`(carry key, conversation session)` of an executor request (`LlmRequest`), or None
     when it has no conversation id.
 
-    Reads `py_conversation_params.conversation_id`, `cache_salt` and
+    Reads `py_conversation_params.conversation_id`, `cache_salt_id` and
     `lora_task_id`; a missing or blank conversation id means "no session".
     """
     params = getattr(request, "py_conversation_params", None)
     conv = getattr(params, "conversation_id", None) if params is not None else None
     if not isinstance(conv, str) or not conv.strip():
         return None
-    salt = getattr(request, "cache_salt", None)
+    salt_id = getattr(request, "cache_salt_id", None)
     lora = getattr(request, "lora_task_id", None)
     lora_id = None if lora is None else int(lora)
-    return session_key_for(conv, salt or None, lora_id), conversation_session(conv, lora_id)
+    key = session_key_for(conv, None, lora_id,
+                          cache_salt_id=None if salt_id is None else int(salt_id))
+    return key, conversation_session(conv, lora_id)
 
 
 def request_session_key(request: object) -> int | None:

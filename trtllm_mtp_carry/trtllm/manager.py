@@ -33,8 +33,8 @@ gives a warm turn fresh, unwritten draft pages for the reused prefix
   of `TURN_LOG` records, so a turn nobody reads never grows memory.
 
 Invariants:
-- Dummy requests, requests without a conversation id, cancelled requests,
-  requests freed before their context finished and requests whose
+- Dummy requests, requests without a conversation id, requests freed before
+  their context finished (cancelled or failed in context: see `_skip_reason`) and requests whose
   conversation was forgotten while they ran are never carried, and leave
   nothing behind (their bookkeeping is dropped at free).
 - A request deposits only if every key `[0, N - 1)` is valid: a cold turn, or
@@ -75,8 +75,7 @@ logger = logging.getLogger("trtllm_mtp_carry")
 SKIP_REASONS: tuple[str, ...] = (
     "dummy",  # warm-up or padding requests
     "no_conversation",  # no py_conversation_params.conversation_id
-    "cancelled",  # is_finished_due_to_cancellation
-    "context_unfinished",  # freed before its context finished (failed or aborted)
+    "context_unfinished",  # freed before its context finished (cancelled, failed, never scheduled)
     "gap",  # a blind warm turn: keys [0, R) hold no valid rows
     "session_end",  # its conversation was forgotten (the session ended) while it ran
 )
@@ -94,6 +93,8 @@ class _Live:
     reused: int  # R at first sight
     complete: bool  # keys [0, R) hold valid rows (cold turn, or fully restored)
     record: dict[str, object]  # the turn record `turn()` returns
+    prompt_len: int  # LlmRequest.prompt_len
+    last_chunk: bool = False  # its last context chunk was scheduled (seen at prepare)
     forgotten: bool = False  # its conversation ended while it ran: it deposits nothing
 
 
@@ -140,21 +141,27 @@ class CarryManagerCore:
         """Adopt for every context request seen for the first time (see the module doc)."""
         for request in scheduled_batch.context_requests:
             rid = int(request.py_request_id)
-            if rid in self._live:
-                continue  # a later chunk of a request already judged
-            if _is_dummy(request):
+            # this chunk reaches the prompt's end (C++ isLastContextChunk, read in our own
+            # prepare: outside the draft's request_context, after the scheduler set the chunk)
+            position = int(request.context_current_position)
+            prompt_len = int(request.prompt_len)  # LlmRequest.prompt_len: no token copy
+            last = position + int(request.context_chunk_size) >= prompt_len
+            known = self._live.get(rid)
+            if known is not None:  # a later chunk of a request already judged
+                known.last_chunk = known.last_chunk or last
+                continue
+            if request.is_dummy_request:
                 continue  # never tracked: free skips it as dummy
             found = request_session(request)
             key, conversation = (None, None) if found is None else found
-            reused = int(request.context_current_position)  # read outside request_context
-            prompt_len = int(request.prompt_len)  # LlmRequest.prompt_len: no token copy
+            reused = position  # R: the prepopulated length at first sight
             first = "no_conversation" if key is None else "pending" if reused else "cold"
             # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
             # as the reference engine counts `drafter_rows_computed`
             record: dict[str, object] = {
                 "reused": reused, "outcome": first, "no_carry_reason": "", "rows_scattered": 0,
                 "rows_computed": max(0, prompt_len - 1 - reused), "rows_deposited": 0, "skipped": None}
-            live = _Live(key, conversation, reused, reused == 0, record)
+            live = _Live(key, conversation, reused, reused == 0, record, prompt_len, last)
             client = getattr(request, "py_client_id", None)  # the LLM API's id of the request
             with self._lock:
                 self._live[rid] = live
@@ -191,12 +198,12 @@ class CarryManagerCore:
             return self.carried.forget(conversation)
 
     def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
-        why = self._skip_reason(request, live)
+        tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
+        why = self._skip_reason(request, live, len(tokens))
         if why is not None:
             self._skip(why, live)
             return False
         assert live is not None and live.key is not None
-        tokens = list(request.get_tokens(0))
         valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
         if valid <= 0:
             return False
@@ -306,14 +313,18 @@ class CarryManagerCore:
             self._errors[step] += 1
             live.record["error"] = f"{step}: {exc}"
 
-    def _skip_reason(self, request: Any, live: _Live | None) -> str | None:
-        if _is_dummy(request):
+    def _skip_reason(self, request: Any, live: _Live | None, num_tokens: int) -> str | None:
+        if request.is_dummy_request:
             return "dummy"
         if (live.key if live is not None else request_session_key(request)) is None:
             return "no_conversation"
-        if getattr(request, "is_finished_due_to_cancellation", False):
-            return "cancelled"
-        if live is None or not getattr(request, "is_context_finished", False):
+        # At free TensorRT-LLM's is_context_finished is False for every request (the state
+        # is GENERATION_COMPLETE): the context finished iff its last chunk was scheduled here
+        # and the sampler then appended a token (an error or a cancel before that leaves
+        # get_tokens at the prompt). Rows [0, N - 1) were then written by the context phase
+        # and the completed generation steps; the overlap scheduler's extra step writes
+        # only keys >= N - 1.
+        if live is None or not live.last_chunk or num_tokens <= live.prompt_len:
             return "context_unfinished"  # never scheduled, or freed before its context finished
         if not live.complete:
             return "gap"
@@ -340,10 +351,6 @@ def _remember(log: OrderedDict[int, dict[str, object]], key: int, record: dict[s
     log.move_to_end(key)
     while len(log) > TURN_LOG:
         log.popitem(last=False)
-
-
-def _is_dummy(request: Any) -> bool:
-    return bool(getattr(request, "is_dummy_request", False) or getattr(request, "is_dummy", False))
 
 
 _CLASSES: dict[type, type] = {}

@@ -1,38 +1,30 @@
-"""What the adapter needs from a TensorRT-LLM executor, probed once at attach time.
+"""What the adapter needs from a TensorRT-LLM executor, probed once before anything is installed.
 
-What it is for: TensorRT-LLM has no public hook for a resource manager, so the
-adapter reaches into the in-process `PyExecutor`. Every attribute it relies on
-is named here with the source file it was read from, and checked before
-anything is installed: a build that lacks one is refused with one line naming
+What it is for: the adapter reaches into TensorRT-LLM's `PyExecutor` (in
+process through `attach`, or in the worker through `trtllm.worker`'s hook at
+`create_py_executor_instance`). Every name it relies on is in
+docs/TRTLLM-CONFORMANCE.md with the file and commit it was read from, and is
+checked here first: a build that lacks one is refused with one line naming
 what is missing, never guessed around.
 
-Read from NVIDIA/TensorRT-LLM (`tensorrt_llm/_torch/pyexecutor/`; commits
-38198e34 and 218ea169, see docs in DECISIONS.md "TensorRT-LLM adapter"):
-- `llm._executor.engine` is the `PyExecutor` when `TLLM_WORKER_USE_SINGLE_PROCESS=1`
-  was set before the first `LLM` (the check is cached by TensorRT-LLM).
-- `PyExecutor.resource_manager.resource_managers`: an `OrderedDict` keyed by
-  `ResourceManagerType` (resource_manager.py); prepare iterates it forward,
-  free in reverse. `DRAFT_KV_CACHE_MANAGER` is the separate one-model draft
-  pool (`_util.py`, `_create_one_model_draft_kv_cache_manager`).
-- The draft manager (`KVCacheManagerV2`, kv_cache_manager_v2.py): `is_draft`,
-  `tokens_per_block`, `dtype` (a `DataType`), `layer_offsets` (global layer ->
-  local; the one layer is the MTP layer, index `num_hidden_layers`),
-  `mapping` (`tp_size`, `enable_attention_dp`), `get_buffers(layer_idx, kv_layout)`,
-  `get_batch_cache_indices(request_ids, layer_idx, ...)`, `_stream`;
-  newer builds: `enable_joint_kv_cache_reuse` (paired draft reuse, PR #19303)
-  and `_fresh_page_fill` (None unless the fresh-page fill diagnostic is on).
-- The target manager: `enable_block_reuse`.
-- `LLM.generate_async(..., conversation_params=...)` (llmapi/llm.py), which
-  puts `py_conversation_params` on the executor request.
+- `probe_executor(llm)`: the in-process path (`llm._executor.engine`, only with
+  `TLLM_WORKER_USE_SINGLE_PROCESS=1`); `probe_managers(resources)`: the checks
+  themselves, over the executor's resource managers.
+- The draft manager (`KVCacheManagerV2`): `is_draft`, `tokens_per_block`, `dtype`,
+  `layer_offsets` (the one layer is the MTP layer, `num_hidden_layers`),
+  `mapping`, `get_buffers(layer_idx, kv_layout)`, `get_batch_cache_indices(request_ids,
+  layer_idx, ...)`, `_stream`, `_fresh_page_fill`, and the pairing markers
+  `enable_joint_kv_cache_reuse`, `_can_publish_block_reuse` (#18093); the target
+  manager: `enable_block_reuse`, its class (V1 hybrid managers are refused) and
+  `_supports_joint_kv_cache_reuse`.
 
 Topologies:
-- `unpaired`: a separate draft pool without joint reuse; released builds
-  (1.2.x, 1.3.x) for hybrids: the drafter is blind over the reused prefix,
-  and the carry restores it.
-- `paired`: `enable_joint_kv_cache_reuse` is on: TensorRT-LLM matches the
-  draft's own radix tree and caps the target's reuse at the draft's depth, so
-  every key below the reused depth is a tree-matched (shared) page: nothing is
-  left to restore and nothing may be written. The carry stands aside.
+- `unpaired`: a separate draft pool that provably neither publishes nor reuses
+  blocks (both markers present and false, the target not claiming joint reuse):
+  the drafter is blind over the reused prefix, and the carry restores it.
+- `paired`: the draft pool publishes or reuses its own blocks: every key below
+  the reused depth may be a tree-matched (shared) page: nothing may be written.
+  The carry stands aside. Markers missing or disagreeing: refused (fail closed).
 - `folded`: no separate draft pool (attention DP, a shared KV cache): the MTP
   layer's KV lives in the target pool and is reused with it. Stands aside.
 """
@@ -83,11 +75,11 @@ def find_manager(resource_manager: Any, name: str) -> tuple[object, Any] | None:
 def reach_executor(llm: Any) -> tuple[Any, str]:
     """`(llm._executor.engine, tensorrt_llm version)`; TrtllmAdapterError naming what is missing.
 
-    A TensorRT-LLM stand-in (`trtllm_standin = True`) reports its own version;
-    anything else needs `tensorrt_llm` importable.
+    The package's stand-in (`standin.StandinLLM`, told apart by its class's module)
+    reports itself as a stand-in; anything else needs `tensorrt_llm` importable.
     """
-    if getattr(llm, "trtllm_standin", False):
-        version = f"stand-in ({type(llm).__module__})"
+    if any(c.__module__ == "trtllm_mtp_carry.trtllm.standin" for c in type(llm).__mro__):
+        version = "stand-in"
     else:
         try:
             import tensorrt_llm
@@ -102,29 +94,38 @@ def reach_executor(llm: Any) -> tuple[Any, str]:
     executor = getattr(proxy, "engine", None)
     if executor is None:
         raise TrtllmAdapterError(
-            f"llm._executor ({type(proxy).__name__}) has no in-process engine: set "
-            "TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM is built (TP=1 only)")
+            f"llm._executor ({type(proxy).__name__}) reaches no executor: the PyExecutor runs in "
+            "a worker process; install the carry there (TRTLLM_MTP_CARRY_WORKER, trtllm_mtp_carry.trtllm."
+            "worker) or set TLLM_WORKER_USE_SINGLE_PROCESS=1 before the first LLM (TP=1) for attach")
     return executor, version
 
 
 def probe_executor(llm: Any) -> ExecutorProbe:
-    """Probe `llm`'s executor; refuse what the carry cannot run on, detect the topology.
-
-    Refused (TrtllmAdapterError, one line each): no in-process executor, a missing
-    attribute or signature, no conversation id support, TP > 1, attention data
-    parallelism, a KV dtype other than BF16, the fresh-page fill. Not refused but
-    not runnable (the carry stands aside, `reason` says why): paired, folded,
-    block reuse off.
-    """
+    """Probe `llm`'s in-process executor (see `probe_managers`), after checking that
+    `LLM.generate_async` takes `conversation_params`."""
     executor, version = reach_executor(llm)
     _require_conversation_params(llm)
     rm = _attr(executor, "resource_manager", "PyExecutor")
-    _attr(rm, "resource_managers", "ResourceManager")
-    found_target = find_manager(rm, TARGET_KV)
+    managers = _attr(rm, "resource_managers", "ResourceManager")
+    return probe_managers(managers, version, executor, rm)
+
+
+def probe_managers(managers: Any, version: str, executor: Any = None,
+                   resource_manager: Any = None) -> ExecutorProbe:
+    """Probe an executor's resource managers (the `resources` dict the worker hook sees, or
+    `ResourceManager.resource_managers`); refuse what the carry cannot run on, detect the topology.
+
+    Refused (TrtllmAdapterError, one line each): a missing attribute or signature, TP > 1,
+    attention data parallelism, a V1 hybrid target manager, a draft manager other than
+    KVCacheManagerV2, a KV dtype other than BF16, the fresh-page fill, and pairing markers
+    that are missing or disagree (`_pairing`). Not refused but not runnable (the carry
+    stands aside, `reason` says why): paired, folded, block reuse off.
+    """
+    found_target = _find(managers, TARGET_KV)
     if found_target is None:
         raise TrtllmAdapterError(f"the executor has no {TARGET_KV} resource manager")
     target = found_target[1]
-    found_draft = find_manager(rm, DRAFT_KV)
+    found_draft = _find(managers, DRAFT_KV)
     mapping = _attr(found_draft[1] if found_draft else target, "mapping", "KV cache manager")
     tp = _attr(mapping, "tp_size", "Mapping")
     if tp != 1:
@@ -135,6 +136,12 @@ def probe_executor(llm: Any) -> ExecutorProbe:
             "attention data parallelism is on: the carry needs one executor holding every "
             "request's draft pages (enable_attention_dp must be false)")
     reuse = bool(_attr(target, "enable_block_reuse", "target KV cache manager"))
+    if type(target).__name__ in V1_HYBRID_MANAGERS:
+        raise TrtllmAdapterError(
+            f"the target KV cache manager is {type(target).__name__} (KV cache manager V1, as "
+            "TensorRT-LLM 1.2.x gives a hybrid model with block reuse): the carry supports "
+            "KVCacheManagerV2 only (kv_cache_config.use_kv_cache_manager_v2)")
+    rm = resource_manager
     if found_draft is None:
         return ExecutorProbe(executor, rm, target, None, None, None, "folded", False,
                              "folded: no separate draft KV cache manager, the MTP layer's KV "
@@ -150,17 +157,64 @@ def probe_executor(llm: Any) -> ExecutorProbe:
     mtp_layer = int(next(iter(offsets)))
     tpb = int(_attr(draft, "tokens_per_block", "draft KV cache manager"))
     _check_buffer(draft, mtp_layer, tpb)
-    if getattr(draft, "enable_joint_kv_cache_reuse", False):
-        return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
-                             "paired: enable_joint_kv_cache_reuse restores the drafter's prefix "
-                             "from the draft pool's own tree; the carry stands aside", version)
     if not reuse:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", False,
                              "block reuse is off (kv_cache_config.enable_block_reuse): no prefix "
                              "is reused, so there is nothing to carry", version)
+    paired, found = _pairing(draft, target)
+    if paired:
+        return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
+                             f"paired: the draft pool publishes and reuses its own blocks ({found}); "
+                             "TensorRT-LLM restores the drafter's prefix itself, the carry stands "
+                             "aside", version)
     return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", True,
-                         "unpaired draft pool with block reuse: the carry restores the "
+                         f"unpaired draft pool with block reuse ({found}): the carry restores the "
                          "drafter's rows over the reused prefix", version)
+
+
+V1_HYBRID_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager"})
+"""Target manager classes of KV cache manager V1 for hybrid models (`_util.py`, 1.2.x)."""
+
+_MISSING = object()
+
+
+def _pairing(draft: Any, target: Any) -> tuple[bool, str]:
+    """`(paired, what was found)`: read every pairing marker; fail closed.
+
+    Paired (stand aside) when the draft pool publishes (`_can_publish_block_reuse`) or
+    reuses (`enable_joint_kv_cache_reuse`) blocks. Unpaired only when both markers are
+    present and false and the target's class does not claim joint reuse
+    (`_supports_joint_kv_cache_reuse`, absent or false); anything else (a marker
+    missing, or the target claiming joint reuse the draft does not show) is refused.
+    """
+    joint = getattr(draft, "enable_joint_kv_cache_reuse", _MISSING)
+    publish = getattr(draft, "_can_publish_block_reuse", _MISSING)
+    supports = getattr(target, "_supports_joint_kv_cache_reuse", _MISSING)
+
+    def show(value: object) -> str:
+        return "missing" if value is _MISSING else repr(value)
+
+    found = (f"draft {type(draft).__name__}.enable_joint_kv_cache_reuse={show(joint)}, "
+             f"_can_publish_block_reuse={show(publish)}; target {type(target).__name__}."
+             f"_supports_joint_kv_cache_reuse={show(supports)}")
+    if joint is True or publish is True:
+        return True, found
+    if joint is _MISSING or publish is _MISSING:
+        raise TrtllmAdapterError(
+            f"cannot prove the draft pool shares no blocks ({found}): a pairing marker is "
+            "missing, so the carry stands aside")
+    if joint is not False or publish is not False or supports not in (_MISSING, False):
+        raise TrtllmAdapterError(
+            f"the pairing markers disagree ({found}): the carry cannot tell whether the draft "
+            "pool shares blocks, so it stands aside")
+    return False, found
+
+
+def _find(managers: Any, name: str) -> tuple[object, Any] | None:
+    for key, manager in managers.items():
+        if manager_name(key) == name:
+            return key, manager
+    return None
 
 
 def _attr(obj: Any, name: str, owner: str) -> Any:
@@ -204,7 +258,7 @@ def _check_draft(draft: Any) -> None:
         raise TrtllmAdapterError(
             f"draft KV cache dtype is {name}: the carry supports BF16 KV only (kv_cache_config.dtype "
             "auto with a BF16 model)")
-    if getattr(draft, "_fresh_page_fill", None) is not None:
+    if getattr(draft, "_fresh_page_fill", None) is not None:  # TRTLLM_KV_FRESH_PAGE_FILL
         raise TrtllmAdapterError(
             "the fresh-page fill is on for the draft pool: it would overwrite the rows the carry "
             "scatters into fresh pages; turn it off")

@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
-from ..engine.turn import DraftRates
-from ..serve.options import ServeOptions
+from ...engine.turn import DraftRates
+from ..options import ServeOptions
 
 TRTLLM_ENGINE = "trtllm"
 TRTLLM_EXTRA = 'pip install "trtllm-mtp-carry[trtllm]"'

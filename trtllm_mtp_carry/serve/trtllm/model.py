@@ -62,10 +62,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..serve.session_server import TurnRequest
-from ..serve.triton.metrics import CarryMetrics
-from ..serve.triton.model import TritonSink as _TritonSink
-from ..serve.triton.model import parse_request
+from ..session_server import TurnRequest
+from ..triton.metrics import CarryMetrics
+from ..triton.model import TritonSink, parse_request
 from .serving import (
     MISSING_TRTLLM,
     ChatTemplate,
@@ -134,7 +133,7 @@ class TrtllmMetrics(CarryMetrics):
             self._metric("runtime", "field", name).set(value)
 
 
-class _TrtllmSink(_TritonSink):
+class _TrtllmSink(TritonSink):
     """The reference model's response sender; the final response carries TensorRT-LLM's statistics."""
 
     def final(self, ids: list[int], text: str, result: Any) -> None:
@@ -231,7 +230,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self._options = TrtllmServeOptions.from_parameters(config.get("parameters", {}))
         idle_us = config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
-        # the session's own idle timeout: Triton's value less the turn bound it adds (triton_repo.py)
+        # the session's own idle timeout: Triton's value less the turn bound it adds (serve/trtllm/repo.py)
         self._idle_s = int(idle_us) / 1e6 - self._options.max_turn_s if idle_us else None
         self._instance = args["model_instance_name"]
         options_path = None

@@ -1,7 +1,7 @@
 """The Triton repository of the TensorRT-LLM model (`triton-repo --engine trtllm --model PATH`).
 
 What it is for: write `DIR/<name>/config.pbtxt`, `DIR/<name>/1/model.py`
-(exporting `trtllm_mtp_carry.trtllm.triton_model.TritonPythonModel`) and,
+(exporting `trtllm_mtp_carry.serve.trtllm.model.TritonPythonModel`) and,
 with `--llm-options YAML`, a copy of that file as `DIR/<name>/llm_options.yaml`,
 so the repository is self-contained. The configuration is the reference
 model's (`serve/triton/repo.py`: decoupled, sequence batching `oldest`,
@@ -21,8 +21,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..serve.options import ServeOptions
-from ..serve.triton.repo import (
+from ..options import ServeOptions
+from ..triton.repo import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MODEL_NAME,
     INPUTS,
@@ -33,7 +33,7 @@ from ..serve.triton.repo import (
 )
 from .serving import TrtllmServeOptions
 
-MODEL_MODULE = "trtllm_mtp_carry.trtllm.triton_model"
+MODEL_MODULE = "trtllm_mtp_carry.serve.trtllm.model"
 LLM_OPTIONS_FILE = "llm_options.yaml"
 
 # the reference model's inputs less drafter_policy: TensorRT-LLM's drafting is set per deployment

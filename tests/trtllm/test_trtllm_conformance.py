@@ -1,0 +1,84 @@
+"""Every TensorRT-LLM name the package touches is in docs/TRTLLM-CONFORMANCE.md, and the
+stand-in answers package code for exactly those names (AttributeError for any other)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from trtllm_names import FILES, ROOT, table, touched
+
+from trtllm_mtp_carry.trtllm import manager as manager_module
+from trtllm_mtp_carry.trtllm.standin import TRTLLM_NAMES, LlmRequest
+
+DEPLOYMENT = ["trtllm_mtp_carry/serve/trtllm/model.py", "trtllm_mtp_carry/serve/trtllm/serving.py"]
+SCRIPTS = ["scripts/trtllm_smoke.py"]
+
+
+def _code_files() -> list[str]:
+    return [f for f in FILES + DEPLOYMENT + SCRIPTS if (ROOT / f).exists()]
+
+
+def test_the_walk_covers_the_adapter_the_triton_model_and_the_smoke_script() -> None:
+    assert set(_code_files()) == set(FILES + DEPLOYMENT + SCRIPTS)
+
+
+@pytest.mark.parametrize("path", FILES + DEPLOYMENT + SCRIPTS)
+def test_every_tensorrt_llm_name_the_code_touches_is_in_the_conformance_table(path: str) -> None:
+    rows = table()
+    missing = sorted({(c, n, line) for c, n, line in touched(ROOT / path) if (c, n) not in rows})
+    assert missing == [], f"{path}: TensorRT-LLM names not in docs/TRTLLM-CONFORMANCE.md: {missing}"
+
+
+def test_the_stand_in_answers_for_exactly_the_tables_names() -> None:
+    rows = table()
+    for cls, names in TRTLLM_NAMES.items():
+        assert names == {n for c, n in rows if c == cls}, cls
+
+
+def test_the_walk_finds_what_the_adapter_reads() -> None:
+    """Not vacuous: the adapter's known reads are found (a renamed receiver would hide them)."""
+    found = {(c, n) for f in FILES for c, n, _ in touched(ROOT / f)}
+    assert {("LlmRequest", "context_current_position"), ("LlmRequest", "context_chunk_size"),
+            ("LlmRequest", "cache_salt_id"), ("KVCacheManagerV2", "_can_publish_block_reuse"),
+            ("KVCacheManagerV2", "enable_joint_kv_cache_reuse"), ("GenerationExecutor", "engine"),
+            ("ScheduledRequests", "context_requests")} <= found
+
+
+def test_package_code_reading_a_name_tensorrt_llm_lacks_gets_attribute_error() -> None:
+    req = LlmRequest(1, [1, 2, 3], 4)
+    assert req.prompt == [1, 2, 3]  # the stand-in's own bookkeeping, for tests
+    code = compile("request.prompt", manager_module.__file__, "eval")
+    with pytest.raises(AttributeError, match=r"TensorRT-LLM's LlmRequest has no 'prompt' in "
+                                             r"docs/TRTLLM-CONFORMANCE.md"):
+        eval(code, vars(manager_module), {"request": req})
+    assert eval(compile("request.prompt_len", manager_module.__file__, "eval"),
+                vars(manager_module), {"request": req}) == 3
+    assert eval(compile("getattr(request, 'is_dummy', 'absent')", manager_module.__file__, "eval"),
+                vars(manager_module), {"request": req}) == "absent"
+
+
+def test_the_doc_cites_the_commits_it_read() -> None:
+    text = (ROOT / "docs" / "TRTLLM-CONFORMANCE.md").read_text()
+    for commit in ("00e9b8a7", "cc8cd5af", "000429d5", "002f3cc3", "38198e34"):
+        assert commit in text
+    assert Path(ROOT / "docs" / "TRTLLM-CONFORMANCE.md").exists()
+
+
+def test_the_adapter_depends_on_nothing_above_it() -> None:
+    """One room per layer: `trtllm/` (the executor-level adapter) imports no front end."""
+    import ast
+
+    above = ("trtllm_mtp_carry.serve", "trtllm_mtp_carry.bench", "trtllm_mtp_carry.cli",
+             "trtllm_mtp_carry.chat")
+    found = []
+    for path in sorted((ROOT / "trtllm_mtp_carry" / "trtllm").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                level = "trtllm_mtp_carry.trtllm".split(".")[: 2 - node.level + 1] if node.level else []
+                name = ".".join([*level, node.module or ""]) if node.level else (node.module or "")
+                if name.startswith(above):
+                    found.append((path.name, name))
+            elif isinstance(node, ast.Import):
+                found += [(path.name, a.name) for a in node.names if a.name.startswith(above)]
+    assert found == []

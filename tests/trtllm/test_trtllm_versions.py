@@ -1,0 +1,110 @@
+"""What the carry does per TensorRT-LLM version and pairing marker, on the STAND-IN (README table).
+
+Each `standin.VERSIONS` row sets what that release gives a hybrid one-model MTP
+model with block reuse (the target manager's class, the pairing markers); the
+adapter's answer is pinned per row. Paired detection fails closed: a draft pool
+that publishes blocks is left alone even without `enable_joint_kv_cache_reuse`,
+and missing or disagreeing markers are refused with one line naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from standin_helpers import CHUNK, make_llm, model, padded, user_tokens
+
+from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach
+from trtllm_mtp_carry.trtllm.standin import VERSIONS, ConversationParams, StandinLLM
+
+MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
+               "False; target MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=False")
+ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reason or refusal)
+    "1.2.1": ("refused", False,
+              "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as "
+              "TensorRT-LLM 1.2.x gives a hybrid model with block reuse): the carry supports "
+              "KVCacheManagerV2 only (kv_cache_config.use_kv_cache_manager_v2)"),
+    "1.3.0rc29": ("unpaired", True,
+                  f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
+                  "drafter's rows over the reused prefix"),
+    "1.4.0rc1": ("unpaired", True,
+                 f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
+                 "drafter's rows over the reused prefix"),
+    "main+19303": ("paired", False,
+                   "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager."
+                   "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target "
+                   "MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=True); TensorRT-LLM "
+                   "restores the drafter's prefix itself, the carry stands aside"),
+}
+
+
+def _llm(**options: Any) -> StandinLLM:
+    return StandinLLM(model(), chunk_size=32, num_pages=64, single_process=True, **options)
+
+
+def test_every_version_profile_has_a_pinned_row() -> None:
+    assert set(VERSIONS) == set(ROWS)
+
+
+@pytest.mark.parametrize("version", list(ROWS))
+def test_the_carry_per_tensorrt_llm_version(version: str) -> None:
+    topology, armed, reason = ROWS[version]
+    llm = _llm(version=version)
+    if topology == "refused":
+        with pytest.raises(TrtllmAdapterError) as exc:
+            attach(llm)
+        assert str(exc.value) == reason
+        return
+    carry = attach(llm)
+    assert (carry.topology, carry.armed, carry.reason) == (topology, armed, reason)
+    assert (CARRY_MANAGER_KEY in llm.executor.resource_manager.resource_managers) == armed
+
+
+def test_a_publishing_draft_pool_without_the_joint_reuse_attribute_is_left_alone() -> None:
+    """The done-when case: a paired pool whose build lacks `enable_joint_kv_cache_reuse`
+    still publishes (`_can_publish_block_reuse`): the carry stands aside and writes into
+    no page of the draft pool's tree."""
+    llm, _ = make_llm("blind", topology="paired")
+    draft = llm.executor.draft
+    assert draft is not None
+    del draft.enable_joint_kv_cache_reuse
+    carry = attach(llm)
+    assert (carry.topology, carry.armed, carry.manager) == ("paired", False, None)
+    assert "enable_joint_kv_cache_reuse=missing, _can_publish_block_reuse=True" in carry.reason
+    conv = ConversationParams(conversation_id="p")
+    first = llm.generate_async(user_tokens(0, 5 * CHUNK), 24, conversation_params=conv)
+    llm.run_until_done()
+    tree_pages = next(iter(draft.tree.values())).pages
+    before = llm.executor.paged.buf[tree_pages].clone()
+    second = llm.generate_async(padded(first.get_tokens(0), 77), 24, conversation_params=conv)
+    llm.run_until_done()
+    assert second.reused == 5 * CHUNK  # the draft tree matched
+    assert torch.equal(llm.executor.paged.buf[tree_pages], before)
+
+
+@pytest.mark.parametrize(("drop", "found"), [
+    (("enable_joint_kv_cache_reuse", "_can_publish_block_reuse"),
+     "enable_joint_kv_cache_reuse=missing, _can_publish_block_reuse=missing"),
+    (("_can_publish_block_reuse",), "enable_joint_kv_cache_reuse=False, _can_publish_block_reuse=missing"),
+])
+def test_a_missing_pairing_marker_is_refused_naming_what_was_found(drop: tuple[str, ...], found: str) -> None:
+    llm = _llm()
+    for name in drop:
+        delattr(llm.executor.draft, name)
+    with pytest.raises(TrtllmAdapterError) as exc:
+        attach(llm)
+    assert str(exc.value) == (
+        f"cannot prove the draft pool shares no blocks (draft DraftKVManager.{found}; target "
+        "MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=False): a pairing marker is "
+        "missing, so the carry stands aside")
+
+
+def test_markers_that_disagree_are_refused() -> None:
+    """#19303's target claims joint reuse but the draft pool shows none: refused, not armed."""
+    llm = _llm(version="main+19303", topology="unpaired")
+    with pytest.raises(TrtllmAdapterError) as exc:
+        attach(llm)
+    assert str(exc.value).startswith("the pairing markers disagree (draft DraftKVManager."
+                                     "enable_joint_kv_cache_reuse=False, _can_publish_block_reuse=False; "
+                                     "target MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=True)")
