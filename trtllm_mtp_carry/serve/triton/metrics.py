@@ -34,9 +34,7 @@ class CarryMetrics:
     """Creates the metric families once and updates them per turn and per session end.
 
     Another engine's Triton model (TensorRT-LLM's) subclasses it to feed the same
-    families; its subclass API is `_metric(family, key, value)`, the one metric of a
-    family (by its key in `_families`) with this instance's labels plus `key=value`,
-    created on first use.
+    families through `metric(family, key, value)`.
     """
 
     def __init__(self, pb_utils: Any, model: str, instance: str) -> None:
@@ -59,7 +57,9 @@ class CarryMetrics:
         self._metrics: dict[tuple[str, str, str], Any] = {}
         self._lock = threading.Lock()
 
-    def _metric(self, family: str, key: str = "", value: str = "") -> Any:
+    def metric(self, family: str, key: str = "", value: str = "") -> Any:
+        """The one metric of `family` (its key in the table above) with this instance's
+        labels plus `key=value`, created on first use."""
         ident = (family, key, value)
         with self._lock:
             metric = self._metrics.get(ident)
@@ -70,25 +70,25 @@ class CarryMetrics:
 
     def record_turn(self, stats: Any) -> None:
         """Count one finished turn from its TurnStats."""
-        self._metric("outcomes", "kind", stats.outcome_kind or "none").increment(1)
+        self.metric("outcomes", "kind", stats.outcome_kind or "none").increment(1)
         if stats.outcome_kind == "no_carry":
             reason = getattr(stats, "no_carry_reason", "") or "never_carried"
-            self._metric("no_carry", "reason", reason).increment(1)
+            self.metric("no_carry", "reason", reason).increment(1)
         for source, value in (("adopted", stats.drafter_rows_kept), ("computed", stats.drafter_rows_computed)):
             if value:
-                self._metric("rows", "source", source).increment(value)
+                self.metric("rows", "source", source).increment(value)
         for result, value in (("proposed", stats.drafted), ("accepted", stats.accepted)):
             if value:
-                self._metric("drafts", "result", result).increment(value)
+                self.metric("drafts", "result", result).increment(value)
 
     def record_error(self, reason: str) -> None:
         """Count one error response."""
-        self._metric("errors", "reason", reason).increment(1)
+        self.metric("errors", "reason", reason).increment(1)
 
     def record_session_end(self, cause: str, rows_freed: int) -> None:
-        self._metric("ended", "cause", cause).increment(1)
+        self.metric("ended", "cause", cause).increment(1)
         if rows_freed:
-            self._metric("freed").increment(rows_freed)
+            self.metric("freed").increment(rows_freed)
 
     def refresh(self, runtime_stats: Any) -> None:
         """Set a gauge for every int field of the runtime's frozen stats snapshot, and for
@@ -100,4 +100,4 @@ class CarryMetrics:
             items = value.items() if isinstance(value, dict) else [("", value)]
             for key, v in items:
                 if isinstance(v, int) and not isinstance(v, bool):
-                    self._metric("runtime", "field", f"{f.name}.{key}" if key else f.name).set(v)
+                    self.metric("runtime", "field", f"{f.name}.{key}" if key else f.name).set(v)

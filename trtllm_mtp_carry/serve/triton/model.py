@@ -95,48 +95,52 @@ def parse_request(request: Any, pb_utils: Any) -> TurnRequest:
 class TritonSink:
     """One request's response sender; the final response carries the turn's statistics.
 
-    Public so that another engine's Triton model (TensorRT-LLM's) reuses it. Its
-    subclass API: `_pb` (triton_python_backend_utils), `_sender` (the request's
-    response sender), `_instance` (the model instance's name) and
-    `_stream(ids, text)` (the streamed `output_ids`/`text_output` tensors); a
-    subclass overrides `final` to send its own statistics, once, with the
-    COMPLETE_FINAL flag.
+    Public so that another engine's Triton model (TensorRT-LLM's) reuses it:
+    `pb` (triton_python_backend_utils), `instance` (the model instance's name),
+    `stream_tensors(ids, text)` (the streamed `output_ids`/`text_output`
+    tensors) and `send_final(tensors)` (the request's last response, with the
+    COMPLETE_FINAL flag); a subclass overrides `final` to send its own
+    statistics, once, through `send_final`.
     """
 
     def __init__(self, pb_utils: Any, request: Any, instance: str) -> None:
-        self._pb = pb_utils
+        self.pb = pb_utils
         self._request = request
         self._sender = request.get_response_sender()
-        self._instance = instance
+        self.instance = instance
 
-    def _stream(self, ids: list[int], text: str) -> list[Any]:
+    def stream_tensors(self, ids: list[int], text: str) -> list[Any]:
         import numpy as np
 
-        return [self._pb.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
-                self._pb.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
+        return [self.pb.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
+                self.pb.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
 
     def partial(self, ids: list[int], text: str) -> None:
-        self._sender.send(self._pb.InferenceResponse(output_tensors=self._stream(ids, text)))
+        self._sender.send(self.pb.InferenceResponse(output_tensors=self.stream_tensors(ids, text)))
 
     def final(self, ids: list[int], text: str, result: Any) -> None:
         import numpy as np
 
         s = result.stats
-        tensors = self._stream(ids, text) + [
-            self._pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)),
-            self._pb.Tensor("drafter_rows_computed", np.asarray([s.drafter_rows_computed], dtype=np.int32)),
-            self._pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
-            self._pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
-            self._pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
-            self._pb.Tensor("model_instance", np.asarray([self._instance.encode()], dtype=np.object_)),
-            self._pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
+        tensors = self.stream_tensors(ids, text) + [
+            self.pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)),
+            self.pb.Tensor("drafter_rows_computed", np.asarray([s.drafter_rows_computed], dtype=np.int32)),
+            self.pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
+            self.pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
+            self.pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
+            self.pb.Tensor("model_instance", np.asarray([self.instance.encode()], dtype=np.object_)),
+            self.pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
         ]
-        self._sender.send(self._pb.InferenceResponse(output_tensors=tensors),
-                          flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.send_final(tensors)
+
+    def send_final(self, tensors: list[Any]) -> None:
+        """Send the request's last response: `tensors`, with the COMPLETE_FINAL flag."""
+        self._sender.send(self.pb.InferenceResponse(output_tensors=tensors),
+                          flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def error(self, message: str) -> None:
-        self._sender.send(self._pb.InferenceResponse(error=self._pb.TritonError(message)),
-                          flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(message)),
+                          flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def cancelled(self) -> bool:
         return bool(self._request.is_cancelled())

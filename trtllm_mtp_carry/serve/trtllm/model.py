@@ -126,11 +126,11 @@ class TrtllmMetrics(CarryMetrics):
             return
         for result, value in (("proposed", stats.drafted), ("accepted", stats.accepted)):
             if value:
-                self._metric("drafts", "result", result).increment(value)
+                self.metric("drafts", "result", result).increment(value)
 
     def refresh_adapter(self, adapter_stats: Any) -> None:
         for name, value in stats_gauges(adapter_stats).items():
-            self._metric("runtime", "field", name).set(value)
+            self.metric("runtime", "field", name).set(value)
 
 
 class _TrtllmSink(TritonSink):
@@ -142,20 +142,19 @@ class _TrtllmSink(TritonSink):
         s: TrtllmTurnStats = result
         carry = []  # what the adapter knows of this turn; an unknown value is left out
         if s.outcome_kind:
-            carry.append(self._pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)))
+            carry.append(self.pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)))
         if s.drafter_rows_computed is not None:
-            carry.append(self._pb.Tensor("drafter_rows_computed",
+            carry.append(self.pb.Tensor("drafter_rows_computed",
                                          np.asarray([s.drafter_rows_computed], dtype=np.int32)))
-        tensors = self._stream(ids, text) + carry + [
-            self._pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
-            self._pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
-            self._pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
-            self._pb.Tensor("kv_cache_reused_blocks", np.asarray([s.kv_cache_reused_blocks], dtype=np.int32)),
-            self._pb.Tensor("model_instance", np.asarray([self._instance.encode()], dtype=np.object_)),
-            self._pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
+        tensors = self.stream_tensors(ids, text) + carry + [
+            self.pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
+            self.pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
+            self.pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
+            self.pb.Tensor("kv_cache_reused_blocks", np.asarray([s.kv_cache_reused_blocks], dtype=np.int32)),
+            self.pb.Tensor("model_instance", np.asarray([self.instance.encode()], dtype=np.object_)),
+            self.pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
         ]
-        self._sender.send(self._pb.InferenceResponse(output_tensors=tensors),
-                          flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.send_final(tensors)
 
 
 @dataclass
