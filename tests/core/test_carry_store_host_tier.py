@@ -43,9 +43,11 @@ class Moves:
     def __init__(self, fail_restore=False):
         self.calls = []
         self.fail_restore = fail_restore
+        self.gone = set()  # keys whose rows the executor no longer holds
 
     def demote(self, e):
         self.calls.append(("demote", e.session_hash))
+        return e.session_hash not in self.gone
 
     def restore(self, e):
         self.calls.append(("restore", e.session_hash))
@@ -122,7 +124,7 @@ def test_the_host_budget_evicts_its_own_entries_in_the_policys_victim_order():
     assert host_keys(store) == [2, 3] and keys(store) == [4]
     assert store.evictions() == zeros(memory=1) and store.miss_reason(1) == "memory"
     assert store.tier_stats().host_evictions == zeros(memory=1)
-    assert moves.calls[-2:] == [("drop", 1), ("demote", 3)]
+    assert moves.calls[-2:] == [("demote", 3), ("drop", 1)]
     assert store.get(1) is None
 
 
@@ -248,3 +250,15 @@ def test_host_budget_must_be_a_non_negative_int():
     for bad in (-1, 1.5, "1GiB", True):
         with pytest.raises(ValueError, match="host_budget_bytes"):
             CarryStore(budget_bytes=10, host_budget_bytes=bad)
+
+
+def test_a_demotion_whose_rows_are_gone_is_a_plain_eviction_that_keeps_the_host_tier():
+    store = CarryStore(budget_bytes=100, policy="lrd", host_budget_bytes=10)
+    store.host_moves = moves = Moves()
+    deposit(store, 1)
+    deposit(store, 2)
+    store.evict(1, "pool_pressure")
+    moves.gone.add(2)
+    assert store.evict(2, "pool_pressure").session_hash == 2  # nothing to copy: evicted
+    assert host_keys(store) == [1] and store.evictions() == zeros(pool_pressure=1)
+    assert store.tier_stats().demotions == 1

@@ -508,14 +508,16 @@ class CarryStore:
         if dropped is None:  # larger than the host budget, or the policy keeps the host's incumbents
             self._tier.demotions_refused += 1
             return self._remove(key, cause)
+        if self.host_moves is not None:
+            t0 = time.perf_counter()
+            moved = self.host_moves.demote(held.entry)
+            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
+            if not moved:  # the executor no longer has the rows (nothing to copy): a plain eviction
+                return self._remove(key, cause)
         for k in dropped:
             self._drop_host(k, host.room_cause)
         del self._entries[key]
         self._uncharge(held)
-        if self.host_moves is not None:
-            t0 = time.perf_counter()
-            self.host_moves.demote(held.entry)
-            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
         host.insert(key, replace(held, nbytes=nbytes))
         self._tier.demotions += 1
         self._tier.bytes_demoted += nbytes
@@ -668,16 +670,19 @@ class _Room:
 class HostMoves(Protocol):
     """What an executor does with an entry's rows when the store moves it between tiers.
 
-    Each is called once per move, under the caller's lock, with the store mid-change
-    (it must not call back into the store).
+    Each is called once per move, under the caller's lock. The store is consistent
+    during each call: `restore` may make room on the device, and the executor's
+    pool-pressure evictions (`CarryStore.evict`) may re-enter the store meanwhile.
     """
 
-    def demote(self, entry: CarriedDrafter) -> None:
-        """Copy `entry`'s rows to host memory and free its device rows."""
+    def demote(self, entry: CarriedDrafter) -> bool:
+        """Copy `entry`'s rows to host memory and free its device rows; False when the executor
+        no longer holds them (nothing copied nor freed: the store evicts the entry instead)."""
 
     def restore(self, entry: CarriedDrafter) -> CarriedDrafter | None:
         """Bring `entry`'s rows back to device memory (freeing the host copy) before the adopter
-        reads them; return the entry as it now is on the device (None: unchanged)."""
+        reads them; return the entry as it now is on the device (None: unchanged). An error
+        leaves the rows gone: the store counts the entry evicted (`pool_pressure`) and re-raises."""
 
     def drop(self, entry: CarriedDrafter) -> None:
         """Free `entry`'s host copy: it left the store from the host tier."""
