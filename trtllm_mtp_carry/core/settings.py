@@ -195,6 +195,11 @@ def _format_bytes(n: int) -> str:
     return f"{n}B"
 
 
+def format_bytes(n: int) -> str:
+    """`n` bytes in the largest binary unit that divides it (`8GiB`, `1536MiB`, `1000B`)."""
+    return _format_bytes(check_non_negative("bytes", n))
+
+
 def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
     """`text` as a carry budget: bytes with a unit (`4GiB`, `512MiB`, `1000000B`,
     `2GB`) or a bare fraction of the drafter pool in [0, 1] (`0.5`, `1`).
@@ -249,7 +254,8 @@ def parse_carry_host_memory(text: object, what: str = "carry_host_memory") -> in
         return memory.nbytes
     if memory.fraction == 0.0:
         return 0
-    raise ValueError(f"{what}={text!r}: host memory is bytes with a unit (8GiB, 512MiB), "
+    label = f"{what}={text!r}" if what else repr(text)
+    raise ValueError(f"{label}: host memory is bytes with a unit (8GiB, 512MiB), "
                      "or 0 for no host tier; it is no fraction of the drafter pool")
 
 
