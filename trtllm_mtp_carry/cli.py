@@ -172,7 +172,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("carry slots (carry_slots)", report["carry_slots"] or "no cap", report["carry_slots_source"]),
         ("carry memory (carry_memory)", report["carry_memory"], report["carry_memory_source"]),
         ("carry host tier (carry_host_memory)",
-         settings.format_bytes(report["carry_host_memory"]) if report["carry_host_memory"] else "none",
+         settings.format_bytes(host_bytes) if (host_bytes := settings.carry_host_memory()) else "none",
          report["carry_host_memory_source"]),
         ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
         ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",
