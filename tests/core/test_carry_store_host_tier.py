@@ -262,3 +262,10 @@ def test_a_demotion_whose_rows_are_gone_is_a_plain_eviction_that_keeps_the_host_
     assert store.evict(2, "pool_pressure").session_hash == 2  # nothing to copy: evicted
     assert host_keys(store) == [1] and store.evictions() == zeros(pool_pressure=1)
     assert store.tier_stats().demotions == 1
+
+
+def test_an_entry_moved_to_other_blocks_keeps_its_rows_keys_and_tokens():
+    e = entry(5, rows=3, blocks=(0, 1))
+    moved = e.with_block_table([7, 8])
+    assert moved.block_table == (7, 8) and moved == CarriedDrafter((7, 8), 3, 2, e.tokens, 5)
+    assert moved.tokens is e.tokens and moved.token_buffer is e.token_buffer and e.block_table == (0, 1)

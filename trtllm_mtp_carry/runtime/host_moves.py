@@ -93,7 +93,7 @@ class PoolHostMoves:
             copy = _Restore(torch.cuda.Event(enable_timing=True))
             copy.done.record(self._stream)
             self._inflight[key] = copy
-        return CarriedDrafter(held.block_table, entry.rows, entry.last_pair_key, entry.tokens, key)
+        return entry.with_block_table(held.block_table)
 
     def drop(self, entry: CarriedDrafter) -> None:
         self._host.pop(entry.session_hash, None)
