@@ -579,8 +579,12 @@ class DrafterKVPool:
         shape = (len(state.block_table), *self.k_cache.shape[1:])
         k = torch.empty(shape, dtype=self.k_cache.dtype, pin_memory=pin)
         v = torch.empty(shape, dtype=self.v_cache.dtype, pin_memory=pin)
-        k.copy_(self.k_cache.index_select(0, idx), non_blocking=pin)
-        v.copy_(self.v_cache.index_select(0, idx), non_blocking=pin)
+        if pin:  # gathered on the device, then one copy each into pinned memory
+            k.copy_(self.k_cache.index_select(0, idx), non_blocking=True)
+            v.copy_(self.v_cache.index_select(0, idx), non_blocking=True)
+        else:  # gathered straight into the host tensors: one pass over the bytes
+            torch.index_select(self.k_cache, 0, idx, out=k)
+            torch.index_select(self.v_cache, 0, idx, out=v)
         return HostRows(k, v, state.rows, tuple((k0, c) for k0, c in state.runs))
 
     def import_carried(self, key: int, rows: HostRows,
