@@ -617,12 +617,16 @@ class DrafterKVPool:
             raise
         state = self._seqs[_IMPORTING]
         idx = torch.tensor(state.block_table, dtype=torch.int64, device=self.device)
-        if stream is None:
-            self._copy_blocks_in(idx, rows)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
+        try:
+            if stream is None:
                 self._copy_blocks_in(idx, rows)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._copy_blocks_in(idx, rows)
+        except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted
+            self.free_sequence(_IMPORTING)
+            raise
         state.rows = rows.rows
         state.runs = [[k0, c] for k0, c in rows.runs]
         return self.move_to_carried(_IMPORTING, key)
