@@ -622,6 +622,7 @@ class DrafterKVPool:
                 self._copy_blocks_in(idx, rows)
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
+                idx.record_stream(stream)  # made on the current stream, read on `stream`
                 with torch.cuda.stream(stream):
                     self._copy_blocks_in(idx, rows)
         except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted

@@ -639,8 +639,11 @@ class CarryRuntime:
                     f"no carried entry of session 0x{session_hash:016x} for sequence {seq_id} to take"
                 )
             if self._store.tier(session_hash) == "host":  # the take copies its rows back first
-                self._store.take(session_hash)
+                restored = self._store.take(session_hash)
                 held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
+                if self._host is not None and len(held.block_table) < len(restored.block_table):
+                    # the truncation freed restored blocks: their next owner writes after the copy
+                    self._host.ready(session_hash)
             else:
                 held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
                 self._store.take(session_hash)

@@ -17,7 +17,8 @@ On CUDA the copy back is asynchronous: issued on a side stream (after the
 current stream's work, since the fresh blocks may still be read by kernels
 queued before), with an event the current stream waits on (on the GPU, the
 CPU never blocks) before the adopting sequence's first pool access
-(`ready`). Timing events give how long the current stream waited for it
+(`ready`), or at once when the adoption truncates restored blocks back to the
+free list (their next owner must write after the copy). Timing events give how long the current stream waited for it
 (`gpu_wait`, read once both completed). On the CPU the copy is synchronous:
 the store's `restore_ms` is the copy.
 
