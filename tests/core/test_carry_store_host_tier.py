@@ -269,3 +269,35 @@ def test_an_entry_moved_to_other_blocks_keeps_its_rows_keys_and_tokens():
     moved = e.with_block_table([7, 8])
     assert moved.block_table == (7, 8) and moved == CarriedDrafter((7, 8), 3, 2, e.tokens, 5)
     assert moved.tokens is e.tokens and moved.token_buffer is e.token_buffer and e.block_table == (0, 1)
+
+
+def test_a_newcomer_the_device_refuses_goes_straight_to_the_host_tier_and_is_adopted_from_there():
+    store = CarryStore(budget_bytes=20, policy="incumbent", host_budget_bytes=20)
+    store.host_moves = moves = Moves()
+    deposit(store, 1)
+    deposit(store, 2)
+    assert store.admit(3, 10) is None and store.miss_reason(3) == "not_admitted"
+    assert store.deposit_host(entry(3), 10, session=30)
+    assert moves.calls == [("demote", 3)] and host_keys(store) == [3] and keys(store) == [1, 2]
+    assert store.tier(3) == "host" and store.deposits == 3
+    assert store.refusals() == {"not_admitted": 1, "too_large": 0}  # the device's refusal stays counted
+    t = store.tier_stats()
+    assert (t.host_deposits, t.demotions, t.bytes_demoted, t.host_bytes_held) == (1, 0, 10, 10)
+    prompt = list(range(100, 104)) + [1, 2, 3]
+    assert isinstance(store.judge(3, prompt, 5, StoreRange(5, 4, 7)), Adopted)
+    store.take(3)
+    assert store.tier_stats().hits == {"device": 0, "host": 1}
+    assert not store.deposit_host(entry(1), 10)  # key 1 holds an entry already
+    assert store.admit(4, 30) is None and not store.deposit_host(entry(4), 30)  # larger than the host
+    for k in (5, 6):
+        assert deposit(store, k) is None and store.deposit_host(entry(k), 10)
+    assert host_keys(store) == [5, 6]
+    assert store.admit(7, 10) is None and not store.deposit_host(entry(7), 10)  # incumbents kept
+    assert host_keys(store) == [5, 6] and store.evictions() == zeros()
+
+
+def test_without_a_host_tier_deposit_host_changes_nothing():
+    store = CarryStore(budget_bytes=10, policy="incumbent")
+    deposit(store, 1)
+    assert store.admit(2, 10) is None and not store.deposit_host(entry(2), 10)
+    assert store.miss_reason(2) == "not_admitted" and store.deposits == 1

@@ -168,3 +168,21 @@ def test_a_malformed_host_memory_is_one_error_naming_it(model):
     eng = engine(model)
     with pytest.raises(ValueError, match="host_memory='0.5'"):
         CarryRuntime(eng, eng.config.policy, host_memory="0.5")
+
+
+def test_a_newcomer_the_device_budget_refuses_waits_in_host_memory_and_adopts_from_there(model):
+    eng = with_host(engine(model), blocks=3, eviction="incumbent")  # one 45-row entry on the device
+    gen = torch.Generator().manual_seed(25)
+    eng.generate("a", random_prompt(gen, 40), max_new_tokens=6)
+    b1 = eng.generate("b", random_prompt(gen, 40), max_new_tokens=6)  # incumbent a keeps the device
+    b = session_hash("b")
+    assert [e.session_hash for e in eng.runtime._store.host_entries] == [b]
+    stats = eng.runtime.stats()
+    assert stats.refusals == {"not_admitted": 1, "too_large": 0} and stats.host_deposits == 1
+    assert stats.deposits == 2 and eng.drafter_pool.carried_keys() == (session_hash("a"),)
+    check_all(eng)
+    b2_prompt = b1.prompt + b1.output + random_prompt(gen, 4)
+    b2 = eng.generate("b", b2_prompt, max_new_tokens=6)
+    assert b2.stats.outcome_kind == "adopted" and b2.output == greedy_oracle(model, b2_prompt, 6)
+    assert eng.runtime.stats().hits_host == 1
+    check_all(eng)

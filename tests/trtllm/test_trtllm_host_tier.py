@@ -91,3 +91,19 @@ def test_standin_sessions_under_one_slot_adopt_from_host_with_unchanged_outputs(
     assert stats["hits"] == {"device": 1, "host": 3}  # the slot holds the last first turn's entry
     assert stats["demotions"] == 3 + 3 and stats["evictions"] == zeros()  # every turn but the last pushes one out
     runs["host"][1].manager.carried.check()
+
+
+def test_a_deposit_the_incumbents_refuse_waits_in_host_memory():
+    carried = CarriedRows(None, budget_bytes=320, policy="incumbent", host_budget_bytes=320)
+    assert carried.deposit(11, list(range(12)), rows_of(1))
+    assert carried.deposit(12, list(range(12)), rows_of(2))  # refused on the device, kept in host memory
+    stats = carried.stats()
+    assert stats["refusals"] == {"not_admitted": 1, "too_large": 0} and stats["host_deposits"] == 1
+    assert (stats["entries"], stats["host_entries"], stats["deposits"]) == (1, 1, 2)
+    carried.check()
+    assert torch.equal(carried.take(12).rows, rows_of(2))
+    assert carried.deposit(13, list(range(12)), rows_of(3))  # 12 is out: its host room is free again
+    assert carried.deposit(14, list(range(12)), rows_of(4)) is False  # the host keeps its incumbent 13
+    stats = carried.stats()
+    assert (stats["host_entries"], stats["host_deposits"]) == (1, 2) and carried.get(13) is not None
+    carried.check()

@@ -76,7 +76,8 @@ def _sum_evictions(runtimes: Sequence[dict[str, Any]]) -> dict[str, int]:
     return total
 
 
-HOST_TIER_FIELDS = ("carry_host_memory_bytes", "hits_device", "hits_host", "demotions", "bytes_demoted",
+HOST_TIER_FIELDS = ("carry_host_memory_bytes", "hits_device", "hits_host", "demotions", "host_deposits",
+                    "bytes_demoted",
                     "bytes_restored", "peak_device_bytes", "peak_host_bytes", "demote_ms", "restore_ms",
                     "restore_wait_ms")
 """`CarryStats` fields of the host tier the bench reports (peaks and the budget: the most over the
@@ -267,7 +268,8 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
             restores = h["hits_host"]
             notes.append(
                 f"{policy}: host tier of {h['carry_host_memory_bytes'] >> 20} MiB: adopted from device "
-                f"{h['hits_device']}, from host {restores}; demoted {h['demotions']} "
+                f"{h['hits_device']}, from host {restores}; demoted {h['demotions']}, refused "
+                f"deposits kept there {h.get('host_deposits', 0)} "
                 f"({h['bytes_demoted'] >> 10} KiB, {h['demote_ms']:.1f} ms), restored "
                 f"{h['bytes_restored'] >> 10} KiB in {h['restore_ms']:.1f} ms"
                 + (f" ({h['restore_ms'] / restores:.2f} ms per restored turn)" if restores else "")

@@ -57,7 +57,9 @@ the rows back to the device before `take` returns. Device-tier queries
 (`entries`, `len`, `bytes_held`, `victim`) see the device tier only; `get`,
 `candidate`, `judge`, `nbytes` and `in` see both, so a key has at most one
 entry across the tiers. Methods that return evicted entries return only
-those whose device rows the caller frees.
+those whose device rows the caller frees. A deposit the device tier refuses
+(`not_admitted`) may go straight to the host tier (`deposit_host`), under the
+host tier's own budget and policy.
 """
 
 from __future__ import annotations
@@ -462,6 +464,50 @@ class CarryStore:
         """Bytes the host tier holds (each entry's full rows; 0 without a host tier)."""
         return 0 if self._host is None else self._host.nbytes
 
+    def deposit_host(self, entry: CarriedDrafter, nbytes: int = 0, session: int | None = None) -> bool:
+        """Deposit `entry` straight into the host tier after the device tier refused it (`admit`
+        returned None, `not_admitted`): the second chance a newcomer gets when the policy keeps
+        the device's incumbents. The executor holds its rows as a device entry's (carried
+        under its key): `host_moves.demote` copies them out and frees them.
+
+        True if the host tier took it (its refusal is forgotten: the key's next turn finds
+        it; counted as a deposit and in `TierStats.host_deposits`); False, nothing changed
+        (the caller frees the rows), without a host tier, if the key holds an entry, if it
+        is larger than the host budget, or if the policy keeps the host's incumbents. Charged
+        by block, its cost is every block of its table (`nbytes` is ignored).
+        """
+        key = entry.session_hash
+        check_non_negative("nbytes", nbytes)
+        host = self._host
+        if host is None or key == 0 or key in self:
+            return False
+        owner = key if session is None else check_u64("session", session)
+        if self.block_nbytes is not None:
+            nbytes = len(entry.block_table) * self.block_nbytes
+        dropped = host.make_room(nbytes)
+        if dropped is None:
+            return False
+        if self.host_moves is not None:
+            t0 = time.perf_counter()
+            moved = self.host_moves.demote(entry)
+            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
+            if not moved:
+                return False
+        for k in dropped:
+            self._drop_host(k, host.room_cause)
+        lease = self._leases.pop(key, None)
+        host.insert(key, _Held(entry, nbytes, owner, self._clock(), 0 if lease is None else lease.adoptions + 1))
+        self._misses.pop(key, None)
+        self._last_key[owner] = key
+        self._last_key.move_to_end(owner)
+        if len(self._last_key) > MISS_MEMORY:
+            self._last_key.popitem(last=False)
+        self.deposits += 1
+        self._tier.host_deposits += 1
+        self._tier.bytes_demoted += nbytes
+        self._tier.peak_host = max(self._tier.peak_host, host.nbytes)
+        return True
+
     def tier(self, key: int) -> str | None:
         """Which tier (`TIERS`) holds `key`'s entry, or None."""
         if key in self._entries:
@@ -477,6 +523,7 @@ class CarryStore:
             hits=dict(t.hits),
             demotions=t.demotions,
             demotions_refused=t.demotions_refused,
+            host_deposits=t.host_deposits,
             host_evictions=dict(t.host_evictions),
             bytes_demoted=t.bytes_demoted,
             bytes_restored=t.bytes_restored,
@@ -694,7 +741,9 @@ class TierStats:
 
     `hits` are takes by tier (`TIERS`); `demotions` moved an entry from the device
     budget to the host tier, `demotions_refused` evicted it instead (larger than
-    the host budget, or the policy kept the host's incumbents); `host_evictions`
+    the host budget, or the policy kept the host's incumbents); `host_deposits`
+    are deposits the device refused that went straight to the host tier
+    (`deposit_host`); `host_evictions`
     are the store's evictions (already in `CarryStore.evictions`) that left from
     the host tier, by cause. `bytes_demoted`/`bytes_restored` are the host charge
     moved each way; `peak_bytes` the most each tier held. `demote_ms` and
@@ -706,6 +755,7 @@ class TierStats:
     hits: dict[str, int]
     demotions: int
     demotions_refused: int
+    host_deposits: int
     host_evictions: dict[str, int]
     bytes_demoted: int
     bytes_restored: int
@@ -721,6 +771,7 @@ class _TierCounters:
     hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     demotions: int = 0
     demotions_refused: int = 0
+    host_deposits: int = 0
     host_evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_CAUSES, 0))
     bytes_demoted: int = 0
     bytes_restored: int = 0

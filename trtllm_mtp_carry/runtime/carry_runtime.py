@@ -166,7 +166,8 @@ class CarryStats:
     rows were deposited. `slots_held` is `entries_held` (its older name).
     Host tier (`carry_host_memory_bytes` > 0; all zero without one): `hits_device`/
     `hits_host` are adoptions by the tier their rows came from, `demotions` entries
-    moved to host memory (`bytes_demoted`, `demote_ms` copying), `bytes_restored`
+    moved to host memory and `host_deposits` deposits the device refused that went
+    there (`bytes_demoted`, `demote_ms` copying both), `bytes_restored`
     and `restore_ms` the copies back, `host_entries`/`host_bytes_held` what the host
     tier holds, `peak_device_bytes`/`peak_host_bytes` the most each tier held;
     `restore_wait_ms` is how long the GPU stream waited for an asynchronous copy
@@ -209,6 +210,7 @@ class CarryStats:
     hits_device: int = 0
     hits_host: int = 0
     demotions: int = 0
+    host_deposits: int = 0
     host_entries: int = 0
     host_bytes_held: int = 0
     bytes_demoted: int = 0
@@ -429,6 +431,10 @@ class CarryRuntime:
                 table = pool.sequence(seq_id).block_table[: -(-rows.rows // pool.block_size)]
                 evicted = self._store.admit(session_hash, len(table) * pool.block_nbytes, session,
                                             blocks=table)
+                offered = None if evicted is not None else self._deposit_host(
+                    seq_id, session_hash, tokens, ticket, session)
+                if offered is not None:  # the sequence's rows went to the host tier, or are freed
+                    return offered
                 if evicted is not None:
                     for old in evicted:
                         pool.free_carried(old.session_hash)
@@ -597,12 +603,31 @@ class CarryRuntime:
         wait_ms = self._host.gpu_wait()[0] if self._host is not None else 0.0
         return dict(
             carry_host_memory_bytes=t.host_budget_bytes, hits_device=t.hits["device"],
-            hits_host=t.hits["host"], demotions=t.demotions, host_entries=t.host_entries,
+            hits_host=t.hits["host"], demotions=t.demotions, host_deposits=t.host_deposits,
+            host_entries=t.host_entries,
             host_bytes_held=t.host_bytes_held, bytes_demoted=t.bytes_demoted,
             bytes_restored=t.bytes_restored, peak_device_bytes=t.peak_bytes["device"],
             peak_host_bytes=t.peak_bytes["host"], demote_ms=t.demote_ms, restore_ms=t.restore_ms,
             restore_wait_ms=wait_ms,
         )
+
+    def _deposit_host(self, seq_id: int, key: int, tokens: Sequence[int], ticket: int,
+                      session: int | None) -> bool | None:
+        """The store refused the deposit as `not_admitted`: offer it to the host tier (its rows
+        become a carried entry, which `demote` copies out and frees). True: deposited there;
+        False: refused, and its rows are freed; None: not offered (no host tier, or refused for
+        another reason), the sequence is untouched. Caller holds the lock."""
+        if self._host is None or self._store.miss_reason(key) != "not_admitted":
+            return None
+        pool = self.backend.drafter_pool
+        carried = pool.move_to_carried(seq_id, key)
+        entry = CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key, tokens, key)
+        if not self._store.deposit_host(entry, len(carried.block_table) * pool.block_nbytes, session):
+            pool.free_carried(key)
+            return False
+        self._counters.deposits += 1
+        log_store(entry, ticket)
+        return True
 
     def _unreachable_host_entry(self, key: int) -> None:
         """Drop `key`'s host entry (`pool_pressure`) when even every carried block could not take

@@ -114,7 +114,7 @@ class CarriedRows:
             evicted = self._store.admit(key, nbytes, session) if n > 0 else None
             if evicted is None:  # refused (the store counts why); older rows of `key` are stale
                 self._evict(key, "replaced")
-                return False
+                return n > 0 and self._deposit_host(key, tokens, rows, nbytes, session)
             for old in evicted:
                 del self._rows[old.session_hash]
             self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes, session)
@@ -156,6 +156,7 @@ class CarriedRows:
                 "carry_host_memory": t.host_budget_bytes,
                 "hits": t.hits,
                 "demotions": t.demotions,
+                "host_deposits": t.host_deposits,
                 "host_entries": t.host_entries,
                 "host_bytes_held": t.host_bytes_held,
                 "bytes_demoted": t.bytes_demoted,
@@ -204,6 +205,18 @@ class CarriedRows:
         """Free `entry`'s host rows (it left the store from the host tier)."""
         if self._host.pop(entry.session_hash, None) is not None:
             self._host_rows_dropped += entry.rows
+
+    def _deposit_host(self, key: int, tokens: Sequence[int], rows: torch.Tensor, nbytes: int,
+                      session: int | None) -> bool:
+        """A deposit the device tier refused as `not_admitted` goes to the host tier if it takes it."""
+        if self._store.host_moves is None or self._store.miss_reason(key) != "not_admitted":
+            return False
+        self._rows[key] = rows  # as a device entry's, for `demote` to copy out
+        if self._store.deposit_host(CarriedDrafter((), rows.shape[0], rows.shape[0] - 1, tokens, key),
+                                    nbytes, session):
+            return True
+        del self._rows[key]
+        return False
 
     def _evict(self, session: int, cause: str) -> CarriedDrafter | None:
         entry = self._store.evict(session, cause)
