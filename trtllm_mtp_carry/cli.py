@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from .argtypes import carry_host_memory_size, carry_memory_size, non_negative_int, positive_int
+from .cli_error import fail
 from .core import settings
 
 
@@ -278,8 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"warning: {warning}", file=sys.stderr)
         result: int = args.func(args)
     except ValueError as exc:  # bad values (flags, env, files): one line, no traceback
-        print(f"trtllm-mtp-carry: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     except KeyboardInterrupt:  # Ctrl-C outside the bench's own handling (loading, printing)
         print("trtllm-mtp-carry: interrupted", file=sys.stderr)
         return 130

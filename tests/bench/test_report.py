@@ -2,7 +2,7 @@
 
 import pytest
 
-from trtllm_mtp_carry.bench.replay import PolicyRun, TurnRecord
+from trtllm_mtp_carry.bench.driver import PolicyRun, TurnRecord
 from trtllm_mtp_carry.bench.report import (
     outputs_identical,
     paired,

@@ -19,7 +19,7 @@ from itertools import combinations
 from typing import Any
 
 from ..core.outcome import OUTCOME_KINDS
-from .replay import PolicyRun, TurnRecord
+from .driver import PolicyRun, TurnRecord
 from .stats import Spread, paired_ratio
 
 REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k != "adopted")

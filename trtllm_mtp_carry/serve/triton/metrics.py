@@ -36,7 +36,13 @@ from typing import Any
 
 
 class CarryMetrics:
-    """Creates the metric families once and updates them per turn and per session end."""
+    """Creates the metric families once and updates them per turn and per session end.
+
+    Another engine's Triton model (TensorRT-LLM's) subclasses it to feed the same
+    families; its subclass API is `_metric(family, key, value)`, the one metric of a
+    family (by its key in `_families`) with this instance's labels plus `key=value`,
+    created on first use.
+    """
 
     def __init__(self, pb_utils: Any, model: str, instance: str) -> None:
         family = pb_utils.MetricFamily
