@@ -31,3 +31,18 @@ assert marconi_min_tokens() == TEST_MARCONI_MIN_TOKENS and mtp_max_seqs() == 1 a
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+EXECUTOR_PLACEMENT_ENV = ("TLLM_WORKER_USE_SINGLE_PROCESS", "TRTLLM_MTP_CARRY_WORKER")
+"""Where a (stand-in) LLM builds its executor and whether the worker hook installs the carry.
+The Triton model sets the first in `os.environ` itself, as it must before it builds its LLM."""
+
+
+@pytest.fixture(autouse=True)
+def _executor_placement_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts with neither variable set and leaves them as it found them, so a
+    test that builds the Triton model does not turn a later test's LLM single-process."""
+    for name in EXECUTOR_PLACEMENT_ENV:
+        monkeypatch.setenv(name, "")  # records the value before the test, restored at teardown
+        monkeypatch.delenv(name)
