@@ -96,8 +96,8 @@ def test_a_session_streams_its_turns_as_one_conversation_with_its_salt(served):
     call = llm.calls[0]
     assert call.prompt == CHAT.first_prompt("hi")
     assert (call.conversation_id, call.cache_salt, call.streaming) == ("triton-corrid-7", "tenant-a", True)
-    assert call.sampling == {"max_tokens": 32, "top_k": 1, "return_perf_metrics": True}
-    assert ids == TOK.encode(f"answer to {len(call.prompt)} tokens") + [standin.EOS]
+    assert call.sampling == standin.SamplingParams(max_tokens=32, top_k=1, return_perf_metrics=True)
+    assert ids == TOK.encode(f"answer to {len(call.prompt)} tokens", add_special_tokens=False) + [standin.EOS]
     assert text == f"answer to {len(call.prompt)} tokens"
     final = first.responses[-1].tensors
     steps = llm.results[0].decoding_iter
@@ -114,7 +114,7 @@ def test_a_session_streams_its_turns_as_one_conversation_with_its_salt(served):
 
     second = send(model, standin.Request(7, text_input="more", cache_salt="tenant-a"))
     assert second.error() is None
-    follow = TOK.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
+    follow = TOK.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     assert llm.calls[1].prompt == [*call.prompt, *ids, *follow]  # the history token for token
     assert llm.calls[1].conversation_id == "triton-corrid-7"
     # the stand-in "reuses" the common prefix with the last prompt, in blocks of 4
@@ -169,7 +169,7 @@ def test_a_cancelled_request_is_aborted_with_one_error(served):
     request = standin.Request(6, start=True, input_ids=[1, 2, 3])
     request.cancel = True
     sender = send(model, request)
-    assert llm.results[0].aborted and sender.error() == "request cancelled by the client"
+    assert llm.results[0].aborted() and sender.error() == "request cancelled by the client"
 
 
 def test_finalize_detaches_the_carry_and_shuts_the_llm_down(served):
