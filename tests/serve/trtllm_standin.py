@@ -91,6 +91,14 @@ LLMAPI_NAMES: dict[str, frozenset[str]] = {
 package code: the rows of docs/TRTLLM-CONFORMANCE.md section 4 (and section 2's `LLM` and
 `ConversationParams` rows), pinned equal by tests/trtllm/test_trtllm_conformance.py."""
 
+GENERATE_ASYNC_PARAMETERS = (
+    "inputs", "sampling_params", "lora_request", "prompt_adapter_request", "streaming",
+    "kv_cache_retention_config", "disaggregated_params", "trace_headers", "_postproc_params",
+    "scheduling_params", "conversation_params", "cache_salt", "priority")
+"""`LLM.generate_async`'s parameters, in order (`tensorrt_llm/llmapi/llm.py@814964c0`); the
+stand-ins take `inputs` and `sampling_params` by position and implement `streaming`,
+`conversation_params` and `cache_salt` (keyword-only: a positional third argument fails)."""
+
 LLM_ARGUMENTS = frozenset({
     # BaseLLM.__init__'s own parameters (tensorrt_llm/llmapi/llm.py@814964c0) ...
     "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "tensor_parallel_size",
@@ -505,7 +513,7 @@ class LLM(_LlmApi):
     def __init__(self, model: Any, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.single_process_env = os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS")
-        self.tokenizer = TransformersTokenizer(ChatMLTokenizer())
+        self.tokenizer = None if kwargs.get("skip_tokenizer_init") else TransformersTokenizer(ChatMLTokenizer())
         self._executor = SimpleNamespace()  # a multi-process proxy: no `engine` (the adapter is recorded)
         self.calls: list[Call] = []
         self.results: list[RequestOutput] = []
@@ -520,7 +528,7 @@ class LLM(_LlmApi):
         previous = [c.prompt for c in self.calls if conv is not None and c.conversation_id == conv]
         self.calls.append(Call(prompt, conv, cache_salt, caller_params, streaming))
         self.events.append("request")
-        answer = self.tokenizer.tokenizer.encode(f"answer to {len(prompt)} tokens", add_special_tokens=False)
+        answer = ChatMLTokenizer().encode(f"answer to {len(prompt)} tokens", add_special_tokens=False)
         answer.append(sp.end_id)
         reused = 0
         if previous:  # "reuse" the common prefix with the conversation's last prompt, in blocks of 4
@@ -596,7 +604,7 @@ class ExecutorLLM(_LlmApi):
         engine = StandinPyExecutor(reference_model(), chunk_size=self.CHUNK, tokens_per_block=self.CHUNK,
                                    max_batch=4)
         self._executor = SimpleNamespace(engine=engine)  # llm._executor.engine, as in TensorRT-LLM
-        self.tokenizer = TransformersTokenizer(ReferenceChatTokenizer())
+        self.tokenizer = None if kwargs.get("skip_tokenizer_init") else TransformersTokenizer(ReferenceChatTokenizer())
         self._next_id = 1000
         ExecutorLLM.instances.append(self)
 
