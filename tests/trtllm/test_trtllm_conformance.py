@@ -12,7 +12,16 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from trtllm_names import DEPLOYMENT, FILES, LLMAPI_RECEIVERS, ROOT, calls, receivers_for, table, touched
+from trtllm_names import (
+    DEPLOYMENT,
+    FILES,
+    LLMAPI_RECEIVERS,
+    ROOT,
+    calls,
+    receivers_for,
+    table,
+    touched,
+)
 
 from trtllm_mtp_carry.trtllm import manager as manager_module
 from trtllm_mtp_carry.trtllm.standin import TRTLLM_NAMES, LlmRequest
