@@ -45,14 +45,16 @@ same LLM API over the package's CPU STAND-IN executor, so the real adapter
 (attach, its resource manager, forget) runs under the model.
 
 `pb_utils_module()` is a plainly named TEST DOUBLE of Triton's Python-backend
-module `triton_python_backend_utils`: the names are Triton's
-(triton-inference-server/python_backend `src/resources/triton_python_backend_utils.py`:
-`Tensor`, `InferenceResponse`, `TritonError`, `MetricFamily` with `COUNTER` /
-`GAUGE` and `Metric(labels)`, `get_input_tensor_by_name`,
-`TRITONSERVER_RESPONSE_COMPLETE_FINAL`; the request's `get_response_sender`,
+module `triton_python_backend_utils`, not held to the source row by row: the
+names are Triton's, their behaviour only as far as the model's tests need it.
+`get_input_tensor_by_name(request, name)` (None for an absent input) and
+`TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1` are in
+triton-inference-server/python_backend `src/resources/triton_python_backend_utils.py`
+(read at 28aaeb7b); `Tensor`, `InferenceResponse`, `TritonError`, `MetricFamily`
+(`COUNTER`, `GAUGE`, `Metric(labels)`), the request's `get_response_sender`,
 `is_cancelled`, `correlation_id` and the sender's `send(response, flags)` are the
-stub's C++ bindings, `src/pb_stub.cc`), their behaviour only as far as the
-model's tests need it; it is not held to the source row by row.
+stub's C++ bindings that module is merged with (`src/pb_stub.cc`, python_backend's
+README; not re-read in this pass).
 """
 
 from __future__ import annotations
