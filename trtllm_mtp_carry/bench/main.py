@@ -46,7 +46,8 @@ DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
 SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype",
                      "--threads", "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots",
-                     "--carry-memory", "--carry-eviction", "--carry-idle-s", "--carry-share")
+                     "--carry-memory", "--carry-host-memory", "--carry-eviction", "--carry-idle-s",
+                     "--carry-share")
 """Flags that size or place the engine: with --server they are the server's parameters."""
 
 
@@ -179,6 +180,7 @@ def _settings() -> dict[str, Any]:
     if slots is not None:
         out["carry_slots"] = slots
     out["carry_memory"] = str(settings.carry_memory())
+    out["carry_host_memory"] = settings.carry_host_memory()
     out["carry_eviction"] = settings.carry_eviction()
     out["carry_idle_s"] = settings.carry_idle_s()
     out["carry_share"] = settings.carry_share()
@@ -254,8 +256,8 @@ def server_side_flags(args: argparse.Namespace) -> list[str]:
     """The `SERVER_SIDE_FLAGS` the user typed (settings flags and paths default to None)."""
     typed = set(getattr(args, "given_flags", ()))
     for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
-                 "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-eviction",
-                 "--carry-idle-s", "--carry-share"):
+                 "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-host-memory",
+                 "--carry-eviction", "--carry-idle-s", "--carry-share"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             typed.add(flag)
     return [f for f in SERVER_SIDE_FLAGS if f in typed]

@@ -9,7 +9,15 @@ Owner: the MTP drafter's model layer. Invariants across the core:
 """
 
 from .adopt import decide_adopt
-from .carry_store import EVICTION_CAUSES, MISS_MEMORY, REFUSAL_CAUSES, CarryStore
+from .carry_store import (
+    EVICTION_CAUSES,
+    MISS_MEMORY,
+    REFUSAL_CAUSES,
+    TIERS,
+    CarryStore,
+    HostMoves,
+    TierStats,
+)
 from .debuglog import log_adopt, log_store
 from .drafter import CarriedDrafter
 from .outcome import NO_CARRY_REASONS, OUTCOME_KINDS, CarryOutcome
@@ -17,6 +25,7 @@ from .plan import AppendPlan, hidden_row_offset, plan_append
 from .session import TicketCounter, carry_key, session_hash
 from .settings import (
     DEFAULT_CARRY_EVICTION,
+    DEFAULT_CARRY_HOST_MEMORY,
     DEFAULT_CARRY_IDLE_S,
     DEFAULT_CARRY_MEMORY,
     DEFAULT_CARRY_SHARE,
@@ -30,6 +39,7 @@ from .settings import (
     carry_armed,
     carry_armed_with,
     carry_eviction,
+    carry_host_memory,
     carry_idle_s,
     carry_memory,
     carry_share,
@@ -39,8 +49,10 @@ from .settings import (
     mtp_carry_drafter_enabled,
     mtp_max_seqs,
     mtp_multi_seq_mode,
+    parse_carry_host_memory,
     parse_carry_memory,
     set_carry_eviction,
+    set_carry_host_memory,
     set_carry_idle_s,
     set_carry_memory,
     set_carry_share,
@@ -63,6 +75,10 @@ __all__ = [
     "REFUSAL_CAUSES",
     "CarryMemory",
     "carry_eviction",
+    "carry_host_memory",
+    "parse_carry_host_memory",
+    "set_carry_host_memory",
+    "DEFAULT_CARRY_HOST_MEMORY",
     "carry_idle_s",
     "carry_key",
     "carry_memory",
@@ -80,6 +96,9 @@ __all__ = [
     "CarriedDrafter",
     "CarryOutcome",
     "CarryStore",
+    "HostMoves",
+    "TIERS",
+    "TierStats",
     "DrafterContext",
     "PinnedSetting",
     "StoreRange",

@@ -69,7 +69,8 @@ from .ops import drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
 
-__all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "PoolExhaustedError", "PoolStats", "ShareStats"]
+__all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "HostRows", "PoolExhaustedError", "PoolStats",
+           "ShareStats"]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -83,6 +84,25 @@ class CarriedBlocks:
     block_table: tuple[int, ...]
     rows: int
     last_pair_key: int | None
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """A carried entry's rows in host memory (the carry store's host tier): whole blocks.
+
+    `k`, `v`: `[blocks, block_size, num_kv_heads, head_dim]` on the CPU (pinned when
+    the pool is on CUDA); `rows` and `runs` (key runs `(first_key, count)`, row
+    order) are the entry's bookkeeping, so the copy back is the same rows and keys.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    rows: int
+    runs: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
 
 class BlockKeys(Protocol):
@@ -150,6 +170,10 @@ class _Rows:
 
     def snapshot(self) -> CarriedBlocks:
         return CarriedBlocks(tuple(self.block_table), self.rows, self.last_pair_key)
+
+
+_IMPORTING = -1
+"""The sequence id `import_carried` allocates under while it copies (never a caller's)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -536,6 +560,81 @@ class DrafterKVPool:
         if not self._carried:
             raise RuntimeError("nothing is carried: nothing to gather")
         return self._gather(next(reversed(self._carried.values())))
+
+    # ---- host tier (the carry store's second tier) ----------------------------
+
+    def export_carried(self, key: int) -> HostRows:
+        """A host-memory copy of entry `key`'s blocks and bookkeeping; the entry stays carried.
+
+        On CUDA the copy lands in pinned memory, issued on the current stream without
+        waiting: kernels queued after it (a later write into the blocks, once freed)
+        run after it, and the copy back (`import_carried`) is ordered after it too.
+        RuntimeError if nothing is carried under `key`.
+        """
+        state = self._carried.get(key)
+        if state is None:
+            raise RuntimeError(f"nothing carried under {key}: nothing to export")
+        pin = self.device.type == "cuda"
+        idx = torch.tensor(state.block_table, dtype=torch.int64, device=self.device)
+        shape = (len(state.block_table), *self.k_cache.shape[1:])
+        k = torch.empty(shape, dtype=self.k_cache.dtype, pin_memory=pin)
+        v = torch.empty(shape, dtype=self.v_cache.dtype, pin_memory=pin)
+        if pin:  # gathered on the device, then one copy each into pinned memory
+            k.copy_(self.k_cache.index_select(0, idx), non_blocking=True)
+            v.copy_(self.v_cache.index_select(0, idx), non_blocking=True)
+        else:  # gathered straight into the host tensors: one pass over the bytes
+            torch.index_select(self.k_cache, 0, idx, out=k)
+            torch.index_select(self.v_cache, 0, idx, out=v)
+        return HostRows(k, v, state.rows, tuple((k0, c) for k0, c in state.runs))
+
+    def import_carried(self, key: int, rows: HostRows,
+                       stream: torch.cuda.Stream | None = None) -> CarriedBlocks:
+        """Carry `rows` under `key` again, in fresh blocks: the same rows and keys, copied back.
+
+        Blocks are allocated as a grow allocates them (a short free list evicts carried
+        entries in `victim` order, `on_evict` hears each); the copy is issued on the
+        current stream, or on `stream` (CUDA) after the current stream's work so far
+        (fresh blocks may still be read by kernels queued before): asynchronous from
+        pinned memory, and the caller orders the blocks' next use after it (an event).
+        The entry becomes the most recently carried. RuntimeError if `key` is carried
+        already, ValueError if `rows` do not fit this pool's blocks; PoolExhaustedError
+        leaves the pool unchanged.
+        """
+        if key in self._carried:
+            raise RuntimeError(f"carried entry {key} exists already: free_carried({key}) before importing")
+        nblocks = _cdiv(rows.rows, self.block_size)
+        for name, t in (("k", rows.k), ("v", rows.v)):
+            if tuple(t.shape) != (nblocks, *self.k_cache.shape[1:]) or t.dtype != self.k_cache.dtype:
+                raise ValueError(f"host rows' {name} {t.dtype} {tuple(t.shape)} do not fit {rows.rows} rows "
+                                 f"of this pool's blocks {tuple(self.k_cache.shape[1:])} {self.k_cache.dtype}")
+        if _IMPORTING in self._seqs:
+            raise RuntimeError("an import is in progress already")
+        self.allocate_sequence(_IMPORTING)
+        try:
+            self.grow(_IMPORTING, rows.rows)
+        except BaseException:
+            del self._seqs[_IMPORTING]
+            raise
+        state = self._seqs[_IMPORTING]
+        idx = torch.tensor(state.block_table, dtype=torch.int64, device=self.device)
+        try:
+            if stream is None:
+                self._copy_blocks_in(idx, rows)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                idx.record_stream(stream)  # made on the current stream, read on `stream`
+                with torch.cuda.stream(stream):
+                    self._copy_blocks_in(idx, rows)
+        except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted
+            self.free_sequence(_IMPORTING)
+            raise
+        state.rows = rows.rows
+        state.runs = [[k0, c] for k0, c in rows.runs]
+        return self.move_to_carried(_IMPORTING, key)
+
+    def _copy_blocks_in(self, idx: torch.Tensor, rows: HostRows) -> None:
+        self.k_cache.index_copy_(0, idx, rows.k.to(self.device, non_blocking=True))
+        self.v_cache.index_copy_(0, idx, rows.v.to(self.device, non_blocking=True))
 
     # ---- invariants ----------------------------------------------------------
 

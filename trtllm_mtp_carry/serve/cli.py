@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..argtypes import carry_memory_size, non_negative_int, positive_int
+from ..argtypes import carry_host_memory_size, carry_memory_size, non_negative_int, positive_int
 from ..cli_error import fail
 from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
 from .options import ENGINES, POLICIES, ServeOptions
@@ -86,6 +86,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--carry-memory", dest="serve_carry_memory", type=carry_memory_size, default=None,
                    metavar="SIZE", help="carry budget per instance: 4GiB, 512MiB or a drafter pool "
                    "fraction like 0.5 (default: the whole pool)")
+    p.add_argument("--carry-host-memory", dest="serve_carry_host_memory", type=carry_host_memory_size,
+                   default=None, metavar="SIZE", help="host tier per instance: entries evicted from the "
+                   "carry budget wait in this much host memory (8GiB; default 0: none)")
     p.add_argument("--device", default=d.device)
     # The settings flags of this process stay unset: these options pin each served instance.
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
@@ -99,7 +102,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
     options = ServeOptions(
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
         marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
-        carry_memory=args.serve_carry_memory,
+        carry_memory=args.serve_carry_memory, carry_host_memory=args.serve_carry_host_memory,
         max_model_len=args.max_model_len, max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs, device=args.device, max_turn_s=args.max_turn_s,
     )
@@ -111,6 +114,8 @@ def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
     from .trtllm.repo import trtllm_spec
 
     for flag, value, where in (("--carry-slots", args.serve_carry_slots, "carry_slots in the mtp_carry section"),
+                               ("--carry-host-memory", args.serve_carry_host_memory,
+                                "carry_host_memory in the mtp_carry section"),
                                ("--max-model-len", args.max_model_len, "max_seq_len"),
                                ("--marconi-min-tokens", args.serve_marconi_min_tokens, None)):
         if value is not None:
