@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+import trtllm_standin as standin
 from serve_helpers import MODEL
 from trtllm_standin import ChatMLTokenizer
 
@@ -191,13 +191,22 @@ def test_a_template_that_rewrites_answers_refuses_text_turns():
 # ---- statistics --------------------------------------------------------------------
 
 
+def request_output(decoding_iter: int) -> standin.RequestOutput:
+    """A finished stand-in `RequestOutput` after `decoding_iter` decoding iterations."""
+    out = standin.RequestOutput(101, standin.SamplingParams(), None, True, iter(()), lambda: None)
+    out.decoding_iter = decoding_iter
+    return out
+
+
 def test_turn_stats_read_tensorrt_llms_per_request_metrics():
-    perf = SimpleNamespace(speculative_decoding=SimpleNamespace(total_draft_tokens=9, total_accepted_draft_tokens=6),
-                           kv_cache_metrics=SimpleNamespace(num_reused_blocks=4, kv_cache_hit_rate=0.5))
-    output = SimpleNamespace(token_ids=[5, 6, 7], finish_reason="stop", request_perf_metrics=perf)
+    # TensorRT-LLM's classes as the LLM API stand-in plays them (docs/TRTLLM-CONFORMANCE.md section 4)
+    perf = standin.RequestPerfMetrics(
+        speculative_decoding=standin.SpeculativeDecodingMetrics(total_draft_tokens=9, total_accepted_draft_tokens=6),
+        kv_cache_metrics=standin.KvCacheMetrics(num_reused_blocks=4, kv_cache_hit_rate=0.5))
+    output = standin.CompletionOutput(index=0, token_ids=[5, 6, 7], finish_reason="stop", request_perf_metrics=perf)
     record = {"reused": 64, "outcome": "adopted", "no_carry_reason": "", "rows_scattered": 64,
               "rows_computed": 55, "rows_deposited": 0, "skipped": None}
-    stats = turn_stats(120, output, SimpleNamespace(decoding_iter=3), ttft_ms=12.5, total_ms=40.0,
+    stats = turn_stats(120, output, request_output(decoding_iter=3), ttft_ms=12.5, total_ms=40.0,
                        topology="unpaired", carry_armed=True, carry=record)
     assert stats == TrtllmTurnStats(prompt_tokens=120, output_tokens=3, drafted=9, accepted=6, verify_steps=3,
                                     kv_cache_reused_blocks=4, kv_cache_hit_rate=0.5, ttft_ms=12.5,
@@ -210,8 +219,8 @@ def test_turn_stats_read_tensorrt_llms_per_request_metrics():
 
 
 def test_a_metric_tensorrt_llm_did_not_return_stays_zero():
-    stats = turn_stats(10, SimpleNamespace(token_ids=[1], finish_reason=None, request_perf_metrics=None),
-                       SimpleNamespace(), ttft_ms=3.0, total_ms=3.0)
+    stats = turn_stats(10, standin.CompletionOutput(index=0, token_ids=[1]), request_output(decoding_iter=0),
+                       ttft_ms=3.0, total_ms=3.0)
     assert (stats.drafted, stats.accepted, stats.verify_steps, stats.kv_cache_reused_blocks) == (0, 0, 0, 0)
     assert stats.finish_reason == "" and stats.acceptance == 0.0
 
@@ -227,7 +236,8 @@ def test_a_no_carry_turn_reports_the_reason_from_the_adapters_record():
 def test_what_the_adapter_does_not_know_is_left_unknown_not_guessed():
     # not armed: nothing was carried (known), R and the rows computed are not known
     assert carry_fields(None, armed=False) == {"outcome_kind": "not_armed", "drafter_rows_kept": 0}
-    stats = turn_stats(10, SimpleNamespace(token_ids=[1]), SimpleNamespace(), 1.0, 2.0, "unpaired", True, None)
+    stats = turn_stats(10, standin.CompletionOutput(index=0, token_ids=[1]), request_output(decoding_iter=0), 1.0,
+                       2.0, "unpaired", True, None)
     d = stats.as_dict()  # armed, but no record of the request: every carry field unknown
     assert (d["outcome_kind"], d["no_carry_reason"], d["reused_tokens"], d["drafter_rows_kept"],
             d["drafter_rows_computed"]) == ("", "", None, None, None)

@@ -18,15 +18,17 @@ import pytest
 import trtllm_standin as standin
 
 import trtllm_mtp_carry.trtllm as adapter_package
-from trtllm_mtp_carry.serve.trtllm.model import TritonPythonModel
+from trtllm_mtp_carry.serve.trtllm import serving as serving_module
+from trtllm_mtp_carry.serve.trtllm.model import NO_TOKENIZER, TritonPythonModel
 from trtllm_mtp_carry.serve.trtllm.serving import ChatTemplate
 
 TOK = standin.ChatMLTokenizer()
 CHAT = ChatTemplate(TOK)
 
 
-@pytest.fixture
-def served(monkeypatch, tmp_path):
+def start(monkeypatch, tmp_path, options_yaml: str | None = None) -> tuple[TritonPythonModel, dict]:
+    """A model initialized on the stand-ins (its LLM options file `options_yaml`, if any),
+    with the adapter's attach/detach replaced by recorders."""
     standin.install_tensorrt_llm(monkeypatch)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", standin.pb_utils_module())
     monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
@@ -52,12 +54,21 @@ def served(monkeypatch, tmp_path):
     monkeypatch.setattr(adapter_package, "detach", detach, raising=False)
     monkeypatch.setattr(adapter_package, "parse_carry_options", lambda section: {"parsed": section},
                         raising=False)
+    if options_yaml is not None:
+        (tmp_path / "llm.yaml").write_text(options_yaml)
     config = {"parameters": {"engine": {"string_value": "trtllm"}, "model": {"string_value": "/ckpt/q"},
-                             "llm_options": {"string_value": ""}, "max_tokens": {"string_value": "64"}},
+                             "llm_options": {"string_value": "" if options_yaml is None else "llm.yaml"},
+                             "max_tokens": {"string_value": "64"}},
               "sequence_batching": {"max_sequence_idle_microseconds": 600_000_000}}
     model = TritonPythonModel()
     model.initialize({"model_config": json.dumps(config), "model_instance_name": "m_0", "model_name": "m",
                       "model_repository": str(tmp_path)})
+    return model, record
+
+
+@pytest.fixture
+def served(monkeypatch, tmp_path):
+    model, record = start(monkeypatch, tmp_path)
     try:
         yield model, standin.LLM.instances[0], record
     finally:
@@ -96,8 +107,8 @@ def test_a_session_streams_its_turns_as_one_conversation_with_its_salt(served):
     call = llm.calls[0]
     assert call.prompt == CHAT.first_prompt("hi")
     assert (call.conversation_id, call.cache_salt, call.streaming) == ("triton-corrid-7", "tenant-a", True)
-    assert call.sampling == {"max_tokens": 32, "top_k": 1, "return_perf_metrics": True}
-    assert ids == TOK.encode(f"answer to {len(call.prompt)} tokens") + [standin.EOS]
+    assert call.sampling == standin.SamplingParams(max_tokens=32, top_k=1, return_perf_metrics=True)
+    assert ids == TOK.encode(f"answer to {len(call.prompt)} tokens", add_special_tokens=False) + [standin.EOS]
     assert text == f"answer to {len(call.prompt)} tokens"
     final = first.responses[-1].tensors
     steps = llm.results[0].decoding_iter
@@ -114,7 +125,7 @@ def test_a_session_streams_its_turns_as_one_conversation_with_its_salt(served):
 
     second = send(model, standin.Request(7, text_input="more", cache_salt="tenant-a"))
     assert second.error() is None
-    follow = TOK.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
+    follow = TOK.encode("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     assert llm.calls[1].prompt == [*call.prompt, *ids, *follow]  # the history token for token
     assert llm.calls[1].conversation_id == "triton-corrid-7"
     # the stand-in "reuses" the common prefix with the last prompt, in blocks of 4
@@ -169,7 +180,7 @@ def test_a_cancelled_request_is_aborted_with_one_error(served):
     request = standin.Request(6, start=True, input_ids=[1, 2, 3])
     request.cancel = True
     sender = send(model, request)
-    assert llm.results[0].aborted and sender.error() == "request cancelled by the client"
+    assert llm.results[0].aborted() and sender.error() == "request cancelled by the client"
 
 
 def test_finalize_detaches_the_carry_and_shuts_the_llm_down(served):
@@ -197,3 +208,40 @@ def test_ended_sessions_leave_no_lock_or_queue_entry_behind(served):
     while model._waiting and time.monotonic() < deadline:
         time.sleep(0.01)
     assert set(model._locks) == {99} and model._waiting == {} and set(model._conversations) == {99}
+
+
+def test_a_zeroed_speculative_section_reports_nothing_drafted(served, monkeypatch):
+    # TensorRT-LLM's PyTorch flow before _maybe_fill_spec_dec_perf_metrics leaves
+    # RequestPerfMetrics.speculative_decoding zeroed even when drafting ran
+    model, llm, _ = served
+    monkeypatch.setattr(standin.LLM, "SPEC_DEC_FILLED", False)
+    final = send(model, standin.Request(12, start=True, input_ids=[5, 6, 7])).responses[-1].tensors
+    stats = json.loads(final["turn_stats"][0])
+    assert (int(final["drafted"][0]), int(final["accepted"][0]), stats["acceptance"]) == (0, 0, 0.0)
+    assert stats["verify_steps"] == llm.results[0].decoding_iter > 0
+    assert standin.metric("mtp_carry_drafts_total") == 0
+
+
+def test_an_llm_without_a_tokenizer_is_refused_at_load(monkeypatch, tmp_path):
+    # generate_async takes SamplingParams.end_id from the tokenizer and raises without one
+    with pytest.raises(ValueError) as err:
+        start(monkeypatch, tmp_path, "skip_tokenizer_init: true\n")
+    assert str(err.value) == NO_TOKENIZER
+    llm = standin.LLM.instances[0]
+    assert llm.kwargs == {"model": "/ckpt/q", "skip_tokenizer_init": True} and llm.tokenizer is None
+    assert llm.shut_down and llm.calls == []
+
+
+def test_package_code_reading_an_output_name_tensorrt_llm_lacks_gets_attribute_error(served):
+    model, llm, _ = served
+    send(model, standin.Request(13, start=True, input_ids=[5, 6, 7]))
+    out = llm.results[0]
+    assert out._done  # the stand-in's own bookkeeping, for tests
+    code = compile("out.outputs[0].tokens", serving_module.__file__, "eval")
+    with pytest.raises(AttributeError, match=r"TensorRT-LLM's CompletionOutput has no 'tokens' in "
+                                             r"docs/TRTLLM-CONFORMANCE.md"):
+        eval(code, vars(serving_module), {"out": out})
+    assert eval(compile("getattr(out, 'prompt_ids', 'absent')", serving_module.__file__, "eval"),
+                vars(serving_module), {"out": out}) == "absent"
+    assert eval(compile("out.outputs[0].token_ids_diff", serving_module.__file__, "eval"),
+                vars(serving_module), {"out": out}) == [standin.EOS]  # what the final response added

@@ -1,18 +1,43 @@
 """Every TensorRT-LLM name the package touches is in docs/TRTLLM-CONFORMANCE.md, and the
-stand-in answers package code for exactly those names (AttributeError for any other)."""
+stand-ins answer package code for exactly those names (AttributeError for any other):
+the executor stand-in (`trtllm/standin.py`, `TRTLLM_NAMES`) and the LLM API stand-in
+the Triton model's tests run on (`tests/serve/trtllm_standin.py`, `LLMAPI_NAMES`)."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-from trtllm_names import FILES, ROOT, table, touched
+from trtllm_names import (
+    DEPLOYMENT,
+    FILES,
+    LLMAPI_RECEIVERS,
+    ROOT,
+    calls,
+    receivers_for,
+    table,
+    touched,
+)
 
 from trtllm_mtp_carry.trtllm import manager as manager_module
 from trtllm_mtp_carry.trtllm.standin import TRTLLM_NAMES, LlmRequest
 
-DEPLOYMENT = ["trtllm_mtp_carry/serve/trtllm/model.py", "trtllm_mtp_carry/serve/trtllm/serving.py"]
 SCRIPTS = ["scripts/trtllm_smoke.py"]
+
+
+def llmapi_standin() -> ModuleType:
+    """tests/serve/trtllm_standin.py (the module the serve tests import by that name)."""
+    if "trtllm_standin" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("trtllm_standin", ROOT / "tests" / "serve" / "trtllm_standin.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["trtllm_standin"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["trtllm_standin"]
 
 
 def _code_files() -> list[str]:
@@ -26,8 +51,41 @@ def test_the_walk_covers_the_adapter_the_triton_model_and_the_smoke_script() -> 
 @pytest.mark.parametrize("path", FILES + DEPLOYMENT + SCRIPTS)
 def test_every_tensorrt_llm_name_the_code_touches_is_in_the_conformance_table(path: str) -> None:
     rows = table()
-    missing = sorted({(c, n, line) for c, n, line in touched(ROOT / path) if (c, n) not in rows})
+    missing = sorted({(c, n, line) for c, n, line in touched(ROOT / path, receivers_for(path))
+                      if (c, n) not in rows})
     assert missing == [], f"{path}: TensorRT-LLM names not in docs/TRTLLM-CONFORMANCE.md: {missing}"
+
+
+def test_the_llm_api_stand_in_answers_for_exactly_the_tables_names() -> None:
+    rows = table()
+    names = llmapi_standin().LLMAPI_NAMES
+    for cls, found in names.items():
+        assert found == {n for c, n in rows if c == cls}, cls
+    assert names["LLM"] == TRTLLM_NAMES["LLM"]  # one TensorRT-LLM class, one set of names
+    # every class the deployment receivers name is one the stand-in plays
+    assert {c for r in LLMAPI_RECEIVERS.values() for c in r.values()} <= set(names)
+
+
+def test_the_walk_finds_what_the_triton_model_and_its_glue_read() -> None:
+    """Not vacuous: the model's and the glue's known reads are found."""
+    found = {(c, n) for f in DEPLOYMENT for c, n, _ in touched(ROOT / f, receivers_for(f))}
+    assert {("LLM", "generate_async"), ("RequestOutput", "request_id"), ("RequestOutput", "finished"),
+            ("CompletionOutput", "token_ids_diff"), ("CompletionOutput", "text_diff"),
+            ("CompletionOutput", "request_perf_metrics"), ("SpeculativeDecodingMetrics", "total_draft_tokens"),
+            ("KvCacheMetrics", "num_reused_blocks"), ("RequestOutput", "decoding_iter"),
+            ("ConversationParams", "conversation_id"), ("tensorrt_llm", "SamplingParams"),
+            ("tensorrt_llm.llmapi.llm_utils", "update_llm_args_with_extra_dict"),
+            ("TransformersTokenizer", "tokenizer"), ("PreTrainedTokenizerBase", "apply_chat_template")} <= found
+
+
+def test_the_keywords_the_model_passes_to_generate_async_are_the_sources_and_the_stand_ins() -> None:
+    standin = llmapi_standin()
+    passed = {kw for f in DEPLOYMENT for c, m, kw in calls(ROOT / f, receivers_for(f))
+              if (c, m) == ("LLM", "generate_async")}
+    assert passed == {"streaming", "conversation_params", "cache_salt"}
+    assert passed <= set(standin.GENERATE_ASYNC_PARAMETERS)
+    for llm in (standin.LLM, standin.ExecutorLLM):
+        assert passed <= set(inspect.signature(llm.generate_async).parameters), llm
 
 
 def test_the_stand_in_answers_for_exactly_the_tables_names() -> None:
@@ -82,3 +140,18 @@ def test_the_adapter_depends_on_nothing_above_it() -> None:
             elif isinstance(node, ast.Import):
                 found += [(path.name, a.name) for a in node.names if a.name.startswith(above)]
     assert found == []
+
+
+def test_every_test_the_llm_api_rows_name_exists() -> None:
+    """Section 4's "pinned by" column names tests that exist (a function or a test file)."""
+    text = (ROOT / "docs" / "TRTLLM-CONFORMANCE.md").read_text()
+    section = text[text.index("## 4. The LLM API"):]
+    named = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.replace("\\|", "/").strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[1].startswith("`"):
+            named |= {t.strip() for t in cells[7].replace(";", ",").split(",") if t.strip().startswith("test_")}
+    sources = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    files = {p.stem for p in (ROOT / "tests").rglob("test_*.py")}
+    missing = sorted(n for n in named if f"def {n}(" not in sources and n not in files)
+    assert len(named) >= 15 and missing == []

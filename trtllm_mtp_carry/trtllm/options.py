@@ -12,8 +12,17 @@ kv_cache_config:
   block_reuse_config: {policy: per_conversation, max_num_turns: 2}
 mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB, carry_host_memory: 8GiB}
 # and: tensor_parallel_size 1, enable_attention_dp false, no kv_connector_config (V2 refuses one),
-# TLLM_WORKER_USE_SINGLE_PROCESS=1 in the environment before the first LLM is built
+# the worker-process install (TRTLLM_MTP_CARRY_WORKER, below) for the default LLM, trtllm-serve, Dynamo
 ```
+
+Where the section is read: for the default `LLM(...)`, `trtllm-serve` and
+Dynamo's `dynamo.trtllm` (each builds the PyExecutor in a worker process), the
+worker-process install reads it: `TRTLLM_MTP_CARRY_WORKER=<this YAML file>` in
+the environment of the process that starts TensorRT-LLM (`trtllm/worker.py`,
+after `python -m trtllm_mtp_carry.trtllm.worker install` once per
+environment). Only `attach(llm, options)`, the in-process path, needs
+`TLLM_WORKER_USE_SINGLE_PROCESS=1` in the environment before the first LLM is
+built (TP=1), so that `llm._executor.engine` is the executor.
 
 `split_carry_options` takes the section out and parses it, so the rest can go
 to `LLM(**rest)` unchanged (TensorRT-LLM would refuse an unknown keyword).

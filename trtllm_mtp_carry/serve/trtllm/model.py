@@ -46,7 +46,8 @@ asyncio lock per CORRID); START on a known session, END and the idle timeout
 end it; a bad request gets exactly one error response; a load failure is one
 line (a bad parameter, a missing options file, TensorRT-LLM not installed:
 the line names the `trtllm` extra, a bad `mtp_carry` key, the adapter's
-refusal). Only the loop thread touches the LLM and the session table.
+refusal, an LLM without a tokenizer: TensorRT-LLM sets each request's end id from
+it). The LLM API names used are those of docs/TRTLLM-CONFORMANCE.md section 4. Only the loop thread touches the LLM and the session table.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ from .serving import (
 logger = logging.getLogger("trtllm_mtp_carry.serve")
 
 SINGLE_PROCESS_ENV = "TLLM_WORKER_USE_SINGLE_PROCESS"
+NO_TOKENIZER = ("the LLM has no tokenizer (skip_tokenizer_init): TensorRT-LLM takes each request's end id "
+                "from it and refuses every request without one; remove skip_tokenizer_init from the LLM options")
 
 
 def require_tensorrt_llm() -> Any:
@@ -256,11 +259,15 @@ class TritonPythonModel:
         attachment = self._engine.attachment
         self._chat: ChatTemplate | None = None
         tokenizer = getattr(self._engine.llm, "tokenizer", None)
-        if tokenizer is not None:  # TensorRT-LLM's TransformersTokenizer wraps the Hugging Face one
-            try:
-                self._chat = ChatTemplate(getattr(tokenizer, "tokenizer", tokenizer))
-            except ValueError as exc:
-                logger.warning("%s: text_input turns are refused: %s", self._instance, exc)
+        if tokenizer is None:
+            # LLM.generate_async sets SamplingParams.end_id from the tokenizer and raises
+            # ValueError without one (llm.py _prepare_sampling_params): every turn would fail
+            self._engine.stop()
+            raise ValueError(NO_TOKENIZER)
+        try:  # TensorRT-LLM's TransformersTokenizer wraps the Hugging Face one
+            self._chat = ChatTemplate(getattr(tokenizer, "tokenizer", tokenizer))
+        except ValueError as exc:
+            logger.warning("%s: text_input turns are refused: %s", self._instance, exc)
         self._metrics.refresh_adapter(attachment.stats())
         logger.info("%s ready: %s; carry %s (%s): %s", self._instance, self._options, attachment.topology,
                     "armed" if attachment.armed else "not armed", attachment.reason)
