@@ -238,6 +238,14 @@ class CarryStore:
         order = self._victims()
         return order[0] if order else None
 
+    def victims(self) -> tuple[int, ...]:
+        """Every held key in the order the policy evicts them for pool pressure (first: `victim()`).
+
+        A grow that needs several victims takes them in this order, asked once
+        (`DrafterKVPool.victims`): the store hears of the evictions only after.
+        """
+        return tuple(self._victims())
+
     # ---- changes -------------------------------------------------------------
 
     def admit(self, key: int, nbytes: int = 0, session: int | None = None,

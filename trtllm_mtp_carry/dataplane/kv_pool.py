@@ -13,9 +13,11 @@ its prompt still agrees with::
 
 Carried entries are kept least recently carried first. Live sequences always
 win: a grow the free list cannot serve evicts carried entries until it can, in
-the order `victim` names (the carry store's eviction policy; oldest first when
-unset), and reports each eviction to `on_evict`; a grow that even every carried
-block could not serve is refused and evicts nothing.
+the order `victims` names (the carry store's eviction policy, asked once per
+grow for its whole order, so a grow that needs several victims takes them in
+the policy's order; oldest first when unset, and for entries it leaves out),
+and reports each eviction to `on_evict`; a grow that even every carried block
+could not serve is refused and evicts nothing.
 
 Common-prefix sharing (`share_blocks`): sessions that share a prompt prefix
 (a system prompt) build the same drafter rows for it. Before a finished
@@ -57,7 +59,7 @@ Invariants (`check()` proves them):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -198,8 +200,10 @@ class DrafterKVPool:
         self._merges = self._mismatches = self._cow = self._publications = 0
         self.on_evict: Callable[[int], None] | None = None
         """Called with each carried key a grow evicted (after the pool is consistent again)."""
-        self.victim: Callable[[], int | None] | None = None
-        """Names the carried key a grow evicts next (None or unset: the oldest)."""
+        self.victims: Callable[[], Iterable[int]] | None = None
+        """Names the carried keys in the order a grow evicts them, asked once per grow that must
+        evict (keys not carried are skipped; carried keys it leaves out go after it, least
+        recently carried first; unset: least recently carried first)."""
 
     # ---- queries -------------------------------------------------------------
 
@@ -302,8 +306,10 @@ class DrafterKVPool:
     def grow(self, seq_id: int, num_new_rows: int) -> list[int]:
         """Allocate blocks so `seq_id` can hold `num_new_rows` more rows; return the new ids.
 
-        Live sequences win: when the free list is short, carried entries are evicted,
-        least recently carried first, until it is not (`on_evict` hears each key).
+        Live sequences win: when the free list is short, carried entries are evicted
+        in `victims`' order (one call: the order of the moment the grow starts), then
+        least recently carried first, until it is not (`on_evict` hears each key, in
+        eviction order, once the pool is consistent again).
         A shared block the new rows would start in is copied first (copy on write;
         the copy replaces it in the table and is not among the returned ids). All or nothing: PoolExhaustedError
         (pool unchanged, nothing evicted) when even every carried block would not be enough.
@@ -319,10 +325,12 @@ class DrafterKVPool:
                 f"and {carried_blocks} are carried"
             )
         evicted: list[int] = []
+        order: Iterator[int] = iter(() if need <= len(self._free) or self.victims is None else self.victims())
         while need > len(self._free):
-            named = self.victim() if self.victim is not None else None
-            key = named if named in self._carried else next(iter(self._carried))
-            assert key is not None
+            # the policy's order first (a key it named twice or that is gone is skipped), then ours
+            key = next((k for k in order if k in self._carried), None)
+            if key is None:
+                key = next(iter(self._carried))
             self._release_carried(key)
             evicted.append(key)
             need = self.num_blocks_needed(seq_id, num_new_rows)  # an eviction may unshare the tail

@@ -225,7 +225,7 @@ class CarryRuntime:
     themselves); `clock` is the idle TTL's clock; `share` overrides
     `carry_share()` (common-prefix blocks shared between entries).
     One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
-    names their victims (`pool.victim`), and refuses a pool that already
+    names their victims in the store's order (`pool.victims`), and refuses a pool that already
     carries another runtime's entries.
     """
 
@@ -266,7 +266,7 @@ class CarryRuntime:
         self._adopted: dict[int, int] = {}  # seq_id -> carry key whose rows it adopted (a lease)
         self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
         pool.on_evict = self._on_pool_evict
-        pool.victim = self._pressure_victim
+        pool.victims = self._pressure_victims
 
     # ---- per sequence ----------------------------------------------------------
 
@@ -570,10 +570,10 @@ class CarryRuntime:
         with self._lock:
             self._store.evict(session_hash, "pool_pressure")
 
-    def _pressure_victim(self) -> int | None:
-        """The carried key a pool grow evicts next: the store policy's first victim."""
+    def _pressure_victims(self) -> tuple[int, ...]:
+        """The carried keys in the order a pool grow evicts them: the store policy's victim order."""
         with self._lock:
-            return self._store.victim()
+            return self._store.victims()
 
     def _expire(self) -> int:
         """Evict idle entries and free their rows (caller holds the lock)."""
