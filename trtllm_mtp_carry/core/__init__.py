@@ -9,7 +9,15 @@ Owner: the MTP drafter's model layer. Invariants across the core:
 """
 
 from .adopt import decide_adopt
-from .carry_store import EVICTION_CAUSES, MISS_MEMORY, REFUSAL_CAUSES, CarryStore
+from .carry_store import (
+    EVICTION_CAUSES,
+    MISS_MEMORY,
+    REFUSAL_CAUSES,
+    TIERS,
+    CarryStore,
+    HostMoves,
+    TierStats,
+)
 from .debuglog import log_adopt, log_store
 from .drafter import CarriedDrafter
 from .outcome import NO_CARRY_REASONS, OUTCOME_KINDS, CarryOutcome
@@ -80,6 +88,9 @@ __all__ = [
     "CarriedDrafter",
     "CarryOutcome",
     "CarryStore",
+    "HostMoves",
+    "TIERS",
+    "TierStats",
     "DrafterContext",
     "PinnedSetting",
     "StoreRange",

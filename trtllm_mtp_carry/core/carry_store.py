@@ -42,6 +42,22 @@ Invariants:
 - `candidate(k)` is `k`'s own entry; with one slot, else the slot's entry of
   another key (which `decide_adopt` refuses as ForeignSession: the seed's
   slot); else None, and `miss_reason(k)` says why (`NO_CARRY_REASONS`).
+
+Host tier (`host_budget_bytes > 0`; 0, the default, is the store without one,
+bit for bit): an entry that leaves the device budget for room (`memory`,
+`capacity`) or for `pool_pressure` is demoted instead of evicted: the store
+calls `host_moves.demote(entry)` (the executor copies its rows to host memory
+and frees its device rows) and keeps the entry in a second tier bounded by
+`host_budget_bytes` (charged each entry's full rows: host copies share
+nothing), ordered and evicted by the same policy's victim order (an entry
+leaving the host tier is an eviction with its cause, counted once, and the
+executor frees the host copy in `host_moves.drop(entry)`). A take of a host
+entry counts a host hit and calls `host_moves.restore(entry)`, which brings
+the rows back to the device before `take` returns. Device-tier queries
+(`entries`, `len`, `bytes_held`, `victim`) see the device tier only; `get`,
+`candidate`, `judge`, `nbytes` and `in` see both, so a key has at most one
+entry across the tiers. Methods that return evicted entries return only
+those whose device rows the caller frees.
 """
 
 from __future__ import annotations
@@ -49,7 +65,8 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from ._checks import check_non_negative, check_u64
 from .adopt import decide_adopt
@@ -69,6 +86,12 @@ EVICTION_CAUSES: tuple[str, ...] = (
     "cleared",  # the runtime dropped every entry (`clear`)
 )
 """Why an entry left the store without being adopted, in the order counters list them."""
+
+DEMOTION_CAUSES: tuple[str, ...] = ("capacity", "memory", "pool_pressure")
+"""Causes for which an entry leaving the device budget moves to the host tier (when one is on)."""
+
+TIERS: tuple[str, ...] = ("device", "host")
+"""The store's tiers, in the order per-tier counters list them."""
 
 REFUSAL_CAUSES: tuple[str, ...] = ("not_admitted", "too_large")
 """Why a deposit was refused (nothing evicted), in the order counters list them."""
@@ -103,6 +126,8 @@ class CarryStore:
     seed's slot: the newest deposit wins it), whatever `policy` says.
     `block_nbytes` switches the charge from each deposit's stated bytes to its
     blocks (see the module header): `admit` then takes the deposit's `blocks`.
+    `host_budget_bytes` > 0 adds the host tier (module header; set `host_moves`
+    for the executor's copies).
     """
 
     def __init__(
@@ -113,6 +138,7 @@ class CarryStore:
         idle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         block_nbytes: int | None = None,
+        host_budget_bytes: int = 0,
     ) -> None:
         if slots is not None and (type(slots) is not int or slots < 1):
             raise ValueError(f"slots must be an int >= 1 or None (no cap), got {slots!r}")
@@ -141,6 +167,13 @@ class CarryStore:
         self._bytes = 0
         self.deposits = 0
         self.adoptions = 0
+        if type(host_budget_bytes) is not int or host_budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes must be an int >= 0 (0: no host tier), got {host_budget_bytes!r}")
+        self.host_budget_bytes = host_budget_bytes
+        self.host_moves: HostMoves | None = None
+        """The executor's row moves between tiers (None: bookkeeping only, as in a trace replay)."""
+        self._host = _HostTier(self, host_budget_bytes) if host_budget_bytes else None
+        self._tier = _TierCounters()
 
     # ---- queries -------------------------------------------------------------
 
@@ -148,16 +181,16 @@ class CarryStore:
         return len(self._entries)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._entries or (self._host is not None and key in self._host.entries)
 
     def get(self, key: int) -> CarriedDrafter | None:
-        """The entry carried under `key`, or None."""
-        held = self._entries.get(key)
+        """The entry carried under `key` in either tier, or None."""
+        held = self._entries.get(key) or self._host_held(key)
         return None if held is None else held.entry
 
     def candidate(self, key: int) -> CarriedDrafter | None:
         """The entry `decide_adopt` judges for `key` (see the module invariants)."""
-        held = self._entries.get(key) if key != 0 else None
+        held = (self._entries.get(key) or self._host_held(key)) if key != 0 else None
         if held is not None:
             return held.entry
         if self.slots == 1 and self._entries:  # the seed's single slot: whoever holds it
@@ -196,7 +229,7 @@ class CarryStore:
 
     def nbytes(self, key: int) -> int:
         """Bytes the entry under `key` was deposited with (0 if none; by block: all its blocks)."""
-        held = self._entries.get(key)
+        held = self._entries.get(key) or self._host_held(key)
         return 0 if held is None else held.nbytes
 
     @property
@@ -265,7 +298,7 @@ class CarryStore:
         if self.budget_bytes is not None and room.alone > self.budget_bytes:
             self._refuse(key, "too_large")
             return None
-        returning = key in self._entries or key in self._leases
+        returning = key in self._entries or key in self._leases or self._host_held(key) is not None
         if self.policy == "incumbent" and not returning and not room.fits():
             self._refuse(key, "not_admitted")
             return None
@@ -280,8 +313,10 @@ class CarryStore:
             if not room.fits():  # unreachable: the deposit fits alone, all may go
                 self._refuse(key, "not_admitted")
                 return None
-        return [self._remove(k, "replaced" if k == key else self._room_cause())
-                for k in room.gone]
+        self._drop_host(key, "replaced")
+        gone = (self._remove(k, "replaced") if k == key else self._leave_device(k, self._room_cause())
+                for k in room.gone)  # the cause is read per entry, as each leaves
+        return [e for e in gone if e is not None]
 
     def make_room(self, session_hash: int, nbytes: int = 0,
                   blocks: Sequence[int] | None = None) -> list[CarriedDrafter]:
@@ -296,10 +331,13 @@ class CarryStore:
         evicted = []
         if session_hash in self._entries:
             evicted.append(self._remove(session_hash, "replaced"))
+        self._drop_host(session_hash, "replaced")
         for k in self._victims():
             if self._room(nbytes, blocks).fits():
                 break
-            evicted.append(self._remove(k, self._room_cause()))
+            gone = self._leave_device(k, self._room_cause())
+            if gone is not None:
+                evicted.append(gone)
         return evicted
 
     def put(self, entry: CarriedDrafter, nbytes: int = 0, session: int | None = None) -> None:
@@ -313,7 +351,7 @@ class CarryStore:
         if key == 0:
             raise ValueError("an entry of session 0 never carries (session 0 matches nothing)")
         blocks = entry.block_table if self.block_nbytes is not None else None
-        if key in self._entries or not self._room(nbytes, blocks).fits():
+        if key in self or not self._room(nbytes, blocks).fits():
             raise RuntimeError(
                 f"no room for session 0x{key:016x}: {len(self._entries)} of {self.slots or 'any'} slots, "
                 f"{self._bytes} of {self.budget_bytes} bytes held"
@@ -326,6 +364,7 @@ class CarryStore:
         self._entries[key] = _Held(entry, nbytes, owner, self._clock(),
                                    0 if lease is None else lease.adoptions + 1)
         self._charge(entry, nbytes)
+        self._tier.peak_device = max(self._tier.peak_device, self._bytes)
         self._misses.pop(key, None)
         self._last_key[owner] = key
         self._last_key.move_to_end(owner)
@@ -337,11 +376,18 @@ class CarryStore:
         """Remove and return `session_hash`'s entry for adoption; RuntimeError if it has none.
 
         The key holds a lease until it deposits again or `end_lease` drops it.
+        A host-tier entry counts a host hit and is restored (`host_moves.restore`)
+        first; the entry returned is then the restored one.
         """
         held = self._entries.pop(session_hash, None) if session_hash != 0 else None
         if held is None:
-            raise RuntimeError(f"no carried entry for session 0x{session_hash:016x} to take")
-        self._uncharge(held)
+            restored = self._take_host(session_hash) if session_hash != 0 else None
+            if restored is None:
+                raise RuntimeError(f"no carried entry for session 0x{session_hash:016x} to take")
+            held = restored
+        else:
+            self._uncharge(held)
+            self._tier.hits["device"] += 1
         self._leases[session_hash] = _Lease(held.nbytes, held.session, self._clock(), held.adoptions)
         if len(self._leases) > MISS_MEMORY:  # a caller that never ends its leases stays bounded
             oldest = next(iter(self._leases))
@@ -358,12 +404,18 @@ class CarryStore:
         return True
 
     def evict(self, session_hash: int, cause: str) -> CarriedDrafter | None:
-        """Remove `session_hash`'s entry for `cause` and return it (None, uncounted, if it has none)."""
+        """Remove `session_hash`'s entry for `cause` and return it (None, uncounted, if it has none).
+
+        With a host tier, a device entry leaving for a `DEMOTION_CAUSES` cause is
+        demoted (None: it stays, in host memory), and a host entry leaves with its
+        host copy (`host_moves.drop`; None: no device rows to free).
+        """
         if cause not in self._evictions:
             raise ValueError(f"cause must be one of {EVICTION_CAUSES}, got {cause!r}")
         if session_hash not in self._entries:
+            self._drop_host(session_hash, cause)
             return None
-        return self._remove(session_hash, cause)
+        return self._leave_device(session_hash, cause)
 
     def evict_session(self, session: int, cause: str = "session_end") -> list[CarriedDrafter]:
         """Evict every entry of `session` (under any salt) for `cause`; drop its leases too."""
@@ -373,6 +425,9 @@ class CarryStore:
         for k in [k for k, lease in self._leases.items() if lease.session == session or k == session]:
             del self._leases[k]
             self._remember(k, cause)
+        if self._host is not None:
+            for k in [k for k, h in self._host.entries.items() if h.session == session or k == session]:
+                self._drop_host(k, cause)
         return [self._remove(k, cause) for k in keys]
 
     def expire(self) -> list[CarriedDrafter]:
@@ -389,11 +444,128 @@ class CarryStore:
         for k in [k for k, lease in self._leases.items() if lease.taken_at <= cutoff]:
             del self._leases[k]
             self._remember(k, "idle")
+        while self._host is not None and self._host.entries:  # kept in deposit order too
+            key, held = next(iter(self._host.entries.items()))
+            if held.deposited_at > cutoff:
+                break
+            self._drop_host(key, "idle")
         return out
 
     def clear(self) -> list[CarriedDrafter]:
-        """Evict every entry (`cleared`); return them, oldest first."""
+        """Evict every entry (`cleared`); return the device tier's, oldest first (host copies are dropped)."""
+        if self._host is not None:
+            for k in list(self._host.entries):
+                self._drop_host(k, "cleared")
         return [self._remove(key, "cleared") for key in list(self._entries)]
+
+    # ---- host tier -------------------------------------------------------------
+
+    @property
+    def host_entries(self) -> tuple[CarriedDrafter, ...]:
+        """Every host-tier entry, least recently deposited first (empty without a host tier)."""
+        return () if self._host is None else tuple(h.entry for h in self._host.entries.values())
+
+    @property
+    def host_bytes_held(self) -> int:
+        """Bytes the host tier holds (each entry's full rows; 0 without a host tier)."""
+        return 0 if self._host is None else self._host.nbytes
+
+    def tier(self, key: int) -> str | None:
+        """Which tier (`TIERS`) holds `key`'s entry, or None."""
+        if key in self._entries:
+            return "device"
+        return "host" if self._host_held(key) is not None else None
+
+    def tier_stats(self) -> TierStats:
+        """A frozen snapshot of the per-tier counters (zeros without a host tier)."""
+        t = self._tier
+        host = self._host
+        return TierStats(
+            host_budget_bytes=self.host_budget_bytes,
+            hits=dict(t.hits),
+            demotions=t.demotions,
+            demotions_refused=t.demotions_refused,
+            host_evictions=dict(t.host_evictions),
+            bytes_demoted=t.bytes_demoted,
+            bytes_restored=t.bytes_restored,
+            host_entries=0 if host is None else len(host.entries),
+            host_bytes_held=self.host_bytes_held,
+            peak_bytes={"device": t.peak_device, "host": t.peak_host},
+            demote_ms=t.demote_ms,
+            restore_ms=t.restore_ms,
+        )
+
+    def _host_held(self, key: int) -> _Held | None:
+        return None if self._host is None else self._host.entries.get(key)
+
+    def _host_charge(self, held: _Held) -> int:
+        """What `held` costs in host memory: its full rows (by block: every block it names)."""
+        if self.block_nbytes is None:
+            return held.nbytes
+        return len(held.entry.block_table) * self.block_nbytes
+
+    def _leave_device(self, key: int, cause: str) -> CarriedDrafter | None:
+        """`key`'s device entry leaves for `cause`: demoted when a host tier takes it (None), else
+        evicted and returned (the caller frees its device rows)."""
+        host = self._host
+        if host is None or cause not in DEMOTION_CAUSES:
+            return self._remove(key, cause)
+        held = self._entries[key]
+        nbytes = self._host_charge(held)
+        dropped = host.make_room(nbytes)
+        if dropped is None:  # larger than the host budget, or the policy keeps the host's incumbents
+            self._tier.demotions_refused += 1
+            return self._remove(key, cause)
+        for k in dropped:
+            self._drop_host(k, host.room_cause)
+        del self._entries[key]
+        self._uncharge(held)
+        if self.host_moves is not None:
+            t0 = time.perf_counter()
+            self.host_moves.demote(held.entry)
+            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
+        host.insert(key, replace(held, nbytes=nbytes))
+        self._tier.demotions += 1
+        self._tier.bytes_demoted += nbytes
+        self._tier.peak_host = max(self._tier.peak_host, host.nbytes)
+        return None
+
+    def _drop_host(self, key: int, cause: str) -> bool:
+        """`key`'s host entry leaves the store for `cause` (counted; `host_moves.drop` frees its copy)."""
+        host = self._host
+        if host is None or key not in host.entries:
+            return False
+        held = host.pop(key)
+        self._evictions[cause] += 1
+        self._tier.host_evictions[cause] += 1
+        if cause != "replaced":
+            self._remember(key, cause)
+        if self.host_moves is not None:
+            self.host_moves.drop(held.entry)
+        return True
+
+    def _take_host(self, key: int) -> _Held | None:
+        """Pop `key`'s host entry for adoption, restored to the device (None when it has none)."""
+        if self._host is None or key not in self._host.entries:
+            return None
+        held = self._host.pop(key)
+        self._tier.hits["host"] += 1
+        self._tier.bytes_restored += held.nbytes
+        if self.host_moves is not None:
+            t0 = time.perf_counter()
+            try:
+                restored = self.host_moves.restore(held.entry)
+            except BaseException:  # the rows never came back: the entry is gone, counted as pressure
+                self._evictions["pool_pressure"] += 1
+                self._tier.host_evictions["pool_pressure"] += 1
+                self._remember(key, "pool_pressure")
+                self.host_moves.drop(held.entry)
+                raise
+            finally:
+                self._tier.restore_ms += (time.perf_counter() - t0) * 1e3
+            if restored is not None:
+                held = replace(held, entry=restored)
+        return held
 
     # ---- internals -----------------------------------------------------------
 
@@ -501,4 +673,113 @@ class _Room:
             store._bytes - self._freed + self._cost <= store.budget_bytes)
 
 
-__all__ = ["EVICTION_CAUSES", "EVICTION_POLICIES", "MISS_MEMORY", "REFUSAL_CAUSES", "CarryStore"]
+class HostMoves(Protocol):
+    """What an executor does with an entry's rows when the store moves it between tiers.
+
+    Each is called once per move, under the caller's lock, with the store mid-change
+    (it must not call back into the store).
+    """
+
+    def demote(self, entry: CarriedDrafter) -> None:
+        """Copy `entry`'s rows to host memory and free its device rows."""
+
+    def restore(self, entry: CarriedDrafter) -> CarriedDrafter | None:
+        """Bring `entry`'s rows back to device memory (freeing the host copy) before the adopter
+        reads them; return the entry as it now is on the device (None: unchanged)."""
+
+    def drop(self, entry: CarriedDrafter) -> None:
+        """Free `entry`'s host copy: it left the store from the host tier."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Per-tier counters of a `CarryStore` (all zero without a host tier).
+
+    `hits` are takes by tier (`TIERS`); `demotions` moved an entry from the device
+    budget to the host tier, `demotions_refused` evicted it instead (larger than
+    the host budget, or the policy kept the host's incumbents); `host_evictions`
+    are the store's evictions (already in `CarryStore.evictions`) that left from
+    the host tier, by cause. `bytes_demoted`/`bytes_restored` are the host charge
+    moved each way; `peak_bytes` the most each tier held. `demote_ms` and
+    `restore_ms` are wall time inside the executor's `host_moves` calls (the
+    copies, or their launch where the executor copies asynchronously).
+    """
+
+    host_budget_bytes: int
+    hits: dict[str, int]
+    demotions: int
+    demotions_refused: int
+    host_evictions: dict[str, int]
+    bytes_demoted: int
+    bytes_restored: int
+    host_entries: int
+    host_bytes_held: int
+    peak_bytes: dict[str, int]
+    demote_ms: float
+    restore_ms: float
+
+
+@dataclass(slots=True)
+class _TierCounters:
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    demotions: int = 0
+    demotions_refused: int = 0
+    host_evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_CAUSES, 0))
+    bytes_demoted: int = 0
+    bytes_restored: int = 0
+    peak_device: int = 0
+    peak_host: int = 0
+    demote_ms: float = 0.0
+    restore_ms: float = 0.0
+
+
+class _HostTier:
+    """The host tier's entries, in deposit order, bounded by bytes; victims in the owner's policy's order.
+
+    Bookkeeping rides on a second, uncapped `CarryStore` of the same policy, so
+    the victim order is the policy's own code (`_victims`) over the host entries.
+    """
+
+    room_cause = "memory"  # the host tier has no slot cap: room is always memory
+
+    def __init__(self, owner: CarryStore, budget_bytes: int) -> None:
+        self._tier = CarryStore(None, budget_bytes, owner.policy, None, owner._clock)
+        self.entries = self._tier._entries
+
+    @property
+    def nbytes(self) -> int:
+        return self._tier._bytes
+
+    def make_room(self, nbytes: int) -> list[int] | None:
+        """Keys to leave so `nbytes` fit, in victim order; None if refused (nothing leaves)."""
+        tier = self._tier
+        room = tier._room(nbytes, None)
+        if tier.budget_bytes is not None and room.alone > tier.budget_bytes:
+            return None
+        if tier.policy == "incumbent" and not room.fits():
+            return None
+        for k in tier._victims():
+            if room.fits():
+                break
+            room.remove(k)
+        return list(room.gone)
+
+    def insert(self, key: int, held: _Held) -> None:
+        """Hold `held` (charged `held.nbytes`) in deposit order (idle expiry stops at the first young one)."""
+        entries = self.entries
+        last = next(reversed(entries.values()), None)
+        entries[key] = held
+        if last is not None and last.deposited_at > held.deposited_at:
+            ordered = sorted(entries.items(), key=lambda kv: kv[1].deposited_at)  # stable: ties keep order
+            entries.clear()
+            entries.update(ordered)
+        self._tier._bytes += held.nbytes
+
+    def pop(self, key: int) -> _Held:
+        held = self.entries.pop(key)
+        self._tier._bytes -= held.nbytes
+        return held
+
+
+__all__ = ["DEMOTION_CAUSES", "EVICTION_CAUSES", "EVICTION_POLICIES", "MISS_MEMORY", "REFUSAL_CAUSES",
+           "TIERS", "CarryStore", "HostMoves", "TierStats"]
