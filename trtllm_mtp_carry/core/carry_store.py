@@ -71,6 +71,7 @@ from typing import Protocol
 from ._checks import check_non_negative, check_u64
 from .adopt import decide_adopt
 from .drafter import CarriedDrafter
+from .eviction import ReturnOdds
 from .outcome import CarryOutcome, NoCarry
 from .settings import EVICTION_POLICIES, check_eviction_policy
 from .store_range import StoreRange
@@ -172,6 +173,8 @@ class CarryStore:
         self.host_budget_bytes = host_budget_bytes
         self.host_moves: HostMoves | None = None
         """The executor's row moves between tiers (None: bookkeeping only, as in a trace replay)."""
+        self._odds = ReturnOdds(idle_s, MISS_MEMORY) if self.policy == "returns" else None
+        """The `returns` policy's learned chances (core/eviction.py); None under other policies."""
         self._host = _HostTier(self, host_budget_bytes) if host_budget_bytes else None
         self._tier = _TierCounters()
 
@@ -302,11 +305,21 @@ class CarryStore:
         if self.policy == "incumbent" and not returning and not room.fits():
             self._refuse(key, "not_admitted")
             return None
+        worth = None  # `returns`: what the newcomer is worth; each victim must be worth less
+        if self._odds is not None:
+            cls = self._odds.deposited(key, self._clock())
+            if self._host is None:  # with a host tier victims are demoted, not lost: no admission test
+                worth = self._odds.worth(cls, 0.0, room.alone)
         if key in self._entries:
             room.remove(key)  # its own older rows go (`replaced`)
         if not room.fits():
-            for k in self._victims():
+            ranked = self._ranked() if self._odds is not None else None
+            order = self._victims() if ranked is None else ranked[0]
+            for i, k in enumerate(order):
                 if k != key:
+                    if worth is not None and ranked is not None and ranked[1][i] >= worth:
+                        self._refuse(key, "not_admitted")  # it would push out an entry worth more
+                        return None
                     room.remove(k)
                     if room.fits():
                         break
@@ -329,6 +342,8 @@ class CarryStore:
         check_u64("session_hash", session_hash)
         check_non_negative("nbytes", nbytes)
         evicted = []
+        if self._odds is not None:
+            self._odds.deposited(session_hash, self._clock())
         if session_hash in self._entries:
             evicted.append(self._remove(session_hash, "replaced"))
         self._drop_host(session_hash, "replaced")
@@ -388,6 +403,8 @@ class CarryStore:
         else:
             self._uncharge(held)
             self._tier.hits["device"] += 1
+        if self._odds is not None:
+            self._odds.adopted(session_hash, self._clock())
         self._leases[session_hash] = _Lease(held.nbytes, held.session, self._clock(), held.adoptions)
         if len(self._leases) > MISS_MEMORY:  # a caller that never ends its leases stays bounded
             oldest = next(iter(self._leases))
@@ -576,7 +593,17 @@ class CarryStore:
         if self.policy == "slru":
             return ([k for k, h in self._entries.items() if h.adoptions == 0]
                     + [k for k, h in self._entries.items() if h.adoptions > 0])
+        if self._odds is not None:
+            return self._ranked()[0]
         return list(reversed(self._entries))  # incumbent: the newest entry is evicted first
+
+    def _ranked(self) -> tuple[list[int], list[float]]:
+        """`returns`: held keys and their worth (core/eviction.py), lowest first, equal ones newest first."""
+        odds = self._odds
+        assert odds is not None
+        keys = list(self._entries)
+        held = self._entries.values()
+        return odds.rank(keys, [h.deposited_at for h in held], [h.nbytes for h in held], self._clock())
 
     def _room(self, nbytes: int, blocks: Sequence[int] | None) -> _Room:
         """What a deposit (`nbytes`, or its `blocks` when charged by block) needs, entry removals aside."""
@@ -744,6 +771,7 @@ class _HostTier:
 
     def __init__(self, owner: CarryStore, budget_bytes: int) -> None:
         self._tier = CarryStore(None, budget_bytes, owner.policy, None, owner._clock)
+        self._tier._odds = owner._odds  # `returns`: the host tier weighs entries by what the owner learned
         self.entries = self._tier._entries
 
     @property
