@@ -309,7 +309,7 @@ class CarryStore:
         if self._odds is not None:
             cls = self._odds.deposited(key, self._clock())
             if self._host is None:  # with a host tier victims are demoted, not lost: no admission test
-                worth = self._odds.worth(cls, 0.0, room.alone)
+                worth = self._odds.worth(cls, 0.0, self._cost(room.alone))
         if key in self._entries:
             room.remove(key)  # its own older rows go (`replaced`)
         if not room.fits():
@@ -603,7 +603,17 @@ class CarryStore:
         assert odds is not None
         keys = list(self._entries)
         held = self._entries.values()
-        return odds.rank(keys, [h.deposited_at for h in held], [h.nbytes for h in held], self._clock())
+        return odds.rank(keys, [h.deposited_at for h in held], [self._cost(h.nbytes) for h in held],
+                         self._clock())
+
+    def _cost(self, nbytes: int) -> float:
+        """`returns`: the share of the store's bounds an entry of `nbytes` takes (bytes, and a slot)."""
+        cost = 0.0
+        if self.budget_bytes:
+            cost += nbytes / self.budget_bytes
+        if self.slots is not None:
+            cost += 1.0 / self.slots
+        return cost if cost > 0 else float(max(nbytes, 1))  # unbounded: per byte (it never evicts)
 
     def _room(self, nbytes: int, blocks: Sequence[int] | None) -> _Room:
         """What a deposit (`nbytes`, or its `blocks` when charged by block) needs, entry removals aside."""

@@ -5,9 +5,13 @@ What it is for: on real chat traffic most carried entries are never adopted
 the idle TTL, 68% of fifth and later ones), so which entry to keep depends on
 its conversation's chance to return. The store learns that chance from the
 turns it sees itself, never from a table fitted to one trace. An entry's worth
-is its chance to still be adopted, per byte::
+is its chance to still be adopted, per share of the store it takes::
 
-    worth(turn class c, age a, bytes n) = P(returns within the horizon | c, not returned by a) / n
+    worth(turn class c, age a, cost n) = P(returns within the horizon | c, not returned by a) / n
+    cost = bytes / budget_bytes + 1 / slots     (a term for each bound the store has)
+
+so under a memory budget it is the chance per byte, under a slot cap the chance
+per slot (an entry of a few rows takes a whole slot too).
 
 from decayed counts, per turn class (its conversation's 1st, 2nd, 3rd, 4th,
 5th+ deposit, the count kept across evictions by the ghost list), of returns
@@ -16,8 +20,11 @@ not return within the horizon (the idle TTL, else `DEFAULT_HORIZON_S`). The
 lowest worth leaves first; a newcomer is admitted only if it is worth more than
 every entry it would push out, so first turns, which rarely return, do not
 push out conversations that do. A weak prior (`PRIOR_WEIGHT` pseudo-deposits
-per class, half of them returning, spread over the bins) decides until the
-store has seen turns. (DECISIONS.md, issue 23, has the variants measured: the
+per class, half of them returning in the last age bin) decides until the
+store has seen turns: an entry's chance then does not fall with age, so
+equal entries tie and the incumbent stays (a cyclic workload larger than the
+store keeps a fixed set, as `incumbent` does, instead of evicting the entry
+needed next, as `lrd` does). (DECISIONS.md, issue 23, has the variants measured: the
 chance per byte-second, LHD's hit density, did worse on the trace.)
 
 Learning, from the store's own calls:
@@ -55,7 +62,7 @@ DECAY_TURNS = 4000.0
 """Resolved deposits over which a count decays by 1/e: old traffic fades, the rates follow the new."""
 
 PRIOR_WEIGHT = 1.0
-"""Pseudo-deposits per class before any data (half return, spread evenly over the age bins)."""
+"""Pseudo-deposits per class before any data: half stay, half return at the horizon's last bin."""
 
 _RENORM = 1e200
 
@@ -81,7 +88,9 @@ class ReturnOdds:
         nbins = len(self.edges) - 1
         self._weight = 1.0  # the next count's weight; grows by 1/(1 - 1/DECAY_TURNS) per resolution
         self._grow = 1.0 / (1.0 - 1.0 / DECAY_TURNS)
-        self._returns = [[PRIOR_WEIGHT / 2 / nbins] * nbins for _ in range(TURN_CLASSES)]  # [class][bin]
+        # [class][bin]; the prior's returns sit in the last bin: until returns are seen, an entry's
+        # chance does not fall with its age, so equal entries tie and the incumbent stays
+        self._returns = [[0.0] * (nbins - 1) + [PRIOR_WEIGHT / 2] for _ in range(TURN_CLASSES)]
         self._stays = [PRIOR_WEIGHT / 2] * TURN_CLASSES
         self._chance: list[list[float]] | None = None  # [class][bin]: P(returns | not by the bin), cached
         self._turns: OrderedDict[int, int] = OrderedDict()  # the ghost list: key -> deposits seen
@@ -168,26 +177,27 @@ class ReturnOdds:
             self._chance = table
         return self._chance
 
-    def worth(self, cls: int, age: float, nbytes: int) -> float:
-        """What an entry of class `cls` (0-based), `age` seconds old, of `nbytes` is worth (module header)."""
+    def worth(self, cls: int, age: float, cost: float) -> float:
+        """What an entry of class `cls` (0-based), `age` seconds old, costing `cost` is worth (module
+        header; the store's cost: the share of its bounds the entry takes)."""
         if age >= self.horizon_s:
             return 0.0
-        return self._table()[cls][self._bin(age)] / max(nbytes, 1)
+        return self._table()[cls][self._bin(age)] / max(cost, 1e-300)
 
-    def rank(self, keys: Sequence[int], deposited_at: Sequence[float], nbytes: Sequence[int],
+    def rank(self, keys: Sequence[int], deposited_at: Sequence[float], costs: Sequence[float],
              now: float) -> tuple[list[int], list[float]]:
         """`keys` (held entries, oldest deposit first) ordered by worth, lowest first, equal worth
         newest first; and their worth in that order."""
         table, turns, edges, horizon = self._table(), self._turns, self.edges, self.horizon_s
         last = len(edges) - 2
         worth = []
-        for k, at, n in zip(keys, deposited_at, nbytes, strict=True):
+        for k, at, n in zip(keys, deposited_at, costs, strict=True):
             age = now - at
             if age >= horizon:
                 worth.append(0.0)
                 continue
             b = max(0, min(bisect_right(edges, age) - 1, last))
-            worth.append(table[min(turns.get(k, 1), TURN_CLASSES) - 1][b] / max(n, 1))
+            worth.append(table[min(turns.get(k, 1), TURN_CLASSES) - 1][b] / max(n, 1e-300))
         order = sorted(range(len(keys)), key=lambda i: (worth[i], -i))
         return [keys[i] for i in order], [worth[i] for i in order]
 
