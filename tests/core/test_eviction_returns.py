@@ -55,20 +55,23 @@ def test_returns_and_stays_are_counted_by_turn_class_and_the_ghost_list_keeps_th
     assert odds.resolved == 3
     assert odds.turn_class(7) == 1 and odds.turn_class(8) == 0 and odds.turn_class(9) == 0
     w = odds._grow  # counts are weighted 1, w, w^2 in resolution order (lazy decay)
-    half = PRIOR_WEIGHT / 2
-    assert odds.return_rate(0) == pytest.approx((half + 1) / (2 * half + 1 + w * w))
-    assert odds.return_rate(1) == pytest.approx(half / (2 * half + w))
+    prior = PRIOR_WEIGHT * w**3  # the prior weighs as much as the latest deposits do
+    first = (1 + prior / 2) / (1 + w * w + prior)  # class 0: one return, one stay, the prior
+    assert odds.return_rate(0) == pytest.approx(first)
+    assert odds.return_rate(1) == pytest.approx(prior * first / (w + prior))  # one stay, backing off
     # the return at 30 s sits in age bin [16, 32): a class-0 entry 20 s old may still be it,
     # one 40 s old has only the prior's return (in the last bin) ahead of it
-    assert odds.worth(0, 20.0, 1) == pytest.approx((half + 1) / (2 * half + 1 + w * w))
-    assert odds.worth(0, 40.0, 1) == pytest.approx(half / (2 * half + w * w))
+    assert odds.worth(0, 20.0, 1) == pytest.approx(first)
+    assert odds.worth(0, 40.0, 1) == pytest.approx((prior / 2) / (w * w + prior))
+    assert odds.worth(0, 40.0, 4) == pytest.approx(odds.worth(0, 40.0, 1) / 4)  # per unit of cost
 
 
 def test_a_deposit_that_returns_after_the_horizon_is_a_stay():
     odds = ReturnOdds(100.0, 100)
     odds.deposited(7, 0.0)
     odds.deposited(7, 150.0)  # came back, but after the horizon (the sweep in deposited resolves it)
-    assert odds.return_rate(0) == pytest.approx(0.5 / 2.0)
+    prior = PRIOR_WEIGHT * odds._grow
+    assert odds.return_rate(0) == pytest.approx((prior / 2) / (1 + prior))
 
 
 def test_ghost_list_and_pending_are_bounded():
@@ -102,7 +105,8 @@ def test_a_first_turn_is_refused_rather_than_pushing_out_a_conversation_that_ret
 
 def test_a_cyclic_workload_larger_than_the_store_keeps_a_fixed_set():
     """64 sessions round-robin over 16 slots, 3 turns: lrd evicts exactly the entry needed next
-    (0 adopted); returns, like incumbent, keeps a set and adopts it every round."""
+    (0 adopted); returns, like incumbent, keeps a set and adopts it every round (a second turn
+    backs off to the first turns' chance, and near ties keep the incumbent)."""
 
     def run(policy: str) -> int:
         clock = Clock()
@@ -124,7 +128,7 @@ def test_a_cyclic_workload_larger_than_the_store_keeps_a_fixed_set():
 
     assert run("lrd") == 0
     assert run("incumbent") == 61
-    assert run("returns") == 64
+    assert run("returns") == 61
 
 
 def test_pool_pressure_victims_are_the_lowest_worth_first():
@@ -151,3 +155,24 @@ def test_the_host_tier_ranks_by_what_the_device_tier_learned():
     assert deposit(store, 1, 10) == []
     assert deposit(store, 2, 10) == []  # no admission test with a host tier: 1 is demoted
     assert store.tier(1) == "host" and store.tier(2) == "device"
+
+
+def test_a_later_class_with_no_turns_seen_backs_off_to_the_class_below():
+    odds = ReturnOdds(100.0, 100)
+    for k in range(4):  # first turns: three come back after 10 s, one stays
+        odds.deposited(k, 0.0)
+    for k in range(3):
+        odds.adopted(k, 10.0)
+    odds.sweep(101.0)
+    first = odds.return_rate(0)
+    assert first > 0.5
+    assert [odds.return_rate(c) for c in range(1, TURN_CLASSES)] == pytest.approx([first] * (TURN_CLASSES - 1))
+
+
+def test_near_ties_keep_the_incumbent():
+    clock = Clock()
+    store = CarryStore(None, 100, "returns", 600, clock)
+    assert deposit(store, 1, 50) == [] and deposit(store, 2, 50) == []
+    assert deposit(store, 3, 48) is None  # 4% smaller is not worth a swap (ADMIT_MARGIN)
+    assert deposit(store, 4, 30) == [2]  # 40% smaller is: the newest of the equal ones goes
+    assert [e.session_hash for e in store.entries()] == [1, 4]

@@ -24,7 +24,13 @@ deposit order; which one leaves first is the eviction policy's choice::
   larger than the store it evicts exactly the entry needed next (0 adopted).
 - `slru`: entries adopted at least once are protected; never-adopted ones go
   first, oldest first, then protected ones, oldest first.
-- `incumbent` (the default; DECISIONS.md has the figures): keep what is held.
+- `returns` (the default since issue 23; core/eviction.py, DECISIONS.md has the
+  trace figures): the entry with the lowest learned chance to be adopted per
+  share of the bounds it takes (bytes, slot) leaves first; a newcomer is
+  admitted only if it is worth more than every entry it would push out
+  (`not_admitted` otherwise; with a host tier, victims are demoted instead and
+  nothing is refused). It learns from the deposits and adoptions it sees.
+- `incumbent` (the default before issue 23): keep what is held.
   A newcomer that does not fit is refused (`not_admitted`) instead of evicting
   anything; a returning key (one whose rows a running turn adopted, a lease,
   or that replaces its own entry) makes room by evicting the newest entries
@@ -71,7 +77,7 @@ from typing import Protocol
 from ._checks import check_non_negative, check_u64
 from .adopt import decide_adopt
 from .drafter import CarriedDrafter
-from .eviction import ReturnOdds
+from .eviction import ADMIT_MARGIN, ReturnOdds
 from .outcome import CarryOutcome, NoCarry
 from .settings import EVICTION_POLICIES, check_eviction_policy
 from .store_range import StoreRange
@@ -305,11 +311,13 @@ class CarryStore:
         if self.policy == "incumbent" and not returning and not room.fits():
             self._refuse(key, "not_admitted")
             return None
-        worth = None  # `returns`: what the newcomer is worth; each victim must be worth less
+        worth = None  # `returns`: what a victim may be worth at most (the admission test)
         if self._odds is not None:
             cls = self._odds.deposited(key, self._clock())
             if self._host is None:  # with a host tier victims are demoted, not lost: no admission test
                 worth = self._odds.worth(cls, 0.0, self._cost(room.alone))
+                # near ties keep the incumbent, unless the key came back (its turn is the evidence)
+                worth = worth * ADMIT_MARGIN if returning else worth / ADMIT_MARGIN
         if key in self._entries:
             room.remove(key)  # its own older rows go (`replaced`)
         if not room.fits():

@@ -64,6 +64,12 @@ DECAY_TURNS = 4000.0
 PRIOR_WEIGHT = 1.0
 """Pseudo-deposits per class before any data: half stay, half return at the horizon's last bin."""
 
+ADMIT_MARGIN = 1.25
+"""Hysteresis of the admission test: a newcomer must be worth more than this many times each
+victim; a returning key (its rows out in its turn, or replacing its own entry) is refused only
+by a victim worth more than this many times it. Near ties (entries a few percent apart in size)
+keep what is held, so a cyclic workload does not churn."""
+
 _RENORM = 1e200
 
 
@@ -88,10 +94,8 @@ class ReturnOdds:
         nbins = len(self.edges) - 1
         self._weight = 1.0  # the next count's weight; grows by 1/(1 - 1/DECAY_TURNS) per resolution
         self._grow = 1.0 / (1.0 - 1.0 / DECAY_TURNS)
-        # [class][bin]; the prior's returns sit in the last bin: until returns are seen, an entry's
-        # chance does not fall with its age, so equal entries tie and the incumbent stays
-        self._returns = [[0.0] * (nbins - 1) + [PRIOR_WEIGHT / 2] for _ in range(TURN_CLASSES)]
-        self._stays = [PRIOR_WEIGHT / 2] * TURN_CLASSES
+        self._returns = [[0.0] * nbins for _ in range(TURN_CLASSES)]  # [class][bin], decayed; no prior
+        self._stays = [0.0] * TURN_CLASSES
         self._chance: list[list[float]] | None = None  # [class][bin]: P(returns | not by the bin), cached
         self._turns: OrderedDict[int, int] = OrderedDict()  # the ghost list: key -> deposits seen
         self._pending: OrderedDict[int, tuple[float, int]] = OrderedDict()  # key -> (deposited, class)
@@ -160,19 +164,29 @@ class ReturnOdds:
     # ---- worth -----------------------------------------------------------------
 
     def return_rate(self, cls: int) -> float:
-        """The learned chance (0..1) that a deposit of class `cls` (0-based) returns within the horizon."""
-        r = sum(self._returns[cls])
-        return r / (r + self._stays[cls])
+        """The learned chance (0..1) that a deposit of class `cls` (0-based) returns within the horizon
+        (the prior and backoff included: `worth` at age 0 per unit cost)."""
+        return self._table()[cls][0]
 
     def _table(self) -> list[list[float]]:
-        """[class][bin]: the chance a deposit not returned by the bin's start still returns."""
+        """[class][bin]: the chance a deposit not returned by the bin's start still returns.
+
+        Class 0 (first turns) has the prior of the module header; a later class
+        backs off to the class below it instead (`PRIOR_WEIGHT` pseudo-deposits
+        at that class's chance), so a class with few turns seen is taken to
+        return as the one before it, not as a coin flip.
+        """
         if self._chance is None:
-            table = []
-            for row, stays in zip(self._returns, self._stays, strict=True):
+            prior = PRIOR_WEIGHT * self._weight  # as many pseudo-deposits as recent ones weigh
+            table: list[list[float]] = []
+            for c, (row, stays) in enumerate(zip(self._returns, self._stays, strict=True)):
                 later, chance = 0.0, [0.0] * len(row)
                 for b in range(len(row) - 1, -1, -1):
                     later += row[b]
-                    chance[b] = later / (later + stays)
+                    if c == 0:  # half return in the last bin (at or past every bin), half stay
+                        chance[b] = (later + prior / 2) / (later + stays + prior)
+                    else:  # back off to the class below
+                        chance[b] = (later + prior * table[c - 1][b]) / (later + stays + prior)
                 table.append(chance)
             self._chance = table
         return self._chance
