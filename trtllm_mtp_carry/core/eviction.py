@@ -48,6 +48,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -200,8 +201,9 @@ class ReturnOdds:
 
     def rank(self, keys: Sequence[int], deposited_at: Sequence[float], costs: Sequence[float],
              now: float) -> tuple[list[int], list[float]]:
-        """`keys` (held entries, oldest deposit first) ordered by worth, lowest first, equal worth
-        newest first; and their worth in that order."""
+        """`keys` (held entries, oldest deposit first) ordered by worth, lowest first, worth equal
+        within a factor `ADMIT_MARGIN` (the same log2-band) newest first; and their worth in that
+        order."""
         table, turns, edges, horizon = self._table(), self._turns, self.edges, self.horizon_s
         last = len(edges) - 2
         worth = []
@@ -212,7 +214,11 @@ class ReturnOdds:
                 continue
             b = max(0, min(bisect_right(edges, age) - 1, last))
             worth.append(table[min(turns.get(k, 1), TURN_CLASSES) - 1][b] / max(n, 1e-300))
-        order = sorted(range(len(keys)), key=lambda i: (worth[i], -i))
+        # worth within a factor ADMIT_MARGIN counts as equal (log buckets): equal entries leave
+        # newest first, the one needed furthest ahead when sessions cycle (as `incumbent` does)
+        step = math.log(ADMIT_MARGIN)
+        band = [math.floor(math.log(w) / step) if w > 0 else -math.inf for w in worth]
+        order = sorted(range(len(keys)), key=lambda i: (band[i], -i))
         return [keys[i] for i in order], [worth[i] for i in order]
 
 
