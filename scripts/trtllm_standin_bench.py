@@ -29,7 +29,6 @@ from itertools import cycle
 
 import torch
 
-from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.sessions import load_conversations
 from trtllm_mtp_carry.bench.stats import Spread, paired_ratio
 from trtllm_mtp_carry.engine.model import load_reference
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "acceptance": req.accepted / max(req.verify_steps, 1)})
                 ask = f"Repeat `{names[turn % len(names)]}` exactly."
                 prompts[p] = req.prompt + pad(
-                    lambda u, r=req: next_prompt(tok, r.prompt, r.output, u)[len(r.prompt):],
+                    lambda u, r=req: tok.next_prompt(r.prompt, r.output, u)[len(r.prompt):],
                     ask, len(req.prompt), args.chunk)
             if not outs["carry"] == outs["blind"] == outs["rebuild"]:
                 print(f"outputs differ at session {s} turn {turn}", file=sys.stderr)

@@ -43,3 +43,17 @@ def carry_memory_size(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def carry_host_memory_size(text: str) -> str:
+    """An argparse type: a host tier budget (`8GiB`, `512MiB`, or 0 for none).
+
+    Returns the text (the setter parses it again); the error names the value.
+    """
+    from .core.settings import parse_carry_host_memory
+
+    try:
+        parse_carry_host_memory(text, what="")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from . import __version__
-from .argtypes import carry_memory_size, non_negative_int, positive_int
+from .argtypes import carry_host_memory_size, carry_memory_size, non_negative_int, positive_int
+from .cli_error import fail
 from .core import settings
 
 
@@ -54,6 +55,15 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         "(the whole pool: every session whose rows fit)",
     )
     p.add_argument(
+        "--carry-host-memory",
+        type=carry_host_memory_size,
+        metavar="SIZE",
+        help="bytes of host memory (8GiB, 512MiB; pinned on a discrete GPU) where entries evicted "
+        "from the carry memory wait for their session, copied back before its next turn drafts; "
+        f"0 = no host tier; default env {settings.ENV_CARRY_HOST_MEMORY}, else "
+        f"{settings.DEFAULT_CARRY_HOST_MEMORY}",
+    )
+    p.add_argument(
         "--carry-eviction",
         choices=settings.EVICTION_POLICIES,
         help="which carried entry gives way when the carry is full (returns keeps the entries "
@@ -85,6 +95,7 @@ def apply_settings_flags(args: argparse.Namespace) -> list[str]:
         ("--mtp-max-seqs", settings.MTP_MAX_SEQS.set, settings.mtp_max_seqs),
         ("--carry-slots", settings.CARRY_SLOTS.set, settings.carry_slots),
         ("--carry-memory", settings.set_carry_memory, settings.carry_memory),
+        ("--carry-host-memory", settings.set_carry_host_memory, settings.carry_host_memory),
         ("--carry-eviction", settings.set_carry_eviction, settings.carry_eviction),
         ("--carry-idle-s", settings.set_carry_idle_s, settings.carry_idle_s),
         ("--carry-share", settings.set_carry_share, lambda: "on" if settings.carry_share() else "off"),
@@ -125,6 +136,8 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "carry_slots_source": settings.CARRY_SLOTS.source,
         "carry_memory": str(settings.carry_memory()),
         "carry_memory_source": settings.CARRY_MEMORY.source,
+        "carry_host_memory": settings.carry_host_memory(),
+        "carry_host_memory_source": settings.CARRY_HOST_MEMORY.source,
         "carry_eviction": settings.carry_eviction(),
         "carry_eviction_source": settings.CARRY_EVICTION.source,
         "carry_idle_s": settings.carry_idle_s(),
@@ -160,6 +173,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("MTP dispatch cap (mtp_max_seqs)", report["mtp_max_seqs"], report["mtp_max_seqs_source"]),
         ("carry slots (carry_slots)", report["carry_slots"] or "no cap", report["carry_slots_source"]),
         ("carry memory (carry_memory)", report["carry_memory"], report["carry_memory_source"]),
+        ("carry host tier (carry_host_memory)",
+         settings.format_bytes(host_bytes) if (host_bytes := settings.carry_host_memory()) else "none",
+         report["carry_host_memory_source"]),
         ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
         ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",
          report["carry_idle_s_source"]),
@@ -279,8 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"warning: {warning}", file=sys.stderr)
         result: int = args.func(args)
     except ValueError as exc:  # bad values (flags, env, files): one line, no traceback
-        print(f"trtllm-mtp-carry: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     except KeyboardInterrupt:  # Ctrl-C outside the bench's own handling (loading, printing)
         print("trtllm-mtp-carry: interrupted", file=sys.stderr)
         return 130

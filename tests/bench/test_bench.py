@@ -5,7 +5,6 @@ import json
 import pytest
 
 from trtllm_mtp_carry import marconi_min_tokens
-from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.sessions import (
     builtin_sessions,
     load_conversations,
@@ -24,17 +23,10 @@ def test_builtin_sessions_reach_the_history_and_span_sizes():
         assert s.history[-1]["role"] == "user" and len(TOK.render_chat(s.history)) >= 400
         assert len(s.followups) == 2
         prompt = TOK.render_chat(s.history)
-        grown = next_prompt(TOK, prompt, [65, 66], s.followups[0])
+        grown = TOK.next_prompt(prompt, [65, 66], s.followups[0])
         assert grown[: len(prompt) + 2] == prompt + [65, 66]
         assert 56 <= len(grown) - len(prompt) - 2 <= 64  # the span, within UTF-8 trimming
     assert sessions[0].history != sessions[1].history
-
-
-def test_next_prompt_closes_an_unfinished_answer_once():
-    closed = next_prompt(TOK, [1], [65, TOK.eos_id], "hi")
-    cut = next_prompt(TOK, [1], [65], "hi")
-    assert closed == cut == [1, 65, TOK.eos_id, 10, *TOK.render_message("user", "hi"),
-                             TOK.im_start_id, TOK.assistant_id]
 
 
 def test_user_conversations(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trtllm_mtp_carry.bench.replay import PolicyRun, TurnRecord
+from trtllm_mtp_carry.bench.driver import PolicyRun, TurnRecord
 from trtllm_mtp_carry.bench.report import (
     outputs_identical,
     paired,
@@ -168,3 +168,24 @@ def test_no_carry_turns_are_counted_by_their_reason():
     s = policy_summary(run, first_measured=0)
     assert s["no_carry_reasons"] == {"memory": 2, "not_admitted": 1}
     assert "carry: no_carry by reason memory=2 not_admitted=1" in summary_table({"carry": s})
+
+
+def test_the_host_tier_line_sums_hits_bytes_and_copy_time_over_measured_replays():
+    carry, _ = carry_and_blind()
+    tier = {"carry_host_memory_bytes": 8 << 20, "hits_device": 1, "hits_host": 2, "demotions": 3,
+            "host_deposits": 1, "bytes_demoted": 3 << 10, "bytes_restored": 2 << 10, "peak_device_bytes": 4 << 10,
+            "peak_host_bytes": 3 << 10, "demote_ms": 0.5, "restore_ms": 0.25, "restore_wait_ms": 0.0}
+    for r in range(3):  # replay 0 (the warm-up) is left out
+        carry.runtime[r] |= tier | {"policy": "carry", "peak_host_bytes": (r + 1) << 10}
+    s = policy_summary(carry, 1)
+    assert s["host_tier"] == {"carry_host_memory_bytes": 8 << 20, "hits_device": 2, "hits_host": 4,
+                              "demotions": 6, "host_deposits": 2, "bytes_demoted": 6 << 10, "bytes_restored": 4 << 10,
+                              "peak_device_bytes": 4 << 10, "peak_host_bytes": 3 << 10, "demote_ms": 1.0,
+                              "restore_ms": 0.5, "restore_wait_ms": 0.0}
+    assert ("carry: host tier of 8 MiB: adopted from device 2, from host 4; demoted 6, refused deposits kept "
+            "there 2 (6 KiB, 1.0 ms), "
+            "restored 4 KiB in 0.5 ms (0.12 ms per restored turn), GPU wait 0.0 ms; peak device 4 KiB, "
+            "host 3 KiB") in reuse_table({"carry": s})
+    for r in range(3):
+        carry.runtime[r]["carry_host_memory_bytes"] = 0  # no host tier: no line
+    assert "host_tier" not in policy_summary(carry, 1)

@@ -43,9 +43,11 @@ class Moves:
     def __init__(self, fail_restore=False):
         self.calls = []
         self.fail_restore = fail_restore
+        self.gone = set()  # keys whose rows the executor no longer holds
 
     def demote(self, e):
         self.calls.append(("demote", e.session_hash))
+        return e.session_hash not in self.gone
 
     def restore(self, e):
         self.calls.append(("restore", e.session_hash))
@@ -122,7 +124,7 @@ def test_the_host_budget_evicts_its_own_entries_in_the_policys_victim_order():
     assert host_keys(store) == [2, 3] and keys(store) == [4]
     assert store.evictions() == zeros(memory=1) and store.miss_reason(1) == "memory"
     assert store.tier_stats().host_evictions == zeros(memory=1)
-    assert moves.calls[-2:] == [("drop", 1), ("demote", 3)]
+    assert moves.calls[-2:] == [("demote", 3), ("drop", 1)]
     assert store.get(1) is None
 
 
@@ -248,3 +250,54 @@ def test_host_budget_must_be_a_non_negative_int():
     for bad in (-1, 1.5, "1GiB", True):
         with pytest.raises(ValueError, match="host_budget_bytes"):
             CarryStore(budget_bytes=10, host_budget_bytes=bad)
+
+
+def test_a_demotion_whose_rows_are_gone_is_a_plain_eviction_that_keeps_the_host_tier():
+    store = CarryStore(budget_bytes=100, policy="lrd", host_budget_bytes=10)
+    store.host_moves = moves = Moves()
+    deposit(store, 1)
+    deposit(store, 2)
+    store.evict(1, "pool_pressure")
+    moves.gone.add(2)
+    assert store.evict(2, "pool_pressure").session_hash == 2  # nothing to copy: evicted
+    assert host_keys(store) == [1] and store.evictions() == zeros(pool_pressure=1)
+    assert store.tier_stats().demotions == 1
+
+
+def test_an_entry_moved_to_other_blocks_keeps_its_rows_keys_and_tokens():
+    e = entry(5, rows=3, blocks=(0, 1))
+    moved = e.with_block_table([7, 8])
+    assert moved.block_table == (7, 8) and moved == CarriedDrafter((7, 8), 3, 2, e.tokens, 5)
+    assert moved.tokens is e.tokens and moved.token_buffer is e.token_buffer and e.block_table == (0, 1)
+
+
+def test_a_newcomer_the_device_refuses_goes_straight_to_the_host_tier_and_is_adopted_from_there():
+    store = CarryStore(budget_bytes=20, policy="incumbent", host_budget_bytes=20)
+    store.host_moves = moves = Moves()
+    deposit(store, 1)
+    deposit(store, 2)
+    assert store.admit(3, 10) is None and store.miss_reason(3) == "not_admitted"
+    assert store.deposit_host(entry(3), 10, session=30)
+    assert moves.calls == [("demote", 3)] and host_keys(store) == [3] and keys(store) == [1, 2]
+    assert store.tier(3) == "host" and store.deposits == 3
+    assert store.refusals() == {"not_admitted": 1, "too_large": 0}  # the device's refusal stays counted
+    t = store.tier_stats()
+    assert (t.host_deposits, t.demotions, t.bytes_demoted, t.host_bytes_held) == (1, 0, 10, 10)
+    prompt = list(range(100, 104)) + [1, 2, 3]
+    assert isinstance(store.judge(3, prompt, 5, StoreRange(5, 4, 7)), Adopted)
+    store.take(3)
+    assert store.tier_stats().hits == {"device": 0, "host": 1}
+    assert not store.deposit_host(entry(1), 10)  # key 1 holds an entry already
+    assert store.admit(4, 30) is None and not store.deposit_host(entry(4), 30)  # larger than the host
+    for k in (5, 6):
+        assert deposit(store, k) is None and store.deposit_host(entry(k), 10)
+    assert host_keys(store) == [5, 6]
+    assert store.admit(7, 10) is None and not store.deposit_host(entry(7), 10)  # incumbents kept
+    assert host_keys(store) == [5, 6] and store.evictions() == zeros()
+
+
+def test_without_a_host_tier_deposit_host_changes_nothing():
+    store = CarryStore(budget_bytes=10, policy="incumbent")
+    deposit(store, 1)
+    assert store.admit(2, 10) is None and not store.deposit_host(entry(2), 10)
+    assert store.miss_reason(2) == "not_admitted" and store.deposits == 1

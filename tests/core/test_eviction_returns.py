@@ -153,8 +153,11 @@ def test_the_host_tier_ranks_by_what_the_device_tier_learned():
     store = CarryStore(None, 10, "returns", 600, clock, host_budget_bytes=20)
     assert store._host is not None and store._host._tier._odds is store._odds
     assert deposit(store, 1, 10) == []
-    assert deposit(store, 2, 10) == []  # no admission test with a host tier: 1 is demoted
-    assert store.tier(1) == "host" and store.tier(2) == "device"
+    assert deposit(store, 2, 10) is None  # a tie keeps the incumbent on the device
+    assert store.deposit_host(entry(2), 10, 2)  # the refused newcomer's second chance
+    assert store.tier(1) == "device" and store.tier(2) == "host"
+    assert deposit(store, 3, 4) == []  # 2.5x the worth of 1 (per byte): 1 is demoted, not lost
+    assert store.tier(1) == "host" and store.tier(3) == "device"
 
 
 def test_a_later_class_with_no_turns_seen_backs_off_to_the_class_below():

@@ -1,11 +1,12 @@
 """Pool pressure follows the carry store's victim order, however many victims one grow needs.
 
 The pool is wired to a `CarryStore` the way `CarryRuntime` wires it
-(`pool.victims = store.victims`, each eviction reported to the store as
-`pool_pressure`). A grow that needs k victims must evict exactly the first
-entries of the policy's order, taken when the grow starts, that free enough
-blocks (issue 25: from the second victim on the pool fell back to its own
-oldest entry).
+(`pool.victim = store.victim`, each eviction reported to the store as
+`pool_pressure` before the next victim is named). A grow that needs k victims
+must evict exactly the first entries of the policy's order, taken when the grow
+starts, that free enough blocks (issue 25: the store heard of the evictions
+only after the grow, so from the second victim on the pool fell back to its
+own oldest entry).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Wired:
         self.pool = DrafterKVPool(num_blocks, BS, HKV, D, ROPE)
         self.store = CarryStore(policy=policy, budget_bytes=None, block_nbytes=self.pool.block_nbytes)
         self.evicted: list[int] = []
-        self.pool.victims = self.store.victims
+        self.pool.victim = self.store.victim
         self.pool.on_evict = self._on_evict
         self.gen = torch.Generator().manual_seed(0)
         self.next_seq = 1
@@ -77,6 +78,7 @@ EXPECTED_ORDER = {
     "incumbent": [E, C, B, A],  # newest first
     "lrd": [A, B, C, E],  # oldest first
     "slru": [B, C, E, A],  # never-adopted first (oldest first), then the protected A
+    "returns": [E, C, B, A],  # equal chance per byte (nothing learned yet): newest first
 }
 
 
@@ -104,12 +106,12 @@ def test_a_grow_needing_several_victims_takes_them_in_the_policy_order(policy, v
 
 
 def test_every_policy_has_an_expected_order_here():
-    assert set(EXPECTED_ORDER) <= set(EVICTION_POLICIES)
+    assert set(EXPECTED_ORDER) == set(EVICTION_POLICIES)
 
 
 def test_an_unwired_pool_evicts_least_recently_carried_first():
     w = four_entries("incumbent")
-    w.pool.victims = None
+    w.pool.victim = None
     w.live(BS * 4)
     assert w.evicted == [A, B]  # least recently carried: A was carried back before B, C, E
 

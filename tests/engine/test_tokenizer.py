@@ -61,3 +61,20 @@ def test_next_turn_starts_with_prompt_plus_answer_plus_im_end(contents, system):
         nxt = TOK.render_chat(msgs + [{"role": "user", "content": "next"}])
         expect = prompt + answer + [TOK.im_end_id]
         assert nxt[:len(expect)] == expect
+
+
+def test_next_prompt_closes_an_unfinished_answer_once():
+    closed = TOK.next_prompt([1], [65, TOK.eos_id], "hi")
+    cut = TOK.next_prompt([1], [65], "hi")
+    assert closed == cut == [1, 65, TOK.eos_id, 10, *TOK.render_message("user", "hi"),
+                             TOK.im_start_id, TOK.assistant_id]
+
+
+@settings(max_examples=50, deadline=None)
+@given(history=texts, answer=texts, user=texts)
+def test_next_prompt_is_the_extended_chat_rendered(history, answer, user):
+    # what the bench sends as ids and what a served text turn builds are the same chat
+    chat = [{"role": "user", "content": history}]
+    prompt = TOK.render_chat(chat)
+    extended = [*chat, {"role": "assistant", "content": answer}, {"role": "user", "content": user}]
+    assert TOK.next_prompt(prompt, TOK.encode(answer), user) == TOK.render_chat(extended)

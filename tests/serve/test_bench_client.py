@@ -9,23 +9,23 @@ import sys
 import pytest
 from serve_helpers import MODEL, free_ports
 
-from trtllm_mtp_carry.bench.replay import next_prompt
+from trtllm_mtp_carry.bench.driver import replay_all
 from trtllm_mtp_carry.bench.report import measured, outputs_identical, paired, policy_summary
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
+from trtllm_mtp_carry.bench.triton_driver import TritonDriver
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.engine import ReferenceEngine
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
-from trtllm_mtp_carry.serve.triton.bench_client import replay_on_server
 
 TOK = ChatTokenizer()
 SMALL = ["--sessions", "2", "--turns", "2", "--history", "120", "--new-span", "30",
          "--max-new-tokens", "8", "--concurrency", "2", "--policies", "carry,blind", "--no-progress"]
 
 
-def test_replay_on_server_records_every_replay_with_greedy_outputs_and_outcomes(served):
+def test_the_triton_driver_records_every_replay_with_greedy_outputs_and_outcomes(served):
     sessions = builtin_sessions(2, 2, 120, 30, TOK)
-    runs = replay_on_server(served.endpoints.grpc, sessions, ["carry", "blind"], max_new_tokens=16,
-                            concurrency=2, model=MODEL, repeat=2)
+    driver = TritonDriver(served.endpoints.grpc, MODEL, max_new_tokens=16, concurrency=2, repeat=2)
+    runs = replay_all(driver, sessions, ["carry", "blind"])
     assert [r.policy for r in runs] == ["carry", "blind"]
     assert outputs_identical(runs)
     greedy = ReferenceEngine.from_pretrained(policy="off")
@@ -37,7 +37,7 @@ def test_replay_on_server_records_every_replay_with_greedy_outputs_and_outcomes(
         by = {t.key: t for t in run.turns}
         for s in sessions:
             first = TOK.render_chat(s.history)
-            second = next_prompt(TOK, first, by[(0, s.name, 0)].output, s.followups[0])
+            second = TOK.next_prompt(first, by[(0, s.name, 0)].output, s.followups[0])
             for turn, prompt in ((0, first), (1, second)):
                 record = by[(0, s.name, turn)]
                 assert record.output == greedy.generate(None, prompt, max_new_tokens=16, policy="off").output
@@ -65,8 +65,8 @@ def test_each_policy_and_replay_has_its_own_prefix_cache_on_the_server(served):
     end, so an unsalted one would reuse 512 tokens), and a warm turn reuses its own history only."""
     sessions = builtin_sessions(1, 2, 450, 30, TOK)
     assert len(TOK.render_chat(sessions[0].history)) == 660
-    runs = replay_on_server(served.endpoints.grpc, sessions, ["carry", "blind", "off"], max_new_tokens=4,
-                            concurrency=1, model=MODEL, repeat=2)
+    driver = TritonDriver(served.endpoints.grpc, MODEL, max_new_tokens=4, concurrency=1, repeat=2)
+    runs = replay_all(driver, sessions, ["carry", "blind", "off"])
     for run in runs:
         assert [(t.replay, t.turn, t.stats["reused_tokens"]) for t in run.turns] == [
             (0, 0, 0), (0, 1, 660 + 4 - 1), (1, 0, 0), (1, 1, 660 + 4 - 1)], run.policy
@@ -134,6 +134,12 @@ def test_bench_server_refuses_server_side_flags(capsys, flags, named):
     assert line == (f"trtllm-mtp-carry: error: {named} with --server 127.0.0.1:1: the engine is the "
                     f"server's (set it with `trtllm-mtp-carry serve` or `triton-repo` options); "
                     f"drop {'it' if ',' not in named else 'them'} here")
+
+
+def test_bench_server_names_a_model_it_does_not_serve(served, capsys):
+    assert main(["bench", "--server", served.endpoints.grpc, "--model", "nosuch", *SMALL]) == 2
+    assert _one_error_line(capsys) == (f"trtllm-mtp-carry: error: --server {served.endpoints.grpc}: "
+                                       "model 'nosuch' is not ready there (see --model)")
 
 
 def test_bench_server_without_tritonclient_names_the_extra(capsys, monkeypatch):

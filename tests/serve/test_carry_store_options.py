@@ -24,3 +24,29 @@ def test_carry_store_parameters_round_trip():
 def test_a_bad_carry_store_parameter_names_itself(key, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         ServeOptions.from_parameters({key: value})
+
+
+def test_the_host_tier_parameter_round_trips_and_a_bad_one_names_itself():
+    options = ServeOptions.from_parameters({"carry_host_memory": {"string_value": "8GiB"}})
+    assert options.carry_host_memory == "8GiB" and options.as_parameters()["carry_host_memory"] == "8GiB"
+    assert ServeOptions.from_parameters({"carry_host_memory": ""}).carry_host_memory is None
+    with pytest.raises(ValueError, match="parameter carry_host_memory='0.25': host memory is bytes with a unit"):
+        ServeOptions.from_parameters({"carry_host_memory": "0.25"})
+
+
+def test_runtime_gauges_include_the_host_tiers_counts_and_copy_times():
+    from trtllm_standin import metric, pb_utils_module
+
+    from trtllm_mtp_carry.runtime.carry_runtime import CarryStats
+    from trtllm_mtp_carry.serve.triton.metrics import CarryMetrics
+
+    metrics = CarryMetrics(pb_utils_module(), "m", "0")
+    stats = CarryStats(armed=True, policy="carry", outcomes={}, rows_adopted=0, rows_appended=0,
+                       keys_skipped=0, rows_prefilled=0, rows_rebuilt=0, turns_blind=0, deposits=0,
+                       slot_rows=0, carry_host_memory_bytes=1 << 30, hits_host=3, bytes_restored=4096,
+                       restore_ms=1.5)
+    metrics.refresh(stats)
+    assert metric("mtp_carry_runtime", field="carry_host_memory_bytes") == 1 << 30
+    assert metric("mtp_carry_runtime", field="hits_host") == 3
+    assert metric("mtp_carry_runtime", field="bytes_restored") == 4096
+    assert metric("mtp_carry_runtime", field="restore_ms") == 1.5

@@ -13,7 +13,6 @@ import pytest
 import torch
 from engine_factories import TOK, engine, greedy_oracle, random_prompt, tiny_model
 
-from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.serve.options import ServeOptions
 from trtllm_mtp_carry.serve.session_server import SessionServer, TurnRequest
 
@@ -89,7 +88,7 @@ def test_a_text_turn_queued_behind_its_sessions_running_turn_extends_that_turns_
         assert a.done.wait(120) and b.done.wait(120) and not a.errors and not b.errors
     finally:
         server.stop()
-    second = next_prompt(TOK, first, a.result.output, "and then?")
+    second = TOK.next_prompt(first, a.result.output, "and then?")
     assert b.result.prompt == second
     assert b.result.output == greedy_oracle(model, second, 12)
     assert b.result.stats.outcome_kind == "adopted"

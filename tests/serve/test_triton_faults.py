@@ -12,7 +12,6 @@ import time
 
 from serve_helpers import MODEL, SHORT, SHORT_IDLE_S, SHORT_SESSIONS, metric, wait_for
 
-from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.serve.triton.client import StreamClient
 
@@ -42,8 +41,8 @@ def test_a_string_sequence_id_is_refused_naming_it_and_numeric_sessions_stay_apa
         b2 = client.turn(6002, end=True, text="What is my PIN?", max_tokens=4)
     for reply in (a1, b1, a2, b2):
         assert reply.error is None, reply.error
-    assert a2.stats["prompt_tokens"] == len(next_prompt(TOK, PIN, a1.output, "What is my PIN?"))
-    assert b2.stats["prompt_tokens"] == len(next_prompt(TOK, OTHER, b1.output, "What is my PIN?"))
+    assert a2.stats["prompt_tokens"] == len(TOK.next_prompt(PIN, a1.output, "What is my PIN?"))
+    assert b2.stats["prompt_tokens"] == len(TOK.next_prompt(OTHER, b1.output, "What is my PIN?"))
     assert errors(served, "string_corrid") - before == 3
 
 
@@ -71,7 +70,7 @@ def test_a_turn_longer_than_the_idle_timeout_keeps_its_session_and_idleness_then
         assert long.total_ms > 1.5 * SHORT_IDLE_S * 1e3, long.total_ms  # generated past the idle timeout
         warm = client.turn(6201, text="Print hello.", max_tokens=4)
         assert warm.error is None, warm.error
-        assert warm.stats["prompt_tokens"] == len(next_prompt(TOK, prompt, long.output, "Print hello."))
+        assert warm.stats["prompt_tokens"] == len(TOK.next_prompt(prompt, long.output, "Print hello."))
         idle_before = metric(served.metrics(), ended, model=SHORT, cause="idle")
         time.sleep(SHORT_IDLE_S + 1.0)  # now idle: no request in flight
         late = client.turn(6201, end=True, text="Print hello.", max_tokens=4)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from serve_helpers import HAS_CARRY_SLOTS, MAX_TOKENS, MODEL, PROBE, metric
 
-from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.sessions import builtin_sessions
 from trtllm_mtp_carry.core.outcome import OUTCOME_KINDS
 from trtllm_mtp_carry.engine.engine import ReferenceEngine
@@ -49,7 +48,7 @@ def test_four_sessions_three_turns_concurrently_equal_greedy_adopt_and_keep_one_
                 assert reply.error is None, reply.error
                 seen.append((s.name, t, prompts[s.name], reply))
                 if t < 2:
-                    prompts[s.name] = next_prompt(TOK, prompts[s.name], reply.output, s.followups[t])
+                    prompts[s.name] = TOK.next_prompt(prompts[s.name], reply.output, s.followups[t])
     for name, t, prompt, reply in seen:
         assert reply.output == expected(greedy, prompt), (name, t)
         body = reply.output[:-1] if reply.output[-1:] == [TOK.eos_id] else reply.output
@@ -86,7 +85,7 @@ def test_end_frees_the_sessions_carried_rows(served):
                 - metric(before, "mtp_carry_sessions_ended_total", cause="end", **labels)) == 1
         # the same conversation restarted: the rows are gone, so nothing is adopted
         again = client.turn(2001, start=True, end=True,
-                            input_ids=next_prompt(TOK, prompt, first.output, "Now its first line."))
+                            input_ids=TOK.next_prompt(prompt, first.output, "Now its first line."))
         assert again.error is None and again.stats["outcome_kind"] != "adopted"
         assert again.output == second.output
 

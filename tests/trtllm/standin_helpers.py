@@ -14,7 +14,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from trtllm_mtp_carry.bench.replay import next_prompt
 from trtllm_mtp_carry.bench.sessions import BenchSession, load_conversations
 from trtllm_mtp_carry.engine.model import HybridLM, load_reference
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
@@ -95,7 +94,7 @@ def run_turns(llm: StandinLLM, sessions: list[BenchSession], turns: int, max_new
     """Run `turns` turns of every session, interleaved (all sessions' turn t run together).
 
     Turn 1 renders the history, each later turn appends the answer and the next
-    user message (`bench.replay.next_prompt`); every prompt is padded with
+    user message (`ChatTokenizer.next_prompt`); every prompt is padded with
     spaces in its last user message to a multiple of CHUNK.
     """
     tok = TOKENIZER
@@ -115,10 +114,10 @@ def run_turns(llm: StandinLLM, sessions: list[BenchSession], turns: int, max_new
             req = reqs[s.name]
             done[s.name].append(req)
             if t + 1 < turns:
-                base = next_prompt(tok, req.prompt, req.output, "")
+                base = tok.next_prompt(req.prompt, req.output, "")
                 prompts[s.name] = req.prompt + aligned(
                     s.followups[t], len(req.prompt),
-                    lambda u, r=req: next_prompt(tok, r.prompt, r.output, u)[len(r.prompt):])
+                    lambda u, r=req: tok.next_prompt(r.prompt, r.output, u)[len(r.prompt):])
                 assert prompts[s.name][: len(base) - 4] == base[: len(base) - 4]
     return done
 

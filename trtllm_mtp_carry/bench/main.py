@@ -7,10 +7,13 @@ warm-turn summary (medians [p25-p75]), paired ratios -> JSON and plot.
 Ctrl-C stops the replay: what finished is summarised, marked partial, and the
 command exits 130.
 
-With `--server HOST:PORT` the same sessions replay through a running Triton
-server (`serve/bench_client.py`) and the same report code prints them; the
-engine's sizes are then the server's, so the flags that set them here
-(`SERVER_SIDE_FLAGS`) are refused with --server rather than silently ignored.
+Each target is one driver (`driver.Driver`: sessions and policies in, the
+bench's records out): in process (`replay.LocalDriver`), a running Triton
+server with `--server HOST:PORT` (`triton_driver`), Dynamo's OpenAI API with
+`--openai URL` (`openai_driver`); this module checks the flags once, and the
+same report code prints every target. Through a server the engine's sizes
+are the server's, so the flags that set them here (`SERVER_SIDE_FLAGS`) are
+refused with --server and --openai rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,14 +39,15 @@ from .options import (
     weights_dir,
 )
 
-if TYPE_CHECKING:  # the replay module imports torch; the parser stays torch-free
-    from .replay import PolicyRun
+if TYPE_CHECKING:
+    from .driver import Driver, PolicyRun
 
 DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
 SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype",
                      "--threads", "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots",
-                     "--carry-memory", "--carry-eviction", "--carry-idle-s", "--carry-share")
+                     "--carry-memory", "--carry-host-memory", "--carry-eviction", "--carry-idle-s",
+                     "--carry-share")
 """Flags that size or place the engine: with --server they are the server's parameters."""
 
 
@@ -177,6 +180,7 @@ def _settings() -> dict[str, Any]:
     if slots is not None:
         out["carry_slots"] = slots
     out["carry_memory"] = str(settings.carry_memory())
+    out["carry_host_memory"] = settings.carry_host_memory()
     out["carry_eviction"] = settings.carry_eviction()
     out["carry_idle_s"] = settings.carry_idle_s()
     out["carry_share"] = settings.carry_share()
@@ -252,28 +256,35 @@ def server_side_flags(args: argparse.Namespace) -> list[str]:
     """The `SERVER_SIDE_FLAGS` the user typed (settings flags and paths default to None)."""
     typed = set(getattr(args, "given_flags", ()))
     for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
-                 "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-eviction",
-                 "--carry-idle-s", "--carry-share"):
+                 "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-host-memory",
+                 "--carry-eviction", "--carry-idle-s", "--carry-share"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             typed.add(flag)
     return [f for f in SERVER_SIDE_FLAGS if f in typed]
 
 
 def run(args: argparse.Namespace) -> int:
+    """`bench`: on the target the flags name (`--openai`, `--server`, else in process)."""
     if args.openai:
-        from ..serve.dynamo.bench_client import run_openai
-
         return run_openai(args)
     if args.server:
         return run_server(args)
+    return run_local(args)
+
+
+def _policy_names(args: argparse.Namespace) -> list[str]:
+    return [p.strip() for p in args.policies.split(",") if p.strip()]
+
+
+def run_local(args: argparse.Namespace) -> int:
+    """`bench`: the sessions on in-process reference engines (`replay.LocalDriver`)."""
     _check(args)
     import torch
 
     from ..engine.model import load_reference
-    from ..runtime.policy import DrafterPolicy
-    from .replay import replay_lockstep
+    from .replay import LocalDriver
 
-    policies = [DrafterPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip()]
+    policies = _policy_names(args)
     device = resolve_device(args.device)
     settings.MTP_MAX_SEQS.set(args.concurrency, source="--concurrency")  # the cap the bench arms
     torch.set_num_threads(args.threads)
@@ -284,28 +295,28 @@ def run(args: argparse.Namespace) -> int:
     print(environment_line(env))
     _note_below_threshold(sessions, tokenizer)
     config = engine_config(args, model.cfg.max_position, tokenizer, sessions, str(device))
-    replays = replay_lockstep(model, tokenizer, sessions, policies, config, args.max_new_tokens,
-                              args.concurrency, args.interleave, args.repeat)
-    return _drive_and_report(args, env, replays, len(policies), sessions, started)
+    driver = LocalDriver(model, tokenizer, config, args.max_new_tokens, args.concurrency,
+                         args.interleave, args.repeat)
+    return _drive_and_report(args, env, driver, sessions, policies, started)
 
 
-def _drive_and_report(args: argparse.Namespace, env: dict[str, Any],
-                      replays: Iterator[list[PolicyRun]], num_policies: int, sessions: list[Any],
-                      started: float) -> int:
-    """Advance the replays (each step yields every policy's run so far) under a progress bar,
-    then report; Ctrl-C reports the turns finished so far (partial) and returns 130."""
+def _drive_and_report(args: argparse.Namespace, env: dict[str, Any], driver: Driver,
+                      sessions: list[Any], policies: list[str], started: float) -> int:
+    """Advance the driver's replay (each step yields every policy's run so far) under a
+    progress bar, then report, then the driver's own lines; Ctrl-C reports the turns
+    finished so far (partial) and returns 130."""
     from tqdm import tqdm
 
     from . import report
 
     first_measured = 1 if args.repeat > 1 else 0
-    total = args.repeat * num_policies * sum(1 + len(s.followups) for s in sessions)
+    total = args.repeat * len(policies) * sum(1 + len(s.followups) for s in sessions)
     bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
     runs: list[PolicyRun] = []
     partial = False
     done = 0
     try:
-        for runs in replays:
+        for runs in driver.replay(sessions, policies):
             now = sum(len(r.turns) for r in runs)
             bar.update(now - done)
             done = now
@@ -317,34 +328,12 @@ def _drive_and_report(args: argparse.Namespace, env: dict[str, Any],
     if partial and not any(report.measured(r, first_measured) for r in runs):
         first_measured = 0  # stopped during the warm-up: summarise what there is
     identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started)
+    for line in driver.report_lines(runs):
+        print(line)
     if partial:
         print("partial: interrupted by Ctrl-C", file=sys.stderr)
         return 130
     return 0 if identical else 1
-
-
-def _connect(address: str, model: str) -> None:
-    """Check that a Triton server answers at `address` and serves `model` (ValueError naming both)."""
-    try:
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-    except ImportError:
-        raise ValueError('--server needs tritonclient: pip install -e ".[serve]"') from None
-    client = grpcclient.InferenceServerClient(address)
-    try:
-        try:
-            client.is_server_live(client_timeout=10)
-        except InferenceServerException as exc:
-            why = (exc.message() or str(exc)).strip().splitlines()[0]
-            raise ValueError(f"--server {address}: no Triton server answers there ({why})") from None
-        try:
-            ready = client.is_model_ready(model, client_timeout=10)
-        except InferenceServerException:
-            ready = False
-        if not ready:
-            raise ValueError(f"--server {address}: model {model!r} is not ready there (see --model)")
-    finally:
-        client.close()
 
 
 def server_environment(address: str, model: str) -> dict[str, Any]:
@@ -367,34 +356,65 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """`bench --server`: the same sessions and report, through a running server."""
+def _refuse_server_side_flags(args: argparse.Namespace, target: str, whose: str, set_with: str) -> None:
+    """ValueError naming the `SERVER_SIDE_FLAGS` typed with a remote `target` ("--server
+    HOST:PORT"): the engine there is `whose` ("the server's"), set with `set_with`."""
     given = server_side_flags(args)
     if given:
-        raise ValueError(
-            f"{', '.join(given)} with --server {args.server}: the engine is the server's "
-            "(set it with `trtllm-mtp-carry serve` or `triton-repo` options); "
-            f"drop {'it' if len(given) == 1 else 'them'} here")
+        raise ValueError(f"{', '.join(given)} with {target}: the engine is {whose} (set it with "
+                         f"{set_with}); drop {'it' if len(given) == 1 else 'them'} here")
+
+
+def _drive_remote(args: argparse.Namespace, target: str, env: dict[str, Any], driver: Driver) -> int:
+    """The remote part every target shares: sessions (the package's tokenizer renders them),
+    the environment line, drive and report; a refused turn or a dead server is one
+    ValueError naming `target`."""
+    from ..engine.tokenizer import ChatTokenizer
+
+    policies = _policy_names(args)
+    started = time.perf_counter()
+    sessions = _sessions(args, ChatTokenizer())
+    print(environment_line(env))
+    try:
+        return _drive_and_report(args, env, driver, sessions, policies, started)
+    except (RuntimeError, TimeoutError) as exc:  # a refused turn, a dead server
+        raise ValueError(f"{target}: {exc}") from None
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`bench --server`: the same sessions and report, through a running Triton server
+    (`triton_driver.TritonDriver`)."""
+    _refuse_server_side_flags(args, f"--server {args.server}", "the server's",
+                              "`trtllm-mtp-carry serve` or `triton-repo` options")
     _check(args)
     if "paired" in [p.strip() for p in args.policies.split(",")]:
         raise ValueError(f"--policies paired with --server {args.server}: paired (the model of "
                          "TensorRT-LLM's paired draft reuse) runs on the in-process reference engine only")
+    from .triton_driver import TritonDriver
 
-    from ..engine.tokenizer import ChatTokenizer
-    from ..serve.triton.bench_client import iter_replay_on_server
-
-    _connect(args.server, args.model)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    driver = TritonDriver(args.server, args.model, args.max_new_tokens, args.concurrency,
+                          repeat=args.repeat)
+    driver.check()
     env = server_environment(args.server, args.model)
-    started = time.perf_counter()
-    sessions = _sessions(args, ChatTokenizer())
-    print(environment_line(env))
-    replays = iter_replay_on_server(args.server, sessions, policies, args.max_new_tokens,
-                                    args.concurrency, args.model, repeat=args.repeat)
-    try:
-        return _drive_and_report(args, env, replays, len(policies), sessions, started)
-    except (RuntimeError, TimeoutError) as exc:  # a refused turn, a dead server
-        raise ValueError(f"--server {args.server}: {exc}") from None
+    return _drive_remote(args, f"--server {args.server}", env, driver)
+
+
+def run_openai(args: argparse.Namespace) -> int:
+    """`bench --openai URL`: the same sessions and report, through a Dynamo deployment
+    (`openai_driver.OpenAIDriver`), then where its router put the sessions."""
+    _refuse_server_side_flags(args, f"--openai {args.openai}", "the workers'",
+                              "`trtllm-mtp-carry serve --dynamo` options")
+    if args.server:
+        raise ValueError("--server and --openai: pick one (Triton's gRPC or Dynamo's OpenAI API)")
+    _check(args)
+    from .openai_driver import OpenAIDriver
+
+    env = server_environment(args.openai, args.model)
+    env["device"] = f"Dynamo OpenAI API {args.openai}, model {args.model} (client-side timing)"
+    driver = OpenAIDriver(args.openai, args.model, args.max_new_tokens, args.concurrency,
+                          repeat=args.repeat)
+    driver.check()
+    return _drive_remote(args, f"--openai {args.openai}", env, driver)
 
 
 def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Replay benchmark sessions on the reference engine, every policy in lockstep.
+"""The in-process driver: replay benchmark sessions on the reference engine, every policy in lockstep.
 
 Every policy sees the same sessions in the same order; since the policies
 never change generated tokens, the prompts of every turn are identical across
@@ -17,48 +17,16 @@ but the summaries leave it out.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, is_dataclass, replace
 from typing import Any
 
 from ..engine.engine import EngineConfig, ReferenceEngine
 from ..engine.model import HybridLM
 from ..engine.tokenizer import ChatTokenizer
 from ..runtime.policy import DrafterPolicy
+from .driver import PolicyRun, TurnRecord, check_counts
 from .sessions import BenchSession
-
-
-@dataclass
-class TurnRecord:
-    """One replayed turn: which replay, session and turn, its statistics and output."""
-
-    session: str
-    turn: int
-    stats: dict[str, Any]
-    output: list[int]
-    replay: int = 0
-
-    @property
-    def key(self) -> tuple[int, str, int]:
-        """What pairs this turn with the same turn under another policy."""
-        return (self.replay, self.session, self.turn)
-
-
-@dataclass
-class PolicyRun:
-    """All turns of one policy, with its engine's busy time and counters per replay."""
-
-    policy: str
-    turns: list[TurnRecord] = field(default_factory=list)
-    busy_s: dict[int, float] = field(default_factory=dict)  # replay -> seconds in submit/step
-    runtime: dict[int, dict[str, Any]] = field(default_factory=dict)  # replay -> runtime stats
-
-
-def next_prompt(tokenizer: ChatTokenizer, prompt: list[int], output: list[int], user: str) -> list[int]:
-    """The next turn's prompt: this turn's prompt and answer, then the next user message."""
-    closed = output if output and output[-1] == tokenizer.eos_id else [*output, tokenizer.eos_id]
-    return [*prompt, *closed, *tokenizer.encode("\n"), *tokenizer.render_message("user", user),
-            tokenizer.im_start_id, tokenizer.assistant_id]
 
 
 def replay(
@@ -113,8 +81,8 @@ def replay(
                                         replay_index))
             followups = by_name[name].followups
             if next_turn[name] < len(followups):
-                prompts[name] = next_prompt(tokenizer, result.prompt, result.output,
-                                            followups[next_turn[name]])
+                prompts[name] = tokenizer.next_prompt(result.prompt, result.output,
+                                                      followups[next_turn[name]])
             next_turn[name] += 1
             yield run
     engine.check()
@@ -127,29 +95,6 @@ def replay(
     if policy is DrafterPolicy.PAIRED:
         run.runtime[replay_index]["paired"] = asdict(engine.paired.stats())
     yield run
-
-
-def lockstep_batches(sessions: Sequence[BenchSession], names: Sequence[str], turns: int,
-                     concurrency: int, replay_index: int) -> Iterator[tuple[int, str, list[BenchSession]]]:
-    """The replays through a server, one replay's schedule: `(turn, policy, batch)` in order.
-
-    Turn by turn; within a turn every policy in an order rotated by
-    `replay_index + turn` (no policy always runs first, as in `replay_lockstep`),
-    each policy's sessions that still have that turn in batches of `concurrency`.
-    """
-    for t in range(turns):
-        k = (replay_index + t) % len(names)
-        for policy in [*names[k:], *names[:k]]:
-            live = [s for s in sessions if t <= len(s.followups)]
-            for lo in range(0, len(live), concurrency):
-                yield t, policy, live[lo:lo + concurrency]
-
-
-def sort_turns(runs: Iterable[PolicyRun], sessions: Sequence[BenchSession]) -> None:
-    """Sort each run's turns by (replay, turn, session in `sessions`' order)."""
-    order = {s.name: i for i, s in enumerate(sessions)}
-    for run in runs:
-        run.turns.sort(key=lambda rec: (rec.replay, rec.turn, order[rec.session]))
 
 
 def replay_lockstep(
@@ -177,3 +122,28 @@ def replay_lockstep(
                     continue
                 yield runs
     yield runs
+
+
+class LocalDriver:
+    """The bench's in-process driver (`driver.Driver`): `replay_lockstep` over `model`,
+    with engines sized by `config`, `repeat` replays, up to `concurrency` sessions in
+    flight per engine (round-robin turn by turn with `interleave`)."""
+
+    def __init__(self, model: HybridLM, tokenizer: ChatTokenizer, config: EngineConfig,
+                 max_new_tokens: int, concurrency: int = 1, interleave: bool = False,
+                 repeat: int = 1) -> None:
+        check_counts(concurrency, repeat)
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.max_new_tokens, self.concurrency = max_new_tokens, concurrency
+        self.interleave, self.repeat = interleave, repeat
+
+    def replay(self, sessions: Sequence[BenchSession], policies: Sequence[Any]) -> Iterator[list[PolicyRun]]:
+        """Every policy (DrafterPolicy or name; ValueError naming an unknown one) on its own
+        fresh engine per replay; yields the runs so far after every finished turn."""
+        parsed = [p if isinstance(p, DrafterPolicy) else DrafterPolicy.parse(str(p)) for p in policies]
+        return replay_lockstep(self.model, self.tokenizer, sessions, parsed, self.config,
+                               self.max_new_tokens, self.concurrency, self.interleave, self.repeat)
+
+    def report_lines(self, runs: Sequence[PolicyRun]) -> list[str]:
+        """Nothing: the report says all there is of an in-process run."""
+        return []

@@ -19,7 +19,7 @@ from itertools import combinations
 from typing import Any
 
 from ..core.outcome import OUTCOME_KINDS
-from .replay import PolicyRun, TurnRecord
+from .driver import PolicyRun, TurnRecord
 from .stats import Spread, paired_ratio
 
 REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k != "adopted")
@@ -76,6 +76,13 @@ def _sum_evictions(runtimes: Sequence[dict[str, Any]]) -> dict[str, int]:
     return total
 
 
+HOST_TIER_FIELDS = ("carry_host_memory_bytes", "hits_device", "hits_host", "demotions", "host_deposits",
+                    "bytes_demoted",
+                    "bytes_restored", "peak_device_bytes", "peak_host_bytes", "demote_ms", "restore_ms",
+                    "restore_wait_ms")
+"""`CarryStats` fields of the host tier the bench reports (peaks and the budget: the most over the
+replays; the rest summed)."""
+
 PAIRED_PEAKS = ("blocks_peak", "pool_blocks")
 """`PairedStats` fields that are levels (the most over the replays), not counts to sum."""
 
@@ -96,6 +103,10 @@ def _memory(runtimes: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "share_ms": sum(d.get("share_ms", 0.0) for d in shares),
             "deposits": sum(d.get("deposits", 0) for d in shares),
         }
+    hosts = [d for d in runtimes if d.get("carry_host_memory_bytes") and d.get("policy") == "carry"]
+    if hosts:  # the carry store's host tier (CarryStats): hits per tier, bytes and copy time
+        out["host_tier"] = {k: (max if k.startswith("peak_") or k == "carry_host_memory_bytes" else sum)(
+            d.get(k, 0) for d in hosts) for k in HOST_TIER_FIELDS}
     paired = [d["paired"] for d in runtimes if d.get("paired")]
     if paired:
         out["paired"] = {k: (max if k in PAIRED_PEAKS else sum)(p[k] for p in paired)
@@ -252,6 +263,18 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
                 f"{sh['share_merges']} (bytes differed: {sh['share_mismatches']}), held by two or "
                 f"more entries at the end {sh['shared_blocks']}, sharing took {sh['share_ms']:.1f} ms "
                 f"over {sh['deposits']} deposits (--carry-share off: one copy each)")
+        h = s.get("host_tier")
+        if h and policy == "carry":
+            restores = h["hits_host"]
+            notes.append(
+                f"{policy}: host tier of {h['carry_host_memory_bytes'] >> 20} MiB: adopted from device "
+                f"{h['hits_device']}, from host {restores}; demoted {h['demotions']}, refused "
+                f"deposits kept there {h.get('host_deposits', 0)} "
+                f"({h['bytes_demoted'] >> 10} KiB, {h['demote_ms']:.1f} ms), restored "
+                f"{h['bytes_restored'] >> 10} KiB in {h['restore_ms']:.1f} ms"
+                + (f" ({h['restore_ms'] / restores:.2f} ms per restored turn)" if restores else "")
+                + f", GPU wait {h['restore_wait_ms']:.1f} ms; peak device {h['peak_device_bytes'] >> 10} KiB, "
+                f"host {h['peak_host_bytes'] >> 10} KiB")
         p = s.get("paired")
         if p:
             notes.append(

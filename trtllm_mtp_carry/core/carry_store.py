@@ -28,8 +28,9 @@ deposit order; which one leaves first is the eviction policy's choice::
   trace figures): the entry with the lowest learned chance to be adopted per
   share of the bounds it takes (bytes, slot) leaves first; a newcomer is
   admitted only if it is worth more than every entry it would push out
-  (`not_admitted` otherwise; with a host tier, victims are demoted instead and
-  nothing is refused). It learns from the deposits and adoptions it sees.
+  (`not_admitted` otherwise; with a host tier the refused newcomer gets the
+  host tier's second chance, `deposit_host`). It learns from the deposits and
+  adoptions it sees.
 - `incumbent` (the default before issue 23): keep what is held.
   A newcomer that does not fit is refused (`not_admitted`) instead of evicting
   anything; a returning key (one whose rows a running turn adopted, a lease,
@@ -63,7 +64,9 @@ the rows back to the device before `take` returns. Device-tier queries
 (`entries`, `len`, `bytes_held`, `victim`) see the device tier only; `get`,
 `candidate`, `judge`, `nbytes` and `in` see both, so a key has at most one
 entry across the tiers. Methods that return evicted entries return only
-those whose device rows the caller frees.
+those whose device rows the caller frees. A deposit the device tier refuses
+(`not_admitted`) may go straight to the host tier (`deposit_host`), under the
+host tier's own budget and policy.
 """
 
 from __future__ import annotations
@@ -314,10 +317,9 @@ class CarryStore:
         worth = None  # `returns`: what a victim may be worth at most (the admission test)
         if self._odds is not None:
             cls = self._odds.deposited(key, self._clock())
-            if self._host is None:  # with a host tier victims are demoted, not lost: no admission test
-                worth = self._odds.worth(cls, 0.0, self._cost(room.alone))
-                # near ties keep the incumbent, unless the key came back (its turn is the evidence)
-                worth = worth * ADMIT_MARGIN if returning else worth / ADMIT_MARGIN
+            worth = self._odds.worth(cls, 0.0, self._cost(room.alone))
+            # near ties keep the incumbent, unless the key came back (its turn is the evidence)
+            worth = worth * ADMIT_MARGIN if returning else worth / ADMIT_MARGIN
         if key in self._entries:
             room.remove(key)  # its own older rows go (`replaced`)
         if not room.fits():
@@ -495,6 +497,50 @@ class CarryStore:
         """Bytes the host tier holds (each entry's full rows; 0 without a host tier)."""
         return 0 if self._host is None else self._host.nbytes
 
+    def deposit_host(self, entry: CarriedDrafter, nbytes: int = 0, session: int | None = None) -> bool:
+        """Deposit `entry` straight into the host tier after the device tier refused it (`admit`
+        returned None, `not_admitted`): the second chance a newcomer gets when the policy keeps
+        the device's incumbents. The executor holds its rows as a device entry's (carried
+        under its key): `host_moves.demote` copies them out and frees them.
+
+        True if the host tier took it (its refusal is forgotten: the key's next turn finds
+        it; counted as a deposit and in `TierStats.host_deposits`); False, nothing changed
+        (the caller frees the rows), without a host tier, if the key holds an entry, if it
+        is larger than the host budget, or if the policy keeps the host's incumbents. Charged
+        by block, its cost is every block of its table (`nbytes` is ignored).
+        """
+        key = entry.session_hash
+        check_non_negative("nbytes", nbytes)
+        host = self._host
+        if host is None or key == 0 or key in self:
+            return False
+        owner = key if session is None else check_u64("session", session)
+        if self.block_nbytes is not None:
+            nbytes = len(entry.block_table) * self.block_nbytes
+        dropped = host.make_room(nbytes)
+        if dropped is None:
+            return False
+        if self.host_moves is not None:
+            t0 = time.perf_counter()
+            moved = self.host_moves.demote(entry)
+            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
+            if not moved:
+                return False
+        for k in dropped:
+            self._drop_host(k, host.room_cause)
+        lease = self._leases.pop(key, None)
+        host.insert(key, _Held(entry, nbytes, owner, self._clock(), 0 if lease is None else lease.adoptions + 1))
+        self._misses.pop(key, None)
+        self._last_key[owner] = key
+        self._last_key.move_to_end(owner)
+        if len(self._last_key) > MISS_MEMORY:
+            self._last_key.popitem(last=False)
+        self.deposits += 1
+        self._tier.host_deposits += 1
+        self._tier.bytes_demoted += nbytes
+        self._tier.peak_host = max(self._tier.peak_host, host.nbytes)
+        return True
+
     def tier(self, key: int) -> str | None:
         """Which tier (`TIERS`) holds `key`'s entry, or None."""
         if key in self._entries:
@@ -510,6 +556,7 @@ class CarryStore:
             hits=dict(t.hits),
             demotions=t.demotions,
             demotions_refused=t.demotions_refused,
+            host_deposits=t.host_deposits,
             host_evictions=dict(t.host_evictions),
             bytes_demoted=t.bytes_demoted,
             bytes_restored=t.bytes_restored,
@@ -541,14 +588,16 @@ class CarryStore:
         if dropped is None:  # larger than the host budget, or the policy keeps the host's incumbents
             self._tier.demotions_refused += 1
             return self._remove(key, cause)
+        if self.host_moves is not None:
+            t0 = time.perf_counter()
+            moved = self.host_moves.demote(held.entry)
+            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
+            if not moved:  # the executor no longer has the rows (nothing to copy): a plain eviction
+                return self._remove(key, cause)
         for k in dropped:
             self._drop_host(k, host.room_cause)
         del self._entries[key]
         self._uncharge(held)
-        if self.host_moves is not None:
-            t0 = time.perf_counter()
-            self.host_moves.demote(held.entry)
-            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
         host.insert(key, replace(held, nbytes=nbytes))
         self._tier.demotions += 1
         self._tier.bytes_demoted += nbytes
@@ -721,16 +770,19 @@ class _Room:
 class HostMoves(Protocol):
     """What an executor does with an entry's rows when the store moves it between tiers.
 
-    Each is called once per move, under the caller's lock, with the store mid-change
-    (it must not call back into the store).
+    Each is called once per move, under the caller's lock. The store is consistent
+    during each call: `restore` may make room on the device, and the executor's
+    pool-pressure evictions (`CarryStore.evict`) may re-enter the store meanwhile.
     """
 
-    def demote(self, entry: CarriedDrafter) -> None:
-        """Copy `entry`'s rows to host memory and free its device rows."""
+    def demote(self, entry: CarriedDrafter) -> bool:
+        """Copy `entry`'s rows to host memory and free its device rows; False when the executor
+        no longer holds them (nothing copied nor freed: the store evicts the entry instead)."""
 
     def restore(self, entry: CarriedDrafter) -> CarriedDrafter | None:
         """Bring `entry`'s rows back to device memory (freeing the host copy) before the adopter
-        reads them; return the entry as it now is on the device (None: unchanged)."""
+        reads them; return the entry as it now is on the device (None: unchanged). An error
+        leaves the rows gone: the store counts the entry evicted (`pool_pressure`) and re-raises."""
 
     def drop(self, entry: CarriedDrafter) -> None:
         """Free `entry`'s host copy: it left the store from the host tier."""
@@ -742,7 +794,9 @@ class TierStats:
 
     `hits` are takes by tier (`TIERS`); `demotions` moved an entry from the device
     budget to the host tier, `demotions_refused` evicted it instead (larger than
-    the host budget, or the policy kept the host's incumbents); `host_evictions`
+    the host budget, or the policy kept the host's incumbents); `host_deposits`
+    are deposits the device refused that went straight to the host tier
+    (`deposit_host`); `host_evictions`
     are the store's evictions (already in `CarryStore.evictions`) that left from
     the host tier, by cause. `bytes_demoted`/`bytes_restored` are the host charge
     moved each way; `peak_bytes` the most each tier held. `demote_ms` and
@@ -754,6 +808,7 @@ class TierStats:
     hits: dict[str, int]
     demotions: int
     demotions_refused: int
+    host_deposits: int
     host_evictions: dict[str, int]
     bytes_demoted: int
     bytes_restored: int
@@ -769,6 +824,7 @@ class _TierCounters:
     hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     demotions: int = 0
     demotions_refused: int = 0
+    host_deposits: int = 0
     host_evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_CAUSES, 0))
     bytes_demoted: int = 0
     bytes_restored: int = 0

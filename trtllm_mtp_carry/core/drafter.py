@@ -67,6 +67,15 @@ class CarriedDrafter:
                     f"(len {len(self.tokens)}): key k consumes tokens[0 ..= k + 1]"
                 )
 
+    def with_block_table(self, block_table: Sequence[int]) -> CarriedDrafter:
+        """This entry with its rows in other blocks (moved between tiers): the same rows, keys
+        and tokens, shared, nothing rebuilt (the token buffer is O(tokens) to build)."""
+        new = object.__new__(CarriedDrafter)
+        for name in ("rows", "last_pair_key", "tokens", "session_hash", "token_buffer"):
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "block_table", tuple(block_table))
+        return new
+
     def common_prefix_len(self, prompt: Tokens) -> int:
         """Length of the common prefix of `tokens` and `prompt`.
 

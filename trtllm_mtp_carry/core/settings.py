@@ -41,6 +41,10 @@ DEFAULT_CARRY_MEMORY = "1.0"
 keeps every session whose rows fit (live sequences still win: pool pressure
 evicts carried entries before any sequence loses its drafter)."""
 
+DEFAULT_CARRY_HOST_MEMORY = 0
+"""Default host tier budget of the carry store, in bytes: 0, no host tier (entries
+evicted from the device budget leave the store; DECISIONS.md "Host tier")."""
+
 DEFAULT_CARRY_IDLE_S = 600
 """Default idle time-to-live of a carried entry, in seconds (0: never expire):
 an entry whose session has not come back for ten minutes is dropped."""
@@ -58,6 +62,7 @@ DEFAULT_CARRY_EVICTION = EVICTION_POLICIES[0]
 ENV_MARCONI_MIN_TOKENS = "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS"
 ENV_CARRY_SLOTS = "TRTLLM_MTP_CARRY_SLOTS"
 ENV_CARRY_MEMORY = "TRTLLM_MTP_CARRY_MEMORY"
+ENV_CARRY_HOST_MEMORY = "TRTLLM_MTP_CARRY_HOST_MEMORY"
 ENV_CARRY_IDLE_S = "TRTLLM_MTP_CARRY_IDLE_S"
 ENV_CARRY_EVICTION = "TRTLLM_MTP_CARRY_EVICTION"
 ENV_CARRY_SHARE = "TRTLLM_MTP_CARRY_SHARE"
@@ -190,6 +195,11 @@ def _format_bytes(n: int) -> str:
     return f"{n}B"
 
 
+def format_bytes(n: int) -> str:
+    """`n` bytes in the largest binary unit that divides it (`8GiB`, `1536MiB`, `1000B`)."""
+    return _format_bytes(check_non_negative("bytes", n))
+
+
 def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
     """`text` as a carry budget: bytes with a unit (`4GiB`, `512MiB`, `1000000B`,
     `2GB`) or a bare fraction of the drafter pool in [0, 1] (`0.5`, `1`).
@@ -234,6 +244,28 @@ def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
     return CarryMemory(nbytes=int(nbytes))
 
 
+def parse_carry_host_memory(text: object, what: str = "carry_host_memory") -> int:
+    """`text` as a host tier budget in bytes: bytes with a unit (`8GiB`, `512MiB`), an int
+    of bytes, or `0` (no host tier). ValueError/TypeError naming `what` and the value
+    otherwise (a fraction is refused: host memory is no fraction of the drafter pool).
+    """
+    memory = parse_carry_memory(text, what)
+    if memory.nbytes is not None:
+        return memory.nbytes
+    if memory.fraction == 0.0:
+        return 0
+    label = f"{what}={text!r}" if what else repr(text)
+    raise ValueError(f"{label}: host memory is bytes with a unit (8GiB, 512MiB), "
+                     "or 0 for no host tier; it is no fraction of the drafter pool")
+
+
+def _parse_env_host_memory(name: str, raw: str) -> int:
+    try:
+        return parse_carry_host_memory(raw, what=f"environment variable {name}")
+    except TypeError as exc:  # env values are str: unreachable, kept for mypy's sake
+        raise ValueError(str(exc)) from None
+
+
 _SWITCH = {"1": True, "on": True, "true": True, "yes": True,
            "0": False, "off": False, "false": False, "no": False}
 
@@ -274,6 +306,9 @@ CARRY_SLOTS = PinnedSetting("carry_slots", ENV_CARRY_SLOTS, DEFAULT_CARRY_SLOTS,
 CARRY_IDLE_S = PinnedSetting("carry_idle_s", ENV_CARRY_IDLE_S, DEFAULT_CARRY_IDLE_S)
 CARRY_MEMORY: Pinned[CarryMemory] = Pinned(
     "carry_memory", ENV_CARRY_MEMORY, parse_carry_memory(DEFAULT_CARRY_MEMORY), _parse_env_memory
+)
+CARRY_HOST_MEMORY: Pinned[int] = Pinned(
+    "carry_host_memory", ENV_CARRY_HOST_MEMORY, DEFAULT_CARRY_HOST_MEMORY, _parse_env_host_memory
 )
 CARRY_EVICTION: Pinned[str] = Pinned(
     "carry_eviction", ENV_CARRY_EVICTION, DEFAULT_CARRY_EVICTION,
@@ -329,6 +364,18 @@ def set_carry_memory(value: CarryMemory | str | int | float, source: str = "set"
     """Pin the carry budget: `'4GiB'`, `'512MiB'`, bytes as an int, or a fraction of the pool
     (`0.5`, `'0.5'`). ValueError/TypeError naming a malformed value; `False` if already pinned."""
     return CARRY_MEMORY._pin(parse_carry_memory(value), source)
+
+
+def carry_host_memory() -> int:
+    """The carry store's host tier budget in bytes (runtime, else env
+    `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0: no host tier)."""
+    return CARRY_HOST_MEMORY.get()
+
+
+def set_carry_host_memory(value: str | int, source: str = "set") -> bool:
+    """Pin the host tier budget: `'8GiB'`, `'512MiB'`, bytes as an int, or 0 (none).
+    ValueError/TypeError naming a malformed value; `False` if already pinned."""
+    return CARRY_HOST_MEMORY._pin(parse_carry_host_memory(value), source)
 
 
 def carry_idle_s() -> int:

@@ -12,12 +12,13 @@ its prompt still agrees with::
     0                 rows_kept           old rows            new rows
 
 Carried entries are kept least recently carried first. Live sequences always
-win: a grow the free list cannot serve evicts carried entries until it can, in
-the order `victims` names (the carry store's eviction policy, asked once per
-grow for its whole order, so a grow that needs several victims takes them in
-the policy's order; oldest first when unset, and for entries it leaves out),
-and reports each eviction to `on_evict`; a grow that even every carried block
-could not serve is refused and evicts nothing.
+win: a grow the free list cannot serve evicts carried entries until it can,
+one at a time, each the one `victim` names (the carry store's eviction policy;
+oldest first when unset or when it names no carried key), and reports each
+eviction to `on_evict` before it asks for the next victim, so however many
+victims one grow needs, each is the policy's first choice among what is left;
+a grow that even every carried block could not serve is refused and evicts
+nothing.
 
 Common-prefix sharing (`share_blocks`): sessions that share a prompt prefix
 (a system prompt) build the same drafter rows for it. Before a finished
@@ -59,7 +60,7 @@ Invariants (`check()` proves them):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,7 +72,8 @@ from .ops import drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
 
-__all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "PoolExhaustedError", "PoolStats", "ShareStats"]
+__all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "HostRows", "PoolExhaustedError", "PoolStats",
+           "ShareStats"]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -85,6 +87,25 @@ class CarriedBlocks:
     block_table: tuple[int, ...]
     rows: int
     last_pair_key: int | None
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """A carried entry's rows in host memory (the carry store's host tier): whole blocks.
+
+    `k`, `v`: `[blocks, block_size, num_kv_heads, head_dim]` on the CPU (pinned when
+    the pool is on CUDA); `rows` and `runs` (key runs `(first_key, count)`, row
+    order) are the entry's bookkeeping, so the copy back is the same rows and keys.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    rows: int
+    runs: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
 
 class BlockKeys(Protocol):
@@ -154,6 +175,10 @@ class _Rows:
         return CarriedBlocks(tuple(self.block_table), self.rows, self.last_pair_key)
 
 
+_IMPORTING = -1
+"""The sequence id `import_carried` allocates under while it copies (never a caller's)."""
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -199,11 +224,11 @@ class DrafterKVPool:
         self._pressure_evictions = 0
         self._merges = self._mismatches = self._cow = self._publications = 0
         self.on_evict: Callable[[int], None] | None = None
-        """Called with each carried key a grow evicted (after the pool is consistent again)."""
-        self.victims: Callable[[], Iterable[int]] | None = None
-        """Names the carried keys in the order a grow evicts them, asked once per grow that must
-        evict (keys not carried are skipped; carried keys it leaves out go after it, least
-        recently carried first; unset: least recently carried first)."""
+        """Called with each carried key a grow evicted, right after its blocks went back (the pool is
+        consistent; the grow's own blocks are not taken yet) and before the next victim is named."""
+        self.victim: Callable[[], int | None] | None = None
+        """Names the carried key a grow evicts next (None, unset, or a key not carried: the oldest).
+        Asked again after `on_evict` heard the previous victim."""
 
     # ---- queries -------------------------------------------------------------
 
@@ -307,9 +332,8 @@ class DrafterKVPool:
         """Allocate blocks so `seq_id` can hold `num_new_rows` more rows; return the new ids.
 
         Live sequences win: when the free list is short, carried entries are evicted
-        in `victims`' order (one call: the order of the moment the grow starts), then
-        least recently carried first, until it is not (`on_evict` hears each key, in
-        eviction order, once the pool is consistent again).
+        one at a time, each the one `victim` names (else the least recently carried),
+        until it is not; `on_evict` hears each key before the next is named.
         A shared block the new rows would start in is copied first (copy on write;
         the copy replaces it in the table and is not among the returned ids). All or nothing: PoolExhaustedError
         (pool unchanged, nothing evicted) when even every carried block would not be enough.
@@ -325,13 +349,13 @@ class DrafterKVPool:
                 f"and {carried_blocks} are carried"
             )
         evicted: list[int] = []
-        order: Iterator[int] = iter(() if need <= len(self._free) or self.victims is None else self.victims())
         while need > len(self._free):
-            # the policy's order first (a key it named twice or that is gone is skipped), then ours
-            key = next((k for k in order if k in self._carried), None)
-            if key is None:
-                key = next(iter(self._carried))
+            named = self.victim() if self.victim is not None else None
+            key = named if named in self._carried else next(iter(self._carried))
+            assert key is not None
             self._release_carried(key)
+            if self.on_evict is not None:  # the store hears now, so the next victim is its next choice
+                self.on_evict(key)
             evicted.append(key)
             need = self.num_blocks_needed(seq_id, num_new_rows)  # an eviction may unshare the tail
         self._pressure_evictions += len(evicted)
@@ -344,9 +368,6 @@ class DrafterKVPool:
             else:  # this sequence alone holds it: its bytes change, so no one may find it
                 self._unpublish(state.block_table[state.rows // self.block_size])
         state.block_table.extend(new)
-        if self.on_evict is not None:
-            for key in evicted:
-                self.on_evict(key)
         return new
 
     def truncate(self, seq_id: int, rows_kept: int) -> int:
@@ -544,6 +565,81 @@ class DrafterKVPool:
         if not self._carried:
             raise RuntimeError("nothing is carried: nothing to gather")
         return self._gather(next(reversed(self._carried.values())))
+
+    # ---- host tier (the carry store's second tier) ----------------------------
+
+    def export_carried(self, key: int) -> HostRows:
+        """A host-memory copy of entry `key`'s blocks and bookkeeping; the entry stays carried.
+
+        On CUDA the copy lands in pinned memory, issued on the current stream without
+        waiting: kernels queued after it (a later write into the blocks, once freed)
+        run after it, and the copy back (`import_carried`) is ordered after it too.
+        RuntimeError if nothing is carried under `key`.
+        """
+        state = self._carried.get(key)
+        if state is None:
+            raise RuntimeError(f"nothing carried under {key}: nothing to export")
+        pin = self.device.type == "cuda"
+        idx = torch.tensor(state.block_table, dtype=torch.int64, device=self.device)
+        shape = (len(state.block_table), *self.k_cache.shape[1:])
+        k = torch.empty(shape, dtype=self.k_cache.dtype, pin_memory=pin)
+        v = torch.empty(shape, dtype=self.v_cache.dtype, pin_memory=pin)
+        if pin:  # gathered on the device, then one copy each into pinned memory
+            k.copy_(self.k_cache.index_select(0, idx), non_blocking=True)
+            v.copy_(self.v_cache.index_select(0, idx), non_blocking=True)
+        else:  # gathered straight into the host tensors: one pass over the bytes
+            torch.index_select(self.k_cache, 0, idx, out=k)
+            torch.index_select(self.v_cache, 0, idx, out=v)
+        return HostRows(k, v, state.rows, tuple((k0, c) for k0, c in state.runs))
+
+    def import_carried(self, key: int, rows: HostRows,
+                       stream: torch.cuda.Stream | None = None) -> CarriedBlocks:
+        """Carry `rows` under `key` again, in fresh blocks: the same rows and keys, copied back.
+
+        Blocks are allocated as a grow allocates them (a short free list evicts carried
+        entries in `victim` order, `on_evict` hears each); the copy is issued on the
+        current stream, or on `stream` (CUDA) after the current stream's work so far
+        (fresh blocks may still be read by kernels queued before): asynchronous from
+        pinned memory, and the caller orders the blocks' next use after it (an event).
+        The entry becomes the most recently carried. RuntimeError if `key` is carried
+        already, ValueError if `rows` do not fit this pool's blocks; PoolExhaustedError
+        leaves the pool unchanged.
+        """
+        if key in self._carried:
+            raise RuntimeError(f"carried entry {key} exists already: free_carried({key}) before importing")
+        nblocks = _cdiv(rows.rows, self.block_size)
+        for name, t in (("k", rows.k), ("v", rows.v)):
+            if tuple(t.shape) != (nblocks, *self.k_cache.shape[1:]) or t.dtype != self.k_cache.dtype:
+                raise ValueError(f"host rows' {name} {t.dtype} {tuple(t.shape)} do not fit {rows.rows} rows "
+                                 f"of this pool's blocks {tuple(self.k_cache.shape[1:])} {self.k_cache.dtype}")
+        if _IMPORTING in self._seqs:
+            raise RuntimeError("an import is in progress already")
+        self.allocate_sequence(_IMPORTING)
+        try:
+            self.grow(_IMPORTING, rows.rows)
+        except BaseException:
+            del self._seqs[_IMPORTING]
+            raise
+        state = self._seqs[_IMPORTING]
+        idx = torch.tensor(state.block_table, dtype=torch.int64, device=self.device)
+        try:
+            if stream is None:
+                self._copy_blocks_in(idx, rows)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                idx.record_stream(stream)  # made on the current stream, read on `stream`
+                with torch.cuda.stream(stream):
+                    self._copy_blocks_in(idx, rows)
+        except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted
+            self.free_sequence(_IMPORTING)
+            raise
+        state.rows = rows.rows
+        state.runs = [[k0, c] for k0, c in rows.runs]
+        return self.move_to_carried(_IMPORTING, key)
+
+    def _copy_blocks_in(self, idx: torch.Tensor, rows: HostRows) -> None:
+        self.k_cache.index_copy_(0, idx, rows.k.to(self.device, non_blocking=True))
+        self.v_cache.index_copy_(0, idx, rows.v.to(self.device, non_blocking=True))
 
     # ---- invariants ----------------------------------------------------------
 

@@ -565,6 +565,7 @@ class ReferenceEngine:
         k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
         live: list[int] = []
         for b, s in enumerate(seqs):  # bookkeeping per sequence: its own pool rows
+            self.runtime.wait_restored(s.request_id)  # rows copied back from the host tier
             last = self._rows_of(s).sequence(s.request_id).last_pair_key
             if last is None or last < len(s.tokens) - 2:  # first step: key0's row (later
                 try:  # steps got it from the previous verify)

@@ -12,6 +12,11 @@ Invariant (the prefix cache relies on it): for messages `m` and an assistant
 answer whose ids `a` decode to text `s` with `encode(s) == a` (valid UTF-8, no
 specials), `render_chat(m + [assistant s, ...])` starts with exactly
 `render_chat(m) + a + [im_end_id]`.
+
+`next_prompt` renders a chat's next turn from the last turn's ids (prompt and
+answer, then the next user message); the bench and the served model both
+extend a conversation with it, so a text turn reaches the engine as exactly
+the ids the bench measured.
 """
 
 from __future__ import annotations
@@ -78,3 +83,12 @@ class ChatTokenizer:
         if add_generation_prompt:
             ids += [self.im_start_id, self.assistant_id]
         return ids
+
+    def next_prompt(self, prompt: list[int], output: list[int], user: str) -> list[int]:
+        """The next turn's prompt: `prompt` and its answer `output` unchanged (closed with
+        `<|im_end|>` once, when the answer did not end with it), "\\n", the user message
+        `user`, the generation prompt. The ids the same chat renders to when the answer's
+        ids round-trip as text (the invariant above)."""
+        closed = output if output and output[-1] == self.eos_id else [*output, self.eos_id]
+        return [*prompt, *closed, *self._newline, *self.render_message("user", user),
+                self.im_start_id, self.assistant_id]

@@ -79,6 +79,7 @@ from ..core import (
     DrafterContext,
     carry_armed_with,
     carry_eviction,
+    carry_host_memory,
     carry_idle_s,
     carry_memory,
     carry_share,
@@ -86,6 +87,7 @@ from ..core import (
     log_adopt,
     log_store,
     mtp_max_seqs,
+    parse_carry_host_memory,
     parse_carry_memory,
     plan_append,
 )
@@ -95,6 +97,7 @@ from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.kv_pool import BlockKeys, CarriedBlocks
 from .backend import CarryBackend
+from .host_moves import PoolHostMoves
 from .policy import DrafterPolicy
 
 
@@ -161,6 +164,14 @@ class CarryStats:
     (the budget), `carry_slots` (0: no cap) and a pool of `pool_blocks` blocks of
     `pool_block_size` rows; `turns_cancelled_kept` counts cancelled turns whose
     rows were deposited. `slots_held` is `entries_held` (its older name).
+    Host tier (`carry_host_memory_bytes` > 0; all zero without one): `hits_device`/
+    `hits_host` are adoptions by the tier their rows came from, `demotions` entries
+    moved to host memory and `host_deposits` deposits the device refused that went
+    there (`bytes_demoted`, `demote_ms` copying both), `bytes_restored`
+    and `restore_ms` the copies back, `host_entries`/`host_bytes_held` what the host
+    tier holds, `peak_device_bytes`/`peak_host_bytes` the most each tier held;
+    `restore_wait_ms` is how long the GPU stream waited for an asynchronous copy
+    back (CUDA; 0 on the CPU, where `restore_ms` is the copy itself).
     """
 
     armed: bool
@@ -195,6 +206,20 @@ class CarryStats:
     turns_cancelled_kept: int = 0
     eviction_policy: str = ""
     idle_s: int = 0
+    carry_host_memory_bytes: int = 0
+    hits_device: int = 0
+    hits_host: int = 0
+    demotions: int = 0
+    host_deposits: int = 0
+    host_entries: int = 0
+    host_bytes_held: int = 0
+    bytes_demoted: int = 0
+    bytes_restored: int = 0
+    peak_device_bytes: int = 0
+    peak_host_bytes: int = 0
+    demote_ms: float = 0.0
+    restore_ms: float = 0.0
+    restore_wait_ms: float = 0.0
 
 
 @dataclass
@@ -223,9 +248,11 @@ class CarryRuntime:
     override the process settings `carry_slots()`, `carry_memory()`,
     `carry_eviction()` and `carry_idle_s()` (tests, engines that size the store
     themselves); `clock` is the idle TTL's clock; `share` overrides
-    `carry_share()` (common-prefix blocks shared between entries).
+    `carry_share()` (common-prefix blocks shared between entries);
+    `host_memory` overrides `carry_host_memory()` (the store's host tier:
+    entries leaving the device budget wait in host memory, `PoolHostMoves`).
     One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
-    names their victims in the store's order (`pool.victims`), and refuses a pool that already
+    names their victims (`pool.victim`, asked again after each eviction), and refuses a pool that already
     carries another runtime's entries.
     """
 
@@ -241,6 +268,7 @@ class CarryRuntime:
         idle_s: float | None = _UNSET,
         clock: Callable[[], float] = time.monotonic,
         share: bool | None = None,
+        host_memory: str | int | None = None,
     ) -> None:
         self.backend = backend
         self.policy = DrafterPolicy.parse(policy)
@@ -261,12 +289,16 @@ class CarryRuntime:
         self.share = carry_share() if share is None else bool(share)
         self._store = CarryStore(slots, self.memory.resolve(pool.nbytes),
                                  carry_eviction() if eviction is None else eviction, idle_s, clock,
-                                 block_nbytes=pool.block_nbytes)
+                                 block_nbytes=pool.block_nbytes,
+                                 host_budget_bytes=carry_host_memory() if host_memory is None
+                                 else parse_carry_host_memory(host_memory, "host_memory"))
+        self._host = PoolHostMoves(pool) if self._store.host_budget_bytes else None
+        self._store.host_moves = self._host
         self._counters = _Counters()
         self._adopted: dict[int, int] = {}  # seq_id -> carry key whose rows it adopted (a lease)
         self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
         pool.on_evict = self._on_pool_evict
-        pool.victims = self._pressure_victims
+        pool.victim = self._pressure_victim
 
     # ---- per sequence ----------------------------------------------------------
 
@@ -310,6 +342,7 @@ class CarryRuntime:
         if policy is DrafterPolicy.CARRY and self.armed:
             with self._lock:
                 self._expire()
+                self._unreachable_host_entry(session_hash)
                 outcome = self._store.judge(session_hash, tokens, ticket, projected, session)
                 self._counters.outcomes[outcome.kind] += 1
                 if isinstance(outcome, NoCarry):
@@ -344,6 +377,7 @@ class CarryRuntime:
             return 0
         t0 = time.perf_counter()
         a, b = span
+        self.wait_restored(seq_id)
         self._append(seq_id, ticket, prompt, a, b - a + 1)
         rows = b - a + 1
         build.next_key = None if b >= len(prompt) - 2 else b + 1
@@ -382,6 +416,7 @@ class CarryRuntime:
         """
         policy = self.policy if policy is None else DrafterPolicy.parse(policy)
         pool = self.backend.drafter_pool
+        self.wait_restored(seq_id)
         lease = self._adopted.pop(seq_id, None)
         if not pool.has_sequence(seq_id):  # policy off, or the drafter was dropped already
             self._end_lease(lease, "not_deposited")
@@ -396,6 +431,10 @@ class CarryRuntime:
                 table = pool.sequence(seq_id).block_table[: -(-rows.rows // pool.block_size)]
                 evicted = self._store.admit(session_hash, len(table) * pool.block_nbytes, session,
                                             blocks=table)
+                offered = None if evicted is not None else self._deposit_host(
+                    seq_id, session_hash, tokens, ticket, session)
+                if offered is not None:  # the sequence's rows went to the host tier, or are freed
+                    return offered
                 if evicted is not None:
                     for old in evicted:
                         pool.free_carried(old.session_hash)
@@ -443,6 +482,7 @@ class CarryRuntime:
         """
         if reason not in NO_CARRY_REASONS:
             raise ValueError(f"reason must be one of {NO_CARRY_REASONS}, got {reason!r}")
+        self.wait_restored(seq_id)
         self._end_lease(self._adopted.pop(seq_id, None), reason)
         pool = self.backend.drafter_pool
         if pool.has_sequence(seq_id):
@@ -483,7 +523,8 @@ class CarryRuntime:
             return self._store.entries()
 
     def check(self) -> None:
-        """Raise RuntimeError unless the store and the pool carry the same entries, in order."""
+        """Raise RuntimeError unless the store and the pool carry the same entries, in order (and
+        the host tier's entries have exactly their host copies)."""
         pool = self.backend.drafter_pool
         with self._lock:
             entries = self._store.entries()
@@ -496,6 +537,12 @@ class CarryRuntime:
                 e.block_table, e.rows, e.last_pair_key
             ):
                 raise RuntimeError(f"carried entry 0x{e.session_hash:016x} differs from the pool's {held}")
+        if self._host is not None:  # the host tier: one host copy per host entry, nothing else
+            with self._lock:
+                host = sorted(e.session_hash for e in self._store.host_entries)
+                copies = self._host.keys()
+            if host != copies:
+                raise RuntimeError(f"host tier entries {host} differ from the host copies held {copies}")
 
     def stats(self) -> CarryStats:
         """A frozen snapshot of every counter (zeros listed for outcomes never seen)."""
@@ -535,7 +582,63 @@ class CarryRuntime:
                 turns_cancelled_kept=c.cancelled_kept,
                 eviction_policy=self._store.policy,
                 idle_s=int(self._store.idle_s or 0),
+                **self._tier_fields(),
             )
+
+    def wait_restored(self, seq_id: int) -> None:
+        """Order the device's next use of `seq_id`'s pool rows after their copy back from the host
+        tier, if one is in flight (CUDA: a GPU-side wait, counted; otherwise nothing to do). The
+        runtime calls it before it touches the sequence's rows; an engine calls it before its
+        first draft step reads or writes them."""
+        if self._host is None:
+            return
+        key = self._adopted.get(seq_id)
+        if key is not None:
+            with self._lock:
+                self._host.ready(key)
+
+    def _tier_fields(self) -> dict[str, Any]:
+        """CarryStats' host tier fields (caller holds the lock)."""
+        t = self._store.tier_stats()
+        wait_ms = self._host.gpu_wait()[0] if self._host is not None else 0.0
+        return dict(
+            carry_host_memory_bytes=t.host_budget_bytes, hits_device=t.hits["device"],
+            hits_host=t.hits["host"], demotions=t.demotions, host_deposits=t.host_deposits,
+            host_entries=t.host_entries,
+            host_bytes_held=t.host_bytes_held, bytes_demoted=t.bytes_demoted,
+            bytes_restored=t.bytes_restored, peak_device_bytes=t.peak_bytes["device"],
+            peak_host_bytes=t.peak_bytes["host"], demote_ms=t.demote_ms, restore_ms=t.restore_ms,
+            restore_wait_ms=wait_ms,
+        )
+
+    def _deposit_host(self, seq_id: int, key: int, tokens: Sequence[int], ticket: int,
+                      session: int | None) -> bool | None:
+        """The store refused the deposit as `not_admitted`: offer it to the host tier (its rows
+        become a carried entry, which `demote` copies out and frees). True: deposited there;
+        False: refused, and its rows are freed; None: not offered (no host tier, or refused for
+        another reason), the sequence is untouched. Caller holds the lock."""
+        if self._host is None or self._store.miss_reason(key) != "not_admitted":
+            return None
+        pool = self.backend.drafter_pool
+        carried = pool.move_to_carried(seq_id, key)
+        entry = CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key, tokens, key)
+        if not self._store.deposit_host(entry, len(carried.block_table) * pool.block_nbytes, session):
+            pool.free_carried(key)
+            return False
+        self._counters.deposits += 1
+        log_store(entry, ticket)
+        return True
+
+    def _unreachable_host_entry(self, key: int) -> None:
+        """Drop `key`'s host entry (`pool_pressure`) when even every carried block could not take
+        its rows back: live sequences hold the pool (caller holds the lock)."""
+        if self._store.tier(key) != "host":
+            return
+        entry = self._store.get(key)
+        pool = self.backend.drafter_pool
+        assert entry is not None
+        if len(entry.block_table) > pool.num_free_blocks + pool.num_carried_blocks:
+            self._store.evict(key, "pool_pressure")
 
     # ---- carried entries (the seam with the engine: signatures are stable) -----
 
@@ -560,20 +663,33 @@ class CarryRuntime:
                 raise RuntimeError(
                     f"no carried entry of session 0x{session_hash:016x} for sequence {seq_id} to take"
                 )
-            held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
-            self._store.take(session_hash)
+            if self._store.tier(session_hash) == "host":  # the take copies its rows back first
+                restored = self._store.take(session_hash)
+                held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
+                if self._host is not None and len(held.block_table) < len(restored.block_table):
+                    # the truncation freed restored blocks: their next owner writes after the copy
+                    self._host.ready(session_hash)
+            else:
+                held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
+                self._store.take(session_hash)
             self._adopted[seq_id] = session_hash
         return held
 
     def _on_pool_evict(self, session_hash: int) -> None:
         """The pool evicted `session_hash`'s rows for a live sequence: drop the entry too."""
         with self._lock:
-            self._store.evict(session_hash, "pool_pressure")
+            self._store.evict(session_hash, "pool_pressure")  # with a host tier: demoted
+            if self._host is not None:
+                self._host.unstage(session_hash)
 
-    def _pressure_victims(self) -> tuple[int, ...]:
-        """The carried keys in the order a pool grow evicts them: the store policy's victim order."""
+    def _pressure_victim(self) -> int | None:
+        """The carried key a pool grow evicts next: the store policy's first victim (with a host
+        tier its rows are copied out first: the pool releases them before the store hears)."""
         with self._lock:
-            return self._store.victims()
+            key = self._store.victim()
+            if self._host is not None and key is not None:
+                self._host.stage(key)
+            return key
 
     def _expire(self) -> int:
         """Evict idle entries and free their rows (caller holds the lock)."""

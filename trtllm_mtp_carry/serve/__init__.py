@@ -9,8 +9,7 @@ Shared here, by every server the package runs behind:
 
 Front ends:
 - `triton/`: Triton Inference Server (repository generator, Python-backend
-  model, custom metrics, `tritonserver` launcher, gRPC stream client, bench
-  replay through a server);
+  model, custom metrics, `tritonserver` launcher, gRPC stream client);
 - `dynamo/`: NVIDIA Dynamo (OpenAI-compatible frontend, workers).
 
 Importing this package loads no torch; the engine is built inside the model.

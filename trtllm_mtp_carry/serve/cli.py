@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..argtypes import carry_memory_size, non_negative_int, positive_int
+from ..argtypes import carry_host_memory_size, carry_memory_size, non_negative_int, positive_int
+from ..cli_error import fail
 from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
 from .options import ENGINES, POLICIES, ServeOptions
 from .triton.repo import (
@@ -85,6 +86,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--carry-memory", dest="serve_carry_memory", type=carry_memory_size, default=None,
                    metavar="SIZE", help="carry budget per instance: 4GiB, 512MiB or a drafter pool "
                    "fraction like 0.5 (default: the whole pool)")
+    p.add_argument("--carry-host-memory", dest="serve_carry_host_memory", type=carry_host_memory_size,
+                   default=None, metavar="SIZE", help="host tier per instance: entries evicted from the "
+                   "carry budget wait in this much host memory (8GiB; default 0: none)")
     p.add_argument("--device", default=d.device)
     # The settings flags of this process stay unset: these options pin each served instance.
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
@@ -98,7 +102,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
     options = ServeOptions(
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
         marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
-        carry_memory=args.serve_carry_memory,
+        carry_memory=args.serve_carry_memory, carry_host_memory=args.serve_carry_host_memory,
         max_model_len=args.max_model_len, max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs, device=args.device, max_turn_s=args.max_turn_s,
     )
@@ -110,6 +114,8 @@ def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
     from ..trtllm.triton_repo import trtllm_spec
 
     for flag, value, where in (("--carry-slots", args.serve_carry_slots, "carry_slots in the mtp_carry section"),
+                               ("--carry-host-memory", args.serve_carry_host_memory,
+                                "carry_host_memory in the mtp_carry section"),
                                ("--max-model-len", args.max_model_len, "max_seq_len"),
                                ("--marconi-min-tokens", args.serve_marconi_min_tokens, None)):
         if value is not None:
@@ -158,16 +164,11 @@ def add_subcommands(sub: Any) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def _fail(message: str) -> int:
-    print(f"trtllm-mtp-carry: error: {message}", file=sys.stderr)
-    return 2
-
-
 def cmd_triton_repo(args: argparse.Namespace) -> int:
     try:
         model_dir = _write(args.directory, _spec(args))
     except (ValueError, OSError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     print(f"wrote {model_dir}/config.pbtxt and {model_dir}/1/model.py")
     return 0
 
@@ -188,9 +189,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         spec = _spec(args)
         binary = find_tritonserver(args.tritonserver)
     except (ValueError, ServeError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     if args.repository is not None and not Path(args.repository).is_dir():
-        return _fail(f"--repository {args.repository}: no such directory")
+        return fail(f"--repository {args.repository}: no such directory")
     with tempfile.TemporaryDirectory(prefix="mtp-carry-repo-") as tmp:
         repository = args.repository
         if repository is None:
@@ -212,17 +213,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             while not stop.wait(0.5):
                 if server.process is not None and server.process.poll() is not None:
                     cause = server.failure_cause() or "no error line in the log"
-                    return _fail(f"tritonserver exited with status {server.process.returncode}: {cause} "
+                    return fail(f"tritonserver exited with status {server.process.returncode}: {cause} "
                                  f"(log: {server.log_path})")
                 alive = server.stubs()
                 dead = sorted(name for pid, name in stubs.items() if pid not in alive)
                 if dead:
                     grace_s = args.exit_timeout_s + 1.0  # its requests never finish: no need to wait longer
-                    return _fail(f"model instance {', '.join(dead)} died (its backend stub is gone): its "
+                    return fail(f"model instance {', '.join(dead)} died (its backend stub is gone): its "
                                  "sessions and requests in flight are lost; stopping the server, restart "
                                  f"serve to recover (log: {server.log_path})")
         except ServeError as exc:
-            return _fail(str(exc))
+            return fail(str(exc))
         finally:
             server.stop(grace_s)
             if server.killed:

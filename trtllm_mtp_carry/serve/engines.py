@@ -82,13 +82,15 @@ def apply_settings(options: ServeOptions) -> None:
 
 
 def _apply_carry_store_settings(options: ServeOptions) -> None:
-    """Pin carry_memory, carry_eviction, carry_idle_s and carry_share; ValueError naming one that is
-    already pinned to another value in this process."""
+    """Pin carry_memory, carry_host_memory, carry_eviction, carry_idle_s and carry_share; ValueError
+    naming one that is already pinned to another value in this process."""
     from ..core import settings
 
     pins: list[tuple[str, object, Any, Any]] = [
         ("carry_memory", options.carry_memory and settings.parse_carry_memory(options.carry_memory),
          settings.set_carry_memory, settings.carry_memory),
+        ("carry_host_memory", options.carry_host_memory and settings.parse_carry_host_memory(
+            options.carry_host_memory), settings.set_carry_host_memory, settings.carry_host_memory),
         ("carry_eviction", options.carry_eviction, settings.set_carry_eviction, settings.carry_eviction),
         ("carry_idle_s", options.carry_idle_s, settings.set_carry_idle_s, settings.carry_idle_s),
         ("carry_share", options.carry_share and settings.parse_switch(options.carry_share, "carry_share"),

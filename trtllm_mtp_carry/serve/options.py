@@ -28,6 +28,7 @@ class ServeOptions:
     marconi_min_tokens: int | None = None
     carry_slots: int | None = None
     carry_memory: str | None = None  # "4GiB", "512MiB" or a drafter pool fraction "0.5"
+    carry_host_memory: str | None = None  # "8GiB", "512MiB", "0": the carry store's host tier
     carry_eviction: str | None = None  # incumbent, lrd, slru
     carry_idle_s: int | None = None  # 0: carried entries never expire
     carry_share: str | None = None  # on/off: carried entries share equal common-prefix blocks
@@ -46,6 +47,10 @@ class ServeOptions:
             from ..core.settings import parse_carry_memory
 
             parse_carry_memory(self.carry_memory, what="parameter carry_memory")
+        if self.carry_host_memory is not None:
+            from ..core.settings import parse_carry_host_memory
+
+            parse_carry_host_memory(self.carry_host_memory, what="parameter carry_host_memory")
         if self.carry_eviction is not None:
             from ..core.settings import check_eviction_policy
 

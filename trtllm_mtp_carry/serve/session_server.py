@@ -11,7 +11,7 @@ Ownership and invariants:
   session's later requests wait in arrival order (the next turn's prompt is
   built from the previous turn's output).
 - A session's chat history is the last turn's prompt and output; a
-  `text_input` turn extends it with `bench.replay.next_prompt`, an
+  `text_input` turn extends it with the tokenizer's `next_prompt`, an
   `input_ids` turn replaces it.
 - `END`, a new `START` on a known session, and the idle timeout free the
   session's carried rows (`runtime.forget_session`); a request that fails
@@ -253,10 +253,8 @@ class SessionServer:
                     prompt = self.engine.tokenizer.render_chat(
                         [{"role": "user", "content": request.text_input}])
                 else:
-                    from ..bench.replay import next_prompt
-
-                    prompt = next_prompt(self.engine.tokenizer, session.prompt, session.output,
-                                         request.text_input)
+                    prompt = self.engine.tokenizer.next_prompt(session.prompt, session.output,
+                                                               request.text_input)
             else:
                 assert request.input_ids is not None
                 prompt = request.input_ids

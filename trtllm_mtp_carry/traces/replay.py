@@ -13,7 +13,8 @@ stores split by a hash of the conversation):
     arrival: expire idle entries; a follow-up turn takes its conversation's
              entry (adopted, by tier) or counts the store's miss reason
     finish:  expire; admit + put input + output rows (row_bytes each), or the
-             refusal is counted
+             refusal is counted and the rows offered to the host tier
+             (`deposit_host`, as the executors do)
 
 Events at equal times: finishes first (a turn that finished at t is there for
 one arriving at t), then in trace order.
@@ -172,8 +173,12 @@ def replay(trace: Trace, policy: str, config: ReplayConfig) -> PolicyResult:
             store.take(key)
             by_tier[tier] += 1
             adopted += 1
-        elif store.admit(key, nbytes[i], key) is not None:
-            store.put(CarriedDrafter((), 0, None, (), key), nbytes[i], key)
+        else:
+            entry = CarriedDrafter((), 0, None, (), key)
+            if store.admit(key, nbytes[i], key) is not None:
+                store.put(entry, nbytes[i], key)
+            else:  # refused by the device tier: the host tier's second chance, as the executors do
+                store.deposit_host(entry, nbytes[i], key)
     ev: Counter[str] = Counter()
     ref: Counter[str] = Counter()
     peaks: Counter[str] = Counter()

@@ -24,6 +24,13 @@ Invariants:
   `session_end` (`CarryStore.evict_session`), as the reference runtime's
   `forget_session` does.
 - Thread-safe: `stats()` may be read while the executor thread deposits.
+- Host tier (`host_budget_bytes` > 0; the store decides, `CarryStore`): an entry
+  leaving the device budget has its rows copied to host memory (pinned when they
+  are on a GPU: on GB10's unified memory that is system memory outside
+  TensorRT-LLM's KV pool) and its device tensor dropped; a take copies them back
+  to the device they came from before `take` returns (a blocking copy on the
+  current stream, so the draft stream's scatter reads finished rows; the store
+  counts it as `restore_ms`). Each entry's rows are in exactly one tier.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import CarriedDrafter, CarryStore
+from ..core import CarriedDrafter, CarryStore, carry_host_memory
 from ..core.outcome import Adopted, CarryOutcome
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
@@ -52,9 +59,15 @@ class CarriedRows:
     """Carried MTP rows keyed by carry key, bounded as the core's `CarryStore` bounds them."""
 
     def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent",
-                 idle_s: float | None = None) -> None:
-        self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s)
+                 idle_s: float | None = None, host_budget_bytes: int | None = None) -> None:
+        host = carry_host_memory() if host_budget_bytes is None else host_budget_bytes
+        self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s,
+                                 host_budget_bytes=host)
         self._rows: dict[int, torch.Tensor] = {}
+        self._host: dict[int, tuple[torch.Tensor, torch.device]] = {}  # key -> (host rows, their device)
+        self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
+        if host:
+            self._store.host_moves = self
         self.budget_bytes = budget_bytes
         self._lock = threading.RLock()
 
@@ -101,7 +114,7 @@ class CarriedRows:
             evicted = self._store.admit(key, nbytes, session) if n > 0 else None
             if evicted is None:  # refused (the store counts why); older rows of `key` are stale
                 self._evict(key, "replaced")
-                return False
+                return n > 0 and self._deposit_host(key, tokens, rows, nbytes, session)
             for old in evicted:
                 del self._rows[old.session_hash]
             self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes, session)
@@ -112,10 +125,11 @@ class CarriedRows:
         """Drop conversation `session`'s rows under every salt, and its leases (the session
         ended: `session_end`); returns the rows dropped (0 when it held none)."""
         with self._lock:
+            before = self._host_rows_dropped
             entries = self._store.evict_session(session, "session_end")
             for entry in entries:
                 del self._rows[entry.session_hash]
-            return sum(entry.rows for entry in entries)
+            return sum(entry.rows for entry in entries) + self._host_rows_dropped - before
 
     def clear(self) -> None:
         """Drop every entry (`cleared`)."""
@@ -124,8 +138,11 @@ class CarriedRows:
                 del self._rows[entry.session_hash]
 
     def stats(self) -> dict[str, object]:
-        """Entries, rows and bytes held, deposits, adoptions, evictions by cause."""
+        """Entries, rows and bytes held, deposits, adoptions, evictions by cause; the host tier's
+        budget, hits per tier, entries and bytes it holds, bytes moved each way, peaks per tier
+        and copy time (`CarryStore.tier_stats`)."""
         with self._lock:
+            t = self._store.tier_stats()
             return {
                 "carry_slots": self._store.slots,
                 "entries": len(self._store),
@@ -136,6 +153,17 @@ class CarriedRows:
                 "adoptions": self._store.adoptions,
                 "evictions": self._store.evictions(),
                 "refusals": self._store.refusals(),
+                "carry_host_memory": t.host_budget_bytes,
+                "hits": t.hits,
+                "demotions": t.demotions,
+                "host_deposits": t.host_deposits,
+                "host_entries": t.host_entries,
+                "host_bytes_held": t.host_bytes_held,
+                "bytes_demoted": t.bytes_demoted,
+                "bytes_restored": t.bytes_restored,
+                "peak_bytes": t.peak_bytes,
+                "demote_ms": t.demote_ms,
+                "restore_ms": t.restore_ms,
             }
 
     def check(self) -> None:
@@ -148,6 +176,47 @@ class CarriedRows:
                 if self._rows[e.session_hash].shape[0] != e.rows:
                     raise RuntimeError(f"entry 0x{e.session_hash:016x} has {e.rows} rows, "
                                        f"holds {self._rows[e.session_hash].shape[0]}")
+            host = sorted(e.session_hash for e in self._store.host_entries)
+            if host != sorted(self._host):
+                raise RuntimeError(f"host tier entries {host} differ from the host rows held {sorted(self._host)}")
+            for e in self._store.host_entries:
+                if self._host[e.session_hash][0].shape[0] != e.rows:
+                    raise RuntimeError(f"host entry 0x{e.session_hash:016x} has {e.rows} rows, "
+                                       f"holds {self._host[e.session_hash][0].shape[0]}")
+
+    # ---- HostMoves (the store calls these under our lock) --------------------------------
+
+    def demote(self, entry: CarriedDrafter) -> bool:
+        """Copy `entry`'s rows to host memory (pinned when they are on a GPU); drop the device tensor."""
+        rows = self._rows.pop(entry.session_hash, None)
+        if rows is None:
+            return False
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+        host.copy_(rows)  # blocking: the device tensor may be reused as soon as it is dropped
+        self._host[entry.session_hash] = (host, rows.device)
+        return True
+
+    def restore(self, entry: CarriedDrafter) -> None:
+        """Copy `entry`'s rows back to their device (blocking, so any stream reads finished rows)."""
+        host, device = self._host.pop(entry.session_hash)
+        self._rows[entry.session_hash] = host.to(device)
+
+    def drop(self, entry: CarriedDrafter) -> None:
+        """Free `entry`'s host rows (it left the store from the host tier)."""
+        if self._host.pop(entry.session_hash, None) is not None:
+            self._host_rows_dropped += entry.rows
+
+    def _deposit_host(self, key: int, tokens: Sequence[int], rows: torch.Tensor, nbytes: int,
+                      session: int | None) -> bool:
+        """A deposit the device tier refused as `not_admitted` goes to the host tier if it takes it."""
+        if self._store.host_moves is None or self._store.miss_reason(key) != "not_admitted":
+            return False
+        self._rows[key] = rows  # as a device entry's, for `demote` to copy out
+        if self._store.deposit_host(CarriedDrafter((), rows.shape[0], rows.shape[0] - 1, tokens, key),
+                                    nbytes, session):
+            return True
+        del self._rows[key]
+        return False
 
     def _evict(self, session: int, cause: str) -> CarriedDrafter | None:
         entry = self._store.evict(session, cause)

@@ -106,7 +106,8 @@ class CarryManagerCore:
         self.options = options
         slots = (carry_slots() or None) if options.carry_slots is None else options.carry_slots
         idle_s = carry_idle_s() or None  # 0: entries never expire
-        self.carried = CarriedRows(slots, options.carry_memory, carry_eviction(), idle_s)
+        self.carried = CarriedRows(slots, options.carry_memory, carry_eviction(), idle_s,
+                                   host_budget_bytes=options.carry_host_memory)
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
         self._outcomes: Counter[str] = Counter()

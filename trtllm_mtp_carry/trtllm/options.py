@@ -10,7 +10,7 @@ kv_cache_config:
   use_kv_cache_manager_v2: true   # V2 only ('auto' resolves to V2 for Qwen3-Next)
   dtype: auto                     # BF16 KV only (FP8/NVFP4 pages are refused)
   block_reuse_config: {policy: per_conversation, max_num_turns: 2}
-mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB}
+mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB, carry_host_memory: 8GiB}
 # and: tensor_parallel_size 1, enable_attention_dp false, no kv_connector_config (V2 refuses one),
 # TLLM_WORKER_USE_SINGLE_PROCESS=1 in the environment before the first LLM is built
 ```
@@ -58,25 +58,33 @@ class CarryOptions:
     this many sessions' rows are kept (least recently deposited leaves first;
     None: the process setting `carry_slots()`, env `TRTLLM_MTP_CARRY_SLOTS`, else 16);
     `carry_memory`: at most this many bytes of carried rows (oldest entries are
-    evicted as `pool_pressure` to stay under it).
+    evicted as `pool_pressure` to stay under it); `carry_host_memory`: bytes of host
+    memory (pinned on a discrete GPU; on GB10's unified memory, system memory outside
+    TensorRT-LLM's KV pool) where entries leaving `carry_memory` wait for their
+    session (0: none; None: the process setting `carry_host_memory()`, env
+    `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0).
     """
 
     enable: bool = True
     carry_slots: int | None = None
     carry_memory: int = DEFAULT_CARRY_MEMORY
+    carry_host_memory: int | None = None
 
     def __post_init__(self) -> None:
         _check_bool("enable", self.enable)
         if self.carry_slots is not None:
             _check_int("carry_slots", self.carry_slots, minimum=1)
         _check_int("carry_memory", self.carry_memory, minimum=0)
+        if self.carry_host_memory is not None:
+            _check_int("carry_host_memory", self.carry_host_memory, minimum=0)
 
 
 def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
     """`CarryOptions` from the `mtp_carry` section (None: the defaults).
 
     Keys: `enable` (bool), `carry_slots` (int >= 1, or null for `carry_slots()`), `carry_memory` (bytes as an
-    int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused).
+    int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused), `carry_host_memory`
+    (bytes like `carry_memory`, or null for `carry_host_memory()`).
     An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
     naming `mtp_carry.<key>`.
     """
@@ -86,15 +94,17 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
         return mapping
     if not isinstance(mapping, Mapping):
         raise TrtllmAdapterError(
-            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory, got {mapping!r}")
-    fields = {"enable", "carry_slots", "carry_memory"}
+            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory, got {mapping!r}")
+    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory"}
     for key in mapping:
         if key not in fields:
             raise TrtllmAdapterError(
-                f"{SECTION}.{key}: unknown key (known: carry_memory, carry_slots, enable)")
+                f"{SECTION}.{key}: unknown key (known: carry_host_memory, carry_memory, carry_slots, enable)")
     values: dict[str, Any] = dict(mapping)
     if "carry_memory" in values:
         values["carry_memory"] = parse_size("carry_memory", values["carry_memory"])
+    if values.get("carry_host_memory") is not None:
+        values["carry_host_memory"] = parse_size("carry_host_memory", values["carry_host_memory"])
     return CarryOptions(**values)
 
 

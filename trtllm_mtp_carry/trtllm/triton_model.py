@@ -64,7 +64,8 @@ from typing import Any
 
 from ..serve.session_server import TurnRequest
 from ..serve.triton.metrics import CarryMetrics
-from ..serve.triton.model import _TritonSink, parse_request
+from ..serve.triton.model import TritonSink as _TritonSink
+from ..serve.triton.model import parse_request
 from .serving import (
     MISSING_TRTLLM,
     ChatTemplate,

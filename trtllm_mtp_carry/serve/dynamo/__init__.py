@@ -4,8 +4,8 @@
 - `worker`: the Dynamo worker (`python -m trtllm_mtp_carry.serve.dynamo.worker`);
 - `metrics`: the carry counters on each worker's metrics endpoint;
 - `launcher`: frontend + N workers on loopback (`trtllm-mtp-carry serve --dynamo`);
-- `openai_client`: a streaming `/v1/chat/completions` client;
-- `bench_client`: the session replay through the OpenAI API (`bench --openai URL`).
+- `openai_client`: a streaming `/v1/chat/completions` client, which the bench's
+  OpenAI driver (`bench.openai_driver`, `bench --openai URL`) uses.
 
 Dynamo itself is optional (the `dynamo` extra, plus `ai-dynamo` installed with
 `--no-deps`); `require_dynamo` names that install when it is missing.

@@ -15,6 +15,7 @@ import signal
 import threading
 
 from ...argtypes import positive_int
+from ...cli_error import fail
 from ..options import ServeOptions
 
 
@@ -41,12 +42,11 @@ def add_dynamo_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve_dynamo(args: argparse.Namespace) -> int:
     """Run the Dynamo deployment the `serve --dynamo` flags describe, until Ctrl-C or SIGTERM."""
-    from ..cli import _fail  # the one error line of every serve command
     from . import DynamoMissing
     from .launcher import DeploymentError, DynamoDeployment, DynamoSpec
 
     if args.instances != 1:
-        return _fail(f"--instances={args.instances} is Triton's; with --dynamo use --workers")
+        return fail(f"--instances={args.instances} is Triton's; with --dynamo use --workers")
     try:
         options = ServeOptions(
             engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
@@ -61,7 +61,7 @@ def cmd_serve_dynamo(args: argparse.Namespace) -> int:
             kv_events=args.kv_events, idle_timeout_s=args.idle_timeout_s, options=options)
         deployment = DynamoDeployment(spec)
     except (ValueError, DynamoMissing) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -75,9 +75,9 @@ def cmd_serve_dynamo(args: argparse.Namespace) -> int:
         print("\n".join(lines), flush=True)
         while not stop.wait(1.0):
             if deployment.frontend is not None and deployment.frontend.poll() is not None:
-                return _fail(f"the Dynamo frontend exited with status {deployment.frontend.returncode}")
+                return fail(f"the Dynamo frontend exited with status {deployment.frontend.returncode}")
     except DeploymentError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     finally:
         deployment.stop()
         for sig, handler in previous.items():

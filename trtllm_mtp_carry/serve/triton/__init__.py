@@ -4,8 +4,8 @@
 - `model`: the Python-backend model the repository's `model.py` exports;
 - `metrics`: Triton custom metrics of the carry;
 - `server`: find, start and stop `tritonserver` (`trtllm-mtp-carry serve`);
-- `client`: a gRPC streaming client (one stream, many sessions);
-- `bench_client`: the session replay through a running server.
+- `client`: a gRPC streaming client (one stream, many sessions), which the
+  bench's Triton driver (`bench.triton_driver`) uses.
 
 Importing this package loads no torch; the engine is built inside the model.
 """

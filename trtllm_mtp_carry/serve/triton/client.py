@@ -1,7 +1,8 @@
 """A small gRPC streaming client for the served model (one stream, many sessions).
 
-What it is for: the bench replay and the tests talk to the server through
-`StreamClient`: `send` queues one turn of a session on the stream, `wait`
+What it is for: the bench's Triton driver and the tests talk to the server
+through `StreamClient` (and check it with `server_unreachable` and
+`model_ready`): `send` queues one turn of a session on the stream, `wait`
 collects that turn's streamed responses until the final one and returns a
 `TurnReply` (output, statistics, client-side time to first token) or the
 server's error message. Several turns of different sessions may be in flight
@@ -148,6 +149,37 @@ class StreamClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def server_unreachable(url: str, timeout_s: float = 10.0) -> str | None:
+    """None when a Triton server answers at `url` ("host:port", gRPC), else the first line
+    of the client's error; ImportError when tritonclient is not installed."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.is_server_live(client_timeout=timeout_s)
+    except InferenceServerException as exc:
+        return str((exc.message() or str(exc)).strip().splitlines()[0])
+    finally:
+        client.close()
+    return None
+
+
+def model_ready(url: str, model: str, timeout_s: float = 10.0) -> bool:
+    """Whether the Triton server at `url` reports `model` ready (False when it cannot say);
+    ImportError when tritonclient is not installed."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return bool(client.is_model_ready(model, client_timeout=timeout_s))
+    except InferenceServerException:
+        return False
+    finally:
+        client.close()
 
 
 def bytes_input(g: Any, name: str, value: str) -> Any:

@@ -13,10 +13,15 @@ what the carry did and gauges of what it holds:
     mtp_carry_errors_total{reason}            error responses, by session_server.ERROR_REASONS
                                               (Triton counts a decoupled model's error
                                               responses as successes)
-    mtp_carry_runtime{field}                  every int (and dict-of-int) field of the
-                                              runtime's stats: carry_memory_bytes (the budget),
+    mtp_carry_runtime{field}                  every int or float (and dict-of-int) field of
+                                              the runtime's stats: carry_memory_bytes (the budget),
                                               bytes_held, entries_held, evictions.<cause>,
-                                              no_carry_reasons.<reason>, refusals.<cause>
+                                              no_carry_reasons.<reason>, refusals.<cause>; the
+                                              host tier's carry_host_memory_bytes, hits_device,
+                                              hits_host, demotions, host_bytes_held,
+                                              bytes_demoted, bytes_restored, peak_*_bytes and
+                                              the copy times demote_ms, restore_ms,
+                                              restore_wait_ms
 
 Called from the model instance's stepping thread, and for errors also from
 `execute`'s thread: metric creation is locked. `pb_utils` is passed in, as it
@@ -31,7 +36,13 @@ from typing import Any
 
 
 class CarryMetrics:
-    """Creates the metric families once and updates them per turn and per session end."""
+    """Creates the metric families once and updates them per turn and per session end.
+
+    Another engine's Triton model (TensorRT-LLM's) subclasses it to feed the same
+    families; its subclass API is `_metric(family, key, value)`, the one metric of a
+    family (by its key in `_families`) with this instance's labels plus `key=value`,
+    created on first use.
+    """
 
     def __init__(self, pb_utils: Any, model: str, instance: str) -> None:
         family = pb_utils.MetricFamily
@@ -85,13 +96,13 @@ class CarryMetrics:
             self._metric("freed").increment(rows_freed)
 
     def refresh(self, runtime_stats: Any) -> None:
-        """Set a gauge for every int field of the runtime's frozen stats snapshot, and for
-        every entry of its dict-of-int fields as `field="<name>.<key>"`."""
+        """Set a gauge for every int or float field of the runtime's frozen stats snapshot, and
+        for every entry of its dict-of-int fields as `field="<name>.<key>"`."""
         if not is_dataclass(runtime_stats):
             return
         for f in fields(runtime_stats):
             value = getattr(runtime_stats, f.name)
             items = value.items() if isinstance(value, dict) else [("", value)]
             for key, v in items:
-                if isinstance(v, int) and not isinstance(v, bool):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._metric("runtime", "field", f"{f.name}.{key}" if key else f.name).set(v)

@@ -92,8 +92,16 @@ def parse_request(request: Any, pb_utils: Any) -> TurnRequest:
     )
 
 
-class _TritonSink:
-    """One request's response sender; the final response carries the turn's statistics."""
+class TritonSink:
+    """One request's response sender; the final response carries the turn's statistics.
+
+    Public so that another engine's Triton model (TensorRT-LLM's) reuses it. Its
+    subclass API: `_pb` (triton_python_backend_utils), `_sender` (the request's
+    response sender), `_instance` (the model instance's name) and
+    `_stream(ids, text)` (the streamed `output_ids`/`text_output` tensors); a
+    subclass overrides `final` to send its own statistics, once, with the
+    COMPLETE_FINAL flag.
+    """
 
     def __init__(self, pb_utils: Any, request: Any, instance: str) -> None:
         self._pb = pb_utils
@@ -173,7 +181,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sink = _TritonSink(self._pb, request, self._instance)
+            sink = TritonSink(self._pb, request, self._instance)
             try:
                 turn = parse_request(request, self._pb)
             except ValueError as exc:

@@ -1,0 +1,84 @@
+"""The pool's host tier copies: an entry exported to host memory (pinned on CUDA) and imported
+back into fresh blocks holds the same rows and keys, bit for bit; an import that finds the
+free list short evicts carried entries as a grow does. On CUDA the copy back runs on a side
+stream (`PoolHostMoves`) and the current stream waits for it before the rows are read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dp_helpers import bits, increasing_keys, rand
+
+from trtllm_mtp_carry.core import CarriedDrafter
+from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, PoolExhaustedError
+from trtllm_mtp_carry.dataplane.rope import RopeConfig
+from trtllm_mtp_carry.runtime.host_moves import PoolHostMoves
+
+H, D, B = 2, 32, 16
+
+
+def pool_with(device, gen, num_blocks, entries):
+    """A pool on `device` carrying `entries` ({key: rows}) of random rows at random increasing keys."""
+    pool = DrafterKVPool(num_blocks, B, H, D, RopeConfig(D, D // 4, 1e6), device=device)
+    for i, (key, rows) in enumerate(entries.items()):
+        pool.allocate_sequence(i)
+        pool.append_rows(i, increasing_keys(gen, rows).to(device), rand(gen, rows, H, D, device=device),
+                         rand(gen, rows, H, D, device=device))
+        pool.move_to_carried(i, key)
+    return pool
+
+
+def entry_of(pool, key):
+    held = pool.carried(key)
+    return CarriedDrafter(held.block_table, held.rows, held.last_pair_key,
+                          list(range(held.last_pair_key + 2)), key)
+
+
+def test_a_demote_and_restore_round_trip_keeps_every_row_and_key(device, gen):
+    pool = pool_with(device, gen, 12, {5: 37, 6: 20})
+    before = [t.clone() for t in pool.gather_carried(5)]
+    moves = PoolHostMoves(pool)
+    entry = entry_of(pool, 5)
+    assert moves.demote(entry)
+    assert pool.carried(5) is None and moves.keys() == [5]
+    host = moves._host[5]
+    assert host.k.device.type == "cpu" and host.k.is_pinned() == (device == "cuda")
+    pool.k_cache.fill_(3)  # whatever the freed blocks hold meanwhile
+    pool.v_cache.fill_(3)
+    back = moves.restore(entry)
+    moves.ready(5)
+    assert back.rows == 37 and back.block_table == pool.carried(5).block_table and moves.keys() == []
+    after = pool.gather_carried(5)
+    assert all(torch.equal(bits(a), bits(b)) if a.is_floating_point() else torch.equal(a, b)
+               for a, b in zip(after, before, strict=True))
+    pool.check()
+
+
+def test_an_import_short_of_free_blocks_evicts_the_named_victim_first(device, gen):
+    pool = pool_with(device, gen, 6, {1: 32, 2: 32, 3: 32})  # 2 blocks each: the pool is full
+    rows = pool.export_carried(3)
+    pool.free_carried(3)
+    pool.allocate_sequence(9)
+    pool.append_rows(9, torch.arange(32, device=device), rand(gen, 32, H, D, device=device),
+                     rand(gen, 32, H, D, device=device))  # a live sequence takes 3's room
+    heard = []
+    pool.victim, pool.on_evict = (lambda: 2), heard.append
+    pool.import_carried(3, rows)
+    assert heard == [2] and pool.carried_keys() == (1, 3)
+    pool.check()
+
+
+def test_an_import_that_even_every_carried_block_cannot_serve_is_refused_and_changes_nothing(device, gen):
+    pool = pool_with(device, gen, 4, {1: 32})
+    rows = pool.export_carried(1)
+    pool.free_carried(1)
+    pool.allocate_sequence(9)
+    pool.append_rows(9, torch.arange(64, device=device), rand(gen, 64, H, D, device=device),
+                     rand(gen, 64, H, D, device=device))  # a live sequence holds all 4 blocks
+    with pytest.raises(PoolExhaustedError):
+        pool.import_carried(1, rows)
+    assert pool.carried_keys() == () and pool.num_free_blocks == 0
+    pool.check()
+    pool.free_sequence(9)
+    assert pool.import_carried(1, rows).rows == 32  # the same host rows import once there is room
+    pool.check()
