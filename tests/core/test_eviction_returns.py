@@ -56,13 +56,15 @@ def test_returns_and_stays_are_counted_by_turn_class_and_the_ghost_list_keeps_th
     assert odds.turn_class(7) == 1 and odds.turn_class(8) == 0 and odds.turn_class(9) == 0
     w = odds._grow  # counts are weighted 1, w, w^2 in resolution order (lazy decay)
     prior = PRIOR_WEIGHT * w**3  # the prior weighs as much as the latest deposits do
-    first = (1 + prior / 2) / (1 + w * w + prior)  # class 0: one return, one stay, the prior
+    rate0 = (1 + prior / 2) / (1 + w * w + prior)  # class 0: one return, one stay, a coin flip
+    first = (1 + prior * rate0) / (1 + w * w + prior)  # at age 0 the return is still ahead
     assert odds.return_rate(0) == pytest.approx(first)
-    assert odds.return_rate(1) == pytest.approx(prior * first / (w + prior))  # one stay, backing off
+    rate1 = prior * rate0 / (w + prior)  # class 1: one stay, backing off to class 0
+    assert odds.return_rate(1) == pytest.approx(prior * rate1 / (w + prior))
     # the return at 30 s sits in age bin [16, 32): a class-0 entry 20 s old may still be it,
-    # one 40 s old has only the prior's return (in the last bin) ahead of it
+    # one 40 s old has only the stay and the class rate's pseudo-deposits ahead of it
     assert odds.worth(0, 20.0, 1) == pytest.approx(first)
-    assert odds.worth(0, 40.0, 1) == pytest.approx((prior / 2) / (w * w + prior))
+    assert odds.worth(0, 40.0, 1) == pytest.approx(prior * rate0 / (w * w + prior))
     assert odds.worth(0, 40.0, 4) == pytest.approx(odds.worth(0, 40.0, 1) / 4)  # per unit of cost
 
 
@@ -71,7 +73,8 @@ def test_a_deposit_that_returns_after_the_horizon_is_a_stay():
     odds.deposited(7, 0.0)
     odds.deposited(7, 150.0)  # came back, but after the horizon (the sweep in deposited resolves it)
     prior = PRIOR_WEIGHT * odds._grow
-    assert odds.return_rate(0) == pytest.approx((prior / 2) / (1 + prior))
+    rate0 = (prior / 2) / (1 + prior)
+    assert odds.return_rate(0) == pytest.approx(prior * rate0 / (1 + prior))
 
 
 def test_ghost_list_and_pending_are_bounded():
@@ -167,9 +170,11 @@ def test_a_later_class_with_no_turns_seen_backs_off_to_the_class_below():
     for k in range(3):
         odds.adopted(k, 10.0)
     odds.sweep(101.0)
-    first = odds.return_rate(0)
-    assert first > 0.5
-    assert [odds.return_rate(c) for c in range(1, TURN_CLASSES)] == pytest.approx([first] * (TURN_CLASSES - 1))
+    w = odds._grow
+    returned, stayed, prior = 1 + w + w * w, w**3, PRIOR_WEIGHT * w**4
+    rate0 = (returned + prior / 2) / (returned + stayed + prior)  # first turns' rate: 3 of 4
+    assert odds.return_rate(0) == pytest.approx((returned + prior * rate0) / (returned + stayed + prior))
+    assert [odds.return_rate(c) for c in range(1, TURN_CLASSES)] == pytest.approx([rate0] * (TURN_CLASSES - 1))
 
 
 def test_near_ties_keep_the_incumbent():

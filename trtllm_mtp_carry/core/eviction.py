@@ -19,10 +19,11 @@ by age bin (0, 1, 2, 4, ... seconds up to the horizon) and of deposits that did
 not return within the horizon (the idle TTL, else `DEFAULT_HORIZON_S`). The
 lowest worth leaves first; a newcomer is admitted only if it is worth more than
 every entry it would push out, so first turns, which rarely return, do not
-push out conversations that do. A weak prior (`PRIOR_WEIGHT` pseudo-deposits
-per class, half of them returning in the last age bin) decides until the
-store has seen turns: an entry's chance then does not fall with age, so
-equal entries tie and the incumbent stays (a cyclic workload larger than the
+push out conversations that do. A weak prior (`PRIOR_WEIGHT` pseudo-deposits:
+a coin flip for first turns, the class below for later turns, the class's own
+rate for an age bin with little evidence) decides until the store has seen
+turns: an entry's chance then does not fall with age, so equal entries tie
+and the incumbent stays (a cyclic workload larger than the
 store keeps a fixed set, as `incumbent` does, instead of evicting the entry
 needed next, as `lrd` does). (DECISIONS.md, issue 23, has the variants measured: the
 chance per byte-second, LHD's hit density, did worse on the trace.)
@@ -63,7 +64,8 @@ DECAY_TURNS = 4000.0
 """Resolved deposits over which a count decays by 1/e: old traffic fades, the rates follow the new."""
 
 PRIOR_WEIGHT = 1.0
-"""Pseudo-deposits per class before any data: half stay, half return at the horizon's last bin."""
+"""Pseudo-deposits at the prior's chance (a coin flip for first turns, the class below for later
+ones, the class's rate for an age bin), as heavy as the latest resolved deposit."""
 
 ADMIT_MARGIN = 1.25
 """Hysteresis of the admission test: a newcomer must be worth more than this many times each
@@ -172,22 +174,24 @@ class ReturnOdds:
     def _table(self) -> list[list[float]]:
         """[class][bin]: the chance a deposit not returned by the bin's start still returns.
 
-        Class 0 (first turns) has the prior of the module header; a later class
-        backs off to the class below it instead (`PRIOR_WEIGHT` pseudo-deposits
-        at that class's chance), so a class with few turns seen is taken to
-        return as the one before it, not as a coin flip.
+        Shrunk toward the class's own rate (`PRIOR_WEIGHT` pseudo-deposits at it)
+        where few deposits are seen at or past the bin: an age the store has seen
+        no returns and no stays at says nothing, so it counts as the class's rate,
+        not as worse. The class rate itself shrinks toward a coin flip for first
+        turns and toward the class below for later ones (a class with few turns
+        seen returns as the one before it).
         """
         if self._chance is None:
             prior = PRIOR_WEIGHT * self._weight  # as many pseudo-deposits as recent ones weigh
             table: list[list[float]] = []
-            for c, (row, stays) in enumerate(zip(self._returns, self._stays, strict=True)):
+            rate = 0.5
+            for row, stays in zip(self._returns, self._stays, strict=True):
+                total = sum(row)
+                rate = (total + prior * rate) / (total + stays + prior)  # backs off to the class below
                 later, chance = 0.0, [0.0] * len(row)
                 for b in range(len(row) - 1, -1, -1):
                     later += row[b]
-                    if c == 0:  # half return in the last bin (at or past every bin), half stay
-                        chance[b] = (later + prior / 2) / (later + stays + prior)
-                    else:  # back off to the class below
-                        chance[b] = (later + prior * table[c - 1][b]) / (later + stays + prior)
+                    chance[b] = (later + prior * rate) / (later + stays + prior)
                 table.append(chance)
             self._chance = table
         return self._chance
