@@ -17,8 +17,12 @@ from trtllm_mtp_carry.engine.engine import ReferenceEngine
 from trtllm_mtp_carry.runtime import CarryRuntime
 
 
-@pytest.mark.parametrize(("eviction", "kept"), [("incumbent", ["a", "d"]), ("lrd", ["c", "d"]),
-                                                ("slru", ["c", "d"])])
+@pytest.mark.parametrize(("eviction", "kept"), [
+    ("incumbent", ["a", "d"]),  # newest first: c, then b
+    ("returns", ["a", "d"]),  # nothing learned yet, equal worth: newest first too
+    ("lrd", ["c", "d"]),  # oldest first: a, then b
+    ("slru", ["c", "d"]),  # none adopted yet: oldest first
+])
 def test_one_grow_needing_two_victims_evicts_in_the_policy_order(eviction, kept):
     rng = random.Random(1)
     eng = ReferenceEngine.from_pretrained(policy="carry", dtype="float64", max_model_len=512, block_size=16,
