@@ -11,9 +11,9 @@ import pytest
 
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.traces.cli import DEFAULT_REPLAY_MEMORY, row_bytes_from_config
+from trtllm_mtp_carry.traces.defaults import QWEN3_NEXT_MTP_ROW_BYTES
 from trtllm_mtp_carry.traces.reader import read_trace
 from trtllm_mtp_carry.traces.replay import (
-    QWEN3_NEXT_MTP_ROW_BYTES,
     ReplayConfig,
     ServiceModel,
     clairvoyant_bound,
@@ -191,3 +191,13 @@ def test_the_default_budget_is_the_adapters():
     from trtllm_mtp_carry.trtllm.options import DEFAULT_CARRY_MEMORY
 
     assert parse_carry_memory(DEFAULT_REPLAY_MEMORY).nbytes == DEFAULT_CARRY_MEMORY
+
+
+def test_the_command_line_parses_without_loading_numpy_or_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from trtllm_mtp_carry.cli import build_parser; build_parser()\n"
+            "print([m for m in ('numpy', 'torch') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

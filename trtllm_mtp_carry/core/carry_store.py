@@ -26,11 +26,13 @@ deposit order; which one leaves first is the eviction policy's choice::
   first, oldest first, then protected ones, oldest first.
 - `returns` (the default since issue 23; core/eviction.py, DECISIONS.md has the
   trace figures): the entry with the lowest learned chance to be adopted per
-  share of the bounds it takes (bytes, slot) leaves first; a newcomer is
-  admitted only if it is worth more than every entry it would push out
-  (`not_admitted` otherwise; with a host tier the refused newcomer gets the
-  host tier's second chance, `deposit_host`). It learns from the deposits and
-  adoptions it sees.
+  share of the bounds it takes (bytes, slot) leaves first, worth within
+  `ADMIT_MARGIN` counting as equal (newest first among equals, as
+  `incumbent`); a newcomer is admitted only if it is worth more than
+  `ADMIT_MARGIN` times every entry it would push out, a returning key unless
+  one is worth more than `ADMIT_MARGIN` times it (`not_admitted` otherwise;
+  with a host tier the refused newcomer gets the host tier's second chance,
+  `deposit_host`). It learns from the deposits and adoptions it sees.
 - `incumbent` (the default before issue 23): keep what is held.
   A newcomer that does not fit is refused (`not_admitted`) instead of evicting
   anything; a returning key (one whose rows a running turn adopted, a lease,
@@ -286,8 +288,9 @@ class CarryStore:
     def victims(self) -> tuple[int, ...]:
         """Every held key in the order the policy evicts them for pool pressure (first: `victim()`).
 
-        A grow that needs several victims takes them in this order, asked once
-        (`DrafterKVPool.victims`): the store hears of the evictions only after.
+        A pool grow that needs several victims takes them in this order: it asks
+        `victim()` for each, and the store hears of each eviction (`evict`) before
+        the next is named (`DrafterKVPool.grow`).
         """
         return tuple(self._victims())
 

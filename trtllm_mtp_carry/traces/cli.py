@@ -19,7 +19,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.settings import (
     DEFAULT_CARRY_EVICTION,
@@ -28,16 +28,10 @@ from ..core.settings import (
     check_eviction_policy,
     parse_carry_memory,
 )
-from .reader import read_trace
-from .replay import (
-    QWEN3_NEXT_MTP_ROW_BYTES,
-    BoundResult,
-    PolicyResult,
-    ReplayConfig,
-    ServiceModel,
-    clairvoyant_bound,
-    replay,
-)
+from .defaults import DECODE_S_PER_TOKEN, PREFILL_TOKENS_PER_S, QWEN3_NEXT_MTP_ROW_BYTES
+
+if TYPE_CHECKING:  # the replay (numpy) loads only when the command runs
+    from .replay import BoundResult, PolicyResult
 
 DEFAULT_REPLAY_MEMORY = "1GiB"
 """The replay's default budget per worker: the TensorRT-LLM adapter's default carry_memory
@@ -143,10 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rows.add_argument("--model-config", dest="replay_model_config", metavar="PATH",
                       help="derive --row-bytes from a Hugging Face config.json (or its folder)")
     p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=_positive_float,
-                   default=ServiceModel.prefill_tokens_per_s, metavar="R",
+                   default=PREFILL_TOKENS_PER_S, metavar="R",
                    help="service model: prompt tokens prefilled per second")
     p.add_argument("--decode-s-per-token", dest="replay_decode_s", type=_non_negative_float,
-                   default=ServiceModel.decode_s_per_token, metavar="S",
+                   default=DECODE_S_PER_TOKEN, metavar="S",
                    help="service model: seconds per output token")
     p.add_argument("--host-copy-gbps", dest="replay_copy_gbps", type=_positive_float, metavar="GB/S",
                    help="host-to-device copy rate for the restore time per adopted host turn "
@@ -202,6 +196,9 @@ def report(results: list[PolicyResult], bound: BoundResult, copy_gbps: float | N
 
 
 def run(args: argparse.Namespace) -> int:
+    from .reader import read_trace
+    from .replay import ReplayConfig, ServiceModel, clairvoyant_bound, replay
+
     budget = _memory(args.replay_memory, "--carry-memory", allow_unbounded=True)
     host = _memory(args.replay_host_memory, "--carry-host-memory", allow_unbounded=False) or 0
     policies = _policies(args.replay_eviction)

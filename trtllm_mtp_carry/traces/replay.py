@@ -46,18 +46,16 @@ import numpy as np
 from ..core.carry_store import CarryStore
 from ..core.drafter import CarriedDrafter
 from ..core.outcome import NO_CARRY_REASONS
+from .defaults import DECODE_S_PER_TOKEN, PREFILL_TOKENS_PER_S, QWEN3_NEXT_MTP_ROW_BYTES
 from .reader import Trace
-
-QWEN3_NEXT_MTP_ROW_BYTES = 2 * 256 * 2 * 2
-"""Bytes of one drafter row of Qwen3-Next's MTP layer: 2 KV heads x head_dim 256 x (K, V) x bf16."""
 
 
 @dataclass(frozen=True)
 class ServiceModel:
     """When a turn finishes: prefill at `prefill_tokens_per_s`, then `decode_s_per_token` per output token."""
 
-    prefill_tokens_per_s: float = 8000.0
-    decode_s_per_token: float = 0.030
+    prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
+    decode_s_per_token: float = DECODE_S_PER_TOKEN
 
     def __post_init__(self) -> None:
         if not self.prefill_tokens_per_s > 0:
