@@ -20,7 +20,7 @@ formats are read, told apart by the first line's keys:
   first turn), `timestamp` (s), `turn`, `hash_ids` (16-token blocks);
   `input_length` (default 16 per hash id) and `output_length` (default 0) when
   present. A request's conversation is its parent's (a parent the trace does
-  not hold starts a conversation of its own).
+  not hold, or holds only on a later line, starts a conversation of its own).
 
 Invariants:
 - Requests are returned in arrival order (a stable sort of the file's order);
