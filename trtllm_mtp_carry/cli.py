@@ -66,8 +66,9 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--carry-eviction",
         choices=settings.EVICTION_POLICIES,
-        help="which carried entry gives way when the carry is full (incumbent keeps what it "
-        "holds and refuses newcomers; lrd evicts the least recently deposited; slru protects "
+        help="which carried entry gives way when the carry is full (returns keeps the entries "
+        "likeliest to be adopted per byte, learned from the turns the store sees; incumbent keeps "
+        "what it holds and refuses newcomers; lrd evicts the least recently deposited; slru protects "
         f"entries adopted before); default env {settings.ENV_CARRY_EVICTION}, else "
         f"{settings.DEFAULT_CARRY_EVICTION}",
     )
@@ -240,6 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
+    from .traces.cli import add_arguments as add_replay_arguments
+
+    replay = sub.add_parser("trace-replay",
+                            help="replay a chat trace through the carry store, per eviction policy, "
+                                 "beside a clairvoyant bound",
+                            formatter_class=DefaultsHelpFormatter)
+    add_replay_arguments(replay)
+    replay.set_defaults(func=cmd_trace_replay)
+
     from .serve.cli import add_subcommands as add_serve_subcommands
 
     add_serve_subcommands(sub)  # triton-repo, serve
@@ -254,6 +264,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.main import run
+
+    return run(args)
+
+
+def cmd_trace_replay(args: argparse.Namespace) -> int:
+    from .traces.cli import run
 
     return run(args)
 

@@ -59,7 +59,7 @@ def test_carry_slots_flag_errors_name_the_flag():
 def test_info_reports_the_carry_stores_bounds_and_their_sources():
     report = json.loads(run_cli("info", "--json").stdout)
     assert [report[k] for k in ("carry_memory", "carry_eviction", "carry_idle_s")] == [
-        "100% of the drafter pool", "incumbent", 600]
+        "100% of the drafter pool", "returns", 600]
     report = json.loads(run_cli("info", "--json", "--carry-memory", "512MiB", "--carry-eviction", "lrd",
                                 "--carry-idle-s", "0", TRTLLM_MTP_CARRY_MEMORY="1GiB").stdout)
     assert [(report[k], report[f"{k}_source"]) for k in ("carry_memory", "carry_eviction", "carry_idle_s")] == [

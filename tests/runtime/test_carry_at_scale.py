@@ -119,7 +119,7 @@ def test_the_default_budget_is_the_whole_drafter_pool(model):
     rt = CarryRuntime(eng, "carry", slots=None)
     stats = rt.stats()
     assert stats.carry_memory_bytes == eng.drafter_pool.nbytes == 256 * 1024
-    assert (stats.carry_slots, stats.eviction_policy, stats.idle_s) == (0, "incumbent", 600)
+    assert (stats.carry_slots, stats.eviction_policy, stats.idle_s) == (0, "returns", 600)
 
 
 def test_incumbent_pool_pressure_takes_the_newest_entry_and_the_live_sequence_keeps_drafting(model):

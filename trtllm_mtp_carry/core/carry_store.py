@@ -24,7 +24,16 @@ deposit order; which one leaves first is the eviction policy's choice::
   larger than the store it evicts exactly the entry needed next (0 adopted).
 - `slru`: entries adopted at least once are protected; never-adopted ones go
   first, oldest first, then protected ones, oldest first.
-- `incumbent` (the default; DECISIONS.md has the figures): keep what is held.
+- `returns` (the default since issue 23; core/eviction.py, DECISIONS.md has the
+  trace figures): the entry with the lowest learned chance to be adopted per
+  share of the bounds it takes (bytes, slot) leaves first, worth within
+  `ADMIT_MARGIN` counting as equal (newest first among equals, as
+  `incumbent`); a newcomer is admitted only if it is worth more than
+  `ADMIT_MARGIN` times every entry it would push out, a returning key unless
+  one is worth more than `ADMIT_MARGIN` times it (`not_admitted` otherwise;
+  with a host tier the refused newcomer gets the host tier's second chance,
+  `deposit_host`). It learns from the deposits and adoptions it sees.
+- `incumbent` (the default before issue 23): keep what is held.
   A newcomer that does not fit is refused (`not_admitted`) instead of evicting
   anything; a returning key (one whose rows a running turn adopted, a lease,
   or that replaces its own entry) makes room by evicting the newest entries
@@ -73,6 +82,7 @@ from typing import Protocol
 from ._checks import check_non_negative, check_u64
 from .adopt import decide_adopt
 from .drafter import CarriedDrafter
+from .eviction import ADMIT_MARGIN, ReturnOdds
 from .outcome import CarryOutcome, NoCarry
 from .settings import EVICTION_POLICIES, check_eviction_policy
 from .store_range import StoreRange
@@ -174,6 +184,8 @@ class CarryStore:
         self.host_budget_bytes = host_budget_bytes
         self.host_moves: HostMoves | None = None
         """The executor's row moves between tiers (None: bookkeeping only, as in a trace replay)."""
+        self._odds = ReturnOdds(idle_s, MISS_MEMORY) if self.policy == "returns" else None
+        """The `returns` policy's learned chances (core/eviction.py); None under other policies."""
         self._host = _HostTier(self, host_budget_bytes) if host_budget_bytes else None
         self._tier = _TierCounters()
 
@@ -273,6 +285,15 @@ class CarryStore:
         order = self._victims()
         return order[0] if order else None
 
+    def victims(self) -> tuple[int, ...]:
+        """Every held key in the order the policy evicts them for pool pressure (first: `victim()`).
+
+        A pool grow that needs several victims takes them in this order: it asks
+        `victim()` for each, and the store hears of each eviction (`evict`) before
+        the next is named (`DrafterKVPool.grow`).
+        """
+        return tuple(self._victims())
+
     # ---- changes -------------------------------------------------------------
 
     def admit(self, key: int, nbytes: int = 0, session: int | None = None,
@@ -296,11 +317,22 @@ class CarryStore:
         if self.policy == "incumbent" and not returning and not room.fits():
             self._refuse(key, "not_admitted")
             return None
+        worth = None  # `returns`: what a victim may be worth at most (the admission test)
+        if self._odds is not None:
+            cls = self._odds.deposited(key, self._clock())
+            worth = self._odds.worth(cls, 0.0, self._cost(room.alone))
+            # near ties keep the incumbent, unless the key came back (its turn is the evidence)
+            worth = worth * ADMIT_MARGIN if returning else worth / ADMIT_MARGIN
         if key in self._entries:
             room.remove(key)  # its own older rows go (`replaced`)
         if not room.fits():
-            for k in self._victims():
+            ranked = self._ranked() if self._odds is not None else None
+            order = self._victims() if ranked is None else ranked[0]
+            for i, k in enumerate(order):
                 if k != key:
+                    if worth is not None and ranked is not None and ranked[1][i] >= worth:
+                        self._refuse(key, "not_admitted")  # it would push out an entry worth more
+                        return None
                     room.remove(k)
                     if room.fits():
                         break
@@ -323,6 +355,8 @@ class CarryStore:
         check_u64("session_hash", session_hash)
         check_non_negative("nbytes", nbytes)
         evicted = []
+        if self._odds is not None:
+            self._odds.deposited(session_hash, self._clock())
         if session_hash in self._entries:
             evicted.append(self._remove(session_hash, "replaced"))
         self._drop_host(session_hash, "replaced")
@@ -382,6 +416,8 @@ class CarryStore:
         else:
             self._uncharge(held)
             self._tier.hits["device"] += 1
+        if self._odds is not None:
+            self._odds.adopted(session_hash, self._clock())
         self._leases[session_hash] = _Lease(held.nbytes, held.session, self._clock(), held.adoptions)
         if len(self._leases) > MISS_MEMORY:  # a caller that never ends its leases stays bounded
             oldest = next(iter(self._leases))
@@ -617,7 +653,27 @@ class CarryStore:
         if self.policy == "slru":
             return ([k for k, h in self._entries.items() if h.adoptions == 0]
                     + [k for k, h in self._entries.items() if h.adoptions > 0])
+        if self._odds is not None:
+            return self._ranked()[0]
         return list(reversed(self._entries))  # incumbent: the newest entry is evicted first
+
+    def _ranked(self) -> tuple[list[int], list[float]]:
+        """`returns`: held keys and their worth (core/eviction.py), lowest first, equal ones newest first."""
+        odds = self._odds
+        assert odds is not None
+        keys = list(self._entries)
+        held = self._entries.values()
+        return odds.rank(keys, [h.deposited_at for h in held], [self._cost(h.nbytes) for h in held],
+                         self._clock())
+
+    def _cost(self, nbytes: int) -> float:
+        """`returns`: the share of the store's bounds an entry of `nbytes` takes (bytes, and a slot)."""
+        cost = 0.0
+        if self.budget_bytes:
+            cost += nbytes / self.budget_bytes
+        if self.slots is not None:
+            cost += 1.0 / self.slots
+        return cost if cost > 0 else float(max(nbytes, 1))  # unbounded: per byte (it never evicts)
 
     def _room(self, nbytes: int, blocks: Sequence[int] | None) -> _Room:
         """What a deposit (`nbytes`, or its `blocks` when charged by block) needs, entry removals aside."""
@@ -792,6 +848,7 @@ class _HostTier:
 
     def __init__(self, owner: CarryStore, budget_bytes: int) -> None:
         self._tier = CarryStore(None, budget_bytes, owner.policy, None, owner._clock)
+        self._tier._odds = owner._odds  # `returns`: the host tier weighs entries by what the owner learned
         self.entries = self._tier._entries
 
     @property

@@ -54,7 +54,7 @@ DEFAULT_CARRY_SHARE = True
 Only blocks whose bytes are equal merge (within one cache salt), so it never
 changes a row any session reads; `0` turns it off (each entry its own copy)."""
 
-EVICTION_POLICIES: tuple[str, ...] = ("incumbent", "lrd", "slru")
+EVICTION_POLICIES: tuple[str, ...] = ("returns", "incumbent", "lrd", "slru")
 """Carry store eviction policies (see `carry_store.py`); the first is the default."""
 
 DEFAULT_CARRY_EVICTION = EVICTION_POLICIES[0]
@@ -389,7 +389,7 @@ def set_carry_idle_s(value: int, source: str = "set") -> bool:
 
 
 def carry_eviction() -> str:
-    """The carry store's eviction policy (runtime, else env, else `incumbent`)."""
+    """The carry store's eviction policy (runtime, else env, else `returns`)."""
     return CARRY_EVICTION.get()
 
 

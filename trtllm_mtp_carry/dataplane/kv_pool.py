@@ -12,10 +12,13 @@ its prompt still agrees with::
     0                 rows_kept           old rows            new rows
 
 Carried entries are kept least recently carried first. Live sequences always
-win: a grow the free list cannot serve evicts carried entries until it can, in
-the order `victim` names (the carry store's eviction policy; oldest first when
-unset), and reports each eviction to `on_evict`; a grow that even every carried
-block could not serve is refused and evicts nothing.
+win: a grow the free list cannot serve evicts carried entries until it can,
+one at a time, each the one `victim` names (the carry store's eviction policy;
+oldest first when unset or when it names no carried key), and reports each
+eviction to `on_evict` before it asks for the next victim, so however many
+victims one grow needs, each is the policy's first choice among what is left;
+a grow that even every carried block could not serve is refused and evicts
+nothing.
 
 Common-prefix sharing (`share_blocks`): sessions that share a prompt prefix
 (a system prompt) build the same drafter rows for it. Before a finished
@@ -221,9 +224,11 @@ class DrafterKVPool:
         self._pressure_evictions = 0
         self._merges = self._mismatches = self._cow = self._publications = 0
         self.on_evict: Callable[[int], None] | None = None
-        """Called with each carried key a grow evicted (after the pool is consistent again)."""
+        """Called with each carried key a grow evicted, right after its blocks went back (the pool is
+        consistent; the grow's own blocks are not taken yet) and before the next victim is named."""
         self.victim: Callable[[], int | None] | None = None
-        """Names the carried key a grow evicts next (None or unset: the oldest)."""
+        """Names the carried key a grow evicts next (None, unset, or a key not carried: the oldest).
+        Asked again after `on_evict` heard the previous victim."""
 
     # ---- queries -------------------------------------------------------------
 
@@ -326,8 +331,9 @@ class DrafterKVPool:
     def grow(self, seq_id: int, num_new_rows: int) -> list[int]:
         """Allocate blocks so `seq_id` can hold `num_new_rows` more rows; return the new ids.
 
-        Live sequences win: when the free list is short, carried entries are evicted,
-        least recently carried first, until it is not (`on_evict` hears each key).
+        Live sequences win: when the free list is short, carried entries are evicted
+        one at a time, each the one `victim` names (else the least recently carried),
+        until it is not; `on_evict` hears each key before the next is named.
         A shared block the new rows would start in is copied first (copy on write;
         the copy replaces it in the table and is not among the returned ids). All or nothing: PoolExhaustedError
         (pool unchanged, nothing evicted) when even every carried block would not be enough.
@@ -348,6 +354,8 @@ class DrafterKVPool:
             key = named if named in self._carried else next(iter(self._carried))
             assert key is not None
             self._release_carried(key)
+            if self.on_evict is not None:  # the store hears now, so the next victim is its next choice
+                self.on_evict(key)
             evicted.append(key)
             need = self.num_blocks_needed(seq_id, num_new_rows)  # an eviction may unshare the tail
         self._pressure_evictions += len(evicted)
@@ -360,9 +368,6 @@ class DrafterKVPool:
             else:  # this sequence alone holds it: its bytes change, so no one may find it
                 self._unpublish(state.block_table[state.rows // self.block_size])
         state.block_table.extend(new)
-        if self.on_evict is not None:
-            for key in evicted:
-                self.on_evict(key)
         return new
 
     def truncate(self, seq_id: int, rows_kept: int) -> int:

@@ -252,7 +252,7 @@ class CarryRuntime:
     `host_memory` overrides `carry_host_memory()` (the store's host tier:
     entries leaving the device budget wait in host memory, `PoolHostMoves`).
     One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
-    names their victims (`pool.victim`), and refuses a pool that already
+    names their victims (`pool.victim`, asked again after each eviction), and refuses a pool that already
     carries another runtime's entries.
     """
 

@@ -29,7 +29,7 @@ class ServeOptions:
     carry_slots: int | None = None
     carry_memory: str | None = None  # "4GiB", "512MiB" or a drafter pool fraction "0.5"
     carry_host_memory: str | None = None  # "8GiB", "512MiB", "0": the carry store's host tier
-    carry_eviction: str | None = None  # incumbent, lrd, slru
+    carry_eviction: str | None = None  # one of core.settings.EVICTION_POLICIES (returns, incumbent, lrd, slru)
     carry_idle_s: int | None = None  # 0: carried entries never expire
     carry_share: str | None = None  # on/off: carried entries share equal common-prefix blocks
     max_model_len: int | None = None

@@ -1,0 +1,259 @@
+"""`trtllm-mtp-carry trace-replay TRACE.jsonl`: the carry store on a real trace, per policy.
+
+What it is for: the figures that choose the eviction policy and the budgets
+(DECISIONS.md, BENCHMARKS.md): per policy, follow-ups adopted (by tier),
+misses by reason, evictions, refusals, peak bytes per tier, and the
+clairvoyant bound with each policy's distance to it; `--json` writes the same
+(`policies.<name>.follow_ups`, `policies.<name>.adopted`, `bound.follow_ups`,
+`bound.adopted`, ...). Torch-free.
+
+Flags never pin the process settings (the replay builds its own stores):
+their dests are `replay_*`, so `apply_settings_flags` does not see them.
+Bad input is one error line (ValueError; the CLI prints it and exits 2): a
+malformed trace line names its line number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.settings import (
+    DEFAULT_CARRY_EVICTION,
+    DEFAULT_CARRY_IDLE_S,
+    EVICTION_POLICIES,
+    check_eviction_policy,
+    parse_carry_memory,
+)
+from .defaults import DECODE_S_PER_TOKEN, PREFILL_TOKENS_PER_S, QWEN3_NEXT_MTP_ROW_BYTES
+
+if TYPE_CHECKING:  # the replay (numpy) loads only when the command runs
+    from .replay import BoundResult, PolicyResult
+
+DEFAULT_REPLAY_MEMORY = "1GiB"
+"""The replay's default budget per worker: the TensorRT-LLM adapter's default carry_memory
+(`trtllm.options.DEFAULT_CARRY_MEMORY`; the reference runtime's default is a pool fraction,
+which a replay without a pool cannot resolve)."""
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "fp8": 1}
+
+
+def row_bytes_from_config(path: str) -> int:
+    """Bytes of one drafter row from a Hugging Face `config.json`: MTP layers x 2 (K, V) x KV heads x
+    head_dim x dtype bytes (`mtp_num_hidden_layers` or `num_nextn_predict_layers`, default 1)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model-config {path}: cannot read a JSON config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model-config {path}: expected a JSON object")
+    heads = cfg.get("num_key_value_heads", cfg.get("num_attention_heads"))
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and isinstance(cfg.get("hidden_size"), int) and isinstance(
+            cfg.get("num_attention_heads"), int):
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers = cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 1))
+    dtype = cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))
+    for name, value in (("num_key_value_heads", heads), ("head_dim", head_dim),
+                        ("mtp_num_hidden_layers", layers)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"--model-config {path}: {name} must be a positive int, got {value!r}")
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"--model-config {path}: torch_dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+    assert isinstance(heads, int) and isinstance(head_dim, int) and isinstance(layers, int)
+    return layers * 2 * heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+def _memory(text: str, flag: str, allow_unbounded: bool) -> int | None:
+    if allow_unbounded and text.strip().lower() in ("unbounded", "none"):
+        return None
+    mem = parse_carry_memory(text, what=flag)
+    if mem.nbytes is None:
+        raise ValueError(f"{flag}={text!r}: a replay has no drafter pool to take a fraction of; "
+                         "give bytes with a unit (1GiB, 512MiB)")
+    return mem.nbytes
+
+
+def _policies(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"--carry-eviction {text!r} names no policy; expected some of {', '.join(EVICTION_POLICIES)}")
+    return list(dict.fromkeys(check_eviction_policy(n, "--carry-eviction") for n in names))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `trace-replay` arguments (dests `replay_*`: they pin no process setting)."""
+    from ..argtypes import non_negative_int, positive_int
+
+    p.add_argument("trace", metavar="TRACE.jsonl",
+                   help="a mooncake trace (timestamp ms, input_length, output_length, hash_ids) or one with "
+                        "conversation ids (chat_id, parent_chat_id, timestamp s, turn, hash_ids); "
+                        "the format is read from the first line")
+    p.add_argument("--workers", dest="replay_workers", type=positive_int, default=1, metavar="N",
+                   help="session-affine workers (a hash of the conversation), each with its own store; "
+                        "figures are summed")
+    p.add_argument("--carry-memory", dest="replay_memory", default=DEFAULT_REPLAY_MEMORY, metavar="SIZE",
+                   help="device budget per worker (bytes with a unit, or 'unbounded'); "
+                        "default the TensorRT-LLM adapter's")
+    p.add_argument("--carry-host-memory", dest="replay_host_memory", default="0B", metavar="SIZE",
+                   help="host tier budget per worker (0B: no host tier)")
+    p.add_argument("--carry-eviction", dest="replay_eviction", default=DEFAULT_CARRY_EVICTION,
+                   metavar="POLICY[,POLICY...]",
+                   help=f"one policy or a comma list of {', '.join(EVICTION_POLICIES)}; "
+                        "default the package default")
+    p.add_argument("--carry-idle-s", dest="replay_idle_s", type=non_negative_int,
+                   default=DEFAULT_CARRY_IDLE_S, metavar="S",
+                   help="idle time-to-live of an entry in seconds (0: never)")
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--row-bytes", dest="replay_row_bytes", type=positive_int, metavar="N",
+                      help=f"bytes of one drafter row (default {QWEN3_NEXT_MTP_ROW_BYTES}: Qwen3-Next's MTP "
+                           "layer, 2 KV heads x 256 x K and V x bf16)")
+    rows.add_argument("--model-config", dest="replay_model_config", metavar="PATH",
+                      help="derive --row-bytes from a Hugging Face config.json (or its folder)")
+    p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=_positive_float,
+                   default=PREFILL_TOKENS_PER_S, metavar="R",
+                   help="service model: prompt tokens prefilled per second")
+    p.add_argument("--decode-s-per-token", dest="replay_decode_s", type=_non_negative_float,
+                   default=DECODE_S_PER_TOKEN, metavar="S",
+                   help="service model: seconds per output token")
+    p.add_argument("--host-copy-gbps", dest="replay_copy_gbps", type=_positive_float, metavar="GB/S",
+                   help="host-to-device copy rate for the restore time per adopted host turn "
+                        "(default: measured here, memory to memory)")
+    p.add_argument("--json", dest="replay_json", metavar="PATH", help="also write the figures as JSON")
+
+
+def measure_copy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Memory-to-memory copy rate of this machine, GB/s (median of `repeats` copies of `nbytes`)."""
+    src = bytearray(nbytes)
+    dst = bytearray(nbytes)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst[:] = src
+        rates.append(nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9)
+    return sorted(rates)[len(rates) // 2]
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "unbounded"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f}".rstrip("0").rstrip(".") + unit
+    return f"{n}B"
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{100 * a / b:.1f}%" if b else "-"
+
+
+def report(results: list[PolicyResult], bound: BoundResult, copy_gbps: float | None) -> dict[str, Any]:
+    """The JSON figures (module header)."""
+    out: dict[str, Any] = {"policies": {}, "bound": {
+        "follow_ups": bound.follow_ups, "adopted": bound.adopted,
+        "adopted_fraction": round(bound.adopted_fraction, 6)}}
+    for r in results:
+        host_hits = r.adopted_by_tier["host"]
+        restore_ms = (r.bytes_restored / (copy_gbps * 1e9) * 1e3 / host_hits
+                      if host_hits and copy_gbps else 0.0)
+        out["policies"][r.policy] = {
+            "follow_ups": r.follow_ups, "adopted": r.adopted,
+            "adopted_fraction": round(r.adopted_fraction, 6),
+            "adopted_by_tier": r.adopted_by_tier,
+            "distance_to_bound": bound.adopted - r.adopted,
+            "misses": r.misses, "evictions": r.evictions, "refusals": r.refusals,
+            "deposits": r.deposits, "peak_bytes": r.peak_bytes,
+            "demotions": r.demotions, "bytes_restored": r.bytes_restored,
+            "restore_ms_per_host_hit": round(restore_ms, 4),
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from .reader import read_trace
+    from .replay import ReplayConfig, ServiceModel, clairvoyant_bound, replay
+
+    budget = _memory(args.replay_memory, "--carry-memory", allow_unbounded=True)
+    host = _memory(args.replay_host_memory, "--carry-host-memory", allow_unbounded=False) or 0
+    policies = _policies(args.replay_eviction)
+    row_bytes = (row_bytes_from_config(args.replay_model_config) if args.replay_model_config
+                 else args.replay_row_bytes or QWEN3_NEXT_MTP_ROW_BYTES)
+    if args.replay_json:
+        from ..bench.options import output_path
+
+        output_path(args.replay_json, "--json")
+    config = ReplayConfig(budget, args.replay_workers, host, float(args.replay_idle_s) or None, row_bytes,
+                          ServiceModel(args.replay_prefill_rate, args.replay_decode_s))
+    t0 = time.perf_counter()
+    trace = read_trace(args.trace)
+    t_read = time.perf_counter() - t0
+    bound = clairvoyant_bound(trace, config)
+    results = []
+    for name in policies:
+        results.append(replay(trace, name, config))
+    t_all = time.perf_counter() - t0
+    copy_gbps = args.replay_copy_gbps or (measure_copy_gbps() if host else None)
+    print(f"trace {args.trace} ({trace.format}): {len(trace)} requests, {trace.conversations} conversations, "
+          f"{trace.follow_ups} follow-up turns")
+    print(f"{config.workers} worker(s), each: carry memory {_fmt_bytes(budget)}, host {_fmt_bytes(host)}, "
+          f"idle TTL {args.replay_idle_s or 'never'} s; {row_bytes} B a row; service "
+          f"{config.service.prefill_tokens_per_s:g} prompt tokens/s + {config.service.decode_s_per_token:g} s "
+          f"an output token")
+    print(f"clairvoyant bound: {bound.adopted} of {bound.follow_ups} follow-ups adopted "
+          f"({_pct(bound.adopted, bound.follow_ups)})")
+    width = max(len(r.policy) for r in results)
+    for r in results:
+        tiers = r.adopted_by_tier
+        print(f"{r.policy:<{width}}  adopted {r.adopted} ({_pct(r.adopted, r.follow_ups)}; device "
+              f"{tiers['device']}, host {tiers['host']}), {bound.adopted - r.adopted} below the bound; "
+              f"peak device {_fmt_bytes(r.peak_bytes['device'])}, host {_fmt_bytes(r.peak_bytes['host'])}")
+        misses = ", ".join(f"{k} {v}" for k, v in r.misses.items()) or "none"
+        evictions = ", ".join(f"{k} {v}" for k, v in r.evictions.items() if v) or "none"
+        refusals = ", ".join(f"{k} {v}" for k, v in r.refusals.items() if v) or "none"
+        print(f"{'':<{width}}  misses: {misses}; evictions: {evictions}; refused: {refusals}")
+        if tiers["host"] and copy_gbps:
+            per = r.bytes_restored / (copy_gbps * 1e9) * 1e3 / tiers["host"]
+            print(f"{'':<{width}}  restore: {_fmt_bytes(r.bytes_restored)} back from host, {per:.2f} ms per "
+                  f"adopted host turn at {copy_gbps:.1f} GB/s"
+                  f"{' (given)' if args.replay_copy_gbps else ' (measured here, memory to memory)'}")
+    print(f"replayed in {t_all:.1f} s (reading the trace {t_read:.1f} s)")
+    if args.replay_json:
+        out = report(results, bound, copy_gbps)
+        out["trace"] = {"path": str(args.trace), "format": trace.format, "requests": len(trace),
+                        "conversations": trace.conversations, "follow_ups": trace.follow_ups}
+        out["config"] = {"workers": config.workers, "carry_memory_bytes": budget, "host_memory_bytes": host,
+                         "idle_s": args.replay_idle_s, "row_bytes": row_bytes,
+                         "prefill_tokens_per_s": config.service.prefill_tokens_per_s,
+                         "decode_s_per_token": config.service.decode_s_per_token,
+                         "host_copy_gbps": copy_gbps}
+        Path(args.replay_json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+__all__ = ["DEFAULT_REPLAY_MEMORY", "add_arguments", "measure_copy_gbps", "report", "row_bytes_from_config", "run"]

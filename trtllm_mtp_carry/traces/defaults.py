@@ -1,0 +1,15 @@
+"""The trace replay's model defaults (numpy-free, so the command line can show them without loading
+the replay)."""
+
+from __future__ import annotations
+
+QWEN3_NEXT_MTP_ROW_BYTES = 2 * 256 * 2 * 2
+"""Bytes of one drafter row of Qwen3-Next's MTP layer: 2 KV heads x head_dim 256 x (K, V) x bf16."""
+
+PREFILL_TOKENS_PER_S = 8000.0
+"""Service model: prompt tokens prefilled per second."""
+
+DECODE_S_PER_TOKEN = 0.030
+"""Service model: seconds per output token."""
+
+__all__ = ["DECODE_S_PER_TOKEN", "PREFILL_TOKENS_PER_S", "QWEN3_NEXT_MTP_ROW_BYTES"]
