@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from .core.settings import parse_carry_host_memory, parse_carry_memory
+
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an int >= `minimum`; the error quotes the offending text or value."""
@@ -31,29 +33,21 @@ non_negative_int = int_at_least(0)
 positive_int = int_at_least(1)
 
 
-def carry_memory_size(text: str) -> str:
-    """An argparse type: a carry budget (`4GiB`, `512MiB`, or a pool fraction like `0.5`).
-
-    Returns the text (the setter parses it again); the error names the value.
-    """
-    from .core.settings import parse_carry_memory
-
+def _budget(text: str, parse: Callable[..., object]) -> str:
+    """Check `text` with the settings parser `parse` and return it (the setter parses it
+    again); the argparse error names the value."""
     try:
-        parse_carry_memory(text, what="")
+        parse(text, what="")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def carry_memory_size(text: str) -> str:
+    """An argparse type: a carry budget (`4GiB`, `512MiB`, or a pool fraction like `0.5`)."""
+    return _budget(text, parse_carry_memory)
 
 
 def carry_host_memory_size(text: str) -> str:
-    """An argparse type: a host tier budget (`8GiB`, `512MiB`, or 0 for none).
-
-    Returns the text (the setter parses it again); the error names the value.
-    """
-    from .core.settings import parse_carry_host_memory
-
-    try:
-        parse_carry_host_memory(text, what="")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    """An argparse type: a host tier budget (`8GiB`, `512MiB`, or 0 for none)."""
+    return _budget(text, parse_carry_host_memory)

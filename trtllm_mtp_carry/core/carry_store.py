@@ -393,12 +393,7 @@ class CarryStore:
                                    0 if lease is None else lease.adoptions + 1)
         self._charge(entry, nbytes)
         self._tier.peak_device = max(self._tier.peak_device, self._bytes)
-        self._misses.pop(key, None)
-        self._last_key[owner] = key
-        self._last_key.move_to_end(owner)
-        if len(self._last_key) > MISS_MEMORY:
-            self._last_key.popitem(last=False)
-        self.deposits += 1
+        self._note_deposit(key, owner)
 
     def take(self, session_hash: int) -> CarriedDrafter:
         """Remove and return `session_hash`'s entry for adoption; RuntimeError if it has none.
@@ -533,12 +528,7 @@ class CarryStore:
             self._drop_host(k, host.room_cause)
         lease = self._leases.pop(key, None)
         host.insert(key, _Held(entry, nbytes, owner, self._clock(), 0 if lease is None else lease.adoptions + 1))
-        self._misses.pop(key, None)
-        self._last_key[owner] = key
-        self._last_key.move_to_end(owner)
-        if len(self._last_key) > MISS_MEMORY:
-            self._last_key.popitem(last=False)
-        self.deposits += 1
+        self._note_deposit(key, owner)
         self._tier.host_deposits += 1
         self._tier.bytes_demoted += nbytes
         self._tier.peak_host = max(self._tier.peak_host, host.nbytes)
@@ -706,6 +696,16 @@ class CarryStore:
         if self.slots is not None and len(self._entries) + 1 > self.slots:
             return "capacity"
         return "memory"
+
+    def _note_deposit(self, key: int, owner: int) -> None:
+        """A deposit of `owner`'s rows under `key` entered a tier: its miss reason is
+        void and `key` is the owner's newest key."""
+        self._misses.pop(key, None)
+        self._last_key[owner] = key
+        self._last_key.move_to_end(owner)
+        if len(self._last_key) > MISS_MEMORY:
+            self._last_key.popitem(last=False)
+        self.deposits += 1
 
     def _refuse(self, key: int, cause: str) -> None:
         self._refusals[cause] += 1
