@@ -225,3 +225,15 @@ def test_the_install_command_writes_the_pth_line(tmp_path: Path) -> None:
     assert worker.main(["install", str(tmp_path)]) == 0
     assert (tmp_path / worker.PTH_NAME).read_text() == worker.PTH_LINE
     assert worker.main(["bogus"]) == 2
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["bogus"], "trtllm-mtp-carry: error: got 'bogus'; usage: python -m trtllm_mtp_carry.trtllm.worker install "
+                "[SITE_DIR]"),
+    ([], "trtllm-mtp-carry: error: no command given; usage: python -m trtllm_mtp_carry.trtllm.worker install "
+         "[SITE_DIR]"),
+    (["install", "/nonexistent/site"], "trtllm-mtp-carry: error: SITE_DIR '/nonexistent/site' is not a directory"),
+])
+def test_a_bad_install_command_is_one_error_line(argv: list[str], line: str, capsys) -> None:
+    assert worker.main(argv) == 2
+    assert capsys.readouterr().err == line + "\n"

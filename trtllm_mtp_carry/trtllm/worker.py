@@ -217,9 +217,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m trtllm_mtp_carry.trtllm.worker install [SITE_DIR]`: write the `.pth` line."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] != "install" or len(args) > 2:
-        print("usage: python -m trtllm_mtp_carry.trtllm.worker install [SITE_DIR]", file=sys.stderr)
+        got = f"got {' '.join(args)!r}" if args else "no command given"
+        print(f"trtllm-mtp-carry: error: {got}; usage: python -m trtllm_mtp_carry.trtllm.worker install "
+              "[SITE_DIR]", file=sys.stderr)
         return 2
-    path = install_pth(args[1] if len(args) == 2 else None)
+    site_dir = args[1] if len(args) == 2 else None
+    if site_dir is not None and not Path(site_dir).is_dir():
+        print(f"trtllm-mtp-carry: error: SITE_DIR {site_dir!r} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        path = install_pth(site_dir)
+    except OSError as exc:
+        print(f"trtllm-mtp-carry: error: cannot write {PTH_NAME} ({exc.strerror}: {exc.filename})",
+              file=sys.stderr)
+        return 2
     print(f"wrote {path}: TensorRT-LLM workers started with {ENV} set install the carry")
     return 0
 
