@@ -22,6 +22,8 @@ def test_defaults_and_valid_values_parse_exactly() -> None:
     assert opts == CarryOptions(False, 4, 512 << 20)
     assert parse_carry_options({"carry_memory": 1000}).carry_memory == 1000
     assert parse_carry_options({"carry_memory": "2GB"}).carry_memory == 2_000_000_000
+    assert parse_carry_options(None).stats_every == 0
+    assert parse_carry_options({"stats_every": 500}).stats_every == 500
 
 
 @pytest.mark.parametrize(("section", "named"), [
@@ -33,6 +35,8 @@ def test_defaults_and_valid_values_parse_exactly() -> None:
     ({"carry_memory": -1}, "mtp_carry.carry_memory must be >= 0, got -1"),
     ({"carry_memory": "1.5GiB"}, "mtp_carry.carry_memory: '1.5GiB' is not a size"),
     ({"carry_memory": "12 parsecs"}, "mtp_carry.carry_memory: '12 parsecs' is not a size"),
+    ({"stats_every": -1}, "mtp_carry.stats_every must be >= 0, got -1"),
+    ({"stats_every": "often"}, "mtp_carry.stats_every must be an int >= 0, got 'often'"),
     ([1, 2], "mtp_carry must be a mapping"),
 ])
 def test_every_bad_key_or_value_is_one_line_naming_it(section: object, named: str) -> None:

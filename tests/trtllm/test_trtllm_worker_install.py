@@ -237,3 +237,27 @@ def test_the_install_command_writes_the_pth_line(tmp_path: Path) -> None:
 def test_a_bad_install_command_is_one_error_line(argv: list[str], line: str, capsys) -> None:
     assert worker.main(argv) == 2
     assert capsys.readouterr().err == line + "\n"
+
+
+def test_stats_every_prints_the_worker_carrys_counters_every_n_freed_requests_and_at_shutdown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a worker-installed carry has no stats() the parent can call: these lines are how it shows
+    config = tmp_path / "carry.yaml"
+    config.write_text("mtp_carry: {carry_slots: 8, stats_every: 2}\n")
+    monkeypatch.setenv(worker.ENV, str(config))
+    llm = StandinLLM(model(), chunk_size=32, max_batch=2, num_pages=512)
+    before = len(worker.messages())
+    conv = [ConversationParams(conversation_id=f"s{i}") for i in range(2)]
+    first = [llm.generate_async(user_tokens(100 * i, 96), 4, conversation_params=c) for i, c in enumerate(conv)]
+    llm.run_until_done()
+    second = [llm.generate_async(r.get_tokens(0) + user_tokens(7 + i, 32), 4, conversation_params=c)
+              for i, (r, c) in enumerate(zip(first, conv, strict=True))]
+    llm.run_until_done()
+    manager = _manager(llm)
+    lines = worker.messages()[before:]
+    assert [line.split(":")[1] for line in lines] == [" after 2 freed requests", " after 4 freed requests"]
+    assert lines[1] == manager.stats_line()
+    assert lines[1].startswith("mtp carry: after 4 freed requests: turns cold 2, warm 2; outcomes: adopted 2; ")
+    assert all(r.is_finished for r in second)
+    manager.shutdown()
+    assert worker.messages()[-1].startswith("mtp carry: after 4 freed requests: turns cold 2, warm 2")

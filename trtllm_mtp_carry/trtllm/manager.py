@@ -55,6 +55,7 @@ import logging
 import threading
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +102,8 @@ class _Live:
 class CarryManagerCore:
     """The carry's resource-manager logic over one draft KV manager's MTP layer (see module doc)."""
 
-    def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions) -> None:
+    def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions,
+                 report: Callable[[str], None] | None = None) -> None:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
@@ -119,6 +121,8 @@ class CarryManagerCore:
         self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
         self.rows_scattered = 0
         self.rows_deposited = 0
+        self._freed = 0  # requests freed, for `options.stats_every`
+        self._report = report or (lambda line: logger.info("%s", line))
         self._lock = threading.RLock()
 
     # ---- BaseResourceManager protocol (resource_manager.py) --------------------------
@@ -136,6 +140,8 @@ class CarryManagerCore:
         return None
 
     def shutdown(self) -> None:
+        if self.options.stats_every:
+            self._report(self.stats_line())
         self.carried.clear()
 
     def prepare_resources(self, scheduled_batch: Any) -> None:
@@ -186,6 +192,12 @@ class CarryManagerCore:
             ended = live is not None and live.forgotten
         if not deposited and live is not None and live.key is not None and not ended:
             self.carried.end_lease(live.key)  # rows it adopted are gone with its pages
+        every = self.options.stats_every
+        with self._lock:
+            self._freed += 1
+            due = bool(every) and self._freed % every == 0
+        if due:
+            self._report(self.stats_line())
 
     def forget_conversation(self, conversation_id: str, lora_id: int | None = None) -> int:
         """Drop the carried rows of conversation `conversation_id` (under every salt): its
@@ -272,6 +284,25 @@ class CarryManagerCore:
                 "live_requests": len(self._live),
                 **self.carried.stats(),
             }
+
+    def stats_line(self) -> str:
+        """`stats()` as one line (zero counters left out): what `stats_every` prints."""
+        s = self.stats()
+
+        def nonzero(d: object) -> str:
+            assert isinstance(d, dict)
+            return ", ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
+
+        turns = s["turns"]
+        assert isinstance(turns, dict)
+        with self._lock:
+            freed = self._freed
+        return (f"mtp carry: after {freed} freed requests: turns cold {turns['cold']}, warm {turns['warm']}; "
+                f"outcomes: {nonzero(s['outcomes'])}; skipped: {nonzero(s['skipped'])}; "
+                f"errors: {nonzero(s['errors'])}; rows scattered {s['rows_scattered']}, deposited "
+                f"{s['rows_deposited']}; held {s['entries']} entries, {s['bytes_held']} bytes "
+                f"(host {s['host_entries']} entries, {s['host_bytes_held']} bytes); "
+                f"evictions: {nonzero(s['evictions'])}")
 
     # ---- steps -------------------------------------------------------------------------
 

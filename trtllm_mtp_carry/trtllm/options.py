@@ -71,13 +71,16 @@ class CarryOptions:
     memory (pinned on a discrete GPU; on GB10's unified memory, system memory outside
     TensorRT-LLM's KV pool) where entries leaving `carry_memory` wait for their
     session (0: none; None: the process setting `carry_host_memory()`, env
-    `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0).
+    `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0); `stats_every`: every this many freed
+    requests, and at shutdown, the carry prints one line of its counters (0: never),
+    the way to see what a carry installed in a worker process does.
     """
 
     enable: bool = True
     carry_slots: int | None = None
     carry_memory: int = DEFAULT_CARRY_MEMORY
     carry_host_memory: int | None = None
+    stats_every: int = 0
 
     def __post_init__(self) -> None:
         _check_bool("enable", self.enable)
@@ -86,6 +89,7 @@ class CarryOptions:
         _check_int("carry_memory", self.carry_memory, minimum=0)
         if self.carry_host_memory is not None:
             _check_int("carry_host_memory", self.carry_host_memory, minimum=0)
+        _check_int("stats_every", self.stats_every, minimum=0)
 
 
 def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
@@ -93,7 +97,7 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
 
     Keys: `enable` (bool), `carry_slots` (int >= 1, or null for `carry_slots()`), `carry_memory` (bytes as an
     int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused), `carry_host_memory`
-    (bytes like `carry_memory`, or null for `carry_host_memory()`).
+    (bytes like `carry_memory`, or null for `carry_host_memory()`), `stats_every` (int >= 0).
     An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
     naming `mtp_carry.<key>`.
     """
@@ -103,12 +107,13 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
         return mapping
     if not isinstance(mapping, Mapping):
         raise TrtllmAdapterError(
-            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory, got {mapping!r}")
-    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory"}
+            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory/stats_every, "
+            f"got {mapping!r}")
+    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory", "stats_every"}
     for key in mapping:
         if key not in fields:
             raise TrtllmAdapterError(
-                f"{SECTION}.{key}: unknown key (known: carry_host_memory, carry_memory, carry_slots, enable)")
+                f"{SECTION}.{key}: unknown key (known: {', '.join(sorted(fields))})")
     values: dict[str, Any] = dict(mapping)
     if "carry_memory" in values:
         values["carry_memory"] = parse_size("carry_memory", values["carry_memory"])

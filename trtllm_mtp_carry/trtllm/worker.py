@@ -150,7 +150,7 @@ def _install(resources: Any, standin: bool) -> None:
             return
         assert probe.draft is not None and probe.mtp_layer is not None
         base = _base_resource_manager(probe.draft)
-        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, options)
+        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, options, report=_say)
         resources[CARRY_MANAGER_KEY] = manager  # where extra_resource_managers go
         _say(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
              f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "
