@@ -2,9 +2,9 @@
 honest miss reasons and the salt's scope."""
 
 import pytest
+from store_helpers import Clock, deposit, keys, zeros
 
 from trtllm_mtp_carry import (
-    EVICTION_CAUSES,
     NO_CARRY_REASONS,
     CarriedDrafter,
     CarryOutcome,
@@ -13,34 +13,6 @@ from trtllm_mtp_carry import (
     carry_key,
     session_hash,
 )
-
-
-def entry(key, rows=3):
-    return CarriedDrafter((0,), rows, rows - 1, list(range(100, 100 + rows + 1)), key)
-
-
-def deposit(store, key, nbytes=10, session=None, rows=3):
-    evicted = store.admit(key, nbytes, session)
-    if evicted is None:
-        return None
-    store.put(entry(key, rows), nbytes, session)
-    return [e.session_hash for e in evicted]
-
-
-def keys(store):
-    return [e.session_hash for e in store.entries()]
-
-
-def zeros(**counts):
-    return {cause: counts.get(cause, 0) for cause in EVICTION_CAUSES}
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_lrd_budget_evicts_oldest_as_memory_and_counts_bytes():

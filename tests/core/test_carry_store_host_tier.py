@@ -3,9 +3,9 @@ demoted, obey their own budget and the policy's victim order, come back on take,
 move and leave is counted per tier."""
 
 import pytest
+from store_helpers import Clock, deposit, entry, keys, zeros
 
 from trtllm_mtp_carry import (
-    EVICTION_CAUSES,
     CarriedDrafter,
     CarryStore,
     StoreRange,
@@ -13,28 +13,8 @@ from trtllm_mtp_carry import (
 from trtllm_mtp_carry.core.outcome import Adopted
 
 
-def entry(key, rows=3, blocks=(0,)):
-    return CarriedDrafter(blocks, rows, rows - 1, list(range(100, 100 + rows + 1)), key)
-
-
-def deposit(store, key, nbytes=10, session=None, rows=3):
-    evicted = store.admit(key, nbytes, session)
-    if evicted is None:
-        return None
-    store.put(entry(key, rows), nbytes, session)
-    return [e.session_hash for e in evicted]
-
-
-def keys(store):
-    return [e.session_hash for e in store.entries()]
-
-
 def host_keys(store):
     return [e.session_hash for e in store.host_entries]
-
-
-def zeros(**counts):
-    return {cause: counts.get(cause, 0) for cause in EVICTION_CAUSES}
 
 
 class Moves:
@@ -57,14 +37,6 @@ class Moves:
 
     def drop(self, e):
         self.calls.append(("drop", e.session_hash))
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_without_a_host_tier_memory_evictions_are_unchanged_and_tier_counters_stay_zero():

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from store_helpers import Clock
 
 from trtllm_mtp_carry import CarriedDrafter, CarryStore
 from trtllm_mtp_carry.core.eviction import PRIOR_WEIGHT, TURN_CLASSES, ReturnOdds, age_edges
 from trtllm_mtp_carry.core.settings import DEFAULT_CARRY_EVICTION, EVICTION_POLICIES
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def entry(key: int) -> CarriedDrafter:
@@ -87,7 +80,7 @@ def test_ghost_list_and_pending_are_bounded():
 
 
 def test_a_first_turn_is_refused_rather_than_pushing_out_a_conversation_that_returns():
-    clock = Clock()
+    clock = Clock(0.0)
     store = CarryStore(None, 100, "returns", 600, clock)
     for t in range(20):  # key 1 comes back every 10 s; first turns of others never do
         clock.now = 10.0 * t
@@ -112,7 +105,7 @@ def test_a_cyclic_workload_larger_than_the_store_keeps_a_fixed_set():
     backs off to the first turns' chance, and near ties keep the incumbent)."""
 
     def run(policy: str) -> int:
-        clock = Clock()
+        clock = Clock(0.0)
         store = CarryStore(16, None, policy, 600, clock)
         hits = 0
         inflight: list[tuple[int, int]] = []
@@ -135,7 +128,7 @@ def test_a_cyclic_workload_larger_than_the_store_keeps_a_fixed_set():
 
 
 def test_pool_pressure_victims_are_the_lowest_worth_first():
-    clock = Clock()
+    clock = Clock(0.0)
     store = CarryStore(None, None, "returns", 600, clock)
     for key, nbytes in ((1, 10), (2, 40), (3, 20)):  # no returns seen: equal chance, so by size
         deposit(store, key, nbytes)
@@ -144,7 +137,7 @@ def test_pool_pressure_victims_are_the_lowest_worth_first():
 
 
 def test_equal_worth_evicts_the_newest_first():
-    clock = Clock()
+    clock = Clock(0.0)
     store = CarryStore(None, None, "returns", 600, clock)
     for key in (1, 2, 3):
         deposit(store, key, 10)
@@ -152,7 +145,7 @@ def test_equal_worth_evicts_the_newest_first():
 
 
 def test_the_host_tier_ranks_by_what_the_device_tier_learned():
-    clock = Clock()
+    clock = Clock(0.0)
     store = CarryStore(None, 10, "returns", 600, clock, host_budget_bytes=20)
     assert store._host is not None and store._host._tier._odds is store._odds
     assert deposit(store, 1, 10) == []
@@ -178,7 +171,7 @@ def test_a_later_class_with_no_turns_seen_backs_off_to_the_class_below():
 
 
 def test_near_ties_keep_the_incumbent():
-    clock = Clock()
+    clock = Clock(0.0)
     store = CarryStore(None, 100, "returns", 600, clock)
     assert deposit(store, 1, 50) == [] and deposit(store, 2, 50) == []
     assert deposit(store, 3, 48) is None  # 4% smaller is not worth a swap (ADMIT_MARGIN)
