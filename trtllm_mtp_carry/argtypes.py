@@ -33,6 +33,27 @@ non_negative_int = int_at_least(0)
 positive_int = int_at_least(1)
 
 
+def finite_float(*, positive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float > 0 (`positive`) or >= 0; the error quotes the text."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value == float("inf") or not (value > 0 if positive else value >= 0):
+            raise argparse.ArgumentTypeError(
+                f"must be a {'positive' if positive else 'non-negative'} number, got {text}")
+        return value
+
+    parse.__name__ = "positive_float" if positive else "non_negative_float"
+    return parse
+
+
+positive_float = finite_float(positive=True)
+non_negative_float = finite_float(positive=False)
+
+
 def _budget(text: str, parse: Callable[..., object]) -> str:
     """Check `text` with the settings parser `parse` and return it (the setter parses it
     again); the argparse error names the value."""

@@ -87,29 +87,9 @@ def _policies(text: str) -> list[str]:
     return list(dict.fromkeys(check_eviction_policy(n, "--carry-eviction") for n in names))
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `trace-replay` arguments (dests `replay_*`: they pin no process setting)."""
-    from ..argtypes import non_negative_int, positive_int
+    from ..argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 
     p.add_argument("trace", metavar="TRACE.jsonl",
                    help="a mooncake trace (timestamp ms, input_length, output_length, hash_ids) or one with "
@@ -136,13 +116,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "layer, 2 KV heads x 256 x K and V x bf16)")
     rows.add_argument("--model-config", dest="replay_model_config", metavar="PATH",
                       help="derive --row-bytes from a Hugging Face config.json (or its folder)")
-    p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=_positive_float,
+    p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=positive_float,
                    default=PREFILL_TOKENS_PER_S, metavar="R",
                    help="service model: prompt tokens prefilled per second")
-    p.add_argument("--decode-s-per-token", dest="replay_decode_s", type=_non_negative_float,
+    p.add_argument("--decode-s-per-token", dest="replay_decode_s", type=non_negative_float,
                    default=DECODE_S_PER_TOKEN, metavar="S",
                    help="service model: seconds per output token")
-    p.add_argument("--host-copy-gbps", dest="replay_copy_gbps", type=_positive_float, metavar="GB/S",
+    p.add_argument("--host-copy-gbps", dest="replay_copy_gbps", type=positive_float, metavar="GB/S",
                    help="host-to-device copy rate for the restore time per adopted host turn "
                         "(default: measured here, memory to memory)")
     p.add_argument("--json", dest="replay_json", metavar="PATH", help="also write the figures as JSON")
