@@ -2,8 +2,11 @@
 
 import json
 
+import pytest
 from test_cli import run_cli
 from test_settings import run_py
+
+from trtllm_mtp_carry.core.settings import parse_carry_host_memory
 
 
 def test_carry_host_memory_defaults_to_no_host_tier_and_env_or_setter_pins_it():
@@ -42,8 +45,27 @@ def test_a_malformed_carry_host_memory_is_one_error_naming_it():
     assert out.returncode == 2
     assert out.stderr.strip() == (
         "trtllm-mtp-carry: error: environment variable TRTLLM_MTP_CARRY_HOST_MEMORY='lots' is not a size: "
-        "use bytes with a unit (4GiB, 512MiB, 1000000B) or a fraction of the drafter pool in [0, 1] (0.5)")
+        "use bytes with a unit (8GiB, 512MiB, 1000000B), or 0 for no host tier")
     out = run_py("import trtllm_mtp_carry as t; t.set_carry_host_memory(-1)")
     assert "ValueError: carry_host_memory must be" in out.stderr
     out = run_py("import trtllm_mtp_carry as t; t.set_carry_host_memory(True)")
-    assert "TypeError: carry_host_memory must be a str like '4GiB' or '0.5', got True" in out.stderr
+    assert "TypeError: carry_host_memory must be a str like '8GiB' or an int of bytes, got True" in out.stderr
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("2", "carry_host_memory='2': host memory is bytes with a unit (8GiB, 512MiB), or 0 for no host tier; "
+          "it is no fraction of the drafter pool"),
+    (0.25, "carry_host_memory=0.25: host memory is bytes with a unit (8GiB, 512MiB), or 0 for no host tier; "
+           "it is no fraction of the drafter pool"),
+    ("8 parsecs", "carry_host_memory='8 parsecs' is not a size: use bytes with a unit (8GiB, 512MiB, "
+                  "1000000B), or 0 for no host tier"),
+])
+def test_a_host_budget_error_never_offers_a_fraction(text: object, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        parse_carry_host_memory(text)
+    assert str(exc.value) == message
+
+
+def test_host_budgets_parse_to_bytes() -> None:
+    assert [parse_carry_host_memory(v) for v in ("8GiB", "512MiB", 1000, 0, "0", 0.0)] == [
+        8 << 30, 512 << 20, 1000, 0, 0, 0]

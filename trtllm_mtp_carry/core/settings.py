@@ -207,17 +207,38 @@ def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
     ValueError naming `what` and the value otherwise (a bare number above 1 is
     refused: bytes need a unit, so `2` can never be read as two bytes by mistake).
     """
+    return _parse_memory(text, what, fractions=True)
+
+
+def parse_carry_host_memory(text: object, what: str = "carry_host_memory") -> int:
+    """`text` as a host tier budget in bytes: bytes with a unit (`8GiB`, `512MiB`), an int
+    of bytes, or `0` (no host tier). ValueError/TypeError naming `what` and the value
+    otherwise (a fraction is refused: host memory is no fraction of the drafter pool).
+    """
+    memory = _parse_memory(text, what, fractions=False)
+    assert memory.nbytes is not None or memory.fraction == 0.0
+    return memory.nbytes or 0
+
+
+def _parse_memory(text: object, what: str, fractions: bool) -> CarryMemory:
+    """The one size parser: with `fractions` a bare number in [0, 1] is a fraction of the
+    drafter pool, without them only a bare 0 is allowed (none), and every message says so."""
     if isinstance(text, CarryMemory):
         return text
+    hint = ("use bytes with a unit (4GiB, 512MiB, 1000000B) or a fraction of the drafter pool in [0, 1] (0.5)"
+            if fractions else "use bytes with a unit (8GiB, 512MiB, 1000000B), or 0 for no host tier")
     if isinstance(text, bool) or not isinstance(text, (str, int, float)):
-        raise TypeError(f"{what} must be a str like '4GiB' or '0.5', got {text!r}")
+        example = "'4GiB' or '0.5'" if fractions else "'8GiB' or an int of bytes"
+        raise TypeError(f"{what} must be a str like {example}, got {text!r}")
     if isinstance(text, int):
         return CarryMemory(nbytes=check_non_negative(what, text))
+    label = f"{what}={text!r}" if what else repr(text)
     if isinstance(text, float):
+        if not fractions and text != 0.0:
+            raise ValueError(f"{label}: {_NO_FRACTION}")
         if not 0.0 <= text <= 1.0:
             raise ValueError(f"{what or 'carry_memory'}={text!r}: a fraction of the drafter pool must be in [0, 1]")
         return CarryMemory(fraction=text)
-    label = f"{what}={text!r}" if what else repr(text)
     raw = text.strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = raw[len(number):]
@@ -227,11 +248,10 @@ def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
         value = None
     if value is None or value != value or value in (float("inf"), float("-inf")) or (
             unit and unit not in _UNITS):
-        raise ValueError(
-            f"{label} is not a size: use bytes with a unit (4GiB, 512MiB, 1000000B) "
-            "or a fraction of the drafter pool in [0, 1] (0.5)"
-        )
+        raise ValueError(f"{label} is not a size: {hint}")
     if not unit:
+        if not fractions and value != 0.0:
+            raise ValueError(f"{label}: {_NO_FRACTION}")
         if not 0.0 <= value <= 1.0:
             raise ValueError(
                 f"{label}: a bare number is a fraction of the drafter pool and must be "
@@ -244,19 +264,7 @@ def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
     return CarryMemory(nbytes=int(nbytes))
 
 
-def parse_carry_host_memory(text: object, what: str = "carry_host_memory") -> int:
-    """`text` as a host tier budget in bytes: bytes with a unit (`8GiB`, `512MiB`), an int
-    of bytes, or `0` (no host tier). ValueError/TypeError naming `what` and the value
-    otherwise (a fraction is refused: host memory is no fraction of the drafter pool).
-    """
-    memory = parse_carry_memory(text, what)
-    if memory.nbytes is not None:
-        return memory.nbytes
-    if memory.fraction == 0.0:
-        return 0
-    label = f"{what}={text!r}" if what else repr(text)
-    raise ValueError(f"{label}: host memory is bytes with a unit (8GiB, 512MiB), "
-                     "or 0 for no host tier; it is no fraction of the drafter pool")
+_NO_FRACTION = "host memory is bytes with a unit (8GiB, 512MiB), or 0 for no host tier; it is no fraction of the drafter pool"
 
 
 def _parse_env_host_memory(name: str, raw: str) -> int:
