@@ -6,7 +6,13 @@ import pytest
 from store_helpers import Clock
 
 from trtllm_mtp_carry import CarriedDrafter, CarryStore
-from trtllm_mtp_carry.core.eviction import PRIOR_WEIGHT, TURN_CLASSES, ReturnOdds, age_edges
+from trtllm_mtp_carry.core.eviction import (
+    BINS_PER_DOUBLING,
+    PRIOR_WEIGHT,
+    TURN_CLASSES,
+    ReturnOdds,
+    age_edges,
+)
 from trtllm_mtp_carry.core.settings import DEFAULT_CARRY_EVICTION, EVICTION_POLICIES
 
 
@@ -26,9 +32,10 @@ def test_returns_is_the_default_policy():
     assert DEFAULT_CARRY_EVICTION == "returns" == EVICTION_POLICIES[0]
 
 
-def test_age_edges_double_up_to_the_horizon():
-    assert age_edges(10.0) == [0.0, 1.0, 2.0, 4.0, 8.0, 10.0]
-    assert age_edges(600.0)[-2:] == [512.0, 600.0]
+def test_age_edges_are_four_a_doubling_up_to_the_horizon():
+    assert BINS_PER_DOUBLING == 4
+    assert age_edges(3.0) == [0.0, 1.0, 2 ** 0.25, 2 ** 0.5, 2 ** 0.75, 2.0, 2 ** 1.25, 2 ** 1.5, 3.0]
+    assert age_edges(600.0)[-3:] == [2 ** 8.75, 2 ** 9, 600.0]  # the next, 2 ** 9.25 = 608.9, is past it
 
 
 def test_prior_alone_gives_every_class_half_and_a_chance_flat_in_age():

@@ -158,7 +158,7 @@ def test_the_slice_replays_every_policy_with_the_figures_it_gave(tmp_path, capsy
     adopted = {name: p["adopted"] for name, p in figures["policies"].items()}
     # 141 s of trace: no deposit is past the 600 s TTL yet, so returns has seen no stays and
     # keeps what it holds much as incumbent does
-    assert adopted == {"returns": 11, "incumbent": 7, "lrd": 1, "slru": 1}
+    assert adopted == {"returns": 12, "incumbent": 7, "lrd": 1, "slru": 1}
     for p in figures["policies"].values():
         assert p["follow_ups"] == 43
         assert p["adopted"] + sum(p["misses"].values()) == 43  # every follow-up counted once

@@ -139,7 +139,10 @@ class CarryStore:
     `block_nbytes` switches the charge from each deposit's stated bytes to its
     blocks (see the module header): `admit` then takes the deposit's `blocks`.
     `host_budget_bytes` > 0 adds the host tier (module header; set `host_moves`
-    for the executor's copies).
+    for the executor's copies). `return_odds` (policy `returns` only) replaces
+    the estimate the store learns from its own calls: a what-if analysis gives
+    the store an estimate told part of the future (scripts/trace_ceilings.py);
+    executors leave it unset.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class CarryStore:
         clock: Callable[[], float] = time.monotonic,
         block_nbytes: int | None = None,
         host_budget_bytes: int = 0,
+        return_odds: ReturnOdds | None = None,
     ) -> None:
         if slots is not None and (type(slots) is not int or slots < 1):
             raise ValueError(f"slots must be an int >= 1 or None (no cap), got {slots!r}")
@@ -184,8 +188,13 @@ class CarryStore:
         self.host_budget_bytes = host_budget_bytes
         self.host_moves: HostMoves | None = None
         """The executor's row moves between tiers (None: bookkeeping only, as in a trace replay)."""
-        self._odds = ReturnOdds(idle_s, MISS_MEMORY) if self.policy == "returns" else None
-        """The `returns` policy's learned chances (core/eviction.py); None under other policies."""
+        if return_odds is not None and not isinstance(return_odds, ReturnOdds):
+            raise TypeError(f"return_odds must be a ReturnOdds or None, got {type(return_odds).__name__}")
+        if return_odds is not None and self.policy != "returns":
+            raise ValueError(f"return_odds is the `returns` policy's estimate, but the policy is {self.policy!r}")
+        self._odds = (return_odds or ReturnOdds(idle_s, MISS_MEMORY)) if self.policy == "returns" else None
+        """The `returns` policy's chances (core/eviction.py: learned from this store's own calls, unless
+        an analysis passed `return_odds`, e.g. one told the future); None under other policies."""
         self._host = _HostTier(self, host_budget_bytes) if host_budget_bytes else None
         self._tier = _TierCounters()
 

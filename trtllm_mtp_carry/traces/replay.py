@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..core.carry_store import CarryStore
 from ..core.drafter import CarriedDrafter
+from ..core.eviction import ReturnOdds
 from ..core.outcome import NO_CARRY_REASONS
 from .defaults import DECODE_S_PER_TOKEN, PREFILL_TOKENS_PER_S, QWEN3_NEXT_MTP_ROW_BYTES
 from .reader import Trace
@@ -139,15 +141,23 @@ def _events(trace: Trace, service: ServiceModel) -> tuple[np.ndarray, np.ndarray
     return times[order], arrival[order], req[order]
 
 
-def replay(trace: Trace, policy: str, config: ReplayConfig) -> PolicyResult:
-    """Drive `config.workers` `CarryStore`s of `policy` with `trace` (see the module header)."""
+def replay(trace: Trace, policy: str, config: ReplayConfig,
+           return_odds: Callable[[int], ReturnOdds] | None = None) -> PolicyResult:
+    """Drive `config.workers` `CarryStore`s of `policy` with `trace` (see the module header).
+
+    `return_odds(worker)`, for policy `returns` only, gives each worker's store
+    the estimate it ranks by instead of the one it learns (a what-if analysis:
+    scripts/trace_ceilings.py).
+    """
     now = [0.0]
 
     def clock() -> float:
         return now[0]
 
     stores = [CarryStore(None, config.budget_bytes, policy, config.idle_s, clock,
-                         host_budget_bytes=config.host_budget_bytes) for _ in range(config.workers)]
+                         host_budget_bytes=config.host_budget_bytes,
+                         return_odds=None if return_odds is None else return_odds(w))
+              for w in range(config.workers)]
     times, is_arrival, reqs = _events(trace, config.service)
     worker = worker_of(trace.conversation, config.workers).tolist()
     key_of = (trace.conversation + 1).tolist()  # carry keys are non-zero
