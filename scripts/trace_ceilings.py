@@ -9,16 +9,18 @@ store and rules reach when the estimate it ranks by is replaced by one fitted
 executor can have them):
 
     oracle        each deposit's chance is 1 if it is adopted within the TTL, else 0
-    <features>    each deposit's chance is the trace-wide rate of deposits sharing its
-                  features (turn class, size band, previous gap band) that were adopted,
-                  times how that rate falls with age (the trace-wide wait distribution)
+    <features>    each deposit's chance is the adoption rate of the trace's *other*
+                  deposits sharing its features (turn class, size band, previous gap band,
+                  new span band; left one out, so a small group does not hand a deposit
+                  its own outcome), times how that rate falls with age (the trace-wide
+                  wait distribution)
 
 and one what-if that is not about the estimate: for a Mooncake trace, the
 learned policy with every entry charged without the first block's rows (the
 system prompt every request shares, as if one copy per worker served every
 entry; that copy, 1 MiB, is left out): what sharing it across conversations
-would add. Neither executor shares rows across conversations' carried entries
-today (the reference runtime shares pool blocks, the adapter does not).
+would add. The adapter's carried entries do not share rows across conversations
+(the reference runtime's pool does, `carry_share`; the replay models the adapter).
 
 An estimate's worth is its chance per share of the budget, ranked and admitted
 by the store's own rules, as `returns` is. Rows: the learned policy, then each
@@ -53,16 +55,21 @@ MOONCAKE_BLOCK_TOKENS = 512
 GAP_EDGES_S = (30.0, 120.0, 480.0)
 """Previous-gap bands of a later turn (seconds from the previous turn's finish to its arrival)."""
 
+SPAN_EDGES = (50, 200, 1000, 4000)
+"""New-span bands of a later turn (tokens its input adds to the previous turn's input and output)."""
+
 FEATURES: dict[str, tuple[str, ...]] = {
     "turn class": ("turn",),
     "turn class x size band": ("turn", "size"),
     "turn class x previous gap": ("turn", "gap"),
     "turn class x size band x previous gap": ("turn", "size", "gap"),
+    "turn class x new span band": ("turn", "span"),
+    "all four": ("turn", "size", "gap", "span"),
 }
 
 
 def feature_groups(trace: Trace, finish_s: np.ndarray, features: Sequence[str]) -> np.ndarray:
-    """Per request, one integer naming its group under `features` (`turn`, `size`, `gap`)."""
+    """Per request, one integer naming its group under `features` (`turn`, `size`, `gap`, `span`)."""
     turn = np.minimum(trace.turn, 5)
     rows = trace.input_tokens + trace.output_tokens
     size = np.clip(np.floor(np.log2(np.maximum(rows, 1))).astype(np.int64) - 9, 0, 7)  # 512 .. 64k rows
@@ -72,12 +79,25 @@ def feature_groups(trace: Trace, finish_s: np.ndarray, features: Sequence[str]) 
     prev[order[1:][same]] = order[:-1][same]
     gap = np.where(prev >= 0, trace.arrival_s - finish_s[np.maximum(prev, 0)], -1.0)
     gap_band = np.where(prev >= 0, 1 + np.searchsorted(GAP_EDGES_S, gap), 0)
-    parts = {"turn": (turn, 6), "size": (size, 8), "gap": (gap_band, len(GAP_EDGES_S) + 2)}
+    p = np.maximum(prev, 0)
+    span = trace.input_tokens - trace.input_tokens[p] - trace.output_tokens[p]
+    span_band = np.where(prev >= 0, 1 + np.searchsorted(SPAN_EDGES, span, side="right"), 0)
+    parts = {"turn": (turn, 6), "size": (size, 8), "gap": (gap_band, len(GAP_EDGES_S) + 2),
+             "span": (span_band, len(SPAN_EDGES) + 2)}
     group = np.zeros(len(trace), dtype=np.int64)
     for name in features:
         values, base = parts[name]
         group = group * base + values
     return group
+
+
+def left_one_out_rate(group: np.ndarray, adopted: np.ndarray) -> np.ndarray:
+    """Per deposit, the adoption rate of the *other* deposits of its group (one pseudo-deposit at
+    the trace-wide rate), so a small group's rate does not carry its own deposit's outcome."""
+    y = adopted.astype(np.float64)
+    hits = np.bincount(group, weights=y)[group] - y
+    n = np.bincount(group)[group] - 1
+    return (hits + y.mean()) / (n + 1)
 
 
 class HindsightOdds(ReturnOdds):
@@ -158,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'learned online (the returns policy)':48s} {100 * learned:5.1f}%")
     for name, features in FEATURES.items():
         group = feature_groups(trace, finish, features)
-        rate = np.bincount(group, weights=adopted) / np.maximum(np.bincount(group), 1)
-        print(f"{'hindsight: ' + name:48s} {100 * run(rate[group], True):5.1f}%")
+        print(f"{'hindsight: ' + name:48s} {100 * run(left_one_out_rate(group, adopted), True):5.1f}%")
     print(f"{'oracle: told which deposits are adopted':48s} {100 * run(adopted.astype(float), False):5.1f}%")
     if trace.format == "mooncake":  # every request's first 512-token block is the one system prompt
         shared = replace(trace, input_tokens=np.maximum(trace.input_tokens - MOONCAKE_BLOCK_TOKENS, 0))
