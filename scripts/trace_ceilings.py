@@ -15,7 +15,9 @@ executor can have them):
                   its own outcome), times how that rate falls with age (the trace-wide
                   wait distribution)
 
-and one what-if that is not about the estimate: for a Mooncake trace, the
+and, with `--chances PATH.npy`, any predictor's chances (one a request, made
+by whatever model outside the package), ranked as the tables are; and one
+what-if that is not about the estimate: for a Mooncake trace, the
 learned policy with every entry charged without the first block's rows (the
 system prompt every request shares, as if one copy per worker served every
 entry; that copy, 1 MiB, is left out): what sharing it across conversations
@@ -41,6 +43,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -89,6 +92,22 @@ def feature_groups(trace: Trace, finish_s: np.ndarray, features: Sequence[str]) 
         values, base = parts[name]
         group = group * base + values
     return group
+
+
+def load_chances(path: str, requests: int) -> np.ndarray:
+    """A predictor's chances (`--chances`): one finite float in [0, 1] per request; ValueError
+    naming the file and what is wrong otherwise."""
+    try:
+        chance = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--chances {path!r}: not a .npy array ({exc})") from None
+    if chance.shape != (requests,) or chance.dtype.kind not in "fiub":
+        raise ValueError(f"--chances {path!r}: expected {requests} numbers (one a request), "
+                         f"got shape {chance.shape} of {chance.dtype}")
+    chance = chance.astype(np.float64)
+    if not np.all(np.isfinite(chance) & (chance >= 0) & (chance <= 1)):
+        raise ValueError(f"--chances {path!r}: every chance must be a number in [0, 1]")
+    return chance
 
 
 def left_one_out_rate(group: np.ndarray, adopted: np.ndarray) -> np.ndarray:
@@ -152,14 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--carry-memory", default="1GiB")
     ap.add_argument("--carry-idle-s", type=float, default=600.0)
+    ap.add_argument("--chances", metavar="PATH.npy", action="append", default=[],
+                    help="one float in [0, 1] a request, in the order the trace is read (arrival "
+                         "order): a predictor's chance that the request's deposit is adopted, "
+                         "ranked as the hindsight tables are (repeatable)")
     args = ap.parse_args(argv)
     try:
         trace = read_trace(args.trace)
         budget = parse_carry_host_memory(args.carry_memory, "--carry-memory")
+        config = ReplayConfig(budget, workers=args.workers, idle_s=args.carry_idle_s)
+        given = [(path, load_chances(path, len(trace))) for path in args.chances]
     except (OSError, ValueError) as exc:
         print(f"trace_ceilings: error: {exc}", file=sys.stderr)
         return 2
-    config = ReplayConfig(budget, workers=args.workers, idle_s=args.carry_idle_s)
     finish = config.service.finish_s(trace)
     use = next_use(trace, config)
     adopted = ~np.isnan(use)
@@ -179,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, features in FEATURES.items():
         group = feature_groups(trace, finish, features)
         print(f"{'hindsight: ' + name:48s} {100 * run(left_one_out_rate(group, adopted), True):5.1f}%")
+    for path, chance in given:
+        print(f"{'given: ' + Path(path).name:48s} {100 * run(chance, True):5.1f}%")
     print(f"{'oracle: told which deposits are adopted':48s} {100 * run(adopted.astype(float), False):5.1f}%")
     if trace.format == "mooncake":  # every request's first 512-token block is the one system prompt
         shared = replace(trace, input_tokens=np.maximum(trace.input_tokens - MOONCAKE_BLOCK_TOKENS, 0))

@@ -12,6 +12,8 @@ import pytest
 
 from trtllm_mtp_carry import CarriedDrafter, CarryStore
 from trtllm_mtp_carry.core.eviction import ReturnOdds
+from trtllm_mtp_carry.traces.reader import read_trace
+from trtllm_mtp_carry.traces.replay import ReplayConfig, next_use
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "trace_ceilings.py"
 SLICE = Path(__file__).parent / "data" / "mooncake-slice.jsonl"
@@ -83,3 +85,30 @@ def test_a_missing_trace_is_one_error_line(capsys):
     ceilings = load_script()
     assert ceilings.main(["nope.jsonl"]) == 2
     assert capsys.readouterr().err == "trace_ceilings: error: trace 'nope.jsonl' is not a file\n"
+
+
+def test_given_chances_rank_as_the_tables_do_and_the_oracle_is_one_of_them(tmp_path, capsys):
+    ceilings = load_script()
+    trace = read_trace(SLICE)
+    adopted = ~np.isnan(next_use(trace, ReplayConfig(256 << 20, workers=2)))
+    np.save(tmp_path / "oracle.npy", adopted.astype(np.float64))
+    np.save(tmp_path / "flat.npy", np.full(len(trace), 0.5))
+    assert ceilings.main([str(SLICE), "--workers", "2", "--carry-memory", "256MiB",
+                          "--chances", str(tmp_path / "oracle.npy"), "--chances", str(tmp_path / "flat.npy")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    figures = {line[:48].strip(): line[48:].split("%")[0].strip() for line in lines[2:]}
+    assert figures["given: oracle.npy"] == figures["oracle: told which deposits are adopted"] == "81.4"
+    assert figures["given: flat.npy"] == "27.9"  # one chance for all (12 of 43): sizes and ages decide
+
+
+@pytest.mark.parametrize(("saved", "what"), [
+    (np.zeros(3), "expected 400 numbers (one a request), got shape (3,) of float64"),
+    (np.full(400, 1.5), "every chance must be a number in [0, 1]"),
+    (np.array(["x"] * 400), "expected 400 numbers (one a request), got shape (400,) of <U1"),
+])
+def test_bad_chances_are_one_error_line(tmp_path, capsys, saved, what):
+    ceilings = load_script()
+    path = tmp_path / "c.npy"
+    np.save(path, saved)
+    assert ceilings.main([str(SLICE), "--chances", str(path)]) == 2
+    assert capsys.readouterr().err == f"trace_ceilings: error: --chances {str(path)!r}: {what}\n"
