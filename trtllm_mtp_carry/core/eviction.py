@@ -26,7 +26,8 @@ turns: an entry's chance then does not fall with age, so equal entries tie
 and the incumbent stays (a cyclic workload larger than the
 store keeps a fixed set, as `incumbent` does, instead of evicting the entry
 needed next, as `lrd` does). (DECISIONS.md, issue 23, has the variants measured: the
-chance per byte-second, LHD's hit density, did worse on the trace.)
+chance per byte-second, LHD's hit density, did worse on the trace; and what estimates told
+part of the future would buy, `scripts/trace_ceilings.py`: told who returns, 93.7%.)
 
 Learning, from the store's own calls:
 - `deposited(key, now)`: a turn of `key` deposits (admitted or refused): the
