@@ -98,9 +98,11 @@ class TritonSink:
     Public so that another engine's Triton model (TensorRT-LLM's) reuses it:
     `pb` (triton_python_backend_utils), `instance` (the model instance's name),
     `stream_tensors(ids, text)` (the streamed `output_ids`/`text_output`
-    tensors) and `send_final(tensors)` (the request's last response, with the
-    COMPLETE_FINAL flag); a subclass overrides `final` to send its own
-    statistics, once, through `send_final`.
+    tensors), `scalar(name, value, dtype)` (one statistic as a one-element
+    tensor), `closing_tensors(stats)` (`model_instance` and `turn_stats`, the
+    last two tensors of every final response) and `send_final(tensors)` (the
+    request's last response, with the COMPLETE_FINAL flag); a subclass
+    overrides `final` to send its own statistics, once, through `send_final`.
     """
 
     def __init__(self, pb_utils: Any, request: Any, instance: str) -> None:
@@ -115,22 +117,29 @@ class TritonSink:
         return [self.pb.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
                 self.pb.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
 
+    def scalar(self, name: str, value: str | int | float, dtype: str) -> Any:
+        """Output tensor `name` holding one `value` as `dtype` (a str as its UTF-8 bytes, dtype "object")."""
+        import numpy as np
+
+        return self.pb.Tensor(name, np.asarray([value.encode() if isinstance(value, str) else value], dtype=dtype))
+
+    def closing_tensors(self, stats: dict[str, Any]) -> list[Any]:
+        """`model_instance` (this instance's name) and `turn_stats` (`stats` as JSON)."""
+        return [self.scalar("model_instance", self.instance, "object"),
+                self.scalar("turn_stats", json.dumps(stats), "object")]
+
     def partial(self, ids: list[int], text: str) -> None:
         self._sender.send(self.pb.InferenceResponse(output_tensors=self.stream_tensors(ids, text)))
 
     def final(self, ids: list[int], text: str, result: Any) -> None:
-        import numpy as np
-
         s = result.stats
         tensors = self.stream_tensors(ids, text) + [
-            self.pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)),
-            self.pb.Tensor("drafter_rows_computed", np.asarray([s.drafter_rows_computed], dtype=np.int32)),
-            self.pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
-            self.pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
-            self.pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
-            self.pb.Tensor("model_instance", np.asarray([self.instance.encode()], dtype=np.object_)),
-            self.pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
-        ]
+            self.scalar("carry_outcome", s.outcome_kind, "object"),
+            self.scalar("drafter_rows_computed", s.drafter_rows_computed, "int32"),
+            self.scalar("drafted", s.drafted, "int32"),
+            self.scalar("accepted", s.accepted, "int32"),
+            self.scalar("ttft_ms", s.ttft_ms, "float32"),
+        ] + self.closing_tensors(s.as_dict())
         self.send_final(tensors)
 
     def send_final(self, tensors: list[Any]) -> None:

@@ -140,23 +140,18 @@ class _TrtllmSink(TritonSink):
     """The reference model's response sender; the final response carries TensorRT-LLM's statistics."""
 
     def final(self, ids: list[int], text: str, result: Any) -> None:
-        import numpy as np
-
         s: TrtllmTurnStats = result
         carry = []  # what the adapter knows of this turn; an unknown value is left out
         if s.outcome_kind:
-            carry.append(self.pb.Tensor("carry_outcome", np.asarray([s.outcome_kind.encode()], dtype=np.object_)))
+            carry.append(self.scalar("carry_outcome", s.outcome_kind, "object"))
         if s.drafter_rows_computed is not None:
-            carry.append(self.pb.Tensor("drafter_rows_computed",
-                                         np.asarray([s.drafter_rows_computed], dtype=np.int32)))
+            carry.append(self.scalar("drafter_rows_computed", s.drafter_rows_computed, "int32"))
         tensors = self.stream_tensors(ids, text) + carry + [
-            self.pb.Tensor("drafted", np.asarray([s.drafted], dtype=np.int32)),
-            self.pb.Tensor("accepted", np.asarray([s.accepted], dtype=np.int32)),
-            self.pb.Tensor("ttft_ms", np.asarray([s.ttft_ms], dtype=np.float32)),
-            self.pb.Tensor("kv_cache_reused_blocks", np.asarray([s.kv_cache_reused_blocks], dtype=np.int32)),
-            self.pb.Tensor("model_instance", np.asarray([self.instance.encode()], dtype=np.object_)),
-            self.pb.Tensor("turn_stats", np.asarray([json.dumps(s.as_dict()).encode()], dtype=np.object_)),
-        ]
+            self.scalar("drafted", s.drafted, "int32"),
+            self.scalar("accepted", s.accepted, "int32"),
+            self.scalar("ttft_ms", s.ttft_ms, "float32"),
+            self.scalar("kv_cache_reused_blocks", s.kv_cache_reused_blocks, "int32"),
+        ] + self.closing_tensors(s.as_dict())
         self.send_final(tensors)
 
 
