@@ -71,25 +71,28 @@ FEATURES: dict[str, tuple[str, ...]] = {
 }
 
 
-def feature_groups(trace: Trace, finish_s: np.ndarray, features: Sequence[str]) -> np.ndarray:
-    """Per request, one integer naming its group under `features` (`turn`, `size`, `gap`, `span`)."""
+def feature_bands(trace: Trace, finish_s: np.ndarray) -> dict[str, tuple[np.ndarray, int]]:
+    """Per feature (`turn`, `size`, `gap`, `span`): each request's band, and how many bands there are."""
     turn = np.minimum(trace.turn, 5)
     rows = trace.input_tokens + trace.output_tokens
     size = np.clip(np.floor(np.log2(np.maximum(rows, 1))).astype(np.int64) - 9, 0, 7)  # 512 .. 64k rows
-    prev = np.full(len(trace), -1)
+    prev = np.full(len(trace), -1)  # each request's previous turn in its conversation (-1: a first turn)
     order = np.lexsort((np.arange(len(trace)), trace.conversation))  # each conversation in arrival order
     same = trace.conversation[order][1:] == trace.conversation[order][:-1]
     prev[order[1:][same]] = order[:-1][same]
-    gap = np.where(prev >= 0, trace.arrival_s - finish_s[np.maximum(prev, 0)], -1.0)
-    gap_band = np.where(prev >= 0, 1 + np.searchsorted(GAP_EDGES_S, gap), 0)
-    p = np.maximum(prev, 0)
+    later, p = prev >= 0, np.maximum(prev, 0)
+    gap = trace.arrival_s - finish_s[p]
     span = trace.input_tokens - trace.input_tokens[p] - trace.output_tokens[p]
-    span_band = np.where(prev >= 0, 1 + np.searchsorted(SPAN_EDGES, span, side="right"), 0)
-    parts = {"turn": (turn, 6), "size": (size, 8), "gap": (gap_band, len(GAP_EDGES_S) + 2),
-             "span": (span_band, len(SPAN_EDGES) + 2)}
-    group = np.zeros(len(trace), dtype=np.int64)
+    return {"turn": (turn, 6), "size": (size, 8),
+            "gap": (np.where(later, 1 + np.searchsorted(GAP_EDGES_S, gap), 0), len(GAP_EDGES_S) + 2),
+            "span": (np.where(later, 1 + np.searchsorted(SPAN_EDGES, span, side="right"), 0), len(SPAN_EDGES) + 2)}
+
+
+def feature_groups(bands: dict[str, tuple[np.ndarray, int]], features: Sequence[str]) -> np.ndarray:
+    """Per request, one integer naming its group under `features` (keys of `feature_bands`)."""
+    group = np.zeros(len(bands["turn"][0]), dtype=np.int64)
     for name in features:
-        values, base = parts[name]
+        values, base = bands[name]
         group = group * base + values
     return group
 
@@ -192,16 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     horizon = args.carry_idle_s
 
     def run(chance: np.ndarray, with_age: bool) -> float:
-        odds = lambda _w: HindsightOdds(deposits, chance, waits if with_age else None, horizon)  # noqa: E731
-        return replay(trace, "returns", config, return_odds=odds).adopted_fraction
+        return replay(trace, "returns", config, return_odds=lambda _worker: HindsightOdds(
+            deposits, chance, waits if with_age else None, horizon)).adopted_fraction
 
     print(f"{len(trace)} requests, {trace.follow_ups} follow-ups; {args.workers} worker(s) x "
           f"{args.carry_memory}, idle TTL {horizon:g} s; adopted within the TTL: {int(adopted.sum())} deposits")
     print(f"{'estimate the store ranks by':48s} follow-ups adopted")
     learned = replay(trace, "returns", config).adopted_fraction
     print(f"{'learned online (the returns policy)':48s} {100 * learned:5.1f}%")
+    bands = feature_bands(trace, finish)
     for name, features in FEATURES.items():
-        group = feature_groups(trace, finish, features)
+        group = feature_groups(bands, features)
         print(f"{'hindsight: ' + name:48s} {100 * run(left_one_out_rate(group, adopted), True):5.1f}%")
     for path, chance in given:
         print(f"{'given: ' + Path(path).name:48s} {100 * run(chance, True):5.1f}%")

@@ -192,7 +192,10 @@ class CarryStore:
             raise TypeError(f"return_odds must be a ReturnOdds or None, got {type(return_odds).__name__}")
         if return_odds is not None and self.policy != "returns":
             raise ValueError(f"return_odds is the `returns` policy's estimate, but the policy is {self.policy!r}")
-        self._odds = (return_odds or ReturnOdds(idle_s, MISS_MEMORY)) if self.policy == "returns" else None
+        if self.policy == "returns":
+            self._odds: ReturnOdds | None = ReturnOdds(idle_s, MISS_MEMORY) if return_odds is None else return_odds
+        else:
+            self._odds = None
         """The `returns` policy's chances (core/eviction.py: learned from this store's own calls, unless
         an analysis passed `return_odds`, e.g. one told the future); None under other policies."""
         self._host = _HostTier(self, host_budget_bytes) if host_budget_bytes else None

@@ -214,8 +214,7 @@ class ReturnOdds:
     def rank(self, keys: Sequence[int], deposited_at: Sequence[float], costs: Sequence[float],
              now: float) -> tuple[list[int], list[float]]:
         """`keys` (held entries, oldest deposit first) ordered by worth, lowest first, worth equal
-        within a factor `ADMIT_MARGIN` (the same band of width `ADMIT_MARGIN`) newest first; and their worth in that
-        order."""
+        in one band (bands a factor `ADMIT_MARGIN` wide) newest first; and their worth in that order."""
         table, turns, edges, horizon = self._table(), self._turns, self.edges, self.horizon_s
         last = len(edges) - 2
         worth = []
