@@ -588,7 +588,7 @@ def reference_model() -> Any:
 
 
 class ExecutorLLM(_LlmApi):
-    """The LLM API over the package's CPU STAND-IN executor (`trtllm_mtp_carry/trtllm/standin.py`,
+    """The LLM API over the package's CPU STAND-IN executor (`trtllm_mtp_carry/trtllm/standin/`,
     not TensorRT-LLM), built in process (`llm._executor.engine`, as with
     `TLLM_WORKER_USE_SINGLE_PROCESS=1`), so the real adapter attaches and its resource
     manager runs every turn. Requests get LLM API ids of their own (from 1001), distinct
@@ -600,11 +600,13 @@ class ExecutorLLM(_LlmApi):
     CHUNK = 32  # the stand-in executor's prefill chunk and tokens per block
 
     def __init__(self, model: Any, **kwargs: Any) -> None:
-        from trtllm_mtp_carry.trtllm.standin import StandinPyExecutor
+        from trtllm_mtp_carry.trtllm.standin import create_py_executor
 
         super().__init__(model, **kwargs)
-        engine = StandinPyExecutor(reference_model(), chunk_size=self.CHUNK, tokens_per_block=self.CHUNK,
-                                   max_batch=4)
+        # the package's stand-in executor, built as TensorRT-LLM's creator builds it, from the
+        # kv_cache_config the model's LLM keywords give (over Qwen3-Next's defaults: reuse off)
+        engine = create_py_executor(reference_model(), kv_cache_config=kwargs.get("kv_cache_config"),
+                                    chunk_size=self.CHUNK, tokens_per_block=self.CHUNK, max_batch=4)
         self._executor = SimpleNamespace(engine=engine)  # llm._executor.engine, as in TensorRT-LLM
         self.tokenizer = None if kwargs.get("skip_tokenizer_init") else TransformersTokenizer(ReferenceChatTokenizer())
         self._next_id = 1000

@@ -18,6 +18,7 @@ from trtllm_mtp_carry.bench.sessions import BenchSession, load_conversations
 from trtllm_mtp_carry.engine.model import HybridLM, load_reference
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.trtllm import CarryAttachment, attach
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
 
 CHUNK = 32
@@ -54,7 +55,8 @@ def padded(prefix: list[int], offset: int, minimum: int = CHUNK // 2) -> list[in
 def make_llm(policy: str, **options: object) -> tuple[StandinLLM, CarryAttachment | None]:
     """A stand-in LLM for `policy`: carry (attached), blind (TensorRT-LLM as is), rebuild
     (block reuse off: every turn prefills from 0), off (no speculation)."""
-    kw: dict[str, object] = {"chunk_size": CHUNK, "max_batch": 4, "single_process": True}
+    kw: dict[str, object] = {"chunk_size": CHUNK, "max_batch": 4, "single_process": True,
+                             "kv_cache_config": RECOMMENDED_KV_CACHE_CONFIG}
     if policy == "rebuild":
         kw["enable_block_reuse"] = False
     if policy == "off":

@@ -9,11 +9,12 @@ import pytest
 from standin_helpers import model
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 
 
 def _llm(**options: Any) -> StandinLLM:
-    return StandinLLM(model(), chunk_size=32, num_pages=64, single_process=True, **options)
+    return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, single_process=True, **options)
 
 
 def _refusal(llm: Any) -> str:
@@ -74,7 +75,7 @@ def test_the_fresh_page_fill_is_refused() -> None:
 
 
 def test_a_parent_process_attach_reaches_no_executor_and_says_so_in_one_line() -> None:
-    llm = StandinLLM(model(), chunk_size=32, num_pages=64)  # default: a worker-process executor
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64)  # default: a worker-process executor
     assert _refusal(llm) == (
         "llm._executor (_WorkerProxy) reaches no executor: the PyExecutor runs in a worker "
         "process; install the carry there (TRTLLM_MTP_CARRY_WORKER, trtllm_mtp_carry.trtllm.worker) "

@@ -16,10 +16,12 @@ import torch
 from standin_helpers import CHUNK, make_llm, model, padded, user_tokens
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import VERSIONS, ConversationParams, StandinLLM
 
 MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
-               "False; target MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=False")
+               "False; target MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=False, "
+               "_supports_reuse_match_backoff=True")
 ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reason or refusal)
     "1.2.1": ("refused", False,
               "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as "
@@ -34,13 +36,15 @@ ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reaso
     "main+19303": ("paired", False,
                    "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager."
                    "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target "
-                   "MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=True); TensorRT-LLM "
+                   "MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=True, "
+                   "_supports_reuse_match_backoff=True); TensorRT-LLM "
                    "restores the drafter's prefix itself, the carry stands aside"),
 }
 
 
 def _llm(**options: Any) -> StandinLLM:
-    return StandinLLM(model(), chunk_size=32, num_pages=64, single_process=True, **options)
+    return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64,
+                      single_process=True, **options)
 
 
 def test_every_version_profile_has_a_pinned_row() -> None:
@@ -96,15 +100,18 @@ def test_a_missing_pairing_marker_is_refused_naming_what_was_found(drop: tuple[s
         attach(llm)
     assert str(exc.value) == (
         f"cannot prove the draft pool shares no blocks (draft DraftKVManager.{found}; target "
-        "MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=False): a pairing marker is "
+        "MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=False, "
+        "_supports_reuse_match_backoff=True): a pairing marker is "
         "missing, so the carry stands aside")
 
 
 def test_markers_that_disagree_are_refused() -> None:
-    """#19303's target claims joint reuse but the draft pool shows none: refused, not armed."""
+    """#19303's target class claims the pairing capability but the draft pool shows no pairing:
+    refused, not armed."""
     llm = _llm(version="main+19303", topology="unpaired")
     with pytest.raises(TrtllmAdapterError) as exc:
         attach(llm)
     assert str(exc.value).startswith("the pairing markers disagree (draft DraftKVManager."
                                      "enable_joint_kv_cache_reuse=False, _can_publish_block_reuse=False; "
-                                     "target MambaHybridCacheManagerV2._supports_joint_kv_cache_reuse=True)")
+                                     "target MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=True, "
+                                     "_supports_reuse_match_backoff=True)")

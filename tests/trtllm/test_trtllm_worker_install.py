@@ -20,6 +20,7 @@ import torch
 from standin_helpers import user_tokens
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
 
 from standin_helpers import model  # isort: skip
@@ -80,7 +81,7 @@ def _run(llm: StandinLLM, sessions: int, turns: int, max_new: int) -> tuple[list
 
 
 def _llm(**options: Any) -> StandinLLM:
-    return StandinLLM(model(), chunk_size=CHUNK, max_batch=3, num_pages=4096, **options)
+    return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=CHUNK, max_batch=3, num_pages=4096, **options)
 
 
 def test_worker_install_adopts_every_warm_turn_at_8k_history_bit_equal_to_a_rebuild(carry_env) -> None:
@@ -120,14 +121,14 @@ def test_worker_install_adopts_every_warm_turn_at_8k_history_bit_equal_to_a_rebu
 ])
 def test_worker_install_prints_one_line_of_why_it_stands_aside_and_installs_nothing(
         carry_env, options: dict[str, Any], line: str) -> None:
-    llm = StandinLLM(model(), chunk_size=32, num_pages=64, **options)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, **options)
     assert worker.messages()[-1].startswith(line) and "\n" not in worker.messages()[-1]
     assert _manager(llm) is None
 
 
 def test_the_worker_install_runs_after_the_draft_manager_in_prepare_and_before_it_in_free(
         carry_env) -> None:
-    llm = StandinLLM(model(), chunk_size=32, num_pages=64)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64)
     names = [getattr(k, "name", k) for k in llm.executor.resource_manager.resource_managers]
     assert names == ["DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER"]
     req = llm.generate_async(user_tokens(0, 64), 4,
@@ -141,15 +142,17 @@ def test_the_worker_install_runs_after_the_draft_manager_in_prepare_and_before_i
 
 def test_with_kv_cache_estimation_the_served_executor_gets_a_carry_bound_to_its_own_draft_pool(
         carry_env) -> None:
-    llm = StandinLLM(model(), chunk_size=32, num_pages=256, estimate_kv_cache=True)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=256,
+                     estimate_kv_cache=True)
     executor = llm.executor
     manager = _manager(llm)
     assert manager is not None and manager.draft is executor.draft
     assert executor.draft is not executor.estimation_draft
     names = [getattr(k, "name", k) for k in executor.resource_manager.resource_managers]
-    # the second build found the sequence slot manager in the dict already: the carry comes
-    # after it; what is guaranteed is after the draft manager (prepare) and before it (free)
-    assert names == ["DRAFT_KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", CARRY_MANAGER_KEY, "KV_CACHE_MANAGER"]
+    # teardown_managers deleted the KV managers and the second build appended them after the
+    # sequence slot manager the first build left: what is guaranteed is the carry after the
+    # draft manager (prepare) and before it (free)
+    assert names == ["SEQ_SLOT_MANAGER", "DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "KV_CACHE_MANAGER"]
     assert sum(m.startswith("mtp carry: installed") for m in worker.messages()[-2:]) == 2
 
 
@@ -157,7 +160,7 @@ def test_a_disabled_carry_stands_aside(tmp_path: Path, monkeypatch: pytest.Monke
     config = tmp_path / "carry.yaml"
     config.write_text("mtp_carry: {enable: false}\n")
     monkeypatch.setenv(worker.ENV, str(config))
-    llm = StandinLLM(model(), chunk_size=32, num_pages=64)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64)
     assert worker.messages()[-1] == "mtp carry: stands aside: not configured (mtp_carry.enable is false)"
     assert _manager(llm) is None
 
@@ -173,7 +176,7 @@ def test_a_bad_carry_file_stands_aside_with_one_line(tmp_path: Path, monkeypatch
     config = tmp_path / "carry.yaml"
     config.write_text(text)
     monkeypatch.setenv(worker.ENV, str(config))
-    llm = StandinLLM(model(), chunk_size=32, num_pages=64)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64)
     assert worker.messages()[-1] == "mtp carry: stands aside: " + why.format(env=worker.ENV, path=config)
     assert _manager(llm) is None
 
@@ -181,7 +184,7 @@ def test_a_bad_carry_file_stands_aside_with_one_line(tmp_path: Path, monkeypatch
 def test_without_the_variable_nothing_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(worker.ENV, raising=False)
     before = worker.messages()
-    llm = StandinLLM(model(), chunk_size=32, num_pages=64)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64)
     assert _manager(llm) is None and worker.messages() == before
 
 
@@ -245,7 +248,7 @@ def test_stats_every_prints_the_worker_carrys_counters_every_n_freed_requests_an
     config = tmp_path / "carry.yaml"
     config.write_text("mtp_carry: {carry_slots: 8, stats_every: 2}\n")
     monkeypatch.setenv(worker.ENV, str(config))
-    llm = StandinLLM(model(), chunk_size=32, max_batch=2, num_pages=512)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, max_batch=2, num_pages=512)
     before = len(worker.messages())
     conv = [ConversationParams(conversation_id=f"s{i}") for i in range(2)]
     first = [llm.generate_async(user_tokens(100 * i, 96), 4, conversation_params=c) for i, c in enumerate(conv)]

@@ -34,6 +34,7 @@ RECEIVERS = {
     "mapping": "Mapping",
     "params": "ConversationParams",
     "tensorrt_llm": "tensorrt_llm",
+    "kv_cache_config": "KvCacheConfig", "state_config": "MambaStateConfig",
 }
 """Variable name (or `self.x`) -> the TensorRT-LLM class its value is, in package code."""
 

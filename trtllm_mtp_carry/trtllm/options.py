@@ -7,6 +7,8 @@ TensorRT-LLM itself reads, in the same YAML file (or the same dict):
 speculative_config: {decoding_type: MTP, max_draft_len: 3}   # one-model MTP: a separate draft pool
 kv_cache_config:
   enable_block_reuse: true        # overrides Qwen3-Next's default (off); without it nothing is reused
+  mamba_state_config:             # the hybrid target reuses a prefix only at its snapshot points:
+    additional_snapshot_offsets_from_end: [0]   # one at each prompt's end (RECOMMENDED_KV_CACHE_CONFIG)
   use_kv_cache_manager_v2: true   # V2 only ('auto' resolves to V2 for Qwen3-Next)
   dtype: auto                     # BF16 KV only (FP8/NVFP4 pages are refused)
   block_reuse_config: {policy: per_conversation, max_num_turns: 2}
@@ -90,6 +92,61 @@ class CarryOptions:
         if self.carry_host_memory is not None:
             _check_int("carry_host_memory", self.carry_host_memory, minimum=0)
         _check_int("stats_every", self.stats_every, minimum=0)
+
+
+RECOMMENDED_SNAPSHOT_PLACEMENT: dict[str, Any] = {"additional_snapshot_offsets_from_end": [0]}
+"""The `kv_cache_config.mamba_state_config` a multi-turn chat should use (DECISIONS.md
+"Snapshot placement"): one recurrent-state snapshot at each prompt's end, so the next
+turn of the conversation reuses exactly the previous turn's prompt (R = its length)."""
+
+RECOMMENDED_KV_CACHE_CONFIG: dict[str, Any] = {
+    "enable_block_reuse": True, "mamba_state_config": RECOMMENDED_SNAPSHOT_PLACEMENT}
+"""The `kv_cache_config` keys the carry needs on a hybrid target: block reuse on (Qwen3-Next's
+model default is off) and the recommended snapshot placement. Every example configuration
+the package writes or shows carries them."""
+
+SNAPSHOT_FIX = ("set kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end: [0] "
+                "(a snapshot at each prompt's end)")
+REUSE_FIX = "set kv_cache_config.enable_block_reuse: true"
+
+
+def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str, Any] | None,
+                      offsets_supported: bool = True) -> str | None:
+    """Why a target with this reuse configuration can never reuse a prefix (one line naming what to
+    set), or None when it can.
+
+    `state` is `kv_cache_config.mamba_state_config` (its four fields; missing ones take
+    TensorRT-LLM's defaults: interval 0, no offsets, no branch snapshot); `hybrid`: the
+    target is a hybrid (recurrent-state) manager, which reuses only at snapshot points;
+    `offsets_supported`: the manager class honours the start/end offsets
+    (`_supports_additional_snapshot_offsets`, True on the V2 hybrid manager).
+    """
+    if not enable_block_reuse:
+        fix = REUSE_FIX + (f" and {SNAPSHOT_FIX[4:]}" if hybrid else "")
+        return f"block reuse is off (kv_cache_config.enable_block_reuse): no prefix is ever reused; {fix}"
+    if not hybrid:
+        return None
+    state = state or {}
+    interval = state.get("periodic_snapshot_interval") or 0
+    offsets = bool(state.get("additional_snapshot_offsets_from_start")) or bool(
+        state.get("additional_snapshot_offsets_from_end"))
+    if interval > 0 or (offsets and offsets_supported) or state.get("enable_branch_snapshot"):
+        return None
+    return ("the hybrid target keeps no snapshot point (kv_cache_config.mamba_state_config sets none), "
+            f"so no prefix is ever reused; {SNAPSHOT_FIX}")
+
+
+def kv_cache_config_of(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The `kv_cache_config` an `llm.yaml` gives a Qwen3-Next model: its keys over the model's
+    defaults (`get_model_defaults`: `enable_block_reuse` False; values the user sets win).
+    TrtllmAdapterError when it is not a mapping."""
+    kv = options.get("kv_cache_config") or {}
+    if not isinstance(kv, Mapping):
+        raise TrtllmAdapterError(f"kv_cache_config must be a mapping, got {kv!r}")
+    state = kv.get("mamba_state_config") or {}
+    if not isinstance(state, Mapping):
+        raise TrtllmAdapterError(f"kv_cache_config.mamba_state_config must be a mapping, got {state!r}")
+    return {"enable_block_reuse": bool(kv.get("enable_block_reuse", False)), "mamba_state_config": dict(state)}
 
 
 def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:

@@ -15,8 +15,15 @@ what is missing, never guessed around.
   `mapping`, `get_buffers(layer_idx, kv_layout)`, `get_batch_cache_indices(request_ids,
   layer_idx, ...)`, `_stream`, `_fresh_page_fill`, and the pairing markers
   `enable_joint_kv_cache_reuse`, `_can_publish_block_reuse` (#18093); the target
-  manager: `enable_block_reuse`, its class (V1 hybrid managers are refused) and
-  `_supports_joint_kv_cache_reuse`.
+  manager: `enable_block_reuse`, its class (V1 hybrid managers are refused), the
+  class marker `_supports_draft_reuse_match_backoff` (what `KvCacheCreator` pairs on), and
+  for a hybrid target its reuse configuration (`kv_cache_config.mamba_state_config`,
+  `_supports_additional_snapshot_offsets`).
+
+Reuse: a target that can never reuse a prefix (block reuse off, or a hybrid target
+with no snapshot placement: it commits reusable blocks only at snapshot points) gives
+the carry nothing to restore: the carry stands aside with one line naming what to set
+(`options.reuse_stand_aside`), never "installed".
 
 Topologies:
 - `unpaired`: a separate draft pool that provably neither publishes nor reuses
@@ -25,8 +32,8 @@ Topologies:
 - `paired`: the draft pool publishes or reuses its own blocks: every key below
   the reused depth may be a tree-matched (shared) page: nothing may be written.
   The carry stands aside. Markers missing or disagreeing: refused (fail closed).
-- `folded`: no separate draft pool (attention DP, a shared KV cache): the MTP
-  layer's KV lives in the target pool and is reused with it. Stands aside.
+- `folded`: no separate draft pool (the `DRAFT_KV_CACHE_MANAGER` entry absent or None):
+  the MTP layer's KV lives in the target pool and is reused with it. Stands aside.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .options import TrtllmAdapterError
+from .options import TrtllmAdapterError, reuse_stand_aside
 
 DRAFT_KV = "DRAFT_KV_CACHE_MANAGER"
 TARGET_KV = "KV_CACHE_MANAGER"
@@ -78,7 +85,7 @@ def reach_executor(llm: Any) -> tuple[Any, str]:
     The package's stand-in (`standin.StandinLLM`, told apart by its class's module)
     reports itself as a stand-in; anything else needs `tensorrt_llm` importable.
     """
-    if any(c.__module__ == "trtllm_mtp_carry.trtllm.standin" for c in type(llm).__mro__):
+    if any(c.__module__.startswith("trtllm_mtp_carry.trtllm.standin") for c in type(llm).__mro__):
         version = "stand-in"
     else:
         try:
@@ -119,13 +126,17 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     attention data parallelism, a V1 hybrid target manager, a draft manager other than
     KVCacheManagerV2, a KV dtype other than BF16, the fresh-page fill, and pairing markers
     that are missing or disagree (`_pairing`). Not refused but not runnable (the carry
-    stands aside, `reason` says why): paired, folded, block reuse off.
+    stands aside, `reason` says why and what to set): folded (no draft pool, or its
+    entry None), a target that never reuses a prefix (block reuse off, or a hybrid
+    without snapshot placement), paired.
     """
     found_target = _find(managers, TARGET_KV)
     if found_target is None:
         raise TrtllmAdapterError(f"the executor has no {TARGET_KV} resource manager")
     target = found_target[1]
     found_draft = _find(managers, DRAFT_KV)
+    if found_draft is not None and found_draft[1] is None:
+        found_draft = None  # no separate draft pool: TensorRT-LLM leaves the entry None
     mapping = _attr(found_draft[1] if found_draft else target, "mapping", "KV cache manager")
     tp = _attr(mapping, "tp_size", "Mapping")
     if tp != 1:
@@ -157,10 +168,10 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     mtp_layer = int(next(iter(offsets)))
     tpb = int(_attr(draft, "tokens_per_block", "draft KV cache manager"))
     _check_buffer(draft, mtp_layer, tpb)
-    if not reuse:
+    never = _never_reuses(target, reuse)
+    if never is not None:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", False,
-                             "block reuse is off (kv_cache_config.enable_block_reuse): no prefix "
-                             "is reused, so there is nothing to carry", version)
+                             f"{never}: there is nothing to carry", version)
     paired, found = _pairing(draft, target)
     if paired:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
@@ -178,32 +189,49 @@ V1_HYBRID_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridC
 _MISSING = object()
 
 
+def _never_reuses(target: Any, reuse: bool) -> str | None:
+    """`options.reuse_stand_aside` of the target manager's own reuse configuration."""
+    hybrid = any("MambaHybridCacheManager" in c.__name__ for c in type(target).__mro__)
+    if not reuse or not hybrid:
+        return reuse_stand_aside(reuse, hybrid, None)
+    kv_cache_config = _attr(target, "kv_cache_config", "target KV cache manager")
+    state_config = _attr(kv_cache_config, "mamba_state_config", "KvCacheConfig")
+    state = {name: getattr(state_config, name, None) for name in (
+        "periodic_snapshot_interval", "additional_snapshot_offsets_from_start",
+        "additional_snapshot_offsets_from_end", "enable_branch_snapshot")}
+    offsets = bool(getattr(target, "_supports_additional_snapshot_offsets", False))
+    return reuse_stand_aside(reuse, hybrid, state, offsets)
+
+
 def _pairing(draft: Any, target: Any) -> tuple[bool, str]:
     """`(paired, what was found)`: read every pairing marker; fail closed.
 
     Paired (stand aside) when the draft pool publishes (`_can_publish_block_reuse`) or
     reuses (`enable_joint_kv_cache_reuse`) blocks. Unpaired only when both markers are
-    present and false and the target's class does not claim joint reuse
-    (`_supports_joint_kv_cache_reuse`, absent or false); anything else (a marker
-    missing, or the target claiming joint reuse the draft does not show) is refused.
+    present and false and the target's class does not claim the capability
+    `KvCacheCreator._joint_reuse_supported` pairs on (`_supports_draft_reuse_match_backoff`,
+    with `_supports_reuse_match_backoff`; absent or false); anything else (a marker
+    missing, or the target class claiming pairing the draft does not show) is refused.
     """
     joint = getattr(draft, "enable_joint_kv_cache_reuse", _MISSING)
     publish = getattr(draft, "_can_publish_block_reuse", _MISSING)
-    supports = getattr(target, "_supports_joint_kv_cache_reuse", _MISSING)
+    draft_backoff = getattr(target, "_supports_draft_reuse_match_backoff", _MISSING)
+    backoff = getattr(target, "_supports_reuse_match_backoff", _MISSING)
 
     def show(value: object) -> str:
         return "missing" if value is _MISSING else repr(value)
 
     found = (f"draft {type(draft).__name__}.enable_joint_kv_cache_reuse={show(joint)}, "
              f"_can_publish_block_reuse={show(publish)}; target {type(target).__name__}."
-             f"_supports_joint_kv_cache_reuse={show(supports)}")
+             f"_supports_draft_reuse_match_backoff={show(draft_backoff)}, "
+             f"_supports_reuse_match_backoff={show(backoff)}")
     if joint is True or publish is True:
         return True, found
     if joint is _MISSING or publish is _MISSING:
         raise TrtllmAdapterError(
             f"cannot prove the draft pool shares no blocks ({found}): a pairing marker is "
             "missing, so the carry stands aside")
-    if joint is not False or publish is not False or supports not in (_MISSING, False):
+    if joint is not False or publish is not False or draft_backoff not in (_MISSING, False):
         raise TrtllmAdapterError(
             f"the pairing markers disagree ({found}): the carry cannot tell whether the draft "
             "pool shares blocks, so it stands aside")

@@ -55,7 +55,8 @@ ENV = "TRTLLM_MTP_CARRY_WORKER"
 CREATOR = "tensorrt_llm._torch.pyexecutor.py_executor_creator"
 """The module whose `create_py_executor_instance` the hook wraps (TensorRT-LLM's worker imports it)."""
 
-STANDIN_CREATOR = "trtllm_mtp_carry.trtllm.standin"
+STANDIN_CREATOR = "trtllm_mtp_carry.trtllm.standin.py_executor_creator"
+"""The stand-in's creator module (same call, same keywords; only its version label differs)."""
 PTH_NAME = "trtllm_mtp_carry_worker.pth"
 PTH_LINE = (f'import os; os.environ.get("{ENV}") and '
             '__import__("trtllm_mtp_carry.trtllm.worker", fromlist=["boot"]).boot()\n')
@@ -110,12 +111,9 @@ def wrap_creator(module: ModuleType) -> None:
 
 def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
     def create_py_executor_instance(*args: Any, **kwargs: Any) -> Any:
-        if standin:  # the stand-in's positional (executor, resources, extra_resource_managers)
-            resources = args[1]
-        else:
-            resources = kwargs.get("resources")
+        # py_executor_creator passes keywords only (`resources=`, `start_worker=False`, ...)
         if os.environ.get(ENV):  # unset since boot: TensorRT-LLM as is
-            _install(resources, standin)
+            _install(kwargs.get("resources"), standin)
         return original(*args, **kwargs)
 
     create_py_executor_instance.__wrapped__ = original  # type: ignore[attr-defined]
@@ -137,7 +135,7 @@ def _install(resources: Any, standin: bool) -> None:
     try:
         if not isinstance(resources, dict):
             raise TrtllmAdapterError(
-                "create_py_executor_instance was called without a resources dict: this "
+                "create_py_executor_instance was called without a resources= dict: this "
                 "TensorRT-LLM build is not one the worker hook was written against")
         options = carry_options_from_env()
         version = "stand-in" if standin else _trtllm_version()

@@ -1,0 +1,167 @@
+"""Stand-in for `tensorrt_llm/_torch/pyexecutor/_util.py`: `create_py_executor_instance` and the KV managers' build.
+
+Read (nothing ran): `_util.py` @ 00043967 and the index version of
+`create_py_executor_instance` (docs/TRTLLM-CONFORMANCE.md): keyword arguments
+(`dist`, `resources`, `mapping`, `pytorch_backend_config` or, newer, `llm_args`,
+`ctx_chunk_config`, `model_engine`, `start_worker`, `sampler`, `drafter`,
+`guided_decoder`, `lora_config`, `garbage_collection_gen0_threshold`,
+`kv_connector_manager`, `max_seq_len`, `max_batch_size`, `max_beam_width`,
+`max_num_tokens`, `peft_cache_config`, `scheduler_config`,
+`cache_transceiver_config`; newer: `virtual_memory_pools`, `execution_stream`); each
+`extra_resource_managers` entry is added to `resources` ("Cannot overwrite existing
+resource manager"), then the sequence slot manager, `ResourceManager(resources)`, and
+the KV cache manager moved last ("always invoked last"). `KvCacheCreator.build_managers`
+puts the target manager (`KV_CACHE_MANAGER`) and, for a one-model drafter with its own
+pool, the draft manager (`DRAFT_KV_CACHE_MANAGER`, `_mirror_draft_kv_cache`) into
+`resources`; without a separate draft pool the entry is None (notes section 0b);
+`teardown_managers` removes them before the second build under KV cache estimation.
+
+Invariant: the executor exists only through `create_py_executor_instance`, called with
+keywords only (a positional argument is a TypeError, as it is on TensorRT-LLM's).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...engine.model import HybridLM
+from .kv_cache_manager_v2 import DraftKVManager, PagedRows
+from .llm_args import KvCacheConfig
+from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
+from .mapping import Mapping
+from .resource_manager import (
+    _TORCH_DTYPES,
+    DataType,
+    ResourceManager,
+    ResourceManagerType,
+    SeqSlotManager,
+)
+
+VERSIONS: dict[str, dict[str, Any]] = {
+    # what a hybrid one-model MTP model with block reuse gets, per TensorRT-LLM version (README
+    # "TensorRT-LLM versions", docs/TRTLLM-CONFORMANCE.md section 3): the target manager's class,
+    # whether the pairing markers exist (#18093), the target class's
+    # `_supports_draft_reuse_match_backoff` (#19303 sets it on the hybrid), the topology, and
+    # the `mamba_state_config` snapshot options the version's API reference lists (None: not read)
+    "1.2.1": {"target_class": "CppMambaHybridCacheManager", "markers": False,
+              "draft_reuse_match_backoff": False, "topology": "unpaired", "snapshot_options": None},
+    "1.3.0rc29": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
+                  "draft_reuse_match_backoff": False, "topology": "unpaired",
+                  "snapshot_options": ("periodic_snapshot_interval",
+                                       "additional_snapshot_offsets_from_start",
+                                       "additional_snapshot_offsets_from_end",
+                                       "enable_branch_snapshot")},
+    "1.4.0rc1": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
+                 "draft_reuse_match_backoff": False, "topology": "unpaired",
+                 "snapshot_options": ("periodic_snapshot_interval",
+                                      "additional_snapshot_offsets_from_start",
+                                      "additional_snapshot_offsets_from_end",
+                                      "enable_branch_snapshot")},
+    "main+19303": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
+                   "draft_reuse_match_backoff": True, "topology": "paired",
+                   "snapshot_options": ("periodic_snapshot_interval",
+                                        "additional_snapshot_offsets_from_start",
+                                        "additional_snapshot_offsets_from_end",
+                                        "enable_branch_snapshot")},
+}
+"""The stand-in's TensorRT-LLM version profiles (`create_py_executor(version=...)`)."""
+
+
+@dataclass
+class StandinLlmArgs:
+    """The stand-in's `llm_args`: what its executor and its KV managers are built from (not a
+    TensorRT-LLM class; package code never reads it)."""
+
+    model: HybridLM
+    kv_cache_config: KvCacheConfig
+    topology: str = "unpaired"
+    version: str = "1.3.0rc29"
+    max_draft_len: int = 3
+    chunk_size: int = 64
+    tokens_per_block: int = 32
+    num_pages: int = 4096
+    prefix_entries: int = 64
+    max_batch: int = 8
+    kv_dtype: DataType = DataType.BF16
+    tp_size: int = 1
+    enable_attention_dp: bool = False
+    overlap_scheduler: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    extra_resource_managers: dict[str, Any] = field(default_factory=dict)
+    pool: PagedRows | None = None  # the one stand-in page pool (draft or folded MTP pages)
+
+
+def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -> None:
+    """`KvCacheCreator.build_managers`: the draft manager (or None) and the target manager."""
+    a = llm_args
+    cfg = a.model.cfg
+    profile = VERSIONS[a.version]
+    mapping = Mapping(a.tp_size, a.enable_attention_dp)
+    if a.pool is None:
+        a.pool = PagedRows(a.num_pages, cfg.num_kv_heads, a.tokens_per_block, cfg.head_dim,
+                           _TORCH_DTYPES[a.kv_dtype])
+    mtp_layer = cfg.num_layers  # the MTP layer's global index is num_hidden_layers
+    draft: DraftKVManager | None = None
+    if a.max_draft_len > 0 and a.topology != "folded":
+        draft = DraftKVManager(a.pool, mtp_layer=mtp_layer, paired=a.topology == "paired",
+                               entries=a.prefix_entries, draft_len=a.max_draft_len,
+                               dtype=a.kv_dtype, mapping=mapping, kv_cache_config=a.kv_cache_config)
+        if not profile["markers"]:  # a build from before #18093: no pairing markers at all
+            del draft.enable_joint_kv_cache_reuse
+            del draft._can_publish_block_reuse
+    cls = target_class(profile["target_class"], profile["draft_reuse_match_backoff"])
+    target: MambaHybridCacheManagerV2 = cls(
+        a.model, kv_cache_config=a.kv_cache_config, entries=a.prefix_entries,
+        folded_paged=a.pool if a.topology == "folded" and a.max_draft_len > 0 else None,
+        mtp_layer=mtp_layer, dtype=a.kv_dtype, mapping=mapping)
+    # as build_managers: the target's entry first, then the draft's (None: no separate pool)
+    resources[ResourceManagerType.KV_CACHE_MANAGER] = target
+    resources[ResourceManagerType.DRAFT_KV_CACHE_MANAGER] = draft
+
+
+def teardown_managers(resources: OrderedDict[Any, Any]) -> None:
+    """`KvCacheCreator.teardown_managers`: the KV managers are shut down and deleted from
+    `resources` (`_util.py`, index versions read in this pass), so the second build appends
+    them after whatever the first build added (the sequence slot manager)."""
+    for key in (ResourceManagerType.KV_CACHE_MANAGER, ResourceManagerType.DRAFT_KV_CACHE_MANAGER):
+        manager = resources.pop(key, None)
+        if manager is not None:
+            manager.shutdown()
+
+
+def create_py_executor_instance(
+        *, dist: Any, resources: OrderedDict[Any, Any], mapping: Any, pytorch_backend_config: Any = None,
+        ctx_chunk_config: Any, model_engine: Any, start_worker: bool, sampler: Any, drafter: Any,
+        guided_decoder: Any, lora_config: Any, garbage_collection_gen0_threshold: Any,
+        kv_connector_manager: Any, max_seq_len: int, max_batch_size: int, max_beam_width: int,
+        max_num_tokens: int, peft_cache_config: Any, scheduler_config: Any,
+        cache_transceiver_config: Any, llm_args: StandinLlmArgs | None = None,
+        virtual_memory_pools: Any = None, execution_stream: Any = None) -> Any:
+    """Stand-in for `_util.create_py_executor_instance`: assemble the resource managers, build
+    the PyExecutor (started only with `start_worker=True`).
+
+    As TensorRT-LLM: each `extra_resource_managers` entry is added to `resources`
+    (ValueError on an existing key), then the sequence slot manager, then
+    `ResourceManager(resources)` with the KV cache manager moved to the end. The worker
+    hook (`trtllm.worker`) wraps this function, as it wraps TensorRT-LLM's, to add the
+    carry before the executor exists.
+    """
+    from .py_executor import StandinPyExecutor
+
+    args = llm_args if llm_args is not None else pytorch_backend_config
+    assert isinstance(args, StandinLlmArgs)
+    for key, value in args.extra_resource_managers.items():
+        if key in resources:
+            raise ValueError(f"Cannot overwrite existing resource manager {key}.")
+        resources[key] = value
+    if ResourceManagerType.SEQ_SLOT_MANAGER not in resources:  # added after the extras
+        resources[ResourceManagerType.SEQ_SLOT_MANAGER] = SeqSlotManager()
+    rm = ResourceManager(resources)
+    if ResourceManagerType.KV_CACHE_MANAGER in resources:
+        resources.move_to_end(ResourceManagerType.KV_CACHE_MANAGER)
+    executor = StandinPyExecutor(rm, model_engine, args, max_batch_size=max_batch_size)
+    if start_worker:
+        executor.start_worker()
+    return executor

@@ -1,0 +1,241 @@
+"""Stand-in for `tensorrt_llm/_torch/pyexecutor/kv_cache/kv_cache_manager_v2.py`: `KVCacheManagerV2`.
+
+Read (nothing ran): `kv_cache_manager_v2.py` @ 00043967 and 38198e34 (notes sections 0, 0b):
+`get_buffers(layer_idx, kv_layout="NHD")` (HND `[pages, kv_factor, kv_heads, tpb,
+head_dim]`), `get_batch_cache_indices(request_ids, layer_idx=None,
+num_blocks_per_seq=None)`, `free_resources(request)`, `layer_offsets` (global layer ->
+local; the draft pool's one layer is the MTP layer, `num_hidden_layers`), the pairing
+markers of #18093 (`enable_joint_kv_cache_reuse`: built with `joint_kv_cache_reuse=`;
+`_can_publish_block_reuse = joint_kv_cache_reuse or not is_draft`), `kv_cache_config`
+(the manager keeps its config), `_fresh_page_fill` (None: off). The class markers
+`_supports_draft_reuse_match_backoff` / `_supports_reuse_match_backoff` are what
+`KvCacheCreator._joint_reuse_supported` reads (`_util.py` @ 00043967, notes section 0b).
+
+The draft pool (`DraftKVManager`, `is_draft`) is a `KVCacheManagerV2` built by
+`_mirror_draft_kv_cache`: unpaired, it has fresh pages and no lookup (the blind
+drafter); paired, it commits its context pages to its own tree.
+
+Invariant: every page is owned by live requests and tree entries with a reference count
+(`PagedRows`); `StandinPyExecutor.check()` proves none leaked once nothing runs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .conformant import Conformant
+from .llm_args import KvCacheConfig
+from .llm_request import LlmRequest
+from .mapping import Mapping
+from .resource_manager import BaseResourceManager, DataType
+from .scheduler import ScheduledRequests
+
+BAD_PAGE_INDEX = -1
+
+
+class PagedRows:
+    """One layer's paged HND KV `[pages, 2, kv_heads, tpb, head_dim]`, pages reference-counted."""
+
+    def __init__(self, num_pages: int, num_kv_heads: int, tpb: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        self.buf = torch.zeros(num_pages, 2, num_kv_heads, tpb, head_dim, dtype=dtype)
+        self.tpb = tpb
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+        self.tables: dict[int, list[int]] = {}
+
+    def ensure(self, rid: int, num_tokens: int) -> None:
+        table = self.tables.setdefault(rid, [])
+        while len(table) * self.tpb < num_tokens:
+            table.append(self.new_page())
+
+    def new_page(self) -> int:
+        if not self._free:
+            raise RuntimeError("stand-in draft pool: out of pages")
+        page = self._free.popleft()
+        self._refs[page] = 1
+        # zeroed at allocation, before any manager's prepare, so a blind drafter reads zeros
+        # (as trtllm_smoke.py's blind run does); TensorRT-LLM leaves fresh pages unwritten
+        self.buf[page].zero_()
+        return page
+
+    def share(self, page: int) -> int:
+        self._refs[page] += 1
+        return page
+
+    def unref(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+    def release(self, rid: int) -> None:
+        for page in self.tables.pop(rid, []):
+            self.unref(page)
+
+    def write(self, rid: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys `[lo, lo + n)` get `k` (roped), `v` `[n, Hkv, D]` (the attention kernel's write)."""
+        keys = torch.arange(lo, lo + k.shape[0])
+        table = torch.tensor(self.tables[rid], dtype=torch.int64)
+        page, slot = table[keys // self.tpb], keys % self.tpb
+        self.buf[page, 0, :, slot] = k.to(self.buf.dtype)
+        self.buf[page, 1, :, slot] = v.to(self.buf.dtype)
+
+    def read(self, rid: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(k, v)` `[hi - lo, Hkv, D]` of keys `[lo, hi)` (what the attention kernel reads)."""
+        keys = torch.arange(lo, hi)
+        table = torch.tensor(self.tables[rid], dtype=torch.int64)
+        page, slot = table[keys // self.tpb], keys % self.tpb
+        return self.buf[page, 0, :, slot], self.buf[page, 1, :, slot]
+
+    def pages_in_use(self) -> int:
+        return sum(1 for r in self._refs if r)
+
+
+class KVCacheManagerV2(Conformant, BaseResourceManager):
+    """Stand-in for `KVCacheManagerV2`: the attributes the adapter probes, over `PagedRows`.
+
+    Pairing markers as #18093 has them: `enable_joint_kv_cache_reuse` (the manager
+    was built with `joint_kv_cache_reuse=`) and `_can_publish_block_reuse`
+    (`joint_kv_cache_reuse or not is_draft`); a build without them is modelled by
+    deleting them (`del manager.enable_joint_kv_cache_reuse`).
+    """
+
+    TRTLLM_CLASS = "KVCacheManagerV2"
+    # the pairing capability markers KvCacheCreator._joint_reuse_supported reads on the manager
+    # classes (notes section 0b, `_util.py` @ 00043967); a hybrid class of a release without
+    # #19303 opts out (MambaHybridCacheManagerV2 below)
+    _supports_draft_reuse_match_backoff = True
+    _supports_reuse_match_backoff = True
+
+    def __init__(self, *, is_draft: bool, mtp_layer: int, paged: PagedRows | None,
+                 dtype: DataType, mapping: Mapping, kv_cache_config: KvCacheConfig) -> None:
+        self.is_draft = is_draft
+        self.dtype = dtype
+        self.mapping = mapping
+        self.kv_cache_config = kv_cache_config
+        self.enable_block_reuse = kv_cache_config.enable_block_reuse
+        self.paged = paged
+        self.mtp_layer = mtp_layer
+        self.tokens_per_block = paged.tpb if paged is not None else 0
+        self.layer_offsets = {mtp_layer: 0} if is_draft else {}
+        self.enable_joint_kv_cache_reuse = False
+        self._can_publish_block_reuse = not is_draft
+        self._fresh_page_fill: object | None = None  # TRTLLM_KV_FRESH_PAGE_FILL unset: off
+        self._stream = None  # CPU: no stream
+
+    def get_max_resource_count(self) -> int:
+        return 1
+
+    def get_needed_resource_to_completion(self, request: Any) -> int:
+        return 0
+
+    def get_buffers(self, layer_idx: int, kv_layout: str = "NHD") -> torch.Tensor | None:
+        if self.paged is None or layer_idx != self.mtp_layer:
+            return None
+        buf = self.paged.buf
+        if kv_layout == "HND":
+            return buf
+        return buf.reshape(buf.shape[0], 2, buf.shape[3], buf.shape[2], buf.shape[4])  # as V2 does
+
+    def get_batch_cache_indices(self, request_ids: list[int], layer_idx: int | None = None,
+                                num_blocks_per_seq: Sequence[int] | None = None) -> list[list[int]]:
+        assert self.paged is not None
+        rows = [list(self.paged.tables.get(rid, [])) for rid in request_ids]
+        if num_blocks_per_seq is not None:
+            rows = [r[:n] for r, n in zip(rows, num_blocks_per_seq, strict=True)]
+        return rows
+
+
+@dataclass
+class _DraftEntry:
+    tokens: list[int]  # keys [0, depth) consumed tokens[0 ..= depth]
+    pages: list[int]
+
+
+class DraftKVManager(KVCacheManagerV2):
+    """The separate one-model draft pool (is_draft): fresh pages, or its own tree when paired."""
+
+    def __init__(self, paged: PagedRows, *, mtp_layer: int, paired: bool, entries: int,
+                 draft_len: int, dtype: DataType, mapping: Mapping,
+                 kv_cache_config: KvCacheConfig) -> None:
+        super().__init__(is_draft=True, mtp_layer=mtp_layer, paged=paged, dtype=dtype,
+                         mapping=mapping, kv_cache_config=kv_cache_config)
+        self.pool = paged  # the same PagedRows as self.paged, typed as present
+        self.paired = paired  # what the pool does (the markers below say it; a build may lack them)
+        self.enable_joint_kv_cache_reuse = paired
+        self._can_publish_block_reuse = paired or not self.is_draft
+        self.entries = entries
+        self.draft_len = draft_len
+        self.tree: OrderedDict[tuple[Any, ...], _DraftEntry] = OrderedDict()
+
+    def rebuilt(self) -> DraftKVManager:
+        """A fresh manager over the same pool and settings (after a teardown), markers kept."""
+        fresh = DraftKVManager(self.pool, mtp_layer=self.mtp_layer, paired=self.paired,
+                               entries=self.entries, draft_len=self.draft_len, dtype=self.dtype,
+                               mapping=self.mapping, kv_cache_config=self.kv_cache_config)
+        for name in ("enable_joint_kv_cache_reuse", "_can_publish_block_reuse"):
+            if name not in vars(self):
+                delattr(fresh, name)
+        return fresh
+
+    def match_depth(self, req: LlmRequest) -> tuple[int, _DraftEntry | None]:
+        """Paired: the depth the draft tree serves for this prompt (0 unpaired)."""
+        if not self.paired:
+            return 0, None
+        scope = (req.cache_salt, req.lora_task_id)
+        best: _DraftEntry | None = None
+        for (s, *_), e in self.tree.items():
+            n = len(e.tokens)
+            if s == scope and n <= len(req.prompt) and req.prompt[:n] == e.tokens:
+                if best is None or n > len(best.tokens):
+                    best = e
+        return (0, None) if best is None else (len(best.tokens) - 1, best)
+
+    def adopt_tree(self, req: LlmRequest, entry: _DraftEntry, depth: int) -> None:
+        """Paired: full pages below `depth` are shared tree pages; a partial one is copied."""
+        tpb = self.pool.tpb
+        full = depth // tpb
+        table = [self.pool.share(p) for p in entry.pages[:full]]
+        if depth % tpb:
+            page = self.pool.new_page()
+            self.pool.buf[page] = self.pool.buf[entry.pages[full]]  # copy on write
+            table.append(page)
+        self.pool.tables[req.py_request_id] = table
+
+    def commit_context(self, req: LlmRequest) -> None:
+        """Paired: publish the context's pages (keys [0, L)) to the tree; a partial page is copied."""
+        if not self.paired or req.is_dummy:
+            return
+        tpb, n = self.pool.tpb, len(req.prompt)
+        table = self.pool.tables[req.py_request_id]
+        pages = [self.pool.share(p) for p in table[: n // tpb]]
+        if n % tpb:
+            page = self.pool.new_page()
+            self.pool.buf[page] = self.pool.buf[table[n // tpb]]
+            pages.append(page)
+        key = ((req.cache_salt, req.lora_task_id), tuple(req.tokens[: n + 1]))
+        old = self.tree.pop(key, None)
+        if old is not None:
+            for p in old.pages:
+                self.pool.unref(p)
+        self.tree[key] = _DraftEntry(list(req.tokens[: n + 1]), pages)
+        while len(self.tree) > self.entries:
+            for p in self.tree.popitem(last=False)[1].pages:
+                self.pool.unref(p)
+
+    def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
+        # as _prepare_draft_resources: context_current_position + chunk + draft_len; generation
+        # + 1 + D, plus D for the draft steps past the accepted tokens (the extra KV tokens)
+        for r in scheduled_batch.context_requests:
+            self.pool.ensure(r.py_request_id, r.context_current_position + r.context_chunk_size
+                              + self.draft_len)
+        for r in scheduled_batch.generation_requests:
+            self.pool.ensure(r.py_request_id, len(r.tokens) + 1 + 2 * self.draft_len)
+
+    def free_resources(self, request: Any) -> None:
+        self.pool.release(request.py_request_id)

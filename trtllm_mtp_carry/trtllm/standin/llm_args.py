@@ -1,0 +1,76 @@
+"""Stand-in for the reuse part of `tensorrt_llm/llmapi/llm_args.py`: `KvCacheConfig`, `MambaStateConfig`.
+
+Read (nothing ran): `MambaStateConfig` as the 1.3.0rc27 and 1.4.0rc4 API references list it
+(nvidia.github.io/TensorRT-LLM/<version>/llm-api/reference/MambaStateConfig.html):
+`periodic_snapshot_interval: int >= 0 = 0`, `additional_snapshot_offsets_from_start:
+List[int > 0] = []`, `additional_snapshot_offsets_from_end: List[int >= 0] = []`,
+`enable_branch_snapshot: bool = False` (in 1.4.0rc4 a deprecated alias of the block reuse
+config's flag); `KvCacheConfig.enable_block_reuse: bool = True`. The model default that
+wins over it: Qwen3-Next's `get_model_defaults` returns
+`{"kv_cache_config": {"enable_block_reuse": False}}` ("until a snapshot policy is
+configured"; `_torch/models/modeling_qwen3_next.py` @ 00022b04); values the user sets win.
+docs/source/features/kvcache.md @ 0076e939: periodic snapshots are "disabled by default";
+an end offset of `0` "selects the final prompt boundary".
+
+Only the fields the hybrid manager's reuse reads are modelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .conformant import Conformant
+
+
+@dataclass
+class MambaStateConfig(Conformant):
+    """`kv_cache_config.mamba_state_config`: where a hybrid target keeps reusable recurrent states."""
+
+    TRTLLM_CLASS = "MambaStateConfig"
+
+    periodic_snapshot_interval: int = 0
+    additional_snapshot_offsets_from_start: list[int] = field(default_factory=list)
+    additional_snapshot_offsets_from_end: list[int] = field(default_factory=list)
+    enable_branch_snapshot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.periodic_snapshot_interval < 0:
+            raise ValueError(f"periodic_snapshot_interval must be >= 0, got {self.periodic_snapshot_interval}")
+        if any(o <= 0 for o in self.additional_snapshot_offsets_from_start):
+            raise ValueError("additional_snapshot_offsets_from_start must be > 0, got "
+                             f"{self.additional_snapshot_offsets_from_start}")
+        if any(o < 0 for o in self.additional_snapshot_offsets_from_end):
+            raise ValueError("additional_snapshot_offsets_from_end must be >= 0, got "
+                             f"{self.additional_snapshot_offsets_from_end}")
+
+
+@dataclass
+class KvCacheConfig(Conformant):
+    """`kv_cache_config`: the two fields the stand-in's reuse reads (block reuse, snapshot placement)."""
+
+    TRTLLM_CLASS = "KvCacheConfig"
+
+    enable_block_reuse: bool = True
+    mamba_state_config: MambaStateConfig = field(default_factory=MambaStateConfig)
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any] | KvCacheConfig | None) -> KvCacheConfig:
+        """The configuration a user's `kv_cache_config` gives, over Qwen3-Next's model defaults.
+
+        None (nothing set): `enable_block_reuse` False, the model default. Other
+        `kv_cache_config` keys (dtype, tokens_per_block, ...) are TensorRT-LLM's and not
+        modelled: taken and ignored; an unknown `mamba_state_config` key is a TypeError.
+        """
+        if isinstance(value, KvCacheConfig):
+            return value
+        merged: dict[str, Any] = {**QWEN3_NEXT_MODEL_DEFAULTS["kv_cache_config"], **(value or {})}
+        state = merged.get("mamba_state_config") or {}
+        if not isinstance(state, MambaStateConfig):
+            state = MambaStateConfig(**state)
+        return cls(bool(merged["enable_block_reuse"]), state)
+
+
+QWEN3_NEXT_MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"kv_cache_config": {"enable_block_reuse": False}}
+"""Qwen3-Next's `get_model_defaults` (modeling_qwen3_next.py @ 00022b04): block reuse off."""

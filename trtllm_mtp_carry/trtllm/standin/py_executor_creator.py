@@ -1,0 +1,95 @@
+"""Stand-in for `tensorrt_llm/_torch/pyexecutor/py_executor_creator.py`: `create_py_executor`.
+
+Read (nothing ran): `py_executor_creator.py` @ bab0f2e6eea19bcce16c805101420ef7d9d62d75
+(and 000429d5): `from ._util import create_py_executor_instance`, called through that
+module-global name with keyword arguments only, `start_worker=False`; under KV cache
+estimation twice (the KV managers torn down and built again in between, over one
+`resources` dict: `kv_cache_creator.teardown_managers(resources)`, `del py_executor`,
+`kv_cache_creator.build_managers(resources, False)`); then `py_executor.start_worker()`.
+Newer versions pass `llm_args=` instead of `pytorch_backend_config=` and add
+`virtual_memory_pools=` and `execution_stream=` (notes section 0b); the stand-in passes
+the newer set.
+
+Invariant: the worker hook (`trtllm.worker`) wraps this module's
+`create_py_executor_instance`, exactly as on TensorRT-LLM: one path, the keyword one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from ...engine.model import HybridLM
+from ._util import (
+    VERSIONS,
+    StandinLlmArgs,
+    build_managers,
+    create_py_executor_instance,
+    teardown_managers,
+)
+from .llm_args import KvCacheConfig
+from .mapping import Mapping as TrtllmMapping
+from .resource_manager import DataType
+
+
+def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | KvCacheConfig | None = None,
+                       enable_block_reuse: bool | None = None, topology: str | None = None,
+                       version: str = "1.3.0rc29", max_draft_len: int = 3, chunk_size: int = 64,
+                       tokens_per_block: int = 32, num_pages: int = 4096, prefix_entries: int = 64,
+                       max_batch: int = 8, kv_dtype: DataType = DataType.BF16, tp_size: int = 1,
+                       enable_attention_dp: bool = False, overlap_scheduler: bool = False,
+                       stop_token_ids: Sequence[int] = (),
+                       extra_resource_managers: Mapping[str, Any] | None = None,
+                       estimate_kv_cache: bool = False) -> Any:
+    """Build and start a stand-in PyExecutor as TensorRT-LLM's `create_py_executor` does.
+
+    `kv_cache_config` is the user's `kv_cache_config` (a dict as in `llm.yaml`, or a
+    `KvCacheConfig`) over Qwen3-Next's model defaults: None gets block reuse off;
+    `enable_block_reuse` (the stand-in's shorthand) overrides its `enable_block_reuse`
+    (False: the rebuild baseline, every turn prefills from 0). `topology` is `unpaired`,
+    `paired` or `folded` (default: the `version` profile's); `max_draft_len=0` runs
+    without speculation (no draft pool). `estimate_kv_cache=True` builds the executor
+    twice over one `resources` dict (an `extra_resource_managers` entry then raises on
+    the second build, as on TensorRT-LLM).
+    """
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
+    config = KvCacheConfig.from_dict(kv_cache_config)
+    if enable_block_reuse is not None:
+        config = KvCacheConfig(enable_block_reuse, config.mamba_state_config)
+    args = StandinLlmArgs(
+        model=model.eval(), kv_cache_config=config,
+        topology=VERSIONS[version]["topology"] if topology is None else topology, version=version,
+        max_draft_len=max_draft_len, chunk_size=chunk_size, tokens_per_block=tokens_per_block,
+        num_pages=num_pages, prefix_entries=prefix_entries, max_batch=max_batch, kv_dtype=kv_dtype,
+        tp_size=tp_size, enable_attention_dp=enable_attention_dp, overlap_scheduler=overlap_scheduler,
+        stop_token_ids=tuple(stop_token_ids), extra_resource_managers=dict(extra_resource_managers or {}))
+    if args.topology not in ("unpaired", "paired", "folded"):
+        raise ValueError(f"topology must be unpaired, paired or folded, got {args.topology!r}")
+    model_engine = SimpleNamespace(model=args.model)  # PyTorchModelEngine (.model)
+    resources: OrderedDict[Any, Any] = OrderedDict()
+    build_managers(resources, args)
+    py_executor = _instance(resources, args, model_engine)
+    if estimate_kv_cache:
+        first_draft = py_executor.draft
+        teardown_managers(resources)
+        del py_executor  # free before constructing new
+        build_managers(resources, args)
+        py_executor = _instance(resources, args, model_engine)
+        py_executor.estimation_draft = first_draft  # the stand-in's record, for tests
+    py_executor.start_worker()
+    return py_executor
+
+
+def _instance(resources: OrderedDict[Any, Any], args: StandinLlmArgs, model_engine: Any) -> Any:
+    # through this module's global name, as py_executor_creator calls it (the hook wraps it)
+    return create_py_executor_instance(
+        dist=None, resources=resources, mapping=TrtllmMapping(args.tp_size, args.enable_attention_dp),
+        llm_args=args, ctx_chunk_config=None, model_engine=model_engine, start_worker=False,
+        sampler=None, drafter=None, guided_decoder=None, lora_config=None,
+        garbage_collection_gen0_threshold=None, kv_connector_manager=None,
+        max_seq_len=1 << 20, max_batch_size=args.max_batch, max_beam_width=1,
+        max_num_tokens=args.chunk_size, peft_cache_config=None, scheduler_config=None,
+        cache_transceiver_config=None, virtual_memory_pools=None, execution_stream=None)

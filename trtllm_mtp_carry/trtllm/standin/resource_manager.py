@@ -1,0 +1,123 @@
+"""Stand-in for `tensorrt_llm/_torch/pyexecutor/resource_manager.py`: the managers' protocol and their order.
+
+Read (nothing ran): `resource_manager.py` @ 38198e34 (notes section 0): `BaseResourceManager`
+(abstract `get_max_resource_count()`, `get_needed_resource_to_completion(request)`; no-op
+`add_dummy_requests`, `prepare_resources`, `update_resources`, `free_resources`,
+`shutdown`); `ResourceManager` over an OrderedDict: prepare and update iterate it forward,
+`free_resources(request)` reversed, each only where the entry `hasattr` the method (a
+None entry is skipped; `resource_manager.py`, index version read in this pass);
+`ResourceManagerType` keys. `DataType` is
+`tensorrt_llm.bindings.DataType` (the adapter reads `.name`).
+
+Invariant: `ResourceManager.calls` records `(manager name, "prepare" | "free", request id)`
+in call order (the stand-in's own record, for the order tests).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .conformant import Conformant
+from .scheduler import ScheduledRequests
+
+
+class DataType(enum.Enum):
+    """Stand-in for `tensorrt_llm.bindings.DataType` (the adapter reads `.name`)."""
+
+    BF16 = "BF16"
+    HALF = "HALF"
+    FLOAT = "FLOAT"
+    FP8 = "FP8"
+
+
+_TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
+                 DataType.FLOAT: torch.float32, DataType.FP8: torch.float16}
+
+
+class ResourceManagerType(enum.Enum):
+    """Stand-in for TensorRT-LLM's `ResourceManagerType` (the keys of `resource_managers`)."""
+
+    KV_CACHE_MANAGER = "KV_CACHE_MANAGER"
+    DRAFT_KV_CACHE_MANAGER = "DRAFT_KV_CACHE_MANAGER"
+    SEQ_SLOT_MANAGER = "SEQ_SLOT_MANAGER"
+
+
+class BaseResourceManager(abc.ABC):
+    """Stand-in for TensorRT-LLM's `BaseResourceManager` protocol (resource_manager.py)."""
+
+    @abc.abstractmethod
+    def get_max_resource_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def get_needed_resource_to_completion(self, request: Any) -> int: ...
+
+    def add_dummy_requests(self, request_ids: list[int]) -> None:
+        return None
+
+    def prepare_resources(self, scheduled_batch: ScheduledRequests) -> None:
+        return None
+
+    def update_resources(self, scheduled_batch: ScheduledRequests) -> None:
+        return None
+
+    def free_resources(self, request: Any) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class ResourceManager(Conformant):
+    """Stand-in for TensorRT-LLM's `ResourceManager`: an OrderedDict, prepare forward, free reversed.
+
+    `calls` records `(manager name, "prepare" | "free", request id)` in call order.
+    """
+
+    TRTLLM_CLASS = "ResourceManager"
+
+    def __init__(self, managers: OrderedDict[Any, Any]) -> None:
+        self.resource_managers = managers
+        self.calls: list[tuple[str, str, int]] = []
+
+    def prepare_resources(self, batch: ScheduledRequests) -> None:
+        # as TensorRT-LLM: `if hasattr(resource_manager, "prepare_resources")`, so a None entry
+        # (no separate draft pool) is skipped
+        for key, manager in self.resource_managers.items():
+            if hasattr(manager, "prepare_resources"):
+                for r in batch.context_requests:
+                    self.calls.append((_name(key), "prepare", r.py_request_id))
+                manager.prepare_resources(batch)
+
+    def update_resources(self, batch: ScheduledRequests) -> None:
+        for manager in self.resource_managers.values():
+            if hasattr(manager, "update_resources"):
+                manager.update_resources(batch)
+
+    def free_resources(self, request: Any) -> None:
+        for key, manager in reversed(self.resource_managers.items()):
+            if hasattr(manager, "free_resources"):
+                self.calls.append((_name(key), "free", request.py_request_id))
+                manager.free_resources(request)
+
+    def get_resource_manager(self, name: Any) -> Any:
+        return self.resource_managers.get(name)
+
+
+def _name(key: object) -> str:
+    name = getattr(key, "name", key)
+    return str(name)
+
+
+class SeqSlotManager(BaseResourceManager):
+    """Stand-in for the sequence slot manager (holds nothing the carry reads)."""
+
+    def get_max_resource_count(self) -> int:
+        return 1
+
+    def get_needed_resource_to_completion(self, request: Any) -> int:
+        return 0
