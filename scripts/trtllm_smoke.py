@@ -24,7 +24,10 @@ user's machine, what the CPU stand-in cannot:
   ttft        time to first token per turn and mode (median, p25-p75), reported.
 
 Modes, each its own LLM in this process (TLLM_WORKER_USE_SINGLE_PROCESS=1, TP=1, so
-the checks can read the draft pages; the carry is installed as in a worker process):
+the checks can read the draft pages; the carry is installed as in a worker process).
+Block reuse, where on, comes with the recommended snapshot placement
+(`kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end: [0]`: the
+hybrid target reuses a prefix only at snapshot points; a placement in --llm-options wins):
   off      no speculative decoding, block reuse on;
   rebuild  one-model MTP, block reuse off (every turn prefills its whole history);
   blind    one-model MTP, block reuse on, no carry (the drafter is blind over the
@@ -66,6 +69,7 @@ from trtllm_mtp_carry.serve.trtllm.serving import (  # noqa: E402
     conversation_id_for,
     sampling_kwargs,
 )
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_SNAPSHOT_PLACEMENT  # noqa: E402
 
 PROG = "trtllm_smoke.py"
 MODES = ("off", "rebuild", "blind", "carry")
@@ -212,14 +216,18 @@ class TurnRecord:
 
 
 def build_llm(env: dict[str, Any], mode: str, args: argparse.Namespace, extra: dict[str, Any]) -> Any:
-    kv = env["KvCacheConfig"](enable_block_reuse=mode != "rebuild", free_gpu_memory_fraction=args.kv_fraction)
+    # the hybrid target reuses a prefix only at its snapshot points: one at each prompt's end
+    # (RECOMMENDED_SNAPSHOT_PLACEMENT, DECISIONS.md "Snapshot placement"), or no warm turn reuses any
+    kv = env["KvCacheConfig"](enable_block_reuse=mode != "rebuild", free_gpu_memory_fraction=args.kv_fraction,
+                              mamba_state_config=dict(RECOMMENDED_SNAPSHOT_PLACEMENT))
     kwargs: dict[str, Any] = {"enable_chunked_prefill": False, "tensor_parallel_size": 1}
     kwargs.update({k: v for k, v in extra.items() if k not in ("kv_cache_config", "speculative_config")})
     kwargs = env["update"]({"model": args.model}, kwargs)
     kwargs["kv_cache_config"] = kv
     if "kv_cache_config" in extra:  # the user's KV options, with this mode's reuse setting
-        kwargs["kv_cache_config"] = env["KvCacheConfig"](**{**extra["kv_cache_config"],
-                                                          "enable_block_reuse": mode != "rebuild"})
+        kwargs["kv_cache_config"] = env["KvCacheConfig"](**{
+            "mamba_state_config": dict(RECOMMENDED_SNAPSHOT_PLACEMENT),  # unless the user's sets one
+            **extra["kv_cache_config"], "enable_block_reuse": mode != "rebuild"})
     if mode != "off":
         kwargs["speculative_config"] = env["MTPDecodingConfig"](max_draft_len=args.max_draft_len)
     return env["LLM"](**kwargs)

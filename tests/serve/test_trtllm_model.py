@@ -24,6 +24,7 @@ from trtllm_standin import ChatMLTokenizer
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.serve.trtllm.model import require_tensorrt_llm
 from trtllm_mtp_carry.serve.trtllm.repo import (
+    DEFAULT_LLM_OPTIONS,
     LLM_OPTIONS_FILE,
     TrtllmRepoSpec,
     render_trtllm_config,
@@ -270,8 +271,8 @@ def test_the_config_keeps_the_sequence_contract_with_the_reference_outputs_and_r
         ("turn_stats", t.TYPE_STRING), ("kv_cache_reused_blocks", t.TYPE_INT32)}
     assert [g.count for g in cfg.instance_group] == [1]
     params = {k: v.string_value for k, v in cfg.parameters.items()}
-    assert params == {"engine": "trtllm", "model": str(tmp_path.resolve()), "llm_options": "", "max_tokens": "32",
-                      "max_turn_s": "300"}
+    assert params == {"engine": "trtllm", "model": str(tmp_path.resolve()), "llm_options": LLM_OPTIONS_FILE,
+                      "max_tokens": "32", "max_turn_s": "300"}
     assert TrtllmServeOptions.from_parameters(params) == spec.options
 
 
@@ -289,9 +290,20 @@ def test_triton_repo_engine_trtllm_writes_a_self_contained_repository(tmp_path, 
     params = {k: v.string_value for k, v in parse((model_dir / "config.pbtxt").read_text()).parameters.items()}
     assert params == {"engine": "trtllm", "model": str(ckpt.resolve()), "llm_options": LLM_OPTIONS_FILE,
                       "max_tokens": "48", "max_turn_s": "300"}
-    # rewritten without options: no stale copy is left for the model to load
+    # rewritten without options: the recommended configuration, no stale copy for the model to load
     write_trtllm_repository(repo, trtllm_spec("mtp_carry", str(ckpt), None, 600.0, 48))
-    assert not (model_dir / LLM_OPTIONS_FILE).exists()
+    assert (model_dir / LLM_OPTIONS_FILE).read_text() == DEFAULT_LLM_OPTIONS
+
+
+def test_a_repository_without_llm_options_gets_the_recommended_snapshot_placement(tmp_path):
+    import yaml
+
+    from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
+
+    model_dir = write_trtllm_repository(tmp_path, trtllm_spec("m", "/ckpt/q", None, 600.0, 48))
+    written = yaml.safe_load((model_dir / LLM_OPTIONS_FILE).read_text())
+    assert written["kv_cache_config"] == RECOMMENDED_KV_CACHE_CONFIG
+    assert written["kv_cache_config"]["mamba_state_config"] == {"additional_snapshot_offsets_from_end": [0]}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -312,7 +324,7 @@ def test_triton_repo_engine_trtllm_refuses_bad_flags_in_one_line(tmp_path, capsy
 
 def test_the_spec_checks_its_options_file_goes_with_its_parameter(tmp_path):
     with pytest.raises(ValueError, match="llm_options_source and options.llm_options go together"):
-        TrtllmRepoSpec(options=TrtllmServeOptions(model="m", llm_options=LLM_OPTIONS_FILE))
+        TrtllmRepoSpec(options=TrtllmServeOptions(model="m", llm_options=""), llm_options_source=tmp_path)
 
 
 # ---- without TensorRT-LLM -----------------------------------------------------------

@@ -2,15 +2,16 @@
 
 In process, on stand-ins for what cannot run here: `trtllm_standin.ExecutorLLM`
 is TensorRT-LLM's LLM API over the package's CPU STAND-IN executor
-(`trtllm_mtp_carry/trtllm/standin.py`, not TensorRT-LLM) and `pb_utils` is
+(`trtllm_mtp_carry/trtllm/standin/`, not TensorRT-LLM) and `pb_utils` is
 Triton's Python-backend module stand-in. What runs for real: the model code,
 its loop thread, `attach` and the carry resource manager over the stand-in
 executor's pages, the core's `CarryStore`. (A real `tritonserver` cannot load
 this model without TensorRT-LLM: test_trtllm_model.py pins that failure.)
 
 Prompts are the reference model's own domain (standard-library source), and
-every warm turn extends the last prompt and answer, so the stand-in executor
-reuses the last prompt (R = its length) as TensorRT-LLM's prefix reuse would.
+every warm turn extends the last prompt and answer, so under the repository's
+default `llm_options.yaml` (a snapshot at each prompt's end) the stand-in executor
+reuses the last prompt (R = its length) as TensorRT-LLM's hybrid manager would.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import trtllm_standin as standin
 
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.serve.trtllm.model import TritonPythonModel
+from trtllm_mtp_carry.serve.trtllm.repo import DEFAULT_LLM_OPTIONS, LLM_OPTIONS_FILE
 
 CORPUS = ChatTokenizer().encode(Path(json.__file__).with_name("decoder.py").read_text())
 MAX_TOKENS = 6
@@ -34,8 +36,11 @@ def serve(monkeypatch, tmp_path, idle_us: int, max_turn_s: int = 300) -> TritonP
     standin.install_tensorrt_llm(monkeypatch, standin.ExecutorLLM)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", standin.pb_utils_module())
     monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
+    # the llm_options.yaml `triton-repo` writes: block reuse on, a snapshot at each prompt's end
+    (tmp_path / LLM_OPTIONS_FILE).write_text(DEFAULT_LLM_OPTIONS)
     config = {"parameters": {"engine": {"string_value": "trtllm"}, "model": {"string_value": "/ckpt/q"},
-                             "llm_options": {"string_value": ""}, "max_tokens": {"string_value": "64"},
+                             "llm_options": {"string_value": LLM_OPTIONS_FILE},
+                             "max_tokens": {"string_value": "64"},
                              "max_turn_s": {"string_value": str(max_turn_s)}},
               "sequence_batching": {"max_sequence_idle_microseconds": idle_us}}
     model = TritonPythonModel()

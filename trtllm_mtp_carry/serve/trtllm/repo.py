@@ -1,9 +1,12 @@
 """The Triton repository of the TensorRT-LLM model (`triton-repo --engine trtllm --model PATH`).
 
 What it is for: write `DIR/<name>/config.pbtxt`, `DIR/<name>/1/model.py`
-(exporting `trtllm_mtp_carry.serve.trtllm.model.TritonPythonModel`) and,
-with `--llm-options YAML`, a copy of that file as `DIR/<name>/llm_options.yaml`,
-so the repository is self-contained. The configuration is the reference
+(exporting `trtllm_mtp_carry.serve.trtllm.model.TritonPythonModel`) and
+`DIR/<name>/llm_options.yaml`: with `--llm-options YAML` a copy of that file, else
+`DEFAULT_LLM_OPTIONS`, the configuration the carry needs on Qwen3-Next (block reuse
+on, one recurrent-state snapshot at each prompt's end: `trtllm.options.
+RECOMMENDED_KV_CACHE_CONFIG`), so the repository is self-contained and a warm turn
+reuses the previous turn's prompt. The configuration is the reference
 model's (`serve/triton/repo.py`: decoupled, sequence batching `oldest`,
 `CORRID` uint64, `START`/`END`) with this model's inputs, outputs and
 parameters (`TrtllmServeOptions`).
@@ -36,6 +39,21 @@ from .serving import TrtllmServeOptions
 MODEL_MODULE = "trtllm_mtp_carry.serve.trtllm.model"
 LLM_OPTIONS_FILE = "llm_options.yaml"
 
+DEFAULT_LLM_OPTIONS = """\
+# written by trtllm-mtp-carry triton-repo (no --llm-options given): TensorRT-LLM's options
+# for a hybrid MTP model such as Qwen3-Next, with what the MTP carry needs (DECISIONS.md
+# "Snapshot placement"): block reuse on (Qwen3-Next's default is off) and one recurrent-state
+# snapshot at each prompt's end, so the next turn reuses the previous turn's prompt.
+speculative_config: {decoding_type: MTP, max_draft_len: 3}
+kv_cache_config:
+  enable_block_reuse: true
+  mamba_state_config:
+    additional_snapshot_offsets_from_end: [0]
+mtp_carry: {enable: true}
+"""
+"""The `llm_options.yaml` a repository gets without `--llm-options` (pinned equal to
+`RECOMMENDED_KV_CACHE_CONFIG` by tests/serve/test_trtllm_model.py)."""
+
 # the reference model's inputs less drafter_policy: TensorRT-LLM's drafting is set per deployment
 TRTLLM_INPUTS = tuple(i for i in INPUTS if i[0] != "drafter_policy")
 # the reference model's outputs (carry_outcome and drafter_rows_computed from the adapter's
@@ -55,7 +73,7 @@ class TrtllmRepoSpec:
 
     def __post_init__(self) -> None:
         self.repo_spec()  # the shared checks of name, idle timeout and candidates
-        if (self.llm_options_source is None) != (self.options.llm_options == ""):
+        if self.llm_options_source is not None and self.options.llm_options != LLM_OPTIONS_FILE:
             raise ValueError("llm_options_source and options.llm_options go together")
         if self.llm_options_source is not None and not Path(self.llm_options_source).is_file():
             raise ValueError(f"--llm-options {self.llm_options_source}: not a file")
@@ -78,7 +96,7 @@ def trtllm_spec(name: str, model: str | None, llm_options: str | None, idle_time
                          f"--instances {instances}")
     if Path(model).exists():  # a local checkpoint: absolute, since tritonserver runs elsewhere
         model = str(Path(model).resolve())
-    options = TrtllmServeOptions(model=model, llm_options=LLM_OPTIONS_FILE if llm_options else "",
+    options = TrtllmServeOptions(model=model, llm_options=LLM_OPTIONS_FILE,
                                  max_tokens=max_tokens, max_turn_s=max_turn_s)
     return TrtllmRepoSpec(name=name, idle_timeout_s=idle_timeout_s, options=options,
                           max_candidate_sequences=max_candidate_sequences,
@@ -98,6 +116,8 @@ def write_trtllm_repository(directory: str | Path, spec: TrtllmRepoSpec) -> Path
     copy = model_dir / LLM_OPTIONS_FILE
     if spec.llm_options_source is not None:
         shutil.copyfile(spec.llm_options_source, copy)
+    elif spec.options.llm_options == LLM_OPTIONS_FILE:
+        copy.write_text(DEFAULT_LLM_OPTIONS)  # the recommended configuration, never a stale copy
     elif copy.exists():
         copy.unlink()  # an overwritten repository keeps no stale options
     return model_dir
