@@ -153,9 +153,39 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
     }
 
 
+def llm_config_report(path: str) -> dict[str, object]:
+    """What a TensorRT-LLM `llm.yaml` (extra_llm_api_options) gives the carry on a Qwen3-Next
+    (hybrid) target: its block reuse and snapshot placement over the model's defaults, and
+    the one line of why the carry stands aside, if it must (None: the carry can restore rows;
+    the executor's own probe decides the rest at start). TrtllmAdapterError on a bad file."""
+    from .trtllm.options import kv_cache_config_of, load_llm_options, reuse_stand_aside
+
+    rest, options = load_llm_options(path)
+    kv = kv_cache_config_of(rest)
+    state = kv["mamba_state_config"]
+    aside = None if options.enable else "not configured (mtp_carry.enable is false)"
+    return {
+        "llm_config": path,
+        "llm_config_block_reuse": kv["enable_block_reuse"],
+        "llm_config_snapshot_placement": ", ".join(f"{k}={v}" for k, v in sorted(state.items())) or "none",
+        "llm_config_stands_aside": aside or reuse_stand_aside(kv["enable_block_reuse"], True, state),
+    }
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     cfg = settings.DrafterContext(prefill=not args.no_prefill, carry=not args.no_carry)
     report = info_report(cfg)
+    if args.llm_config is not None:
+        from .trtllm.options import TrtllmAdapterError
+
+        try:
+            report.update(llm_config_report(args.llm_config))
+        except TrtllmAdapterError as exc:
+            print(f"trtllm-mtp-carry: error: --llm-config {args.llm_config}: {exc}", file=sys.stderr)
+            return 2
+        if report["llm_config_stands_aside"] is not None:  # never "armed" for a carry with no row to restore
+            report["carry_armed"] = False
+            report["carry_armed_reason"] = f"stands aside under {args.llm_config}: {report['llm_config_stands_aside']}"
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -187,6 +217,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("carry armed", yes(report["carry_armed"]), report["carry_armed_reason"]),
         (f"debug log ({settings.ENV_DEBUG})", "on" if report["debug"] else "off", ""),
     ]
+    if args.llm_config is not None:
+        rows[-1:-1] = [
+            ("block reuse (--llm-config)", yes(report["llm_config_block_reuse"]),
+             "kv_cache_config.enable_block_reuse (Qwen3-Next's default: off)"),
+            ("snapshot placement (--llm-config)", "-", report["llm_config_snapshot_placement"]),
+        ]
     width = max(len(name) for name, _, _ in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value!s:<6}  {note}".rstrip())
@@ -220,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="report with the drafter prompt prefill off (implies --no-carry)",
     )
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument(
+        "--llm-config", metavar="YAML", default=None,
+        help="a TensorRT-LLM llm.yaml (extra_llm_api_options): report whether the carry can restore "
+             "rows under it (block reuse, the hybrid target's snapshot placement)")
     info.set_defaults(func=cmd_info)
 
     from .bench.main import add_arguments

@@ -123,7 +123,8 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
     """
     if not enable_block_reuse:
         fix = REUSE_FIX + (f" and {SNAPSHOT_FIX[4:]}" if hybrid else "")
-        return f"block reuse is off (kv_cache_config.enable_block_reuse): no prefix is ever reused; {fix}"
+        return ("block reuse is off (kv_cache_config.enable_block_reuse): no prefix is ever reused, "
+                f"so there is nothing to carry; {fix}")
     if not hybrid:
         return None
     state = state or {}
@@ -132,8 +133,8 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
         state.get("additional_snapshot_offsets_from_end"))
     if interval > 0 or (offsets and offsets_supported) or state.get("enable_branch_snapshot"):
         return None
-    return ("the hybrid target keeps no snapshot point (kv_cache_config.mamba_state_config sets none), "
-            f"so no prefix is ever reused; {SNAPSHOT_FIX}")
+    return ("the hybrid target keeps no snapshot point (kv_cache_config.mamba_state_config sets none): "
+            f"no prefix is ever reused, so there is nothing to carry; {SNAPSHOT_FIX}")
 
 
 def kv_cache_config_of(options: Mapping[str, Any]) -> dict[str, Any]:

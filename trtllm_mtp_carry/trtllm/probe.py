@@ -171,7 +171,7 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     never = _never_reuses(target, reuse)
     if never is not None:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", False,
-                             f"{never}: there is nothing to carry", version)
+                             never, version)
     paired, found = _pairing(draft, target)
     if paired:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
