@@ -16,6 +16,13 @@ the functions shown in the history, so the answer copies the reused prefix.
 Prompts are padded to a multiple of the prefill chunk, so a warm turn's
 reused depth is chunk-aligned (rebuild then computes bit-equal rows).
 
+Reuse: the stand-in's hybrid target reuses a prefix only at its snapshot points, as
+TensorRT-LLM's `MambaHybridCacheManagerV2` does; every policy runs under the recommended
+placement (`kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end: [0]`,
+`--snapshot-placement end`), or under none (`none`: block reuse on, no snapshot point: no
+warm turn reuses anything and the worker hook stands aside). The reused depth R of every
+warm turn is printed next to the previous turn's prompt length.
+
     python scripts/trtllm_standin_bench.py --history 8192 --sessions 3 --turns 4
 """
 
@@ -38,6 +45,7 @@ from trtllm_mtp_carry.bench.stats import Spread, paired_ratio
 from trtllm_mtp_carry.engine.model import load_reference
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
 
 POLICIES = ("carry", "blind", "rebuild")
@@ -77,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
     ap.add_argument("--json", help="write per-turn records here")
+    ap.add_argument("--snapshot-placement", choices=("end", "none"), default="end",
+                    help="the hybrid target's mamba_state_config: a snapshot at each prompt's end "
+                         "(the recommended placement), or none")
     args = ap.parse_args(argv)
+    kv_cache_config = (RECOMMENDED_KV_CACHE_CONFIG if args.snapshot_placement == "end"
+                       else {"enable_block_reuse": True})
     torch.set_num_threads(1)
     model, tok = load_reference()
     llms = {}
@@ -89,10 +102,11 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ[worker.ENV] = str(config)
             llms[p] = StandinLLM(model, single_process=p != "carry", chunk_size=args.chunk,
                                  max_batch=1, num_pages=16384, prefix_entries=4 * args.sessions,
-                                 enable_block_reuse=p != "rebuild")
+                                 kv_cache_config=kv_cache_config, enable_block_reuse=p != "rebuild")
             os.environ.pop(worker.ENV, None)
-    carry = llms["carry"].executor.resource_manager.resource_managers[CARRY_MANAGER_KEY]
-    warm = StandinLLM(model, single_process=True, chunk_size=args.chunk)  # warm-up: torch's first calls are slow
+    carry = llms["carry"].executor.resource_manager.resource_managers.get(CARRY_MANAGER_KEY)
+    warm = StandinLLM(model, single_process=True, chunk_size=args.chunk,
+                      kv_cache_config=kv_cache_config)  # warm-up: torch's first calls are slow
     warm.generate_async(tok.render_chat([{"role": "user", "content": "warm up"}]), 8)
     warm.run_until_done()
 
@@ -103,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         prompt = head + pad(lambda t: tok.render_chat([{"role": "user", "content": t}]),
                             history[-1]["content"], len(head), args.chunk)
         prompts = dict.fromkeys(POLICIES, prompt)
+        last_prompt: dict[str, list[int]] = {}
         for turn in range(args.turns):
             outs = {}
+            prompts_before = dict(last_prompt) if turn else {}
             for p in POLICIES:  # the same session and turn under each policy, back to back
                 llm = llms[p]
                 t0 = time.perf_counter()
@@ -115,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                 ttft = (time.perf_counter() - t0) * 1e3
                 llm.run_until_done()
                 outs[p] = req.output
+                last_prompt[p] = req.prompt
                 records.append({"session": s, "turn": turn, "policy": p, "ttft_ms": ttft,
                                 "reused": req.reused, "prompt": len(req.prompt),
+                                "previous_prompt": len(prompts_before[p]) if turn else 0,
                                 "accepted": req.accepted, "verify_steps": req.verify_steps,
                                 "acceptance": req.accepted / max(req.verify_steps, 1)})
                 ask = f"Repeat `{names[turn % len(names)]}` exactly."
@@ -149,8 +167,14 @@ def main(argv: list[str] | None = None) -> int:
             pr = paired_ratio(col("carry", key), col(other, key), key, other)
             cells.append(pr.reason or fmt(pr.spread, 3))
         print(f"| {key} | {cells[0]} | {cells[1]} |")
-    print("carry stats:", json.dumps({k: v for k, v in carry.stats().items()
-                                       if k in ("outcomes", "rows_scattered", "deposits")}))
+    r_col = [(r["session"], r["turn"], r["reused"], r["previous_prompt"]) for r in warm_recs
+             if r["policy"] == "carry"]
+    print("reused depth R per warm turn (carry; session, turn, R, previous prompt length):",
+          ", ".join(f"s{s} t{t} R={r} prev={pp}" for s, t, r, pp in r_col))
+    print("R = previous prompt length on every warm turn:", all(r == pp for _, _, r, pp in r_col))
+    if carry is not None:
+        print("carry stats:", json.dumps({k: v for k, v in carry.stats().items()
+                                           if k in ("outcomes", "rows_scattered", "deposits")}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

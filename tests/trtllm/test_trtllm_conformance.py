@@ -24,7 +24,7 @@ from trtllm_names import (
 )
 
 from trtllm_mtp_carry.trtllm import manager as manager_module
-from trtllm_mtp_carry.trtllm.standin import TRTLLM_NAMES, LlmRequest
+from trtllm_mtp_carry.trtllm.standin import TRTLLM_NAMES, VERSIONS, LlmRequest
 
 SCRIPTS = ["scripts/trtllm_smoke.py"]
 
@@ -116,9 +116,31 @@ def test_package_code_reading_a_name_tensorrt_llm_lacks_gets_attribute_error() -
                 vars(manager_module), {"request": req}) == "absent"
 
 
+def test_the_version_table_is_the_stand_ins_profiles() -> None:
+    """One row per `VERSIONS` profile, with its target class, markers, capability, topology and
+    snapshot options exactly as the stand-in plays that version."""
+    text = (ROOT / "docs" / "TRTLLM-CONFORMANCE.md").read_text()
+    section = text[text.index("### Versions"):text.index("## 4. The LLM API")]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0] in VERSIONS:
+            rows[cells[0]] = cells
+    assert set(rows) == set(VERSIONS)
+    for version, profile in VERSIONS.items():
+        _, target, markers, backoff, topology, options, _ = rows[version]
+        assert target.split()[0] == f"`{profile['target_class']}`", version
+        assert markers == ("present" if profile["markers"] else "absent"), version
+        assert backoff == str(profile["draft_reuse_match_backoff"]), version
+        assert topology == profile["topology"], version
+        want = "not read" if profile["snapshot_options"] is None else ", ".join(profile["snapshot_options"])
+        assert options == want, version
+
+
 def test_the_doc_cites_the_commits_it_read() -> None:
     text = (ROOT / "docs" / "TRTLLM-CONFORMANCE.md").read_text()
-    for commit in ("00e9b8a7", "cc8cd5af", "000429d5", "002f3cc3", "38198e34"):
+    for commit in ("00e9b8a7", "cc8cd5af", "000429d5", "002f3cc3", "38198e34", "28295084", "bab0f2e6",
+                   "0076e939", "00022b04"):
         assert commit in text
     assert Path(ROOT / "docs" / "TRTLLM-CONFORMANCE.md").exists()
 
