@@ -25,7 +25,7 @@ print(carry.topology, carry.armed, carry.reason)
 The adapter imports `tensorrt_llm` only inside `attach` (`probe.reach_executor`)
 and depends on no front end (the Triton model lives in `serve/trtllm/`);
 without TensorRT-LLM, attach on a real LLM fails with one line naming the
-`trtllm` extra. The CPU stand-in (`standin.py`) follows
+`trtllm` extra. The CPU stand-in (`standin/`) follows
 the executor's protocol so the same classes are tested without TensorRT-LLM.
 
 Invariants:
