@@ -17,7 +17,9 @@ import os
 os.environ["TLLM_WORKER_USE_SINGLE_PROCESS"] = "1"  # before the first LLM
 from tensorrt_llm import LLM
 from trtllm_mtp_carry.trtllm import attach
-llm = LLM(model=..., speculative_config=..., kv_cache_config=...)
+llm = LLM(model=..., speculative_config=...,   # block reuse and a snapshot at each prompt's end:
+          kv_cache_config={"enable_block_reuse": True,   # without them no prefix is ever reused
+                           "mamba_state_config": {"additional_snapshot_offsets_from_end": [0]}})
 carry = attach(llm, {"carry_slots": 16})
 print(carry.topology, carry.armed, carry.reason)
 ```
