@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_DTYPES, RowFormat
 from ..core.settings import (
     DEFAULT_CARRY_EVICTION,
     DEFAULT_CARRY_IDLE_S,
@@ -28,7 +29,6 @@ from ..core.settings import (
     check_eviction_policy,
     parse_carry_memory,
 )
-from ..core.row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_DTYPES, RowFormat
 from .defaults import (
     DECODE_S_PER_TOKEN,
     PREFILL_TOKENS_PER_S,
