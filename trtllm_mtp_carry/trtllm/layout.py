@@ -19,6 +19,8 @@ units of that view's first dimension (the manager divides by `kv_factor`), with
 
 Invariants:
 - One indexed copy per call, no Python loop over keys or rows.
+- `gather_packed_rows` / `scatter_packed_rows` are `pack_rows(gather_rows(...))`
+  and `scatter_rows(..., unpack_rows(...))` bit for bit, in one call each.
 - A key whose page is missing or `BAD_PAGE_INDEX` is a `RuntimeError` naming
   the key and the page (a caller bug: the draft manager sized the request).
 """
@@ -28,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from ..dataplane.row_format import PackedRows, pack_rows, unpack_rows
 
 
 def key_slots(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int,
@@ -65,3 +69,28 @@ def scatter_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, rows: torch.T
         raise RuntimeError(f"rows are {rows.dtype}, the pages {buf.dtype}")
     page, slot = key_slots(pages, lo, lo + rows.shape[0], buf.shape[3], buf.device)
     buf[page, :, :, slot] = rows.to(buf.device)
+
+
+def gather_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> PackedRows:
+    """Rows of keys `[lo, hi)` packed in the FP8 row format (`dataplane.row_format`), `[hi - lo, 2, Hkv, D]`.
+
+    Bit for bit `pack_rows(gather_rows(buf, pages, lo, hi))`, without the bf16 copy:
+    the indexed read feeds the quantization directly.
+    """
+    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
+    return pack_rows(buf[page, :, :, slot])  # the index makes a fresh tensor; pack reads it once
+
+
+def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: PackedRows) -> None:
+    """Dequantize `packed` `[n, 2, Hkv, D]` straight into keys `[lo, lo + n)` of the request's pages.
+
+    Bit for bit `scatter_rows(buf, pages, lo, unpack_rows(packed))`; the same checks
+    (shape, dtype: the packed rows' original dtype must be the pages') before any write.
+    """
+    shape = packed.shape
+    if len(shape) != 4 or shape[1:] != (buf.shape[1], buf.shape[2], buf.shape[4]):
+        raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
+    if packed.dtype != buf.dtype:
+        raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
+    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
+    buf[page, :, :, slot] = unpack_rows(packed.to(buf.device))

@@ -1,0 +1,224 @@
+"""FP8 row format for carried drafter KV rows: e4m3 payload, one float32 scale per vector.
+
+What it is for: a carried entry held packed costs about half the bytes of its
+bf16 rows (issue 31), so the same carry budget holds about twice the sessions.
+The rows are a cache of a drafter's KV: the target verifies every draft, so the
+rounding here can cost accepted tokens, never correctness.
+
+A "vector" is one last-dim slice of the rows: for the rows `[n, 2, Hkv, D]`
+both executors gather, one (row, K/V, head) vector of `D` values::
+
+    rows    [n, 2, Hkv, D] bf16      ->  payload [n, 2, Hkv, D] float8_e4m3fn
+                                         scales  [n, 2, Hkv]    float32
+    bytes   n*2*Hkv*D*2              ->  n*2*Hkv*D*1 + n*2*Hkv*4   (D=128: 0.516x)
+
+Format (what `pack_rows` writes, bit for bit):
+- `scale = max(amax(|v|) / 448, 2**-126)` in float32, where 448 is e4m3fn's
+  largest finite value and 2**-126 float32's smallest normal: the floor keeps
+  the scale normal (no subnormal-scale precision loss, no division by zero),
+  so a zero vector gets scale 2**-126 and packs to exact zeros (signs kept).
+- `payload = clamp(v / scale, -448, 448)` cast to float8_e4m3fn (torch's cast:
+  round to nearest even). The clamp only absorbs the division's rounding (the
+  largest |v| / scale lands within one float32 ulp of 448), and makes the cast
+  saturating whatever torch version does the cast.
+- unpack: `payload.float() * scale` in float32, cast to the rows' dtype.
+
+Error bound (what the tests pin): with `x = v / scale`, e4m3 has 3 mantissa
+bits, so a normal `x` (|x| >= 2**-6) rounds within 2**-4 of |x| and a subnormal
+one within half its spacing, 2**-10. Per value, before the final cast,
+`|unpack - v| <= 2**-4 * |v| + 2**-10 * scale` (plus float32 rounding, ~2**-23
+relative); the cast to bf16 adds at most 2**-8 of the result.
+
+Invariants:
+- vectorized: no Python loop over rows, vectors or heads; deterministic (every
+  step is elementwise or an exact max, so two runs give the same bits);
+- finite inputs only carry meaning: a vector holding a NaN or inf packs to a
+  NaN scale or payload and unpacks to NaN, never to a finite wrong value;
+- `PackedRows.nbytes == packed_nbytes(vectors, head_dim)`: the bytes a carry
+  store charges are the bytes held.
+
+The reference runtime's pool keeps K and V in separate caches of whole blocks
+(`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
+rows from them into the same `[rows, 2, Hkv, D]` packed form, and
+`unpack_blocks` rebuilds whole blocks for `DrafterKVPool.import_carried`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "PACKABLE_DTYPES",
+    "SCALE_FLOOR",
+    "PackedRows",
+    "pack_blocks",
+    "pack_rows",
+    "packed_nbytes",
+    "unpack_blocks",
+    "unpack_rows",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+#: e4m3fn's largest finite value.
+FP8_MAX = 448.0
+#: float32's smallest normal value: the least scale (keeps zeros exact, scales normal).
+SCALE_FLOOR = 2.0**-126
+#: Row dtypes `pack_rows` accepts (what KV caches hold).
+PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_PAYLOAD_BYTES = 1  # float8_e4m3fn
+_SCALE_BYTES = 4  # float32
+
+
+def packed_nbytes(num_vectors: int, head_dim: int) -> int:
+    """Bytes of `num_vectors` packed vectors of `head_dim` values: payload plus scales, exact."""
+    for name, value in (("num_vectors", num_vectors), ("head_dim", head_dim)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return num_vectors * head_dim * _PAYLOAD_BYTES + num_vectors * _SCALE_BYTES
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows in the FP8 row format: `payload` `[..., D]` e4m3fn, `scales` `[...]` float32.
+
+    `dtype` is the rows' dtype before packing, the dtype `unpack_rows` returns.
+    Construction checks dtypes, shapes and devices (metadata only, no sync).
+    """
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.payload.dtype != FP8_DTYPE:
+            raise TypeError(f"payload must be {FP8_DTYPE}, got {self.payload.dtype}")
+        if self.scales.dtype != torch.float32:
+            raise TypeError(f"scales must be torch.float32, got {self.scales.dtype}")
+        if self.payload.dim() < 1 or self.scales.shape != self.payload.shape[:-1]:
+            raise ValueError(f"scales {tuple(self.scales.shape)} must be payload "
+                             f"{tuple(self.payload.shape)} without its last dimension")
+        if self.payload.device != self.scales.device:
+            raise ValueError(f"payload on {self.payload.device}, scales on {self.scales.device}")
+        if self.dtype not in PACKABLE_DTYPES:
+            raise TypeError(f"dtype must be one of {PACKABLE_DTYPES}, got {self.dtype}")
+
+    @property
+    def shape(self) -> torch.Size:
+        """The rows' shape (the payload's)."""
+        return self.payload.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.payload.device
+
+    @property
+    def num_vectors(self) -> int:
+        """Vectors held: one scale each."""
+        return self.scales.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Payload plus scale bytes; equals `packed_nbytes(num_vectors, head_dim)`."""
+        return (self.payload.numel() * self.payload.element_size()
+                + self.scales.numel() * self.scales.element_size())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
+        """The same packed rows on `device` (self when already there)."""
+        return PackedRows(self.payload.to(device, non_blocking=non_blocking),
+                          self.scales.to(device, non_blocking=non_blocking), self.dtype)
+
+    def pin_memory(self) -> PackedRows:
+        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
+        return PackedRows(self.payload.pin_memory(), self.scales.pin_memory(), self.dtype)
+
+
+def _check_rows(rows: torch.Tensor) -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dtype not in PACKABLE_DTYPES:
+        raise TypeError(f"rows must be one of {PACKABLE_DTYPES}, got {rows.dtype}")
+    if rows.dim() < 1:
+        raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
+
+
+def pack_rows(rows: torch.Tensor) -> PackedRows:
+    """`rows` `[..., D]` in the FP8 row format, one scale per last-dim vector (see the header).
+
+    Deterministic and loop-free; the result is on `rows`' device.
+    """
+    _check_rows(rows)
+    x = rows.to(torch.float32, copy=True)  # divided in place below
+    if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
+        scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
+    else:
+        scales = x.abs().amax(dim=-1).div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
+    x.div_(scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
+
+
+def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`payload * scale` in float32, cast to `packed.dtype`; written into `out` when given.
+
+    `out` must have the rows' shape and dtype (any device: the values are copied there).
+    """
+    if not isinstance(packed, PackedRows):
+        raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
+    if out is not None and (out.shape != packed.shape or out.dtype != packed.dtype):
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the packed rows "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    rows = (packed.payload.float() * packed.scales.unsqueeze(-1)).to(packed.dtype)
+    if out is None:
+        return rows
+    out.copy_(rows)
+    return out
+
+
+# ---- the reference runtime's pool: whole blocks of separate K and V caches ----------------
+
+
+def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                rows: int) -> PackedRows:
+    """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed as `[rows, 2, Hkv, D]`.
+
+    `k_cache`, `v_cache`: `[num_blocks, block_size, Hkv, D]` (a `DrafterKVPool`'s
+    caches, or a `HostRows`' `k`/`v` with `block_ids = range(len)`); row `r` is
+    slot `r % block_size` of block `block_ids[r // block_size]`. Only live rows
+    are packed (the tail of the last block is not), so `nbytes` charges rows.
+    """
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "must both be [num_blocks, block_size, Hkv, D]")
+    block_size = k_cache.shape[1]
+    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
+        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
+                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+    need = -(-rows // block_size)
+    idx = torch.tensor(list(block_ids[:need]), dtype=torch.int64, device=k_cache.device)
+    # [need, bs, Hkv, D] x2 -> [need*bs, 2, Hkv, D] -> first `rows`
+    both = torch.stack((k_cache.index_select(0, idx), v_cache.index_select(0, idx)), dim=2)
+    return pack_rows(both.flatten(0, 1)[:rows])
+
+
+def unpack_blocks(packed: PackedRows, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks `(k, v)`, each `[cdiv(rows, block_size), block_size, Hkv, D]`, from `pack_blocks`' rows.
+
+    Row `r` lands at block `r // block_size`, slot `r % block_size`; the last
+    block's tail past the rows is zeros. Shapes fit `HostRows`, so
+    `DrafterKVPool.import_carried` copies them into fresh blocks.
+    """
+    if packed.payload.dim() != 4 or packed.shape[1] != 2:
+        raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
+    if type(block_size) is not int or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    rows, _, hkv, d = packed.shape
+    nblocks = -(-rows // block_size)
+    full = torch.zeros((nblocks * block_size, 2, hkv, d), dtype=packed.dtype, device=packed.device)
+    unpack_rows(packed, out=full[:rows])
+    full = full.view(nblocks, block_size, 2, hkv, d)
+    return full[:, :, 0].contiguous(), full[:, :, 1].contiguous()
