@@ -25,7 +25,21 @@ from .stats import Spread, paired_ratio
 REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k != "adopted")
 """Carry decisions that kept a warm turn from adopting rows (the runtime's counter names)."""
 
-PAIRED_FIGURES = {"ttft": "ttft_ms", "acceptance": "acceptance", "drafter_prep": "drafter_prep_ms"}
+PAIRED_FIGURES = {"ttft": "ttft_ms", "acceptance": "acceptance", "accepted_per_step": "accepted_per_step",
+                  "drafter_prep": "drafter_prep_ms"}
+
+
+def _figure(stats: dict[str, Any], metric: str) -> float:
+    """A turn's `metric`: a stats field, or accepted tokens per verify step (0 without steps)."""
+    if metric == "accepted_per_step":
+        steps = stats.get("verify_steps") or 0
+        return stats.get("accepted", 0) / steps if steps else 0.0
+    return float(stats[metric])
+
+
+def variant_of(a: str, b: str) -> bool:
+    """Whether policy `a` is a variant of `b` (`carry-fp8` of `carry`): its ratios are `a / b`."""
+    return a.startswith(b + "-")
 
 
 def _spread(prefix: str, values: Sequence[float]) -> dict[str, float | None]:
@@ -107,6 +121,13 @@ def _memory(runtimes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if hosts:  # the carry store's host tier (CarryStats): hits per tier, bytes and copy time
         out["host_tier"] = {k: (max if k.startswith("peak_") or k == "carry_host_memory_bytes" else sum)(
             d.get(k, 0) for d in hosts) for k in HOST_TIER_FIELDS}
+    packs = [d for d in runtimes if d.get("pack_ms_each") or d.get("unpack_ms_each")]
+    if packs:  # carry_row_dtype fp8: each deposit packed, each adoption unpacked (wall ms)
+        out["row_format"] = {"row_dtype": packs[-1].get("row_dtype"), "bytes_held_peak": max(
+            d.get("peak_device_bytes", 0) for d in packs)}
+        for what in ("pack", "unpack"):
+            times = [x for d in packs for x in d.get(f"{what}_ms_each", [])]
+            out["row_format"] |= {f"{what}s": len(times)} | _spread(f"{what}_ms", times)
     paired = [d["paired"] for d in runtimes if d.get("paired")]
     if paired:
         out["paired"] = {k: (max if k in PAIRED_PEAKS else sum)(p[k] for p in paired)
@@ -144,18 +165,26 @@ def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
 
 
 def paired(runs: Sequence[PolicyRun], first_measured: int) -> dict[str, dict[str, Any]]:
-    """For each pair of policies `a/b` (in run order), median and p25-p75 of per-turn
-    `a / b` over the warm turns both completed; `None` with a reason in
-    `null_reasons` where `b` was near zero."""
+    """For each pair of policies `a/b` (in run order, except that a variant comes over its base:
+    `carry-fp8/carry`), median and p25-p75 of per-turn `a / b` over the warm turns both
+    completed; `None` with a reason in `null_reasons` where `b` was near zero. For a variant,
+    `adopted_where_base_adopted` counts the warm turns it adopted of those its base adopted
+    (`base_adopted`)."""
     warm = [{t.key: t.stats for t in measured(r, first_measured) if t.turn > 0} for r in runs]
     out: dict[str, dict[str, Any]] = {}
     for (i, a), (j, b) in combinations(enumerate(runs), 2):
+        if variant_of(b.policy, a.policy):
+            (i, a), (j, b) = (j, b), (i, a)
         keys = sorted(warm[i].keys() & warm[j].keys())
         entry: dict[str, Any] = {"pairs": len(keys)}
         reasons: dict[str, str] = {}
+        if variant_of(a.policy, b.policy):
+            base = [k for k in keys if warm[j][k]["outcome_kind"] == "adopted"]
+            entry["base_adopted"] = len(base)
+            entry["adopted_where_base_adopted"] = sum(warm[i][k]["outcome_kind"] == "adopted" for k in base)
         for name, metric in PAIRED_FIGURES.items():
-            r = paired_ratio([warm[i][k][metric] for k in keys], [warm[j][k][metric] for k in keys],
-                             metric, b.policy)
+            r = paired_ratio([_figure(warm[i][k], metric) for k in keys],
+                             [_figure(warm[j][k], metric) for k in keys], metric, b.policy)
             entry[f"{name}_paired_median"] = r.spread.median
             entry[f"{name}_paired_p25"] = r.spread.p25
             entry[f"{name}_paired_p75"] = r.spread.p75
@@ -275,6 +304,12 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
                 + (f" ({h['restore_ms'] / restores:.2f} ms per restored turn)" if restores else "")
                 + f", GPU wait {h['restore_wait_ms']:.1f} ms; peak device {h['peak_device_bytes'] >> 10} KiB, "
                 f"host {h['peak_host_bytes'] >> 10} KiB")
+        rf = s.get("row_format")
+        if rf:
+            notes.append(
+                f"{policy}: rows stored {rf['row_dtype']}: {rf['packs']} deposits packed, "
+                f"{_mid(rf, 'pack_ms', '.3f')} ms each; {rf['unpacks']} adoptions unpacked, "
+                f"{_mid(rf, 'unpack_ms', '.3f')} ms each (median [p25-p75])")
         p = s.get("paired")
         if p:
             notes.append(
@@ -298,6 +333,9 @@ def ratio_lines(ratios: dict[str, dict[str, Any]]) -> list[str]:
                              f"{r[f'{fig}_paired_p75']:#.3g}]")
             elif fig != "drafter_prep":
                 parts.append(f"{fig} n/a ({r['null_reasons'].get(key, 'no pairs')})")
+        if "base_adopted" in r:
+            parts.append(f"adopted {r['adopted_where_base_adopted']} of the {r['base_adopted']} warm turns "
+                         f"{name.split('/')[1]} adopted")
         lines.append(f"{name} ({r['pairs']} paired warm turns): " + ", ".join(parts))
     return lines
 

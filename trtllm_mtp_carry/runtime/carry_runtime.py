@@ -631,6 +631,13 @@ class CarryRuntime:
                 **self._tier_fields(),
             )
 
+    def pack_times(self) -> tuple[list[float], list[float]]:
+        """Wall ms of every pack (deposit) and unpack (adoption) so far (fp8; both empty with bf16)."""
+        with self._lock:
+            if self._packed is None:
+                return [], []
+            return list(self._packed.pack_ms_each), list(self._packed.unpack_ms_each)
+
     def wait_restored(self, seq_id: int) -> None:
         """Order the device's next use of `seq_id`'s pool rows after their copy back from the host
         tier, if one is in flight (CUDA: a GPU-side wait, counted; otherwise nothing to do). The
@@ -656,8 +663,8 @@ class CarryRuntime:
             peak_host_bytes=t.peak_bytes["host"], demote_ms=t.demote_ms, restore_ms=t.restore_ms,
             restore_wait_ms=wait_ms, row_dtype=self.row_dtype,
             **({} if self._packed is None else dict(
-                packs=self._packed.packs, unpacks=self._packed.unpacks,
-                pack_ms=self._packed.pack_ms, unpack_ms=self._packed.unpack_ms)),
+                packs=len(self._packed.pack_ms_each), unpacks=len(self._packed.unpack_ms_each),
+                pack_ms=sum(self._packed.pack_ms_each), unpack_ms=sum(self._packed.unpack_ms_each))),
         )
 
     def _deposit_host(self, seq_id: int, key: int, tokens: Sequence[int], ticket: int,

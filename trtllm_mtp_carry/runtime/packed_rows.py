@@ -51,8 +51,8 @@ class PackedEntry:
 class PackedCarry:
     """Packed entries keyed by carry key (device and host copies); the store's `HostMoves` for them.
 
-    `pack_ms`/`unpack_ms` are the wall time of the packs and unpacks (on CUDA, of their launch
-    and the copies that wait on them), `packs`/`unpacks` how many.
+    `pack_ms_each`/`unpack_ms_each` are the wall time of every pack and unpack (on CUDA, of
+    their launch and the copies that wait on them).
     """
 
     def __init__(self, pool: DrafterKVPool) -> None:
@@ -60,8 +60,8 @@ class PackedCarry:
         self._device: dict[int, PackedEntry] = {}
         self._host: dict[int, PackedEntry] = {}
         self._pin = pool.device.type == "cuda"
-        self.pack_ms = self.unpack_ms = 0.0
-        self.packs = self.unpacks = 0
+        self.pack_ms_each: list[float] = []  # wall ms of every pack, in order
+        self.unpack_ms_each: list[float] = []  # wall ms of every unpack, in order
 
     def keys(self) -> list[int]:
         """Keys of the device copies, sorted."""
@@ -85,8 +85,7 @@ class PackedCarry:
                             self.pool.carried_runs(key))
         self.pool.free_carried(key)
         self._device[key] = entry
-        self.pack_ms += (time.perf_counter() - t0) * 1e3
-        self.packs += 1
+        self.pack_ms_each.append((time.perf_counter() - t0) * 1e3)
         return entry
 
     def unpack(self, key: int) -> CarriedBlocks:
@@ -97,8 +96,7 @@ class PackedCarry:
         k, v = unpack_blocks(entry.packed, self.pool.block_size)
         held = self.pool.import_carried(key, HostRows(k, v, entry.rows, entry.runs))
         del self._device[key]
-        self.unpack_ms += (time.perf_counter() - t0) * 1e3
-        self.unpacks += 1
+        self.unpack_ms_each.append((time.perf_counter() - t0) * 1e3)
         return held
 
     def discard(self, key: int) -> None:
