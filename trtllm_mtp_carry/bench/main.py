@@ -47,7 +47,7 @@ DEFAULT_POLICIES = "carry,rebuild,blind,off"
 SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype",
                      "--threads", "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots",
                      "--carry-memory", "--carry-host-memory", "--carry-eviction", "--carry-idle-s",
-                     "--carry-share")
+                     "--carry-share", "--carry-row-dtype")
 """Flags that size or place the engine: with --server they are the server's parameters."""
 
 
@@ -259,7 +259,7 @@ def server_side_flags(args: argparse.Namespace) -> list[str]:
     typed = set(getattr(args, "given_flags", ()))
     for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
                  "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-host-memory",
-                 "--carry-eviction", "--carry-idle-s", "--carry-share"):
+                 "--carry-eviction", "--carry-idle-s", "--carry-share", "--carry-row-dtype"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             typed.add(flag)
     return [f for f in SERVER_SIDE_FLAGS if f in typed]
