@@ -262,3 +262,84 @@ def test_pack_blocks_refuses_more_rows_than_its_blocks_hold(gen) -> None:
     pool = filled_pool(gen, 10)
     with pytest.raises(ValueError, match=r"rows must be an int in \[0, 8\] for 2 blocks of 4, got 9"):
         pack_blocks(pool.k_cache, pool.v_cache, [0, 1], 9)
+
+
+# ---- the Triton kernels (interpreted on CPU without a GPU) against the torch path ---------
+
+KERNELS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_pack_equals_torch_pack_bit_for_bit(dtype, tk, gen, device) -> None:
+    rows = mixed_rows(gen, 9, 2, 3, 64, dtype=dtype).to(device)
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    assert b.dtype == dtype and b.shape == rows.shape and b.scales.shape == rows.shape[:-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_unpack_equals_torch_unpack_bit_for_bit(dtype, tk, gen, device) -> None:
+    packed = pack_rows(mixed_rows(gen, 9, 2, 3, 64, dtype=dtype)).to(device)
+    a, b = unpack_rows(packed, kernel="torch"), unpack_rows(packed, kernel="triton")
+    assert torch.equal(bits(a), bits(b))
+
+
+def test_triton_rounds_every_e4m3_tie_and_carry_as_torch(tk, device) -> None:
+    # every code's value, the midpoints between neighbours (ties) and just either side of them,
+    # as one vector of amax 448 (scale 1): carries across exponents, subnormals, signs
+    codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0 .. 448
+    mids = (codes[1:] + codes[:-1]) / 2
+    vals = torch.cat([codes, mids, mids.nextafter(torch.tensor(0.0, dtype=torch.float64)),
+                      mids * (1 + 2.0**-20), torch.tensor([FP8_MAX])])
+    vals = torch.cat([vals, -vals]).float()
+    rows = torch.stack([vals, vals / 3, vals * 2.0**-120])  # scales 1, 1/3, the floor
+    a, b = pack_rows(rows.to(device), kernel="torch"), pack_rows(rows.to(device), kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+
+
+def test_triton_packs_and_unpacks_strided_views(tk, gen, device) -> None:
+    wide = mixed_rows(gen, 6, 3, 80, dtype=torch.bfloat16).to(device)
+    rows = wide[:, 1:, 8:72]  # vectors at row stride 240, head stride 80
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    out = poison(gen, 6, 3, 80, device=device)
+    before = out.clone()
+    unpack_rows(b, out=out[:, 1:, 8:72], kernel="triton")
+    expect = before.clone()
+    expect[:, 1:, 8:72] = unpack_rows(a, kernel="torch")
+    assert torch.equal(bits(out), bits(expect))
+
+
+def test_triton_non_finite_vectors_get_a_nan_scale_and_unpack_to_nan(tk, device) -> None:
+    rows = torch.tensor([[1.0, float("inf"), 2.0], [float("nan"), 1.0, 0.0], [-float("inf"), 0.0, 0.0],
+                         [1.0, 2.0, 4.0]], dtype=torch.bfloat16, device=device)
+    for kernel in KERNELS:
+        packed = pack_rows(rows, kernel=kernel)
+        assert bool(torch.isnan(packed.scales[:3]).all()), kernel
+        for unpack_kernel in KERNELS:
+            out = unpack_rows(packed, kernel=unpack_kernel)
+            assert bool(torch.isnan(out[:3]).all()) and out[3].tolist() == [1.0, 2.0, 4.0]
+
+
+def test_triton_gather_packed_rows_equals_torch_bit_for_bit(tk, gen, device) -> None:
+    buf = hnd_buf(gen)
+    scatter_rows(buf, [7, 5, 2, 0], 3, mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    buf = buf.to(device)
+    a = gather_packed_rows(buf, [7, 5, 2, 0], 3, 14, kernel="torch")
+    b = gather_packed_rows(buf, [7, 5, 2, 0], 3, 14, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+
+
+def test_triton_scatter_packed_rows_equals_torch_and_writes_only_the_named_slots(tk, gen, device) -> None:
+    buf = hnd_buf(gen).to(device)
+    before = buf.clone()
+    packed = pack_rows(mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    scatter_packed_rows(buf, [7, 5, 2, 0], 3, packed, kernel="triton")  # packed on CPU: moved
+    expect = before.clone()
+    scatter_packed_rows(expect, [7, 5, 2, 0], 3, packed, kernel="torch")
+    assert torch.equal(bits(buf), bits(expect))
+    written = torch.zeros(8, 4, dtype=torch.bool)
+    written[7, 3] = written[5, :] = written[2, :] = True
+    written[0, :2] = True
+    keep = ~written[:, None, None, :, None].expand(buf.shape).to(device)
+    assert torch.equal(bits(buf[keep]), bits(before[keep]))

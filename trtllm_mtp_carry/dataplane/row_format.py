@@ -33,9 +33,17 @@ Invariants:
 - vectorized: no Python loop over rows, vectors or heads; deterministic (every
   step is elementwise or an exact max, so two runs give the same bits);
 - finite inputs only carry meaning: a vector holding a NaN or inf packs to a
-  NaN scale or payload and unpacks to NaN, never to a finite wrong value;
+  NaN scale and unpacks to all NaN, never to a finite wrong value (its payload
+  bits are unspecified);
 - `PackedRows.nbytes == packed_nbytes(vectors, head_dim)`: the bytes a carry
   store charges are the bytes held.
+
+Kernels: `kernel="torch"` is plain torch (CPU, and anywhere); `kernel="triton"`
+runs `triton_kernels.fp8_pack_kernel`/`fp8_unpack_kernel`, one pass over the
+bytes. The default (`None`) is Triton for CUDA tensors, unless
+`$TRTLLM_MTP_CARRY_KERNELS=aot` (the plugins' AOT kernels have no FP8 twin, so
+the torch path runs), and torch elsewhere, as `ops.py` picks. Both give the
+same bits for finite vectors.
 
 The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
@@ -50,6 +58,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import cuda_kernels
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
@@ -58,9 +68,13 @@ __all__ = [
     "PackedRows",
     "pack_blocks",
     "pack_rows",
+    "pack_vectors_triton",
     "packed_nbytes",
+    "row_kernel",
     "unpack_blocks",
     "unpack_rows",
+    "unpack_vectors_triton",
+    "vector_bases",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -147,31 +161,82 @@ def _check_rows(rows: torch.Tensor) -> None:
         raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
 
 
-def pack_rows(rows: torch.Tensor) -> PackedRows:
+def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
+    """The implementation that packs/unpacks `t`: `kernel` when given, else by device (see the header)."""
+    if kernel is None:
+        return "triton" if t.is_cuda and cuda_kernels() == "triton" else "torch"
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"kernel must be 'torch', 'triton' or None, got {kernel!r}")
+    return kernel
+
+
+def vector_bases(t: torch.Tensor) -> torch.Tensor:
+    """Element offsets `[V]` int64 (on t's device) of `t`'s last-dim vectors, row-major order."""
+    bases = torch.zeros((), dtype=torch.int64, device=t.device)
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+        bases = bases.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device=t.device) * stride
+    return bases.reshape(-1)
+
+
+def pack_vectors_triton(src: torch.Tensor, bases: torch.Tensor, shape: Sequence[int]) -> PackedRows:
+    """Pack the `head_dim = shape[-1]` vectors of `src` at element offsets `bases` (Triton), as `shape`.
+
+    `src`'s last dimension is the vectors' (its stride is theirs); `bases` lists
+    `prod(shape[:-1])` offsets, each a vector inside `src` (the caller's duty).
+    """
+    from . import triton_kernels as tk
+
+    _check_rows(src)
+    payload, scales = tk.fp8_pack_triton(src, bases, shape[-1], src.stride(-1))
+    return PackedRows(payload.view(*shape), scales.view(*shape[:-1]), src.dtype)
+
+
+def unpack_vectors_triton(packed: PackedRows, dst: torch.Tensor, bases: torch.Tensor) -> None:
+    """Write `packed`'s vectors into `dst` at element offsets `bases` (Triton), cast to dst's dtype."""
+    from . import triton_kernels as tk
+
+    d = packed.shape[-1]
+    tk.fp8_unpack_triton(packed.payload.reshape(-1, d).contiguous(), packed.scales.reshape(-1).contiguous(),
+                         dst, bases, dst.stride(-1))
+
+
+def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
     """`rows` `[..., D]` in the FP8 row format, one scale per last-dim vector (see the header).
 
-    Deterministic and loop-free; the result is on `rows`' device.
+    Deterministic and loop-free; the result is on `rows`' device; `kernel` as `row_kernel`.
     """
     _check_rows(rows)
-    x = rows.to(torch.float32, copy=True)  # divided in place below
+    if row_kernel(rows, kernel) == "triton":
+        return pack_vectors_triton(rows, vector_bases(rows), rows.shape)
+    x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place
     if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
         scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
     else:
         scales = x.abs().amax(dim=-1).div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
+        scales += scales - scales  # inf - inf: an inf vector's scale becomes NaN, as a NaN vector's is
     x.div_(scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
     return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
 
 
-def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None) -> torch.Tensor:
+def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
     """`payload * scale` in float32, cast to `packed.dtype`; written into `out` when given.
 
-    `out` must have the rows' shape and dtype (any device: the values are copied there).
+    `out` must have the rows' shape and dtype (any device: the values are copied
+    there; the Triton path writes straight into an `out` on the packed rows' device).
     """
     if not isinstance(packed, PackedRows):
         raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
     if out is not None and (out.shape != packed.shape or out.dtype != packed.dtype):
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the packed rows "
                          f"{packed.dtype} {tuple(packed.shape)}")
+    if row_kernel(packed.payload, kernel) == "triton":
+        dst = out if out is not None and out.device == packed.device else torch.empty(
+            packed.shape, dtype=packed.dtype, device=packed.device)
+        unpack_vectors_triton(packed, dst, vector_bases(dst))
+        if out is None or out is dst:
+            return dst
+        out.copy_(dst)
+        return out
     rows = (packed.payload.float() * packed.scales.unsqueeze(-1)).to(packed.dtype)
     if out is None:
         return rows
