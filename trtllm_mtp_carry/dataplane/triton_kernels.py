@@ -180,8 +180,9 @@ def drafter_row_append_triton(
 # ---- FP8 row format (row_format.py): pack and unpack `head_dim` vectors at element offsets ----
 
 #: e4m3fn's largest finite value and the least scale (float32's smallest normal); row_format's.
-FP8_MAX = 448.0
-FP8_SCALE_FLOOR = 2.0**-126
+#: (`tl.constexpr` so the compiled kernels may read them; the interpreter would take plain floats.)
+FP8_MAX = tl.constexpr(448.0)
+FP8_SCALE_FLOOR = tl.constexpr(2.0**-126)
 #: Values per program of the FP8 kernels (BLOCK_V vectors of BLOCK_D values).
 FP8_BLOCK = 4096
 
@@ -291,7 +292,7 @@ def fp8_pack_triton(
         fp8_pack_kernel[grid](src, bases, payload, scales, n, head_dim, d_stride,
                               BLOCK_V=block_v, BLOCK_D=block_d)
     elif n:
-        scales.fill_(FP8_SCALE_FLOOR)
+        scales.fill_(FP8_SCALE_FLOOR.value)
     return payload, scales
 
 
