@@ -110,6 +110,15 @@ def test_values_e4m3_holds_exactly_round_trip_exactly() -> None:
     assert torch.equal(bits(unpack_rows(pack_rows(rows))), bits(rows))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_unpack_is_the_float32_product_cast_for_every_code_nans_included(dtype, gen) -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    scales = torch.rand(16, generator=gen) * 2.0 ** torch.randint(-20, 20, (16,), generator=gen)
+    packed = PackedRows(codes, scales, dtype)
+    expect = (codes.float() * scales.unsqueeze(-1)).to(dtype)
+    assert torch.equal(bits(unpack_rows(packed, kernel="torch")), bits(expect))
+
+
 def test_non_finite_vectors_unpack_to_nan_never_a_finite_value() -> None:
     rows = torch.tensor([[1.0, float("inf"), 2.0], [float("nan"), 1.0, 0.0], [1.0, 2.0, 4.0]],
                         dtype=torch.bfloat16)

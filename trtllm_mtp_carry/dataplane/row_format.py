@@ -17,10 +17,10 @@ Format (what `pack_rows` writes, bit for bit):
   largest finite value and 2**-126 float32's smallest normal: the floor keeps
   the scale normal (no subnormal-scale precision loss, no division by zero),
   so a zero vector gets scale 2**-126 and packs to exact zeros (signs kept).
-- `payload = clamp(v / scale, -448, 448)` cast to float8_e4m3fn (torch's cast:
-  round to nearest even). The clamp only absorbs the division's rounding (the
-  largest |v| / scale lands within one float32 ulp of 448), and makes the cast
-  saturating whatever torch version does the cast.
+- `payload = v / scale` (float32) cast to float8_e4m3fn (torch's cast: round
+  to nearest even). No clamp is needed: `scale` is `amax / 448` correctly
+  rounded, so `|v| / scale <= 448 * (1 + 2**-23)`, below 464, the midpoint to
+  the next code (not finite in e4m3fn): the largest value rounds to 448 exactly.
 - unpack: `payload.float() * scale` in float32, cast to the rows' dtype.
 
 Error bound (what the tests pin): with `x = v / scale`, e4m3 has 3 mantissa
@@ -152,6 +152,19 @@ class PackedRows:
         return PackedRows(self.payload.pin_memory(), self.scales.pin_memory(), self.dtype)
 
 
+# Every e4m3fn code's float32 value (NaNs included): on CPU, indexing this table is ~10x
+# faster than torch's float8 -> float32 cast, with the same bits.
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+
+
+def _payload_float(payload: torch.Tensor) -> torch.Tensor:
+    """`payload.float()`, a fresh contiguous float32 tensor (a table lookup on CPU)."""
+    if not payload.is_cpu:
+        return payload.float().contiguous()
+    codes = payload.contiguous().view(torch.uint8).reshape(-1).int()
+    return _E4M3_VALUES.index_select(0, codes).view(payload.shape)
+
+
 def _check_rows(rows: torch.Tensor) -> None:
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -211,10 +224,10 @@ def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
     x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place
     if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
         scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
-    else:
-        scales = x.abs().amax(dim=-1).div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
+    else:  # |v| and max are exact in the rows' own dtype: half the bytes of doing it on x
+        scales = rows.abs().amax(dim=-1).float().div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
         scales += scales - scales  # inf - inf: an inf vector's scale becomes NaN, as a NaN vector's is
-    x.div_(scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    x.div_(scales.unsqueeze(-1))  # |x| <= 448 (1 + 2**-23): rounds to at most 448 (see the header)
     return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
 
 
@@ -237,7 +250,7 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str
             return dst
         out.copy_(dst)
         return out
-    rows = (packed.payload.float() * packed.scales.unsqueeze(-1)).to(packed.dtype)
+    rows = _payload_float(packed.payload).mul_(packed.scales.unsqueeze(-1)).to(packed.dtype)
     if out is None:
         return rows
     out.copy_(rows)
