@@ -243,10 +243,12 @@ def filled_pool(gen: torch.Generator, rows: int) -> DrafterKVPool:
     return pool
 
 
-def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(gen) -> None:
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen) -> None:
     pool = filled_pool(gen, 10)  # 3 blocks, the last with 2 live rows
+    pool.k_cache[pool.carried(99).block_table[2], 2:] = float("nan")  # a dead tail is never read
     entry = pool.carried(99)
-    packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
+    packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows, kernel=kernel)
     k, v, _ = pool.gather_carried(99)  # [rows, Hkv, D] each
     plain = pack_rows(torch.stack((k, v), dim=1))
     assert packed.shape == (10, 2, 2, 16)
@@ -255,13 +257,14 @@ def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(gen) -> None:
     assert packed.nbytes == packed_nbytes(10 * 2 * 2, 16)
 
 
-def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(gen) -> None:
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(kernel, tk, gen) -> None:
     pool = filled_pool(gen, 10)
     entry = pool.carried(99)
     packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
     runs = pool.export_carried(99).runs
     pool.free_carried(99)
-    k, v = unpack_blocks(packed, pool.block_size)
+    k, v = unpack_blocks(packed, pool.block_size, kernel=kernel)
     assert k.shape == v.shape == (3, 4, 2, 16)
     assert int(k[2, 2:].abs().sum()) == 0 and int(v[2, 2:].abs().sum()) == 0  # the tail is zeros
     pool.import_carried(7, HostRows(k, v, 10, runs))

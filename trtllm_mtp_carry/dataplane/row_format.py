@@ -261,34 +261,53 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                rows: int) -> PackedRows:
+                rows: int, kernel: str | None = None) -> PackedRows:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed as `[rows, 2, Hkv, D]`.
 
     `k_cache`, `v_cache`: `[num_blocks, block_size, Hkv, D]` (a `DrafterKVPool`'s
     caches, or a `HostRows`' `k`/`v` with `block_ids = range(len)`); row `r` is
     slot `r % block_size` of block `block_ids[r // block_size]`. Only live rows
     are packed (the tail of the last block is not), so `nbytes` charges rows.
+    Bit for bit `pack_rows` of those rows stacked `[rows, 2, Hkv, D]`; the Triton
+    path reads them in place (no bf16 copy), the torch path gathers them first.
     """
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
-                         "must both be [num_blocks, block_size, Hkv, D]")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
+                         f"{tuple(v_cache.shape)} must both be [num_blocks, block_size, Hkv, D], one dtype")
     block_size = k_cache.shape[1]
     if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
         raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
                          f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
     need = -(-rows // block_size)
     idx = torch.tensor(list(block_ids[:need]), dtype=torch.int64, device=k_cache.device)
-    # [need, bs, Hkv, D] x2 -> [need*bs, 2, Hkv, D] -> first `rows`
-    both = torch.stack((k_cache.index_select(0, idx), v_cache.index_select(0, idx)), dim=2)
-    return pack_rows(both.flatten(0, 1)[:rows])
+    shape = (rows, *k_cache.shape[2:])  # [rows, Hkv, D] of K, then of V
+    if row_kernel(k_cache, kernel) == "triton":
+        r = torch.arange(rows, dtype=torch.int64, device=k_cache.device)
+        halves = [pack_vectors_triton(c, _block_row_bases(c, idx[r // block_size], r % block_size), shape)
+                  for c in (k_cache, v_cache)]
+    else:
+        halves = [pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch")
+                  for c in (k_cache, v_cache)]
+    k, v = halves  # K and V vectors pack independently: stacking the packed halves is exact
+    return PackedRows(torch.stack((k.payload, v.payload), dim=1), torch.stack((k.scales, v.scales), dim=1),
+                      k_cache.dtype)
 
 
-def unpack_blocks(packed: PackedRows, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_row_bases(cache: torch.Tensor, block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Element offsets `[rows * Hkv]` of the head vectors of rows at (block, slot) of `cache`."""
+    s0, s1, s2, _ = cache.stride()
+    heads = torch.arange(cache.shape[2], dtype=torch.int64, device=cache.device) * s2
+    return ((block * s0 + slot * s1).unsqueeze(-1) + heads).reshape(-1)
+
+
+def unpack_blocks(packed: PackedRows, block_size: int,
+                  kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks `(k, v)`, each `[cdiv(rows, block_size), block_size, Hkv, D]`, from `pack_blocks`' rows.
 
     Row `r` lands at block `r // block_size`, slot `r % block_size`; the last
     block's tail past the rows is zeros. Shapes fit `HostRows`, so
-    `DrafterKVPool.import_carried` copies them into fresh blocks.
+    `DrafterKVPool.import_carried` copies them into fresh blocks. K and V are
+    unpacked straight into their blocks (no stacked bf16 copy).
     """
     if packed.payload.dim() != 4 or packed.shape[1] != 2:
         raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
@@ -296,7 +315,12 @@ def unpack_blocks(packed: PackedRows, block_size: int) -> tuple[torch.Tensor, to
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     rows, _, hkv, d = packed.shape
     nblocks = -(-rows // block_size)
-    full = torch.zeros((nblocks * block_size, 2, hkv, d), dtype=packed.dtype, device=packed.device)
-    unpack_rows(packed, out=full[:rows])
-    full = full.view(nblocks, block_size, 2, hkv, d)
-    return full[:, :, 0].contiguous(), full[:, :, 1].contiguous()
+    out = []
+    for i in range(2):  # K, then V
+        blocks = torch.empty((nblocks, block_size, hkv, d), dtype=packed.dtype, device=packed.device)
+        flat = blocks.view(-1, hkv, d)
+        flat[rows:].zero_()
+        unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype), out=flat[:rows],
+                    kernel=kernel)
+        out.append(blocks)
+    return out[0], out[1]
