@@ -20,7 +20,11 @@ Operations (`kernel`: Triton on CUDA, plain torch on CPU, as `row_format` picks)
 - `gather_rows`     TensorRT-LLM HND pages -> bf16 rows (the bf16 carry's gather);
 - `gather_packed`   HND pages -> packed rows (the fp8 carry's gather);
 - `scatter_rows`    bf16 rows -> HND pages (the bf16 carry's adopt);
-- `scatter_packed`  packed rows -> HND pages (the fp8 carry's adopt).
+- `scatter_packed`  packed rows -> HND pages (the fp8 carry's adopt);
+- `select_blocks`   the reference pool's K and V blocks -> bf16 copies (`index_select`, what
+                    `DrafterKVPool.export_carried` copies);
+- `pack_blocks`     the pool's blocks -> packed rows (the reference runtime's fp8 deposit);
+- `unpack_blocks`   packed rows -> whole K and V blocks (its fp8 adoption, before the copy in).
 
 Usage: python scripts/bench_row_format.py [--keys N] [--kv-heads H] [--head-dim D] [--reps R]
 """
@@ -38,7 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trtllm_mtp_carry.dataplane.row_format import pack_rows, row_kernel, unpack_rows  # noqa: E402
+from trtllm_mtp_carry.dataplane.row_format import (  # noqa: E402
+    pack_blocks,
+    pack_rows,
+    row_kernel,
+    unpack_blocks,
+    unpack_rows,
+)
 from trtllm_mtp_carry.trtllm.layout import (  # noqa: E402
     gather_packed_rows,
     gather_rows,
@@ -80,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=2, help="drafter KV heads (Qwen3-Next: 2)")
     p.add_argument("--head-dim", type=int, default=256, help="head dim (Qwen3-Next: 256)")
     p.add_argument("--tokens-per-block", type=int, default=32, help="TensorRT-LLM page size in keys")
+    p.add_argument("--pool-block-size", type=int, default=16, help="reference pool rows per block")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: 200 cuda, 41 cpu)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1,
@@ -103,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     buf = torch.randn(2 * npages, 2, hkv, tpb, d, generator=g).to(bf16).to(device)
     pages = torch.randperm(2 * npages, generator=g)[:npages].tolist()
 
+    # the reference runtime's pool: K and V caches of blocks, an entry's blocks shuffled
+    bs = args.pool_block_size
+    nblocks = -(-n // bs)
+    k_cache = torch.randn(2 * nblocks, bs, hkv, d, generator=g).to(bf16).to(device)
+    v_cache = torch.randn(2 * nblocks, bs, hkv, d, generator=g).to(bf16).to(device)
+    block_ids = torch.randperm(2 * nblocks, generator=g)[:nblocks].tolist()
+    block_idx = torch.tensor(block_ids, device=device)
+
     ops: dict[str, Callable[[], object]] = {
         "copy": lambda: dst.copy_(rows),
         "pack_rows": lambda: pack_rows(rows),
@@ -111,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         "gather_packed": lambda: gather_packed_rows(buf, pages, lo, lo + n),
         "scatter_rows": lambda: scatter_rows(buf, pages, lo, rows),
         "scatter_packed": lambda: scatter_packed_rows(buf, pages, lo, packed),
+        "select_blocks": lambda: (k_cache.index_select(0, block_idx), v_cache.index_select(0, block_idx)),
+        "pack_blocks": lambda: pack_blocks(k_cache, v_cache, block_ids, n),
+        "unpack_blocks": lambda: unpack_blocks(packed, bs),
     }
     times = run_pairs(ops, reps, args.warmup, device)
 

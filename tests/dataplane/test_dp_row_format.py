@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,24 +234,24 @@ def test_scatter_packed_rows_refuses_a_misfit_before_writing(gen) -> None:
 # ---- the reference runtime's pool ---------------------------------------------------------
 
 
-def filled_pool(gen: torch.Generator, rows: int) -> DrafterKVPool:
-    pool = DrafterKVPool(8, 4, 2, 16, RopeConfig(16, 4, 1e6), dtype=torch.bfloat16)
+def filled_pool(gen: torch.Generator, rows: int, device: str = "cpu") -> DrafterKVPool:
+    pool = DrafterKVPool(8, 4, 2, 16, RopeConfig(16, 4, 1e6), dtype=torch.bfloat16, device=device)
     pool.allocate_sequence(1)
-    k = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16)
-    v = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16).to(device)
     pool.append_rows(1, torch.arange(rows), k, v)
     pool.move_to_carried(1, 99)
     return pool
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen) -> None:
-    pool = filled_pool(gen, 10)  # 3 blocks, the last with 2 live rows
+def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen, device) -> None:
+    pool = filled_pool(gen, 10, device)  # 3 blocks, the last with 2 live rows
     pool.k_cache[pool.carried(99).block_table[2], 2:] = float("nan")  # a dead tail is never read
     entry = pool.carried(99)
     packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows, kernel=kernel)
     k, v, _ = pool.gather_carried(99)  # [rows, Hkv, D] each
-    plain = pack_rows(torch.stack((k, v), dim=1))
+    plain = pack_rows(torch.stack((k, v), dim=1), kernel="torch")
     assert packed.shape == (10, 2, 2, 16)
     assert torch.equal(bits(packed.payload), bits(plain.payload))
     assert torch.equal(bits(packed.scales), bits(plain.scales))
@@ -258,8 +259,8 @@ def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen) 
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(kernel, tk, gen) -> None:
-    pool = filled_pool(gen, 10)
+def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(kernel, tk, gen, device) -> None:
+    pool = filled_pool(gen, 10, device)
     entry = pool.carried(99)
     packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
     runs = pool.export_carried(99).runs
@@ -402,3 +403,17 @@ def test_fp8_kernels_compile_for_hopper_and_gb10_with_ieee_division_and_rounding
         assert "cvt.rn.satfinite.e4m3x2.f32" in pack  # exact here: the values are on e4m3's grid
         assert "add.f32" in pack and "sub.f32" in pack  # (a + M) - M, the e4m3 rounding, not folded
         assert "cvt.rn.bf16.f32" in unpack  # round to nearest even, as torch's cast
+
+
+def test_bench_row_format_prints_every_operation_against_the_copy() -> None:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_row_format.py"
+    proc = subprocess.run([sys.executable, str(script), "--keys", "40", "--reps", "3", "--warmup", "1",
+                           "--tokens-per-block", "8", "--pool-block-size", "16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "rows [40, 2, 2, 256] bf16 = 0.08 MiB; packed 0.04 MiB (0.508x)" in lines[1]
+    ops = [line.split()[0] for line in lines[3:]]
+    assert ops == ["copy", "pack_rows", "unpack_rows", "gather_rows", "gather_packed", "scatter_rows",
+                   "scatter_packed", "select_blocks", "pack_blocks", "unpack_blocks"]
+    assert lines[3].endswith("1.00 [1.00, 1.00]")  # the copy against itself
