@@ -17,10 +17,10 @@ Format (what `pack_rows` writes, bit for bit):
   largest finite value and 2**-126 float32's smallest normal: the floor keeps
   the scale normal (no subnormal-scale precision loss, no division by zero),
   so a zero vector gets scale 2**-126 and packs to exact zeros (signs kept).
-- `payload = clamp(v / scale, -448, 448)` cast to float8_e4m3fn (torch's cast:
-  round to nearest even). The clamp only absorbs the division's rounding (the
-  largest |v| / scale lands within one float32 ulp of 448), and makes the cast
-  saturating whatever torch version does the cast.
+- `payload = v / scale` (float32) cast to float8_e4m3fn (torch's cast: round
+  to nearest even). No clamp is needed: `scale` is `amax / 448` correctly
+  rounded, so `|v| / scale <= 448 * (1 + 2**-23)`, below 464, the midpoint to
+  the next code (not finite in e4m3fn): the largest value rounds to 448 exactly.
 - unpack: `payload.float() * scale` in float32, cast to the rows' dtype.
 
 Error bound (what the tests pin): with `x = v / scale`, e4m3 has 3 mantissa
@@ -33,9 +33,17 @@ Invariants:
 - vectorized: no Python loop over rows, vectors or heads; deterministic (every
   step is elementwise or an exact max, so two runs give the same bits);
 - finite inputs only carry meaning: a vector holding a NaN or inf packs to a
-  NaN scale or payload and unpacks to NaN, never to a finite wrong value;
+  NaN scale and unpacks to all NaN, never to a finite wrong value (its payload
+  bits are unspecified);
 - `PackedRows.nbytes == packed_nbytes(vectors, head_dim)`: the bytes a carry
   store charges are the bytes held.
+
+Kernels: `kernel="torch"` is plain torch (CPU, and anywhere); `kernel="triton"`
+runs `triton_kernels.fp8_pack_kernel`/`fp8_unpack_kernel`, one pass over the
+bytes. The default (`None`) is Triton for CUDA tensors, unless
+`$TRTLLM_MTP_CARRY_KERNELS=aot` (the plugins' AOT kernels have no FP8 twin, so
+the torch path runs), and torch elsewhere, as `ops.py` picks. Both give the
+same bits for finite vectors.
 
 The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
@@ -50,6 +58,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import cuda_kernels
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
@@ -58,9 +68,13 @@ __all__ = [
     "PackedRows",
     "pack_blocks",
     "pack_rows",
+    "pack_vectors_triton",
     "packed_nbytes",
+    "row_kernel",
     "unpack_blocks",
     "unpack_rows",
+    "unpack_vectors_triton",
+    "vector_bases",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -138,6 +152,19 @@ class PackedRows:
         return PackedRows(self.payload.pin_memory(), self.scales.pin_memory(), self.dtype)
 
 
+# Every e4m3fn code's float32 value (NaNs included): on CPU, indexing this table is ~10x
+# faster than torch's float8 -> float32 cast, with the same bits.
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+
+
+def _payload_float(payload: torch.Tensor) -> torch.Tensor:
+    """`payload.float()`, a fresh contiguous float32 tensor (a table lookup on CPU)."""
+    if not payload.is_cpu:
+        return payload.float().contiguous()
+    codes = payload.contiguous().view(torch.uint8).reshape(-1).int()
+    return _E4M3_VALUES.index_select(0, codes).view(payload.shape)
+
+
 def _check_rows(rows: torch.Tensor) -> None:
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -147,35 +174,86 @@ def _check_rows(rows: torch.Tensor) -> None:
         raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
 
 
-def pack_rows(rows: torch.Tensor) -> PackedRows:
+def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
+    """The implementation that packs/unpacks `t`: `kernel` when given, else by device (see the header)."""
+    if kernel is None:
+        return "triton" if t.is_cuda and cuda_kernels() == "triton" else "torch"
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"kernel must be 'torch', 'triton' or None, got {kernel!r}")
+    return kernel
+
+
+def vector_bases(t: torch.Tensor) -> torch.Tensor:
+    """Element offsets `[V]` int64 (on t's device) of `t`'s last-dim vectors, row-major order."""
+    bases = torch.zeros((), dtype=torch.int64, device=t.device)
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+        bases = bases.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device=t.device) * stride
+    return bases.reshape(-1)
+
+
+def pack_vectors_triton(src: torch.Tensor, bases: torch.Tensor, shape: Sequence[int]) -> PackedRows:
+    """Pack the `head_dim = shape[-1]` vectors of `src` at element offsets `bases` (Triton), as `shape`.
+
+    `src`'s last dimension is the vectors' (its stride is theirs); `bases` lists
+    `prod(shape[:-1])` offsets, each a vector inside `src` (the caller's duty).
+    """
+    from . import triton_kernels as tk
+
+    _check_rows(src)
+    payload, scales = tk.fp8_pack_triton(src, bases, shape[-1], src.stride(-1))
+    return PackedRows(payload.view(*shape), scales.view(*shape[:-1]), src.dtype)
+
+
+def unpack_vectors_triton(packed: PackedRows, dst: torch.Tensor, bases: torch.Tensor) -> None:
+    """Write `packed`'s vectors into `dst` at element offsets `bases` (Triton), cast to dst's dtype."""
+    from . import triton_kernels as tk
+
+    d = packed.shape[-1]
+    tk.fp8_unpack_triton(packed.payload.reshape(-1, d).contiguous(), packed.scales.reshape(-1).contiguous(),
+                         dst, bases, dst.stride(-1))
+
+
+def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
     """`rows` `[..., D]` in the FP8 row format, one scale per last-dim vector (see the header).
 
-    Deterministic and loop-free; the result is on `rows`' device.
+    Deterministic and loop-free; the result is on `rows`' device; `kernel` as `row_kernel`.
     """
     _check_rows(rows)
-    x = rows.to(torch.float32, copy=True)  # divided in place below
+    if row_kernel(rows, kernel) == "triton":
+        return pack_vectors_triton(rows, vector_bases(rows), rows.shape)
+    x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place
     if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
         scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
-    else:
-        scales = x.abs().amax(dim=-1).div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
-    x.div_(scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    else:  # |v| and max are exact in the rows' own dtype: half the bytes of doing it on x
+        scales = rows.abs().amax(dim=-1).float().div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
+        scales += scales - scales  # inf - inf: an inf vector's scale becomes NaN, as a NaN vector's is
+    x.div_(scales.unsqueeze(-1))  # |x| <= 448 (1 + 2**-23): rounds to at most 448 (see the header)
     return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
 
 
-def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None) -> torch.Tensor:
+def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
     """`payload * scale` in float32, cast to `packed.dtype`; written into `out` when given.
 
-    `out` must have the rows' shape and dtype (any device: the values are copied there).
+    `out` must have the rows' shape and dtype (any device: the values are copied
+    there; the Triton path writes straight into an `out` on the packed rows' device).
     """
     if not isinstance(packed, PackedRows):
         raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
     if out is not None and (out.shape != packed.shape or out.dtype != packed.dtype):
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the packed rows "
                          f"{packed.dtype} {tuple(packed.shape)}")
-    rows = (packed.payload.float() * packed.scales.unsqueeze(-1)).to(packed.dtype)
+    if row_kernel(packed.payload, kernel) == "triton":
+        dst = out if out is not None and out.device == packed.device else torch.empty(
+            packed.shape, dtype=packed.dtype, device=packed.device)
+        unpack_vectors_triton(packed, dst, vector_bases(dst))
+        if out is None or out is dst:
+            return dst
+        out.copy_(dst)
+        return out
+    values = _payload_float(packed.payload).mul_(packed.scales.unsqueeze(-1))
     if out is None:
-        return rows
-    out.copy_(rows)
+        return values.to(packed.dtype)
+    out.copy_(values)  # converts while it copies: the same cast, one pass fewer
     return out
 
 
@@ -183,34 +261,53 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None) -> torch.Te
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                rows: int) -> PackedRows:
+                rows: int, kernel: str | None = None) -> PackedRows:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed as `[rows, 2, Hkv, D]`.
 
     `k_cache`, `v_cache`: `[num_blocks, block_size, Hkv, D]` (a `DrafterKVPool`'s
     caches, or a `HostRows`' `k`/`v` with `block_ids = range(len)`); row `r` is
     slot `r % block_size` of block `block_ids[r // block_size]`. Only live rows
     are packed (the tail of the last block is not), so `nbytes` charges rows.
+    Bit for bit `pack_rows` of those rows stacked `[rows, 2, Hkv, D]`; the Triton
+    path reads them in place (no bf16 copy), the torch path gathers them first.
     """
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
-                         "must both be [num_blocks, block_size, Hkv, D]")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
+                         f"{tuple(v_cache.shape)} must both be [num_blocks, block_size, Hkv, D], one dtype")
     block_size = k_cache.shape[1]
     if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
         raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
                          f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
     need = -(-rows // block_size)
     idx = torch.tensor(list(block_ids[:need]), dtype=torch.int64, device=k_cache.device)
-    # [need, bs, Hkv, D] x2 -> [need*bs, 2, Hkv, D] -> first `rows`
-    both = torch.stack((k_cache.index_select(0, idx), v_cache.index_select(0, idx)), dim=2)
-    return pack_rows(both.flatten(0, 1)[:rows])
+    shape = (rows, *k_cache.shape[2:])  # [rows, Hkv, D] of K, then of V
+    if row_kernel(k_cache, kernel) == "triton":
+        r = torch.arange(rows, dtype=torch.int64, device=k_cache.device)
+        halves = [pack_vectors_triton(c, _block_row_bases(c, idx[r // block_size], r % block_size), shape)
+                  for c in (k_cache, v_cache)]
+    else:
+        halves = [pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch")
+                  for c in (k_cache, v_cache)]
+    k, v = halves  # K and V vectors pack independently: stacking the packed halves is exact
+    return PackedRows(torch.stack((k.payload, v.payload), dim=1), torch.stack((k.scales, v.scales), dim=1),
+                      k_cache.dtype)
 
 
-def unpack_blocks(packed: PackedRows, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_row_bases(cache: torch.Tensor, block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Element offsets `[rows * Hkv]` of the head vectors of rows at (block, slot) of `cache`."""
+    s0, s1, s2, _ = cache.stride()
+    heads = torch.arange(cache.shape[2], dtype=torch.int64, device=cache.device) * s2
+    return ((block * s0 + slot * s1).unsqueeze(-1) + heads).reshape(-1)
+
+
+def unpack_blocks(packed: PackedRows, block_size: int,
+                  kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks `(k, v)`, each `[cdiv(rows, block_size), block_size, Hkv, D]`, from `pack_blocks`' rows.
 
     Row `r` lands at block `r // block_size`, slot `r % block_size`; the last
     block's tail past the rows is zeros. Shapes fit `HostRows`, so
-    `DrafterKVPool.import_carried` copies them into fresh blocks.
+    `DrafterKVPool.import_carried` copies them into fresh blocks. K and V are
+    unpacked straight into their blocks (no stacked bf16 copy).
     """
     if packed.payload.dim() != 4 or packed.shape[1] != 2:
         raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
@@ -218,7 +315,12 @@ def unpack_blocks(packed: PackedRows, block_size: int) -> tuple[torch.Tensor, to
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     rows, _, hkv, d = packed.shape
     nblocks = -(-rows // block_size)
-    full = torch.zeros((nblocks * block_size, 2, hkv, d), dtype=packed.dtype, device=packed.device)
-    unpack_rows(packed, out=full[:rows])
-    full = full.view(nblocks, block_size, 2, hkv, d)
-    return full[:, :, 0].contiguous(), full[:, :, 1].contiguous()
+    out = []
+    for i in range(2):  # K, then V
+        blocks = torch.empty((nblocks, block_size, hkv, d), dtype=packed.dtype, device=packed.device)
+        flat = blocks.view(-1, hkv, d)
+        flat[rows:].zero_()
+        unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype), out=flat[:rows],
+                    kernel=kernel)
+        out.append(blocks)
+    return out[0], out[1]

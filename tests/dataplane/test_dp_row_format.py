@@ -6,6 +6,12 @@ own (see `row_format`'s header), computed in float64.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from dp_helpers import bits, poison
@@ -103,6 +109,15 @@ def test_values_e4m3_holds_exactly_round_trip_exactly() -> None:
     rows = grid.to(torch.bfloat16)
     assert torch.equal(pack_rows(rows).scales, torch.ones(rows.shape[0]))
     assert torch.equal(bits(unpack_rows(pack_rows(rows))), bits(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_unpack_is_the_float32_product_cast_for_every_code_nans_included(dtype, gen) -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    scales = torch.rand(16, generator=gen) * 2.0 ** torch.randint(-20, 20, (16,), generator=gen)
+    packed = PackedRows(codes, scales, dtype)
+    expect = (codes.float() * scales.unsqueeze(-1)).to(dtype)
+    assert torch.equal(bits(unpack_rows(packed, kernel="torch")), bits(expect))
 
 
 def test_non_finite_vectors_unpack_to_nan_never_a_finite_value() -> None:
@@ -219,35 +234,38 @@ def test_scatter_packed_rows_refuses_a_misfit_before_writing(gen) -> None:
 # ---- the reference runtime's pool ---------------------------------------------------------
 
 
-def filled_pool(gen: torch.Generator, rows: int) -> DrafterKVPool:
-    pool = DrafterKVPool(8, 4, 2, 16, RopeConfig(16, 4, 1e6), dtype=torch.bfloat16)
+def filled_pool(gen: torch.Generator, rows: int, device: str = "cpu") -> DrafterKVPool:
+    pool = DrafterKVPool(8, 4, 2, 16, RopeConfig(16, 4, 1e6), dtype=torch.bfloat16, device=device)
     pool.allocate_sequence(1)
-    k = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16)
-    v = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16).to(device)
     pool.append_rows(1, torch.arange(rows), k, v)
     pool.move_to_carried(1, 99)
     return pool
 
 
-def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(gen) -> None:
-    pool = filled_pool(gen, 10)  # 3 blocks, the last with 2 live rows
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen, device) -> None:
+    pool = filled_pool(gen, 10, device)  # 3 blocks, the last with 2 live rows
+    pool.k_cache[pool.carried(99).block_table[2], 2:] = float("nan")  # a dead tail is never read
     entry = pool.carried(99)
-    packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
+    packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows, kernel=kernel)
     k, v, _ = pool.gather_carried(99)  # [rows, Hkv, D] each
-    plain = pack_rows(torch.stack((k, v), dim=1))
+    plain = pack_rows(torch.stack((k, v), dim=1), kernel="torch")
     assert packed.shape == (10, 2, 2, 16)
     assert torch.equal(bits(packed.payload), bits(plain.payload))
     assert torch.equal(bits(packed.scales), bits(plain.scales))
     assert packed.nbytes == packed_nbytes(10 * 2 * 2, 16)
 
 
-def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(gen) -> None:
-    pool = filled_pool(gen, 10)
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(kernel, tk, gen, device) -> None:
+    pool = filled_pool(gen, 10, device)
     entry = pool.carried(99)
     packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
     runs = pool.export_carried(99).runs
     pool.free_carried(99)
-    k, v = unpack_blocks(packed, pool.block_size)
+    k, v = unpack_blocks(packed, pool.block_size, kernel=kernel)
     assert k.shape == v.shape == (3, 4, 2, 16)
     assert int(k[2, 2:].abs().sum()) == 0 and int(v[2, 2:].abs().sum()) == 0  # the tail is zeros
     pool.import_carried(7, HostRows(k, v, 10, runs))
@@ -262,3 +280,140 @@ def test_pack_blocks_refuses_more_rows_than_its_blocks_hold(gen) -> None:
     pool = filled_pool(gen, 10)
     with pytest.raises(ValueError, match=r"rows must be an int in \[0, 8\] for 2 blocks of 4, got 9"):
         pack_blocks(pool.k_cache, pool.v_cache, [0, 1], 9)
+
+
+# ---- the Triton kernels (interpreted on CPU without a GPU) against the torch path ---------
+
+KERNELS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_pack_equals_torch_pack_bit_for_bit(dtype, tk, gen, device) -> None:
+    rows = mixed_rows(gen, 9, 2, 3, 64, dtype=dtype).to(device)
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    assert b.dtype == dtype and b.shape == rows.shape and b.scales.shape == rows.shape[:-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_unpack_equals_torch_unpack_bit_for_bit(dtype, tk, gen, device) -> None:
+    packed = pack_rows(mixed_rows(gen, 9, 2, 3, 64, dtype=dtype)).to(device)
+    a, b = unpack_rows(packed, kernel="torch"), unpack_rows(packed, kernel="triton")
+    assert torch.equal(bits(a), bits(b))
+
+
+def test_triton_rounds_every_e4m3_tie_and_carry_as_torch(tk, device) -> None:
+    # every code's value, the midpoints between neighbours (ties) and just either side of them,
+    # as one vector of amax 448 (scale 1): carries across exponents, subnormals, signs
+    codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0 .. 448
+    mids = (codes[1:] + codes[:-1]) / 2
+    vals = torch.cat([codes, mids, mids.nextafter(torch.tensor(0.0, dtype=torch.float64)),
+                      mids * (1 + 2.0**-20), torch.tensor([FP8_MAX])])
+    vals = torch.cat([vals, -vals]).float()
+    rows = torch.stack([vals, vals / 3, vals * 2.0**-120])  # scales 1, 1/3, the floor
+    a, b = pack_rows(rows.to(device), kernel="torch"), pack_rows(rows.to(device), kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+
+
+def test_triton_packs_and_unpacks_strided_views(tk, gen, device) -> None:
+    wide = mixed_rows(gen, 6, 3, 80, dtype=torch.bfloat16).to(device)
+    rows = wide[:, 1:, 8:72]  # vectors at row stride 240, head stride 80
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    out = poison(gen, 6, 3, 80, device=device)
+    before = out.clone()
+    unpack_rows(b, out=out[:, 1:, 8:72], kernel="triton")
+    expect = before.clone()
+    expect[:, 1:, 8:72] = unpack_rows(a, kernel="torch")
+    assert torch.equal(bits(out), bits(expect))
+
+
+def test_triton_non_finite_vectors_get_a_nan_scale_and_unpack_to_nan(tk, device) -> None:
+    rows = torch.tensor([[1.0, float("inf"), 2.0], [float("nan"), 1.0, 0.0], [-float("inf"), 0.0, 0.0],
+                         [1.0, 2.0, 4.0]], dtype=torch.bfloat16, device=device)
+    for kernel in KERNELS:
+        packed = pack_rows(rows, kernel=kernel)
+        assert bool(torch.isnan(packed.scales[:3]).all()), kernel
+        for unpack_kernel in KERNELS:
+            out = unpack_rows(packed, kernel=unpack_kernel)
+            assert bool(torch.isnan(out[:3]).all()) and out[3].tolist() == [1.0, 2.0, 4.0]
+
+
+def test_triton_gather_packed_rows_equals_torch_bit_for_bit(tk, gen, device) -> None:
+    buf = hnd_buf(gen)
+    scatter_rows(buf, [7, 5, 2, 0], 3, mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    buf = buf.to(device)
+    a = gather_packed_rows(buf, [7, 5, 2, 0], 3, 14, kernel="torch")
+    b = gather_packed_rows(buf, [7, 5, 2, 0], 3, 14, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+
+
+def test_triton_scatter_packed_rows_equals_torch_and_writes_only_the_named_slots(tk, gen, device) -> None:
+    buf = hnd_buf(gen).to(device)
+    before = buf.clone()
+    packed = pack_rows(mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    scatter_packed_rows(buf, [7, 5, 2, 0], 3, packed, kernel="triton")  # packed on CPU: moved
+    expect = before.clone()
+    scatter_packed_rows(expect, [7, 5, 2, 0], 3, packed, kernel="torch")
+    assert torch.equal(bits(buf), bits(expect))
+    written = torch.zeros(8, 4, dtype=torch.bool)
+    written[7, 3] = written[5, :] = written[2, :] = True
+    written[0, :2] = True
+    keep = ~written[:, None, None, :, None].expand(buf.shape).to(device)
+    assert torch.equal(bits(buf[keep]), bits(before[keep]))
+
+
+# The interpreter accepts kernels the compiler refuses (a plain-float global, for one) and
+# computes with numpy; compiling for the real targets pins what the GPU will run.
+_COMPILE_FP8 = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from trtllm_mtp_carry.dataplane import triton_kernels as tk
+common = {"num_vectors": "i32", "head_dim": "i32", "d_stride": "i32",
+          "BLOCK_V": "constexpr", "BLOCK_D": "constexpr"}
+kernels = {
+    "pack": (tk.fp8_pack_kernel, {"src_ptr": "*bf16", "bases_ptr": "*i64", "payload_ptr": "*fp8e4nv",
+                                  "scales_ptr": "*fp32", **common}),
+    "unpack": (tk.fp8_unpack_kernel, {"payload_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "dst_ptr": "*bf16",
+                                      "bases_ptr": "*i64", **common}),
+}
+out = {}
+for cap in (90, 121):
+    for name, (fn, sig) in kernels.items():
+        src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_V": 32, "BLOCK_D": 128})
+        ptx = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4}).asm["ptx"]
+        out[f"{name}.sm_{cap}"] = sorted(set(re.findall(r"^\\s*((?:div|cvt|add|sub)\\.[\\w.]+)", ptx, re.M)))
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_fp8_kernels_compile_for_hopper_and_gb10_with_ieee_division_and_rounding_casts() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FP8], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(proc.stdout)
+    for cap in ("sm_90", "sm_121"):
+        pack, unpack = ops[f"pack.{cap}"], ops[f"unpack.{cap}"]
+        assert "div.rn.f32" in pack and not any(op.startswith(("div.full", "div.approx")) for op in pack)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in pack  # exact here: the values are on e4m3's grid
+        assert "add.f32" in pack and "sub.f32" in pack  # (a + M) - M, the e4m3 rounding, not folded
+        assert "cvt.rn.bf16.f32" in unpack  # round to nearest even, as torch's cast
+
+
+def test_bench_row_format_prints_every_operation_against_the_copy() -> None:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_row_format.py"
+    proc = subprocess.run([sys.executable, str(script), "--keys", "40", "--reps", "3", "--warmup", "1",
+                           "--tokens-per-block", "8", "--pool-block-size", "16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "rows [40, 2, 2, 256] bf16 = 0.08 MiB; packed 0.04 MiB (0.508x)" in lines[1]
+    ops = [line.split()[0] for line in lines[3:]]
+    assert ops == ["copy", "pack_rows", "unpack_rows", "gather_rows", "gather_packed", "scatter_rows",
+                   "scatter_packed", "select_blocks", "pack_blocks", "unpack_blocks"]
+    assert lines[3].endswith("1.00 [1.00, 1.00]")  # the copy against itself
