@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import combinations
 from typing import Any
 
@@ -206,6 +206,11 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _policy_width(names: Iterable[str]) -> int:
+    """The policy column's width: 8, or the longest name (`carry-fp8`)."""
+    return max([8, *(len(n) for n in names)])
+
+
 def _natural(name: str) -> tuple[tuple[int, str], ...]:
     """Sort key putting `s2` before `s10`."""
     return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", name) if p)
@@ -213,7 +218,8 @@ def _natural(name: str) -> tuple[tuple[int, str], ...]:
 
 def turn_table(runs: Sequence[PolicyRun], first_measured: int) -> str:
     """One line per turn and policy, paired turns together; warm-up replays are marked `w`."""
-    head = (f"{'rep':>4} {'sess':<6} {'turn':>4} {'policy':<8} {'prompt':>7} {'reused':>7} "
+    w = _policy_width(r.policy for r in runs)
+    head = (f"{'rep':>4} {'sess':<6} {'turn':>4} {'policy':<{w}} {'prompt':>7} {'reused':>7} "
             f"{'rows':>6} {'prep ms':>8} {'ttft ms':>8} {'acc':>5}  outcome")
     lines = [head, "-" * len(head)]
     order = {r.policy: i for i, r in enumerate(runs)}
@@ -224,7 +230,7 @@ def turn_table(runs: Sequence[PolicyRun], first_measured: int) -> str:
         rep = f"{t.replay}{'w' if t.replay < first_measured else ''}"
         acc = f"{s['acceptance']:>5.2f}" if s["drafted"] else f"{'-':>5}"
         lines.append(
-            f"{rep:>4} {t.session:<6} {t.turn:>4} {policy:<8} {s['prompt_tokens']:>7} "
+            f"{rep:>4} {t.session:<6} {t.turn:>4} {policy:<{w}} {s['prompt_tokens']:>7} "
             f"{s['reused_tokens']:>7} {s['drafter_rows_computed']:>6} "
             f"{s['drafter_prep_ms']:>8.1f} {s['ttft_ms']:>8.1f} {acc}  {s['outcome']}"
         )
@@ -238,18 +244,19 @@ def _mid(s: dict[str, Any], prefix: str, fmt: str) -> str:
 
 def summary_table(summary: dict[str, dict[str, Any]]) -> str:
     """Warm-turn medians [p25-p75] per policy, then refusals and evictions where there were any."""
-    head = (f"{'policy':<8} {'turns':>5} {'warm TTFT ms':>22} {'drafter prep ms':>20} "
+    w = _policy_width(summary)
+    head = (f"{'policy':<{w}} {'turns':>5} {'warm TTFT ms':>22} {'drafter prep ms':>20} "
             f"{'rows':>6} {'acceptance':>19} {'adopted':>7} {'tok/s':>7}  outcomes")
     lines = [head, "-" * len(head)]
     notes = []
     for policy, s in summary.items():
         if not s.get("turns"):
-            lines.append(f"{policy:<8} {0:>5}  (no warm turns measured)")
+            lines.append(f"{policy:<{w}} {0:>5}  (no warm turns measured)")
             continue
         outcomes = " ".join(f"{k}={v}" for k, v in s["outcomes"].items())
         adopted = _f(None if s["adoption_rate"] is None else 100 * s["adoption_rate"], ".0f")
         lines.append(
-            f"{policy:<8} {s['turns']:>5} {_mid(s, 'ttft_ms', '.1f'):>22} "
+            f"{policy:<{w}} {s['turns']:>5} {_mid(s, 'ttft_ms', '.1f'):>22} "
             f"{_mid(s, 'drafter_prep_ms', '.1f'):>20} {_f(s['drafter_rows_computed_median'], '.0f'):>6} "
             f"{_mid(s, 'acceptance', '.3f'):>19} {adopted + '%':>7} "
             f"{_f(s['output_tokens_per_s'], '.1f'):>7}  {outcomes}"
@@ -271,7 +278,8 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
 def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
     """Per policy on warm turns: target tokens the prefill computed (median [p25-p75] and
     total), the most drafter and target blocks held; then the `paired` counters."""
-    head = (f"{'policy':<8} {'target tokens computed':>24} {'total':>8} {'cap':>7} "
+    w = _policy_width(summary)
+    head = (f"{'policy':<{w}} {'target tokens computed':>24} {'total':>8} {'cap':>7} "
             f"{'drafter blocks peak':>20} {'target blocks peak':>19}")
     lines = [head, "-" * len(head)]
     notes = []
@@ -282,7 +290,7 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
         t_peak, t_all = s.get("target_blocks_peak"), s.get("target_blocks")
         drafter = "-" if d_peak is None else f"{d_peak} of {d_all}"
         target = "-" if t_peak is None else f"{t_peak} of {t_all}"
-        lines.append(f"{policy:<8} {_mid(s, 'target_computed', '.0f'):>24} "
+        lines.append(f"{policy:<{w}} {_mid(s, 'target_computed', '.0f'):>24} "
                      f"{s['target_computed_total']:>8} {s['recomputed_for_cap_total']:>7} "
                      f"{drafter:>20} {target:>19}")
         sh = s.get("carry_share")
