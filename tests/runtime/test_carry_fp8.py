@@ -138,3 +138,24 @@ def test_the_cores_pure_python_bytes_equal_the_codecs():
             assert rows_nbytes("fp8", vectors, head_dim) == packed_nbytes(vectors, head_dim)
             rows = torch.zeros(vectors, head_dim, dtype=torch.bfloat16)
             assert pack_rows(rows).nbytes == packed_nbytes(vectors, head_dim)
+
+
+@pytest.mark.parametrize("host_memory", [0, "1MiB"])
+def test_an_fp8_entry_the_pool_cannot_take_back_leaves_as_pool_pressure(model, host_memory):
+    gen = torch.Generator().manual_seed(9)
+    eng = fp8_engine(model, host_memory=host_memory, num_drafter_blocks=8)
+    prompt = random_prompt(gen, 40)
+    result = eng.generate("a", prompt, max_new_tokens=6)
+    a, pool = session_hash("a"), eng.drafter_pool
+    pool.allocate_sequence(500)  # a live sequence holds all but one block: a's 3 blocks cannot come back
+    pool.grow(500, (pool.num_free_blocks - 1) * pool.block_size)
+    turn2 = prompt + result.output + random_prompt(gen, 8)
+    build = eng.runtime.prepare(77, eng.runtime.draw_ticket(), a, turn2, len(prompt))
+    assert build.mode == "blind" and build.outcome.reason == "pool_pressure"
+    stats = eng.runtime.stats()
+    assert stats.evictions["pool_pressure"] == 1 and stats.entries_held == stats.host_entries == 0
+    assert eng.runtime._packed.keys() == [] and eng.runtime._packed.host_keys() == []
+    eng.runtime.release(77)
+    pool.free_sequence(500)
+    eng.runtime.check()
+    pool.check()

@@ -717,7 +717,11 @@ class CarryRuntime:
         assert entry is not None
         blocks = len(entry.block_table) if self._packed is None else -(-entry.rows // pool.block_size)
         if blocks > pool.num_free_blocks + pool.num_carried_blocks:
-            self._store.evict(key, "pool_pressure")
+            gone = self._store.evict(key, "pool_pressure")
+            if gone is not None:  # an fp8 device entry: its packed copy goes with it
+                self._free(gone)
+            if self._store.tier(key) == "host":  # demoted instead: it could not come back either
+                self._store.evict(key, "pool_pressure")
 
     # ---- carried entries (the seam with the engine: signatures are stable) -----
 
