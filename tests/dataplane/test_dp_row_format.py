@@ -36,6 +36,7 @@ from trtllm_mtp_carry.trtllm.layout import (
     scatter_rows,
 )
 
+
 @pytest.fixture
 def fp8_tk(tk, device):
     """The Triton kernels, where they can run the FP8 ones (interpreted on CPU; on a GPU from sm_89)."""
