@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from dp_helpers import bits, poison
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, HostRows
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
@@ -90,6 +92,17 @@ def test_round_trip_is_within_fp8_rounding_of_the_rows(dtype, gen) -> None:
     assert packed.scales.shape == rows.shape[:-1]
     assert bool(torch.isfinite(out).all())
     assert_within_fp8_rounding(rows, out, packed.scales)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=40))
+def test_any_finite_float32_vector_round_trips_within_fp8_rounding(values) -> None:
+    rows = torch.tensor(values, dtype=torch.float32)
+    packed = pack_rows(rows)
+    out = unpack_rows(packed)
+    assert bool(torch.isfinite(out).all())
+    assert_within_fp8_rounding(rows, out, packed.scales)
+    assert torch.equal(bits(out), bits(unpack_rows(pack_rows(rows.clone()))))
 
 
 def test_scale_is_amax_over_448_floored_at_float32_smallest_normal(gen) -> None:

@@ -146,7 +146,7 @@ class PackedRows:
                 + self.scales.numel() * self.scales.element_size())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
-        """The same packed rows on `device` (self when already there)."""
+        """The same packed rows on `device` (sharing the tensors when they are there already)."""
         return PackedRows(self.payload.to(device, non_blocking=non_blocking),
                           self.scales.to(device, non_blocking=non_blocking), self.dtype)
 
