@@ -440,3 +440,22 @@ def test_bench_row_format_prints_every_operation_against_the_copy() -> None:
     assert ops == ["copy", "pack_rows", "unpack_rows", "gather_rows", "gather_packed", "scatter_rows",
                    "scatter_packed", "select_blocks", "pack_blocks", "unpack_blocks"]
     assert lines[3].endswith("1.00 [1.00, 1.00]")  # the copy against itself
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_packed_gather_and_scatter_follow_a_permuted_page_view(kernel, fp8_tk, gen, device) -> None:
+    # pages stored [pages, tpb, 2, Hkv, D] and viewed HND: strides no longer row-major
+    store = poison(gen, 8, 4, 2, 2, 16, device=device)
+    buf = store.permute(0, 2, 3, 1, 4)
+    assert buf.shape == (8, 2, 2, 4, 16) and not buf.is_contiguous()
+    rows = mixed_rows(gen, 6, 2, 2, 16, dtype=torch.bfloat16).to(device)
+    before = store.clone()
+    packed = pack_rows(rows, kernel="torch")
+    scatter_packed_rows(buf, [6, 1, 3], 2, packed, kernel=kernel)  # keys 2..7: page 6 slots 2-3, page 1
+    expect = before.permute(0, 2, 3, 1, 4).clone()
+    scatter_rows(expect, [6, 1, 3], 2, unpack_rows(packed, kernel="torch"))
+    assert torch.equal(bits(buf), bits(expect))
+    again = gather_packed_rows(buf, [6, 1, 3], 2, 8, kernel=kernel)
+    plain = pack_rows(gather_rows(buf, [6, 1, 3], 2, 8), kernel="torch")
+    assert torch.equal(bits(again.payload), bits(plain.payload))
+    assert torch.equal(bits(again.scales), bits(plain.scales))
