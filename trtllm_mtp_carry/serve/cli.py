@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..argtypes import carry_host_memory_size, carry_memory_size, non_negative_int, positive_int
 from ..cli_error import fail
 from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
-from .options import ENGINES, POLICIES, ServeOptions
+from .options import ENGINES, POLICIES, ServeOptions, carry_options
 from .triton.repo import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CANDIDATE_SEQUENCES,
@@ -101,9 +101,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
         raise ValueError("--model and --llm-options are options of --engine trtllm")
     options = ServeOptions(
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
-        marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
-        carry_memory=args.serve_carry_memory, carry_host_memory=args.serve_carry_host_memory,
-        max_model_len=args.max_model_len, max_tokens=args.max_tokens,
+        **carry_options(args), max_model_len=args.max_model_len, max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs, device=args.device, max_turn_s=args.max_turn_s,
     )
     return RepoSpec(name=args.name, instances=args.instances, idle_timeout_s=args.idle_timeout_s,
