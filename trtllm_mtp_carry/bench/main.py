@@ -276,9 +276,22 @@ def _policy_names(args: argparse.Namespace) -> list[str]:
     return [p.strip() for p in args.policies.split(",") if p.strip()]
 
 
+def _check_env_cap(args: argparse.Namespace) -> None:
+    """`TRTLLM_MTP_CARRY_MAX_SEQS` is held to the rule of `--mtp-max-seqs`: the in-process bench
+    sets the cap from `--concurrency`, so a variable that differs is an error naming it."""
+    raw = os.environ.get(settings.ENV_MTP_MAX_SEQS)
+    if args.mtp_max_seqs is None and raw is not None:
+        cap = settings.parse_env_int(settings.ENV_MTP_MAX_SEQS, raw, 1)
+        if cap != args.concurrency:
+            raise ValueError(f"environment variable {settings.ENV_MTP_MAX_SEQS}={raw!r} differs from "
+                             f"--concurrency {args.concurrency}: the bench sets the MTP dispatch cap "
+                             "from --concurrency")
+
+
 def run_local(args: argparse.Namespace) -> int:
     """`bench`: the sessions on in-process reference engines (`replay.LocalDriver`)."""
     _check(args)
+    _check_env_cap(args)
     import torch
 
     from ..engine.model import load_reference
