@@ -12,7 +12,7 @@ their dests are `replay_*`, so `apply_settings_flags` does not see them.
 Each carry flag not given takes its `TRTLLM_MTP_CARRY_*` variable, as every
 command does (`--carry-memory` TRTLLM_MTP_CARRY_MEMORY, `--carry-host-memory`
 TRTLLM_MTP_CARRY_HOST_MEMORY, `--carry-eviction` TRTLLM_MTP_CARRY_EVICTION,
-`--carry-idle-s` TRTLLM_MTP_CARRY_IDLE_S), else the replay's default; a
+`--carry-idle-s` TRTLLM_MTP_CARRY_IDLE_S); with neither, the replay's default. A
 malformed variable is the command line's one error line before anything runs.
 Bad input is one error line (ValueError; the CLI prints it and exits 2): a
 malformed trace line names its line number.
