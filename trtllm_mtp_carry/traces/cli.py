@@ -241,10 +241,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     trace = read_trace(args.trace)
     t_read = time.perf_counter() - t0
-    bound = clairvoyant_bound(trace, config)
-    results = []
-    for name in policies:
-        results.append(replay(trace, name, config))
+    from ..progress import progress
+
+    with progress(1 + len(policies), "trace-replay", "replay") as bar:  # the bound, then each policy
+        bound = clairvoyant_bound(trace, config)
+        bar.update()
+        results = []
+        for name in policies:
+            results.append(replay(trace, name, config))
+            bar.update()
     t_all = time.perf_counter() - t0
     copy_gbps = args.replay_copy_gbps or (measure_copy_gbps() if host else None)
     print(f"trace {args.trace} ({trace.format}): {len(trace)} requests, {trace.conversations} conversations, "
