@@ -75,6 +75,9 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def test_every_settings_variable_has_a_good_and_a_bad_value():
     assert {s.env_var for s in settings.CARRY_VARIABLES} == set(VALUES)
+    # a new ENV_* setting belongs in CARRY_VARIABLES (checked by every command) and in VALUES
+    declared = {v for k, v in vars(settings).items() if k.startswith("ENV_") and k != "ENV_DEBUG"}
+    assert declared == set(VALUES)
     for var, (good, _) in VALUES.items():
         setting = next(s for s in settings.CARRY_VARIABLES if s.env_var == var)
         assert setting._parse(var, good) != setting.default, var  # the test can tell it was read
