@@ -68,3 +68,10 @@ def test_every_link_resolves_inside_the_repository(path):
 def test_no_document_sends_readers_to_the_projects_own_notes(path):
     text = " ".join(path.read_text().split())
     assert [name for name in OUTSIDE if name in text] == []
+
+
+def test_no_source_script_or_document_names_a_path_outside_the_repository():
+    files = [p for pattern in ("*.py", "*.md", "*.sh", "*.toml") for p in ROOT.rglob(pattern)
+             if not any(part.startswith(".") for part in p.relative_to(ROOT).parts) and p != Path(__file__)]
+    files.append(ROOT / ".ci" / "run")
+    assert [str(p.relative_to(ROOT)) for p in files if any(s in p.read_text() for s in ("../shared", "/work/"))] == []
