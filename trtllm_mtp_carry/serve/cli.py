@@ -80,17 +80,22 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
     p.add_argument("--marconi-min-tokens", dest="serve_marconi_min_tokens",
                    type=non_negative_int, default=None, metavar="N",
-                   help="the model's SSM restore threshold (pinned in each instance)")
+                   help="the model's SSM restore threshold (pinned in each instance); default env "
+                   "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS, else the engine's")
     p.add_argument("--carry-slots", dest="serve_carry_slots", type=positive_int, default=None,
-                   metavar="N", help="carry slots per instance (pinned in each instance)")
+                   metavar="N", help="carry slots per instance (pinned in each instance); default env "
+                   "TRTLLM_MTP_CARRY_SLOTS, else no cap")
     p.add_argument("--carry-memory", dest="serve_carry_memory", type=carry_memory_size, default=None,
                    metavar="SIZE", help="carry budget per instance: 4GiB, 512MiB or a drafter pool "
-                   "fraction like 0.5 (default: the whole pool)")
+                   "fraction like 0.5; default env TRTLLM_MTP_CARRY_MEMORY, else the whole pool")
     p.add_argument("--carry-host-memory", dest="serve_carry_host_memory", type=carry_host_memory_size,
                    default=None, metavar="SIZE", help="host tier per instance: entries evicted from the "
-                   "carry budget wait in this much host memory (8GiB; default 0: none)")
+                   "carry budget wait in this much host memory (8GiB); default env "
+                   "TRTLLM_MTP_CARRY_HOST_MEMORY, else 0: none")
     p.add_argument("--device", default=d.device)
-    # The settings flags of this process stay unset: these options pin each served instance.
+    # The settings flags of this process stay unset: these options pin each served instance. A carry
+    # option not given takes its TRTLLM_MTP_CARRY_* variable (serve.options.carry_options), written
+    # into the model's parameters with the other carry variables (eviction, idle TTL, sharing).
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
 
 
