@@ -81,7 +81,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--marconi-min-tokens", dest="serve_marconi_min_tokens",
                    type=non_negative_int, default=None, metavar="N",
                    help="the model's SSM restore threshold (pinned in each instance); default env "
-                   "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS, else the engine's")
+                   "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS, else 256")
     p.add_argument("--carry-slots", dest="serve_carry_slots", type=positive_int, default=None,
                    metavar="N", help="carry slots per instance (pinned in each instance); default env "
                    "TRTLLM_MTP_CARRY_SLOTS, else no cap")
