@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=_positive, default=MIN_TURNS,
                    help=f"turns per conversation (the claim needs >= {MIN_TURNS})")
     p.add_argument("--max-tokens", type=_positive, default=64, help="max_tokens of every turn")
-    p.add_argument("--max-draft-len", type=_positive, default=3, help="MTPDecodingConfig(max_draft_len=...)")
+    p.add_argument("--max-draft-len", type=_positive, default=3, help="drafts per step: MTPDecodingConfig(num_nextn_predict_layers=...), from which TensorRT-LLM sets max_draft_len")
     p.add_argument("--context-words", type=_positive, default=400,
                    help="words of shared background in each conversation's first message (history length)")
     p.add_argument("--concurrency", type=_positive, default=8, help="conversations in flight at once")
@@ -229,7 +229,7 @@ def build_llm(env: dict[str, Any], mode: str, args: argparse.Namespace, extra: d
             "mamba_state_config": dict(RECOMMENDED_SNAPSHOT_PLACEMENT),  # unless the user's sets one
             **extra["kv_cache_config"], "enable_block_reuse": mode != "rebuild"})
     if mode != "off":
-        kwargs["speculative_config"] = env["MTPDecodingConfig"](max_draft_len=args.max_draft_len)
+        kwargs["speculative_config"] = env["MTPDecodingConfig"](num_nextn_predict_layers=args.max_draft_len)
     return env["LLM"](**kwargs)
 
 

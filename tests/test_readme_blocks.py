@@ -1,10 +1,15 @@
 """Every ```bash and ```python block of README.md runs as written and exits.
 
-The README's promise is that a newcomer can paste any of its commands. So
-each fenced bash or python block is extracted and run in a fresh directory
-(bash with `-e -o pipefail`, python with this interpreter; this environment's
-`bin` first on PATH, this checkout first on PYTHONPATH, one OpenMP thread
-unless set), and must exit 0.
+The README's promise is that a newcomer can paste its commands, in order, into a
+fresh shell after command 1. So each fenced bash or python block is extracted
+and run in a clean environment, not the developer's: only `PATH` (this
+interpreter's `bin`, where command 1's `.venv/bin` would be, then the system's),
+a fresh `HOME` and `PYTHONPATH` naming this checkout (what command 1's editable
+install does) are set, as under `env -i`; every block of a run shares one fresh
+working directory, as a newcomer's clone would, in the README's order. Bash runs
+with `-e -o pipefail`, python as `python -c` from that `PATH`; each must exit 0.
+(One fresh virtual environment per run was ruled out: CI's 2 cores have no
+minutes for another torch install; DECISIONS.md, "README blocks".)
 
 A block that needs something else is tagged by an HTML comment on the line
 right before its fence:
@@ -17,14 +22,16 @@ right before its fence:
     <!-- readme-test: skip: <reason> -->  not run; the reason says why
 
 Any other tag, a tag without a fence below it, or a skip without a reason
-fails. The README's first block (the main bench job and `bash scripts/test.sh`,
-the suite that runs this very test) must be a skip: CI runs both anyway.
-Other test modules reuse `readme_blocks()` for their own tag.
+fails. A skipped block that needs a GPU or TensorRT-LLM says so to the reader
+too, in the paragraph right above it. The README's first block (the main bench
+job and `bash scripts/test.sh`, the suite that runs this very test) must be a
+skip: CI runs both anyway. Other test modules reuse `readme_blocks()` and
+`clean_env()`.
 """
 
 from __future__ import annotations
 
-import os
+import ast
 import re
 import subprocess
 import sys
@@ -95,14 +102,20 @@ def _runnable(kind: str) -> list[Block]:
     return [b for b in readme_blocks() if b.lang in RUNNABLE and b.kind == kind]
 
 
-def run_block(block: Block, cwd: Path, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
-    """Run `block` in `cwd` as a user would paste it."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-               PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
-    env.setdefault("OMP_NUM_THREADS", "1")  # the suite's one torch thread (tests/conftest.py)
+def clean_env(home: Path) -> dict[str, str]:
+    """The environment a README block runs in: `env -i` plus PATH, a fresh HOME and this checkout."""
+    return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
+            "PYTHONPATH": str(ROOT)}
+
+
+def run_block(block: Block, cwd: Path, timeout_s: float = 300.0,
+              home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `block` in `cwd` as a user would paste it, in `clean_env` (HOME `home`, else `cwd/.home`)."""
+    home = home or cwd / ".home"
+    home.mkdir(exist_ok=True)
     cmd = (["bash", "-e", "-o", "pipefail", "-c", block.code] if block.lang == "bash"
-           else [sys.executable, "-c", block.code])
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+           else ["python", "-c", block.code])
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(home), capture_output=True, text=True, timeout=timeout_s)
 
 
 def _ids(blocks: list[Block]) -> list[str]:
@@ -135,10 +148,51 @@ def test_the_first_block_is_the_main_job_and_the_suite_and_is_skipped():
     assert first.kind == "skip"
 
 
+@pytest.fixture(scope="module")
+def newcomer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one working directory every block of a run shares, in the README's order."""
+    return tmp_path_factory.mktemp("readme-clone")
+
+
 @pytest.mark.parametrize("block", _runnable("run"), ids=_ids(_runnable("run")))
-def test_an_untagged_block_runs_as_written_and_exits(block, tmp_path):
-    done = run_block(block, tmp_path)
+def test_an_untagged_block_runs_as_written_and_exits(block, newcomer_dir):
+    done = run_block(block, newcomer_dir)
     assert done.returncode == 0, f"README.md:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+
+
+def test_the_clean_environment_holds_only_path_home_and_the_checkout(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRTLLM_MTP_CARRY_SLOTS", "3")  # a developer's setting must not leak in
+    done = run_block(Block(1, "python", "import os, sys; print(sorted(os.environ)); print(sys.prefix)\n", None),
+                     tmp_path)
+    assert done.returncode == 0, done.stderr
+    names, prefix = done.stdout.splitlines()[:2]
+    # LC_CTYPE: Python sets it itself when the locale is C (PEP 538), as under env -i
+    assert set(ast.literal_eval(names)) - {"LC_CTYPE"} == {"HOME", "PATH", "PYTHONPATH"}
+    assert prefix == sys.prefix
+
+
+def _paragraph_above(block: Block, lines: list[str]) -> str:
+    i = block.line - 3  # the line above the tag, 0-based
+    while i >= 0 and not lines[i].strip():
+        i -= 1
+    para = []
+    while i >= 0 and lines[i].strip():
+        para.append(lines[i])
+        i -= 1
+    return " ".join(reversed(para))
+
+
+def test_a_skipped_block_that_needs_a_gpu_or_tensorrt_llm_says_so_above_it():
+    lines = README.read_text().splitlines()
+    for b in readme_blocks():
+        if b.kind != "skip":
+            continue
+        reason = (b.tag or "").lower()
+        above = _paragraph_above(b, lines)
+        if "gpu" in reason:
+            assert "GPU" in above, f"README.md:{b.line}: say above the block that it needs a GPU"
+        if "tensorrt_llm" in reason or "tensorrt-llm" in reason:
+            assert "TensorRT-LLM" in above, f"README.md:{b.line}: say above the block that it needs TensorRT-LLM"
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +229,8 @@ def triton_endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
 
 
 @pytest.mark.parametrize("block", _runnable("triton"), ids=_ids(_runnable("triton")))
-def test_a_triton_block_runs_against_a_real_server_and_exits(block, tmp_path, triton_endpoints):
+def test_a_triton_block_runs_against_a_real_server_and_exits(block, newcomer_dir, triton_endpoints):
     code = re.sub(r"(127\.0\.0\.1|localhost):(800[012])\b",
                   lambda m: f"127.0.0.1:{triton_endpoints[m.group(2)]}", block.code)
-    done = run_block(Block(block.line, block.lang, code, block.tag), tmp_path, timeout_s=180)
+    done = run_block(Block(block.line, block.lang, code, block.tag), newcomer_dir, timeout_s=180)
     assert done.returncode == 0, f"README.md:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"

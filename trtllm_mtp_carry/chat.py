@@ -28,6 +28,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any, TextIO
 
 from .bench.options import draft_len, positive_int, resolve_device, weights_dir
+from .core.settings import carry_settings_line
 
 HELP = """commands (never sent to the model):
   /help    this list
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO = sy
     interactive = stdin.isatty()
     print(f"reference model, drafter policy {policy.value}; /help lists the commands.\n{TRAINED_ON}",
           file=stdout)
+    print(carry_settings_line(), file=stdout)
     while True:
         if interactive:
             print("you> ", end="", file=stdout, flush=True)

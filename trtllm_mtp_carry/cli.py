@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -326,12 +325,9 @@ def cmd_trace_replay(args: argparse.Namespace) -> int:
 
 
 def check_environment() -> None:
-    """ValueError naming a malformed `TRTLLM_MTP_CARRY_*` settings variable, before any
-    subcommand prints (or pins) anything."""
-    for setting in (settings.MARCONI_MIN_TOKENS, settings.MTP_MAX_SEQS, settings.CARRY_SLOTS):
-        raw = os.environ.get(setting.env_var)
-        if raw is not None:
-            settings.parse_env_int(setting.env_var, raw, setting.minimum)
+    """ValueError naming a malformed `TRTLLM_MTP_CARRY_*` settings variable (every one in
+    `settings.CARRY_VARIABLES`), before any subcommand prints (or pins) anything."""
+    settings.check_environment()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -73,9 +73,10 @@ class Netns:
         return env
 
     def run(self, *cmd: str, input: str | None = None, timeout: float = 300.0,
-            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+            cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """`cmd` inside the namespace, in `env` (default this environment, this interpreter's bin first)."""
         return subprocess.run(self.argv(*cmd), input=input, capture_output=True, text=True,
-                              timeout=timeout, env=self.env(), cwd=cwd)
+                              timeout=timeout, env=self.env() if env is None else env, cwd=cwd)
 
     def client(self, job: dict[str, Any], timeout: float = 300.0) -> Any:
         """Run one `ns_client.py` job inside the namespace; its JSON answer."""

@@ -155,3 +155,22 @@ def test_bench_server_address_must_be_host_port(capsys):
     assert exc.value.code == 2
     assert "argument --server: expected HOST:PORT (the server's gRPC port), got 'localhost'" in (
         _one_error_line(capsys))
+
+
+def _requests_succeeded(metrics_url: str) -> float:
+    """Triton's `nv_inference_request_success` summed over the model's versions (a decoupled
+    model's request counts once, whatever it streamed)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("nv_inference_request_success{") and f'model="{MODEL}"' in line)
+
+
+def test_bench_through_the_server_sends_each_turn_and_one_warm_up_turn_per_policy(served, capsys):
+    """The README's arithmetic: sessions x turns x policies x replays, plus one warm-up turn per
+    policy before replay 0 (its own session, START and END in one request)."""
+    before = _requests_succeeded(served.endpoints.metrics)
+    assert main(["bench", "--server", served.endpoints.grpc, *SMALL, "--repeat", "2"]) == 0
+    capsys.readouterr()
+    assert _requests_succeeded(served.endpoints.metrics) - before == 2 * 2 * 2 * 2 + 2

@@ -50,7 +50,7 @@ model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
 
 TRTLLM_MODEL = "mtp_carry_trtllm"
 OPTIONS_YAML = (
-    "speculative_config: {decoding_type: MTP, max_draft_len: 3}\n"
+    "speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 3}\n"
     "kv_cache_config: {enable_block_reuse: true, dtype: auto}\n"
     "mtp_carry: {enable: true, carry_slots: 8}\n"
 )

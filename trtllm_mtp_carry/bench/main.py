@@ -119,7 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the served model's name (with --server or --openai)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stderr is not a terminal)")
 
 
 def _device_name(device: Any) -> str:
@@ -278,9 +279,22 @@ def _policy_names(args: argparse.Namespace) -> list[str]:
     return [p.strip() for p in args.policies.split(",") if p.strip()]
 
 
+def _check_env_cap(args: argparse.Namespace) -> None:
+    """`TRTLLM_MTP_CARRY_MAX_SEQS` is held to the rule of `--mtp-max-seqs`: the in-process bench
+    sets the cap from `--concurrency`, so a variable that differs is an error naming it."""
+    raw = os.environ.get(settings.ENV_MTP_MAX_SEQS)
+    if args.mtp_max_seqs is None and raw is not None:
+        cap = settings.parse_env_int(settings.ENV_MTP_MAX_SEQS, raw, 1)
+        if cap != args.concurrency:
+            raise ValueError(f"environment variable {settings.ENV_MTP_MAX_SEQS}={raw!r} differs from "
+                             f"--concurrency {args.concurrency}: the bench sets the MTP dispatch cap "
+                             "from --concurrency")
+
+
 def run_local(args: argparse.Namespace) -> int:
     """`bench`: the sessions on in-process reference engines (`replay.LocalDriver`)."""
     _check(args)
+    _check_env_cap(args)
     import torch
 
     from ..engine.model import load_reference
@@ -294,9 +308,9 @@ def run_local(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model, tokenizer = load_reference(path=args.weights)
     sessions = _sessions(args, tokenizer)
-    print(environment_line(env))
+    config = engine_config(args, model.cfg.max_position, tokenizer, sessions, str(device))  # may refuse
+    print(environment_line(env))  # only once every option is known to be good
     _note_below_threshold(sessions, tokenizer)
-    config = engine_config(args, model.cfg.max_position, tokenizer, sessions, str(device))
     driver = LocalDriver(model, tokenizer, config, args.max_new_tokens, args.concurrency,
                          args.interleave, args.repeat)
     return _drive_and_report(args, env, driver, sessions, policies, started)
@@ -307,13 +321,12 @@ def _drive_and_report(args: argparse.Namespace, env: dict[str, Any], driver: Dri
     """Advance the driver's replay (each step yields every policy's run so far) under a
     progress bar, then report, then the driver's own lines; Ctrl-C reports the turns
     finished so far (partial) and returns 130."""
-    from tqdm import tqdm
-
+    from ..progress import progress
     from . import report
 
     first_measured = 1 if args.repeat > 1 else 0
     total = args.repeat * len(policies) * sum(1 + len(s.followups) for s in sessions)
-    bar = tqdm(total=total, desc="bench", unit="turn", disable=args.no_progress, file=sys.stderr)
+    bar = progress(total, "bench", "turn", off=args.no_progress)
     runs: list[PolicyRun] = []
     partial = False
     done = 0

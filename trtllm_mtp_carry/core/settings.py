@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._checks import check_non_negative
 from .row_format import DEFAULT_CARRY_ROW_DTYPE as DEFAULT_CARRY_ROW_DTYPE
@@ -118,6 +118,13 @@ class Pinned(Generic[T]):
                     self._value = self._parse(self.env_var, raw)
                     self._source = f"env {self.env_var}"
             return self._value
+
+    def check_env(self) -> None:
+        """Parse env `env_var` if set, pinning nothing: a ValueError naming the variable and
+        its value if malformed (what a command checks before it prints anything)."""
+        raw = os.environ.get(self.env_var)
+        if raw is not None:
+            self._parse(self.env_var, raw)
 
     def _pin(self, value: T, source: str) -> bool:
         with self._lock:
@@ -336,6 +343,20 @@ CARRY_SHARE: Pinned[bool] = Pinned(
     lambda name, raw: parse_switch(raw, f"environment variable {name}"),
 )
 
+CARRY_VARIABLES: tuple[Pinned[Any], ...] = (
+    MARCONI_MIN_TOKENS, MTP_MAX_SEQS, CARRY_SLOTS, CARRY_MEMORY, CARRY_HOST_MEMORY,
+    CARRY_ROW_DTYPE, CARRY_EVICTION, CARRY_IDLE_S, CARRY_SHARE,
+)
+"""Every pinned setting read from a `TRTLLM_MTP_CARRY_*` variable (`TRTLLM_MTP_CARRY_DEBUG`
+aside: exactly `1` turns it on, anything else is off). The command line checks each one
+before a command prints anything (`check_environment`); a new setting belongs here."""
+
+
+def check_environment() -> None:
+    """ValueError naming the first malformed `TRTLLM_MTP_CARRY_*` settings variable; pins nothing."""
+    for setting in CARRY_VARIABLES:
+        setting.check_env()
+
 
 def marconi_min_tokens() -> int:
     """Minimum snapshot depth, in matched tokens, for restoring an SSM snapshot; 0 removes the floor."""
@@ -433,6 +454,17 @@ def carry_share() -> bool:
 def set_carry_share(value: bool | str, source: str = "set") -> bool:
     """Pin common-prefix sharing on or off (`parse_switch`); `False` if already pinned."""
     return CARRY_SHARE._pin(parse_switch(value, "carry_share"), source)
+
+
+def carry_settings_line() -> str:
+    """The carry's resolved settings on one line, as `chat` prints them at start (reading
+    them pins them): `carry settings: memory ..., host tier ..., eviction ..., ...`."""
+    host = carry_host_memory()
+    return (f"carry settings: memory {carry_memory()}, host tier {format_bytes(host) if host else 'none'}, "
+            f"eviction {carry_eviction()}, idle TTL {carry_idle_s() or 'never'}"
+            f"{' s' if carry_idle_s() else ''}, slots {carry_slots() or 'no cap'}, sharing "
+            f"{'on' if carry_share() else 'off'}, restore threshold {marconi_min_tokens()}, "
+            f"MTP dispatch cap {mtp_max_seqs()}")
 
 
 def mtp_multi_seq_mode() -> bool:

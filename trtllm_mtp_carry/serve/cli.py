@@ -30,7 +30,7 @@ from ..argtypes import carry_host_memory_size, carry_memory_size, non_negative_i
 from ..cli_error import fail
 from ..core.row_format import ROW_DTYPES
 from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
-from .options import ENGINES, POLICIES, ServeOptions
+from .options import ENGINES, POLICIES, ServeOptions, carry_options
 from .triton.repo import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CANDIDATE_SEQUENCES,
@@ -81,19 +81,25 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
     p.add_argument("--marconi-min-tokens", dest="serve_marconi_min_tokens",
                    type=non_negative_int, default=None, metavar="N",
-                   help="the model's SSM restore threshold (pinned in each instance)")
+                   help="the model's SSM restore threshold (pinned in each instance); default env "
+                   "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS, else 256")
     p.add_argument("--carry-slots", dest="serve_carry_slots", type=positive_int, default=None,
-                   metavar="N", help="carry slots per instance (pinned in each instance)")
+                   metavar="N", help="carry slots per instance (pinned in each instance); default env "
+                   "TRTLLM_MTP_CARRY_SLOTS, else no cap")
     p.add_argument("--carry-memory", dest="serve_carry_memory", type=carry_memory_size, default=None,
                    metavar="SIZE", help="carry budget per instance: 4GiB, 512MiB or a drafter pool "
-                   "fraction like 0.5 (default: the whole pool)")
+                   "fraction like 0.5; default env TRTLLM_MTP_CARRY_MEMORY, else the whole pool")
     p.add_argument("--carry-host-memory", dest="serve_carry_host_memory", type=carry_host_memory_size,
                    default=None, metavar="SIZE", help="host tier per instance: entries evicted from the "
-                   "carry budget wait in this much host memory (8GiB; default 0: none)")
+                   "carry budget wait in this much host memory (8GiB); default env "
+                   "TRTLLM_MTP_CARRY_HOST_MEMORY, else 0: none")
     p.add_argument("--carry-row-dtype", dest="serve_carry_row_dtype", choices=ROW_DTYPES, default=None,
-                   help="how each instance stores carried rows (fp8: about half the bytes; default bf16)")
+                   help="how each instance stores carried rows (fp8: about half the bytes); default env "
+                   "TRTLLM_MTP_CARRY_ROW_DTYPE, else bf16")
     p.add_argument("--device", default=d.device)
-    # The settings flags of this process stay unset: these options pin each served instance.
+    # The settings flags of this process stay unset: these options pin each served instance. A carry
+    # option not given takes its TRTLLM_MTP_CARRY_* variable (serve.options.carry_options), written
+    # into the model's parameters with the other carry variables (eviction, idle TTL, sharing).
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
 
 
@@ -104,9 +110,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
         raise ValueError("--model and --llm-options are options of --engine trtllm")
     options = ServeOptions(
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
-        marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
-        carry_memory=args.serve_carry_memory, carry_host_memory=args.serve_carry_host_memory,
-        carry_row_dtype=args.serve_carry_row_dtype, max_model_len=args.max_model_len, max_tokens=args.max_tokens,
+        **carry_options(args), max_model_len=args.max_model_len, max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs, device=args.device, max_turn_s=args.max_turn_s,
     )
     return RepoSpec(name=args.name, instances=args.instances, idle_timeout_s=args.idle_timeout_s,

@@ -10,6 +10,8 @@ cannot disagree on names. Pure Python: importing this loads no torch.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -109,6 +111,39 @@ class ServeOptions:
         """The options as Triton string parameters (`""` for an engine default)."""
         return {f.name: "" if getattr(self, f.name) is None else str(getattr(self, f.name))
                 for f in fields(self)}
+
+
+CARRY_FLAGS: tuple[tuple[str, str, str], ...] = (
+    # (ServeOptions field, the serve flags' dest or "" when serve has no flag, the variable's name)
+    ("marconi_min_tokens", "serve_marconi_min_tokens", "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS"),
+    ("carry_slots", "serve_carry_slots", "TRTLLM_MTP_CARRY_SLOTS"),
+    ("carry_memory", "serve_carry_memory", "TRTLLM_MTP_CARRY_MEMORY"),
+    ("carry_host_memory", "serve_carry_host_memory", "TRTLLM_MTP_CARRY_HOST_MEMORY"),
+    ("carry_row_dtype", "serve_carry_row_dtype", "TRTLLM_MTP_CARRY_ROW_DTYPE"),
+    ("carry_eviction", "", "TRTLLM_MTP_CARRY_EVICTION"),
+    ("carry_idle_s", "", "TRTLLM_MTP_CARRY_IDLE_S"),
+    ("carry_share", "", "TRTLLM_MTP_CARRY_SHARE"),
+)
+"""The served model's carry options and where `triton-repo`/`serve` take each from."""
+
+
+def carry_options(args: Any, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The carry options of `triton-repo`/`serve` (and `serve --dynamo`): each flag given, else
+    its `TRTLLM_MTP_CARRY_*` variable (so the written repository records it), else None (the
+    engine's default). The command line has checked every variable already
+    (`core.settings.check_environment`); a value ServeOptions refuses names the parameter."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for field, dest, var in CARRY_FLAGS:
+        value = getattr(args, dest, None) if dest else None
+        if value is None and env.get(var) is not None:
+            raw = env[var].strip()
+            value = int(raw) if field in _INT_FIELDS else raw
+        out[field] = value
+    return out
+
+
+_INT_FIELDS = ("marconi_min_tokens", "carry_slots", "carry_idle_s")
 
 
 def _int(name: str, value: object) -> int:

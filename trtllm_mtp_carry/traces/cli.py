@@ -9,6 +9,11 @@ clairvoyant bound with each policy's distance to it; `--json` writes the same
 
 Flags never pin the process settings (the replay builds its own stores):
 their dests are `replay_*`, so `apply_settings_flags` does not see them.
+Each carry flag not given takes its `TRTLLM_MTP_CARRY_*` variable, as every
+command does (`--carry-memory` TRTLLM_MTP_CARRY_MEMORY, `--carry-host-memory`
+TRTLLM_MTP_CARRY_HOST_MEMORY, `--carry-eviction` TRTLLM_MTP_CARRY_EVICTION,
+`--carry-idle-s` TRTLLM_MTP_CARRY_IDLE_S); with neither, the replay's default. A
+malformed variable is the command line's one error line before anything runs.
 Bad input is one error line (ValueError; the CLI prints it and exits 2): a
 malformed trace line names its line number.
 """
@@ -23,8 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_DTYPES, RowFormat
 from ..core.settings import (
+    CARRY_EVICTION,
+    CARRY_HOST_MEMORY,
+    CARRY_IDLE_S,
+    CARRY_MEMORY,
     DEFAULT_CARRY_EVICTION,
     DEFAULT_CARRY_IDLE_S,
+    ENV_CARRY_EVICTION,
+    ENV_CARRY_HOST_MEMORY,
+    ENV_CARRY_IDLE_S,
+    ENV_CARRY_MEMORY,
     EVICTION_POLICIES,
     check_eviction_policy,
     parse_carry_memory,
@@ -97,6 +110,38 @@ def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | 
     return RowFormat(row_dtype, QWEN3_NEXT_MTP_VECTORS_PER_ROW, QWEN3_NEXT_MTP_HEAD_DIM).row_nbytes
 
 
+DEFAULT_REPLAY_HOST_MEMORY = "0B"
+"""The replay's default host tier per worker: none (the package default)."""
+
+
+def resolve_replay_options(args: argparse.Namespace) -> None:
+    """Fill each carry flag not given (None) from its `TRTLLM_MTP_CARRY_*` variable, else the
+    replay's default, in place; a malformed variable is a ValueError naming it and its value."""
+    import os
+
+    def env(var: str) -> str | None:
+        raw = os.environ.get(var)
+        return raw.strip() if raw is not None else None
+
+    if args.replay_memory is None:
+        raw = env(ENV_CARRY_MEMORY)
+        if raw is not None:
+            CARRY_MEMORY.check_env()
+            _memory(raw, f"environment variable {ENV_CARRY_MEMORY}", allow_unbounded=False)
+        args.replay_memory = raw if raw is not None else DEFAULT_REPLAY_MEMORY
+    if args.replay_host_memory is None:
+        CARRY_HOST_MEMORY.check_env()
+        raw = env(ENV_CARRY_HOST_MEMORY)
+        args.replay_host_memory = raw if raw is not None else DEFAULT_REPLAY_HOST_MEMORY
+    if args.replay_eviction is None:
+        CARRY_EVICTION.check_env()
+        args.replay_eviction = env(ENV_CARRY_EVICTION) or DEFAULT_CARRY_EVICTION
+    if args.replay_idle_s is None:
+        CARRY_IDLE_S.check_env()
+        raw = env(ENV_CARRY_IDLE_S)
+        args.replay_idle_s = int(raw) if raw is not None else DEFAULT_CARRY_IDLE_S
+
+
 def _memory(text: str, flag: str, allow_unbounded: bool) -> int | None:
     if allow_unbounded and text.strip().lower() in ("unbounded", "none"):
         return None
@@ -125,18 +170,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", dest="replay_workers", type=positive_int, default=1, metavar="N",
                    help="session-affine workers (a hash of the conversation), each with its own store; "
                         "figures are summed")
-    p.add_argument("--carry-memory", dest="replay_memory", default=DEFAULT_REPLAY_MEMORY, metavar="SIZE",
-                   help="device budget per worker (bytes with a unit, or 'unbounded'); "
-                        "default the TensorRT-LLM adapter's")
-    p.add_argument("--carry-host-memory", dest="replay_host_memory", default="0B", metavar="SIZE",
-                   help="host tier budget per worker (0B: no host tier)")
-    p.add_argument("--carry-eviction", dest="replay_eviction", default=DEFAULT_CARRY_EVICTION,
+    p.add_argument("--carry-memory", dest="replay_memory", default=None, metavar="SIZE",
+                   help="device budget per worker (bytes with a unit, or 'unbounded'); default env "
+                        f"{ENV_CARRY_MEMORY} (bytes), else {DEFAULT_REPLAY_MEMORY} (the TensorRT-LLM adapter's)")
+    p.add_argument("--carry-host-memory", dest="replay_host_memory", default=None, metavar="SIZE",
+                   help=f"host tier budget per worker (0B: no host tier); default env {ENV_CARRY_HOST_MEMORY}, "
+                        f"else {DEFAULT_REPLAY_HOST_MEMORY}")
+    p.add_argument("--carry-eviction", dest="replay_eviction", default=None,
                    metavar="POLICY[,POLICY...]",
-                   help=f"one policy or a comma list of {', '.join(EVICTION_POLICIES)}; "
-                        "default the package default")
+                   help=f"one policy or a comma list of {', '.join(EVICTION_POLICIES)}; default env "
+                        f"{ENV_CARRY_EVICTION}, else {DEFAULT_CARRY_EVICTION}")
     p.add_argument("--carry-idle-s", dest="replay_idle_s", type=non_negative_int,
-                   default=DEFAULT_CARRY_IDLE_S, metavar="S",
-                   help="idle time-to-live of an entry in seconds (0: never)")
+                   default=None, metavar="S",
+                   help=f"idle time-to-live of an entry in seconds (0: never); default env {ENV_CARRY_IDLE_S}, "
+                        f"else {DEFAULT_CARRY_IDLE_S}")
     rows = p.add_mutually_exclusive_group()
     rows.add_argument("--row-bytes", dest="replay_row_bytes", type=positive_int, metavar="N",
                       help=f"bytes of one drafter row (default {QWEN3_NEXT_MTP_ROW_BYTES}: Qwen3-Next's MTP "
@@ -210,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     from .reader import read_trace
     from .replay import ReplayConfig, ServiceModel, clairvoyant_bound, replay
 
+    resolve_replay_options(args)
     budget = _memory(args.replay_memory, "--carry-memory", allow_unbounded=True)
     host = _memory(args.replay_host_memory, "--carry-host-memory", allow_unbounded=False) or 0
     policies = _policies(args.replay_eviction)
@@ -223,10 +271,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     trace = read_trace(args.trace)
     t_read = time.perf_counter() - t0
-    bound = clairvoyant_bound(trace, config)
-    results = []
-    for name in policies:
-        results.append(replay(trace, name, config))
+    from ..progress import progress
+
+    with progress(1 + len(policies), "trace-replay", "replay") as bar:  # the bound, then each policy
+        bound = clairvoyant_bound(trace, config)
+        bar.update()
+        results = []
+        for name in policies:
+            results.append(replay(trace, name, config))
+            bar.update()
     t_all = time.perf_counter() - t0
     copy_gbps = args.replay_copy_gbps or (measure_copy_gbps() if host else None)
     print(f"trace {args.trace} ({trace.format}): {len(trace)} requests, {trace.conversations} conversations, "

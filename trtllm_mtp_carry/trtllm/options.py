@@ -1,10 +1,15 @@
-"""The `mtp_carry` section of TensorRT-LLM's `extra_llm_api_options` YAML, parsed strictly.
+"""The carry's options (an `mtp_carry:` section), parsed strictly.
 
-What it is for: a user turns the carry on and sizes it next to the options
-TensorRT-LLM itself reads, in the same YAML file (or the same dict):
+What it is for: a user turns the carry on and sizes it. Where the section lives
+depends on the front end (README, "Configuration"): for the worker-process
+install (the default `LLM(...)`, `trtllm-serve`, Dynamo) it is a file of its
+own (`carry.yaml`, named by `TRTLLM_MTP_CARRY_WORKER`), never TensorRT-LLM's
+options file; for `attach(llm, options)` a dict; for the Triton model
+(`triton-repo --engine trtllm --llm-options`) a section of the one YAML the
+model splits before `LLM(**rest)`, as below:
 
 ```yaml
-speculative_config: {decoding_type: MTP, max_draft_len: 3}   # one-model MTP: a separate draft pool
+speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 3}   # 3 drafts a step; a separate draft pool
 kv_cache_config:
   enable_block_reuse: true        # overrides Qwen3-Next's default (off); without it nothing is reused
   mamba_state_config:             # the hybrid target reuses a prefix only at its snapshot points:
@@ -12,7 +17,7 @@ kv_cache_config:
   use_kv_cache_manager_v2: true   # V2 only ('auto' resolves to V2 for Qwen3-Next)
   dtype: auto                     # BF16 KV only (FP8/NVFP4 pages are refused)
   block_reuse_config: {policy: per_conversation, max_num_turns: 2}
-mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB, carry_host_memory: 8GiB, carry_row_dtype: fp8}
+mtp_carry: {enable: true, carry_memory: 2GiB, carry_host_memory: 8GiB, carry_row_dtype: fp8}
 # and: tensor_parallel_size 1, enable_attention_dp false, no kv_connector_config (V2 refuses one),
 # the worker-process install (TRTLLM_MTP_CARRY_WORKER, below) for the default LLM, trtllm-serve, Dynamo
 ```
@@ -32,7 +37,7 @@ to `LLM(**rest)` unchanged (TensorRT-LLM would refuse an unknown keyword).
 Invariants:
 - Every bad key or value is one `TrtllmAdapterError` line naming the key
   (`mtp_carry.<key>`) and the value; nothing is silently defaulted.
-- Pure Python: no torch, no tensorrt_llm (PyYAML is imported only to read a file).
+- Pure Python: no torch, no tensorrt_llm (PyYAML, a base dependency, is imported only to read a file).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class CarryOptions:
     `enable`: whether the carry is configured (it is armed only where the
     executor allows it, see `CarryAttachment.armed`); `carry_slots`: at most
     this many sessions' rows are kept (least recently deposited leaves first;
-    None: the process setting `carry_slots()`, env `TRTLLM_MTP_CARRY_SLOTS`, else 16);
+    None: the process setting `carry_slots()`, env `TRTLLM_MTP_CARRY_SLOTS`, else no cap);
     `carry_memory`: at most this many bytes of carried rows (oldest entries are
     evicted as `pool_pressure` to stay under it); `carry_host_memory`: bytes of host
     memory (pinned on a discrete GPU; on GB10's unified memory, system memory outside
@@ -221,8 +226,8 @@ def load_llm_options(path: str | Path) -> tuple[dict[str, Any], CarryOptions]:
         import yaml
     except ImportError as exc:
         raise TrtllmAdapterError(
-            f"reading {path} needs PyYAML (installed with the trtllm extra: "
-            "pip install 'trtllm-mtp-carry[trtllm]')") from exc
+            f"reading {path} needs PyYAML, a dependency of trtllm-mtp-carry that is missing here: "
+            "pip install pyyaml") from exc
     try:
         text = Path(path).read_text()
     except OSError as exc:

@@ -16,7 +16,7 @@ import threading
 
 from ...argtypes import positive_int
 from ...cli_error import fail
-from ..options import ServeOptions
+from ..options import ServeOptions, carry_options
 
 
 def add_dynamo_flags(p: argparse.ArgumentParser) -> None:
@@ -50,8 +50,7 @@ def cmd_serve_dynamo(args: argparse.Namespace) -> int:
     try:
         options = ServeOptions(
             engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
-            marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
-            max_model_len=args.max_model_len, max_tokens=args.max_tokens,
+            **carry_options(args), max_model_len=args.max_model_len, max_tokens=args.max_tokens,
             max_num_seqs=args.max_num_seqs, device=args.device,
         )
         spec = DynamoSpec(

@@ -105,7 +105,10 @@ class DynamoSpec:
                 "--device", o.device]
         for flag, value in (("--max-model-len", o.max_model_len),
                             ("--marconi-min-tokens", o.marconi_min_tokens),
-                            ("--carry-slots", o.carry_slots), ("--idle-timeout-s", self.idle_timeout_s)):
+                            ("--carry-slots", o.carry_slots), ("--carry-memory", o.carry_memory),
+                            ("--carry-host-memory", o.carry_host_memory),
+                            ("--carry-eviction", o.carry_eviction), ("--carry-idle-s", o.carry_idle_s),
+                            ("--carry-share", o.carry_share), ("--idle-timeout-s", self.idle_timeout_s)):
             if value is not None:
                 args += [flag, str(value)]
         if not self.kv_events:

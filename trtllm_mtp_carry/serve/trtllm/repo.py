@@ -44,7 +44,7 @@ DEFAULT_LLM_OPTIONS = """\
 # for a hybrid MTP model such as Qwen3-Next, with what the MTP carry needs (DECISIONS.md
 # "Snapshot placement"): block reuse on (Qwen3-Next's default is off) and one recurrent-state
 # snapshot at each prompt's end, so the next turn reuses the previous turn's prompt.
-speculative_config: {decoding_type: MTP, max_draft_len: 3}
+speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 3}
 kv_cache_config:
   enable_block_reuse: true
   mamba_state_config:
