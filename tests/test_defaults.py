@@ -56,6 +56,7 @@ def code_defaults() -> dict[str, str]:
         "carry_memory": settings.DEFAULT_CARRY_MEMORY,
         "mtp_carry.carry_memory": adapter_memory,
         "carry_host_memory": str(settings.DEFAULT_CARRY_HOST_MEMORY),
+        "carry_row_dtype": settings.DEFAULT_CARRY_ROW_DTYPE,
         "carry_eviction": settings.DEFAULT_CARRY_EVICTION,
         "carry_idle_s": str(settings.DEFAULT_CARRY_IDLE_S),
         "carry_share": _switch(settings.DEFAULT_CARRY_SHARE),
@@ -68,7 +69,7 @@ def code_defaults() -> dict[str, str]:
 SPELLINGS = {
     "marconi_min_tokens": {"256"}, "mtp_max_seqs": {"32"}, "carry_slots": {"none", "no", "0"},
     "carry_memory": {"1.0", "whole"}, "carry_host_memory": {"0", "none", "no"},
-    "carry_eviction": {"returns"}, "carry_idle_s": {"600"}, "carry_share": {"on"},
+    "carry_row_dtype": {"bf16"}, "carry_eviction": {"returns"}, "carry_idle_s": {"600"}, "carry_share": {"on"},
 }
 
 

@@ -33,6 +33,7 @@ VALUES: dict[str, tuple[str, str]] = {
     "TRTLLM_MTP_CARRY_SLOTS": ("5", "many"),
     "TRTLLM_MTP_CARRY_MEMORY": ("3MiB", "lots"),
     "TRTLLM_MTP_CARRY_HOST_MEMORY": ("2MiB", "0.5"),
+    "TRTLLM_MTP_CARRY_ROW_DTYPE": ("fp8", "int4"),
     "TRTLLM_MTP_CARRY_EVICTION": ("lrd", "fifo"),
     "TRTLLM_MTP_CARRY_IDLE_S": ("7", "soon"),
     "TRTLLM_MTP_CARRY_SHARE": ("off", "maybe"),
@@ -44,10 +45,10 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "info": ALL,
     "bench": ALL,  # MAX_SEQS as --mtp-max-seqs: it must equal --concurrency
     "chat": ALL,
-    "trace-replay": ("TRTLLM_MTP_CARRY_MEMORY", "TRTLLM_MTP_CARRY_HOST_MEMORY",
+    "trace-replay": ("TRTLLM_MTP_CARRY_MEMORY", "TRTLLM_MTP_CARRY_HOST_MEMORY", "TRTLLM_MTP_CARRY_ROW_DTYPE",
                      "TRTLLM_MTP_CARRY_EVICTION", "TRTLLM_MTP_CARRY_IDLE_S"),
     "triton-repo": ("TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS", "TRTLLM_MTP_CARRY_SLOTS", "TRTLLM_MTP_CARRY_MEMORY",
-                    "TRTLLM_MTP_CARRY_HOST_MEMORY", "TRTLLM_MTP_CARRY_EVICTION", "TRTLLM_MTP_CARRY_IDLE_S",
+                    "TRTLLM_MTP_CARRY_HOST_MEMORY", "TRTLLM_MTP_CARRY_ROW_DTYPE", "TRTLLM_MTP_CARRY_EVICTION", "TRTLLM_MTP_CARRY_IDLE_S",
                     "TRTLLM_MTP_CARRY_SHARE"),
 }
 COMMANDS["serve"] = COMMANDS["triton-repo"]
@@ -158,8 +159,8 @@ def test_trace_replay_takes_each_carry_option_from_its_variable(tmp_path, monkey
     assert main(_argv("trace-replay", tmp_path)) == 0
     capsys.readouterr()
     figures = json.loads((tmp_path / "replay.json").read_text())
-    assert {k: figures["config"][k] for k in ("carry_memory_bytes", "host_memory_bytes", "idle_s")} == {
-        "carry_memory_bytes": 3 << 20, "host_memory_bytes": 2 << 20, "idle_s": 7}
+    assert {k: figures["config"][k] for k in ("carry_memory_bytes", "host_memory_bytes", "idle_s", "row_dtype")} == {
+        "carry_memory_bytes": 3 << 20, "host_memory_bytes": 2 << 20, "idle_s": 7, "row_dtype": "fp8"}
     assert list(figures["policies"]) == ["lrd"]
 
 
@@ -182,7 +183,7 @@ def test_a_flag_wins_over_its_variable_in_trace_replay(tmp_path, monkeypatch, ca
 _PARAMETERS = {"TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS": "marconi_min_tokens", "TRTLLM_MTP_CARRY_SLOTS": "carry_slots",
                "TRTLLM_MTP_CARRY_MEMORY": "carry_memory", "TRTLLM_MTP_CARRY_HOST_MEMORY": "carry_host_memory",
                "TRTLLM_MTP_CARRY_EVICTION": "carry_eviction", "TRTLLM_MTP_CARRY_IDLE_S": "carry_idle_s",
-               "TRTLLM_MTP_CARRY_SHARE": "carry_share"}
+               "TRTLLM_MTP_CARRY_SHARE": "carry_share", "TRTLLM_MTP_CARRY_ROW_DTYPE": "carry_row_dtype"}
 
 
 def test_triton_repo_writes_each_variable_into_the_models_parameters(tmp_path, monkeypatch, capsys):

@@ -32,12 +32,14 @@ from ..core.settings import (
     CARRY_HOST_MEMORY,
     CARRY_IDLE_S,
     CARRY_MEMORY,
+    CARRY_ROW_DTYPE,
     DEFAULT_CARRY_EVICTION,
     DEFAULT_CARRY_IDLE_S,
     ENV_CARRY_EVICTION,
     ENV_CARRY_HOST_MEMORY,
     ENV_CARRY_IDLE_S,
     ENV_CARRY_MEMORY,
+    ENV_CARRY_ROW_DTYPE,
     EVICTION_POLICIES,
     check_eviction_policy,
     parse_carry_memory,
@@ -136,6 +138,9 @@ def resolve_replay_options(args: argparse.Namespace) -> None:
     if args.replay_eviction is None:
         CARRY_EVICTION.check_env()
         args.replay_eviction = env(ENV_CARRY_EVICTION) or DEFAULT_CARRY_EVICTION
+    if args.replay_row_dtype is None:
+        CARRY_ROW_DTYPE.check_env()
+        args.replay_row_dtype = env(ENV_CARRY_ROW_DTYPE) or DEFAULT_CARRY_ROW_DTYPE
     if args.replay_idle_s is None:
         CARRY_IDLE_S.check_env()
         raw = env(ENV_CARRY_IDLE_S)
@@ -191,9 +196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rows.add_argument("--model-config", dest="replay_model_config", metavar="PATH",
                       help="derive --row-bytes from a Hugging Face config.json (or its folder)")
     p.add_argument("--carry-row-dtype", dest="replay_row_dtype", choices=ROW_DTYPES,
-                   default=DEFAULT_CARRY_ROW_DTYPE,
+                   default=None,
                    help="the carried rows' format, so their bytes (fp8: e4m3 plus one float32 scale per "
-                        "row, K/V and head); default the package default")
+                        f"row, K/V and head); default env {ENV_CARRY_ROW_DTYPE}, else {DEFAULT_CARRY_ROW_DTYPE}")
     p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=positive_float,
                    default=PREFILL_TOKENS_PER_S, metavar="R",
                    help="service model: prompt tokens prefilled per second")

@@ -107,6 +107,7 @@ class DynamoSpec:
                             ("--marconi-min-tokens", o.marconi_min_tokens),
                             ("--carry-slots", o.carry_slots), ("--carry-memory", o.carry_memory),
                             ("--carry-host-memory", o.carry_host_memory),
+                            ("--carry-row-dtype", o.carry_row_dtype),
                             ("--carry-eviction", o.carry_eviction), ("--carry-idle-s", o.carry_idle_s),
                             ("--carry-share", o.carry_share), ("--idle-timeout-s", self.idle_timeout_s)):
             if value is not None:

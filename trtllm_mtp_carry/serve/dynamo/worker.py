@@ -202,7 +202,7 @@ class CarryWorker(LLMEngine):
             engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
             marconi_min_tokens=args.marconi_min_tokens, carry_slots=args.carry_slots,
             carry_memory=args.carry_memory, carry_host_memory=args.carry_host_memory,
-            carry_eviction=args.carry_eviction, carry_idle_s=args.carry_idle_s, carry_share=args.carry_share,
+            carry_row_dtype=args.carry_row_dtype, carry_eviction=args.carry_eviction, carry_idle_s=args.carry_idle_s, carry_share=args.carry_share,
             max_model_len=args.max_model_len, max_tokens=args.max_tokens,
             max_num_seqs=args.max_num_seqs, device=args.device,
         )
@@ -402,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--carry-slots", type=positive_int, default=None)
     p.add_argument("--carry-memory", default=None)
     p.add_argument("--carry-host-memory", default=None)
+    p.add_argument("--carry-row-dtype", default=None)
     p.add_argument("--carry-eviction", default=None)
     p.add_argument("--carry-idle-s", type=non_negative_int, default=None)
     p.add_argument("--carry-share", default=None)
