@@ -103,12 +103,12 @@ class CarryAttachment:
         else:
             from ..core.carry_store import EVICTION_CAUSES, REFUSAL_CAUSES
             from ..core.outcome import OUTCOME_KINDS
-            from .manager import SKIP_REASONS
+            from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS
 
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
-                   "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": {"cold": 0, "warm": 0},
+                   "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": dict.fromkeys(TURN_KINDS, 0),
                    "rows_scattered": 0, "rows_deposited": 0,
-                   "errors": {"scatter": 0, "deposit": 0}, "live_requests": 0,
+                   "errors": dict.fromkeys(ERROR_STEPS, 0), "faults": {}, "live_requests": 0,
                    "carry_slots": self.slots, "entries": 0, "rows_held": 0,
                    "bytes_held": 0, "budget_bytes": self.options.carry_memory, "deposits": 0,
                    "adoptions": 0, "evictions": dict.fromkeys(EVICTION_CAUSES, 0),
