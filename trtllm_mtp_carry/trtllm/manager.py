@@ -286,6 +286,7 @@ class CarryManagerCore:
         except Exception as exc:  # nothing is deposited; the lease ends below
             deposited = False
             self._fault("free", exc, rid)
+            self._skip("fault", live)
         finally:
             self._release(rid, live, deposited)
 
@@ -336,6 +337,7 @@ class CarryManagerCore:
                 self._sync()
         except Exception as exc:  # the carry may cost acceptance, never the executor
             self._fault("deposit", exc, rid)
+            self._skip("fault", live)
             return False
         with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
             if live.forgotten:
@@ -457,6 +459,12 @@ class CarryManagerCore:
             first = kind not in self._logged
             self._logged.add(kind)
             live = None if rid is None else self._live.get(rid)
+            if live is None and rid is not None and step == "prepare":
+                # seen now and dropped: a later chunk of it must not be judged as a first sight
+                live = self._live[rid] = _Live(None, None, 0, {
+                    "reused": 0, "outcome": "fault", "no_carry_reason": "", "rows_scattered": 0,
+                    "rows_computed": 0, "rows_deposited": 0, "skipped": None}, 0)
+                _remember(self._turn_log, rid, live.record)
             if live is not None:
                 live.dropped = True
                 live.record["error"] = f"{step}: {kind}: {exc}"
@@ -468,6 +476,8 @@ class CarryManagerCore:
     def _skip_reason(self, request: Any, live: _Live | None, num_tokens: int) -> str | None:
         if request.is_dummy_request:
             return "dummy"
+        if live is not None and live.dropped:
+            return "fault"
         if (live.key if live is not None else request_session_key(request)) is None:
             return "no_conversation"
         # At free TensorRT-LLM's is_context_finished is False for every request (the state
@@ -476,8 +486,6 @@ class CarryManagerCore:
         # get_tokens at the prompt). Rows [0, N - 1) were then written by the context phase
         # and the completed generation steps; the overlap scheduler's extra step writes
         # only keys >= N - 1.
-        if live is not None and live.dropped:
-            return "fault"
         if live is None or not live.last_chunk or num_tokens <= live.prompt_len:
             return "context_unfinished"  # never scheduled, or freed before its context finished
         if not live.complete:
