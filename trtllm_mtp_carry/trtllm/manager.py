@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from ..core import OUTCOME_KINDS, carry_eviction, carry_idle_s, carry_slots
+from ..core import NO_CARRY_REASONS, OUTCOME_KINDS, carry_eviction, carry_idle_s, carry_slots
 from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
@@ -175,8 +175,12 @@ class CarryManagerCore:
         self._paused: OrderedDict[int, None] = OrderedDict()  # freed unfinished: may come back
         self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_request_id
         self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
+        self._no_carry: Counter[str] = Counter()  # no_carry outcomes by reason
         self.rows_scattered = 0
         self.rows_deposited = 0
+        self.rows_computed = 0  # the prompts' pair keys [R, L - 1) TensorRT-LLM's context computed
+        self.sessions_ended = 0  # forget_conversation calls
+        self.rows_freed = 0  # carried rows they dropped
         self._freed = 0  # requests freed, for `options.stats_every`
         self._report = report or (lambda line: logger.info("%s", line))
         self._lock = threading.RLock()
@@ -255,6 +259,7 @@ class CarryManagerCore:
             if resumed:
                 record["resumed"] = True
             self._turns["resumed" if resumed else "warm" if reused else "cold"] += 1
+            self.rows_computed += int(record["rows_computed"])  # type: ignore[call-overload]
             _remember(self._turn_log, rid, record)
             if client is not None:
                 _remember(self._client_log, int(client), record)
@@ -317,7 +322,10 @@ class CarryManagerCore:
             for live in self._live.values():
                 if live.conversation == conversation:
                     live.forgotten = True
-            return self.carried.forget(conversation)
+            freed = self.carried.forget(conversation)
+            self.sessions_ended += 1
+            self.rows_freed += freed
+            return freed
 
     def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
         tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
@@ -390,6 +398,10 @@ class CarryManagerCore:
                 "turns": {kind: self._turns.get(kind, 0) for kind in TURN_KINDS},
                 "rows_scattered": self.rows_scattered,
                 "rows_deposited": self.rows_deposited,
+                "rows_computed": self.rows_computed,
+                "no_carry_reasons": {r: self._no_carry.get(r, 0) for r in NO_CARRY_REASONS},
+                "sessions_ended": self.sessions_ended,
+                "rows_freed": self.rows_freed,
                 "errors": {step: self._errors.get(step, 0) for step in ERROR_STEPS},
                 "faults": dict(sorted(self._faults.items())),
                 "live_requests": len(self._live),
@@ -432,6 +444,7 @@ class CarryManagerCore:
             live.record["outcome"] = outcome.kind
             if isinstance(outcome, NoCarry):
                 live.record["no_carry_reason"] = outcome.reason
+                self._no_carry[outcome.reason] += 1
         if not isinstance(outcome, Adopted) or taken is None:
             return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
         n = min(outcome.rows, live.reused)

@@ -73,7 +73,10 @@ class CarryOptions:
     session (0: none; None: the process setting `carry_host_memory()`, env
     `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0); `stats_every`: every this many freed
     requests, and at shutdown, the carry prints one line of its counters (0: never),
-    the way to see what a carry installed in a worker process does.
+    the way to see what a carry installed in a worker process does; `metrics_port`: a
+    worker-installed carry serves its counters as Prometheus metrics on
+    `http://<host>:<metrics_port + rank>/metrics`, rank the worker's `Mapping.rank`
+    (None: no metrics endpoint; see `trtllm/metrics.py`).
     """
 
     enable: bool = True
@@ -81,6 +84,7 @@ class CarryOptions:
     carry_memory: int = DEFAULT_CARRY_MEMORY
     carry_host_memory: int | None = None
     stats_every: int = 0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_bool("enable", self.enable)
@@ -90,6 +94,10 @@ class CarryOptions:
         if self.carry_host_memory is not None:
             _check_int("carry_host_memory", self.carry_host_memory, minimum=0)
         _check_int("stats_every", self.stats_every, minimum=0)
+        if self.metrics_port is not None:
+            _check_int("metrics_port", self.metrics_port, minimum=1)
+            if self.metrics_port > 65535:
+                raise TrtllmAdapterError(f"{SECTION}.metrics_port must be <= 65535, got {self.metrics_port}")
 
 
 def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
@@ -97,7 +105,8 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
 
     Keys: `enable` (bool), `carry_slots` (int >= 1, or null for `carry_slots()`), `carry_memory` (bytes as an
     int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused), `carry_host_memory`
-    (bytes like `carry_memory`, or null for `carry_host_memory()`), `stats_every` (int >= 0).
+    (bytes like `carry_memory`, or null for `carry_host_memory()`), `stats_every` (int >= 0),
+    `metrics_port` (an int in [1, 65535], or null: no metrics endpoint).
     An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
     naming `mtp_carry.<key>`.
     """
@@ -107,9 +116,10 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
         return mapping
     if not isinstance(mapping, Mapping):
         raise TrtllmAdapterError(
-            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory/stats_every, "
+            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory/stats_every/"
+            "metrics_port, "
             f"got {mapping!r}")
-    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory", "stats_every"}
+    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory", "stats_every", "metrics_port"}
     for key in mapping:
         if key not in fields:
             raise TrtllmAdapterError(
