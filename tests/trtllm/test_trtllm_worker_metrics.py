@@ -271,3 +271,25 @@ def test_a_port_in_use_or_past_65535_is_one_line_and_the_carry_runs_without_metr
     assert metrics.export_worker_metrics(far, 65534, lines.append) is None
     assert lines[-1] == "mtp carry: metrics: stands aside: mtp_carry.metrics_port 65534 + rank 3 = 65537 is past 65535"
     assert _serve_one(llm)  # the carry and the executor go on
+
+
+# ---- the trtllm extra -------------------------------------------------------------------
+
+
+def test_the_trtllm_extra_pins_a_tensorrt_llm_the_carry_arms_on() -> None:
+    """`pip install ".[trtllm]"` gets one version, and the stand-in's profile of that
+    version (its target manager class and pairing markers, from the version table) arms."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from trtllm_mtp_carry.trtllm import attach
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trtllm"]
+    (req,) = [Requirement(r) for r in extra]
+    (spec,) = list(req.specifier)
+    assert (req.name, spec.operator) == ("tensorrt_llm", "==")
+    assert spec.version == "1.3.0rc29" and req.specifier.contains("1.3.0rc29") and not req.specifier.contains("1.2.1")
+    llm = StandinLLM(model(), chunk_size=32, num_pages=64, single_process=True, version=spec.version)
+    carry = attach(llm)
+    assert (carry.topology, carry.armed) == ("unpaired", True)
