@@ -18,7 +18,7 @@ gives a warm turn fresh, unwritten draft pages for the reused prefix
   executor uses); if adopted, rows of keys `[0, min(rows, R))` are scattered
   into the request's pages for the MTP layer.
 - `free_resources(request)` runs before the draft manager's (the dict is
-  iterated in reverse), so the pages are still live: a finished request's
+  iterated in reverse), so the pages are still live: a freed request's
   valid rows, keys `[0, N - 1)` of its `N` tokens, are gathered into the
   carry store. Rows past `N - 2` are later draft steps' rows over drafted
   tokens: never kept.
@@ -41,9 +41,19 @@ Invariants:
   a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
   pages hold whatever the pool had; they are never carried.
 - Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope.
-- A data-plane failure (a page missing at scatter or gather) is logged and
-  counted (`errors`), never raised into the executor: the turn runs blind
-  and deposits nothing; outputs never depend on the drafter's rows.
+- No exception of any type leaves a method PyExecutor calls (every
+  `BaseResourceManager` method, `resource_manager.py` @ d2a5560a): a fault
+  (a page missing, a `KeyError` from a full draft IndexMapper, out of memory,
+  a name a build lacks, ...) runs that turn blind, drops that request's carry
+  state (skipped `fault`: it adopts and deposits nothing more), is counted by
+  kind (`faults`, the exception's class name) and step (`errors`), and is
+  logged once per kind; the other requests and the executor go on, and
+  outputs never depend on the drafter's rows.
+- A request's state follows its chunks (`_Live.schedule`): a chunk counts as
+  run only once the next one starts past it, so a chunk undone by
+  `revert_allocate_context` (the same chunk again, or the prefill rewound to 0)
+  extends nothing; a request freed unfinished (the recompute pause) deposits
+  like a finished turn and is judged afresh when it comes back (`resumed`).
 - Nothing is written outside the request's own fresh pages for keys `[0, R)`;
   the manager is installed only on the unpaired topology (never on paired or
   folded pools, whose pages below R are shared tree blocks).
