@@ -280,7 +280,6 @@ def test_the_trtllm_extra_pins_a_tensorrt_llm_the_carry_arms_on() -> None:
     """`pip install ".[trtllm]"` gets one version, and the stand-in's profile of that
     version (its target manager class and pairing markers, from the version table) arms."""
     import tomllib
-
     from packaging.requirements import Requirement
 
     from trtllm_mtp_carry.trtllm import attach
