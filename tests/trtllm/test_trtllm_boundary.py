@@ -272,3 +272,17 @@ def test_the_protocols_other_methods_answer_their_defaults_whatever_they_are_giv
     assert manager.free_resources(object()) is None  # no py_request_id
     assert manager.stats()["faults"] == {"AttributeError": 2}
     assert manager.stats()["errors"] == {"prepare": 1, "scatter": 0, "deposit": 0, "free": 1, "other": 0}
+
+
+def test_prepare_and_free_take_the_arguments_resource_manager_gives_kv_cache_managers() -> None:
+    """`ResourceManager` gives KV cache managers more than the batch (`attn_metadata`, ...) and
+    `free_resources(request, pin_on_release=False)`: the carry takes them and goes on."""
+    llm, carry = make_llm("carry")
+    manager = carry.manager
+    conv = ConversationParams(conversation_id="args")
+    req = llm.generate_async(user_tokens(0, 2 * CHUNK), MAX_NEW, conversation_params=conv)
+    real_prepare, real_free = manager.prepare_resources, manager.free_resources
+    manager.prepare_resources = lambda batch: real_prepare(batch, None, kv_cache_dtype_byte_size=2)
+    manager.free_resources = lambda request: real_free(request, pin_on_release=False)
+    llm.run_until_done()
+    assert manager.stats()["faults"] == {} and carry.turn(req.py_request_id)["rows_deposited"] > 0

@@ -223,10 +223,12 @@ class CarryManagerCore:
             self.carried.clear()
 
     @_guarded(None)
-    def prepare_resources(self, scheduled_batch: Any) -> None:
+    def prepare_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
         """Adopt for every context request seen for the first time (see the module doc).
 
-        One request's fault drops that request's carry state only: the others go on."""
+        One request's fault drops that request's carry state only: the others go on.
+        Arguments past the batch (what `ResourceManager` gives KV cache managers, e.g.
+        `attn_metadata`) are accepted and not read."""
         for request in scheduled_batch.context_requests:
             rid = None
             try:
@@ -278,13 +280,14 @@ class CarryManagerCore:
         self._adopt(rid, request, live)
 
     @_guarded(None)
-    def free_resources(self, request: Any) -> None:
+    def free_resources(self, request: Any, *args: Any, **kwargs: Any) -> None:
         """Deposit a freed request's valid rows, before the draft pool frees its pages.
 
         PyExecutor frees a finished request, and also one it pauses for recompute
         (`_terminate_recompute_paused_requests`, then `reset_for_recompute`): that one
         comes back as a context request under the same id; its rows are deposited
-        like a finished turn's and it is judged again when it comes back."""
+        like a finished turn's and it is judged again when it comes back. Arguments past
+        the request (a KV cache manager's `pin_on_release`) are accepted and not read."""
         rid = None
         live = None
         try:
