@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from standin_helpers import CHUNK, make_llm, model, padded, user_tokens
+from standin_helpers import CHUNK, make_llm, padded, user_tokens
 
 from trtllm_mtp_carry.trtllm import attach
 from trtllm_mtp_carry.trtllm import manager as manager_module
@@ -247,7 +247,7 @@ def test_a_fault_at_deposit_or_free_keeps_nothing_and_later_sessions_adopt(
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
 def test_shutdown_and_the_stats_report_never_raise(kind: type[Exception]) -> None:
-    llm = StandinLLM(model(), chunk_size=CHUNK, max_batch=4, single_process=True)
+    llm, _ = make_llm("blind")  # the helper's executor options, with the carry attached here
     carry = attach(llm, {"carry_slots": 8, "stats_every": 1})
     manager = carry.manager
     manager._report = lambda line: _raise(kind)

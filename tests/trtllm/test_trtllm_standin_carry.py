@@ -14,7 +14,6 @@ from standin_helpers import (
     POLICIES,
     acceptance,
     make_llm,
-    model,
     padded,
     quote_sessions,
     run_turns,
@@ -359,7 +358,7 @@ def test_another_salt_never_adopts_the_other_salts_rows(build: str) -> None:
     session and writes nothing: never y's rows; y's own warm turn then adopts them.
     `string_only`: newer LlmRequests carry only `cache_salt` (`cache_salt_id` unset), the
     case that adopted 269 foreign rows before (issue 30)."""
-    llm = StandinLLM(model(), chunk_size=CHUNK, max_batch=4, single_process=True)
+    llm, _ = make_llm("blind")  # the helper's executor options, with a one-slot carry attached here
     carry = attach(llm, {"carry_slots": 1})
     conv = ConversationParams(conversation_id="same")
 
