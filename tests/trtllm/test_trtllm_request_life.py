@@ -3,16 +3,16 @@
 TensorRT-LLM undoes an allocation without a free in two ways, and the carry's
 per-request state must follow both (issue 30, item 4):
 
-- `KVCacheManagerV2.revert_allocate_context(req)` (kv_cache_manager_v2.py, index
-  version read 2026-12-02; called from PyExecutor when a request the scheduler admitted
-  is dropped again: attention DP's `can_queue` false, disaggregated admission): it
-  shrinks the target's capacity back to before this iteration's context resize and
-  suspends the cache, so the chunk did not run and comes again at the same position;
-  newer versions, when the history already passed that capacity, free the target's
-  cache and rewind the prefill (`context_current_position = 0`,
-  `set_prepopulated_prompt_len(0, ...)`, the chunk the whole prompt: TensorRT-LLM's test
-  `test_context_revert_drops_unshrinkable_cache_and_rewinds_progress`). The draft pool
-  is not touched: its pages keep what was written.
+- `KVCacheManagerV2.revert_allocate_context(req)` (kv_cache_manager_v2.py @ 00043967;
+  called from PyExecutor when a request the scheduler admitted is dropped again:
+  attention DP's `can_queue` false, disaggregated admission): it shrinks the target's
+  capacity back to before this iteration's context resize and suspends the cache, so
+  the chunk did not run and comes again at the same position (returns True); when the
+  history already passed that capacity it frees the target's cache and rewinds the
+  prefill (`set_prepopulated_prompt_len(0, ...)`, `context_current_position = 0`,
+  `context_chunk_size = prompt_len`) and returns False: "the caller drops any draft
+  pool", so the draft pages come fresh (TensorRT-LLM's test
+  `test_context_revert_drops_unshrinkable_cache_and_rewinds_progress`).
 - The recompute pause (`py_executor.py` @ 00043967, `_UNBOUNDED_PAUSE_MAX_INPUT_LEN`:
   "Recompute pause should replay all generated tokens"): `_terminate_recompute_paused_requests`
   calls `resource_manager.free_resources(request)` on a request that is not finished,
@@ -125,7 +125,8 @@ def test_a_revert_that_rewinds_the_prefill_to_zero_keeps_the_turn_whole() -> Non
     req = ex.request()
     ex.prepare(req, R, CHUNK)
     ex.ran(req)
-    ex.prepare(req, R + CHUNK, CHUNK)  # then reverted with the target's cache dropped:
+    ex.prepare(req, R + CHUNK, CHUNK)  # then reverted with the target's cache dropped,
+    ex.draft.free_resources(req)  # and the caller drops the draft pool's: fresh pages
     ex.context(req, 0)  # the prefill restarts at 0
     ex.finish(req)
     record = ex.record(req)
@@ -145,7 +146,8 @@ def test_a_blind_warm_turn_rewound_to_zero_recomputes_every_key_and_deposits() -
     ex.prepare(rewound, R, CHUNK)
     ex.ran(rewound)
     ex.prepare(rewound, R + CHUNK, CHUNK)
-    ex.context(rewound, 0)  # revert_allocate_context rewound it
+    ex.draft.free_resources(rewound)  # revert_allocate_context returned False: draft dropped
+    ex.context(rewound, 0)  # the prefill rewound
     ex.finish(rewound)
     record = ex.record(rewound)
     assert (record["outcome"], record["skipped"], record["rows_deposited"]) == ("no_carry", None, L + 3 - 1)

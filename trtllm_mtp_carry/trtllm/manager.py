@@ -128,13 +128,18 @@ class _Live:
         """A context chunk `[position, position + size)` was scheduled (seen in prepare).
 
         The previous chunk ran iff the position moved past its end (`moveToNextContextChunk`);
-        a position at or before it means it was undone (`revert_allocate_context`: the same
-        chunk again, or prefill rewound to 0), so it extends nothing. A chunk starting past
-        `valid` leaves keys `[valid, position)` unwritten: the request can no longer deposit.
+        a position before it means it was undone (`revert_allocate_context`: the same chunk
+        again, or the prefill rewound to 0, when "the caller drops any draft pool",
+        kv_cache_manager_v2.py @ 00043967): it extends nothing, and no row at or past the
+        position is known any more. A chunk starting past `valid` leaves keys
+        `[valid, position)` unwritten: the request can no longer deposit.
         """
         start, end = self.chunk
-        if end > start and position >= end and start <= self.valid:
-            self.valid = max(self.valid, end)
+        if end > start and position >= end:
+            if start <= self.valid:
+                self.valid = max(self.valid, end)
+        elif end > start:
+            self.valid = min(self.valid, position)
         self.chunk = (position, position + size)
         self.last_chunk = position + size >= self.prompt_len
 
