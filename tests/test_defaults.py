@@ -62,6 +62,7 @@ def code_defaults() -> dict[str, str]:
         "carry_share": _switch(settings.DEFAULT_CARRY_SHARE),
         "mtp_carry.enable": str(options.enable).lower(),
         "mtp_carry.stats_every": str(options.stats_every),
+        "mtp_carry.metrics_port": str(options.metrics_port or "none"),
     }
 
 
