@@ -117,6 +117,11 @@ class CarryOptions:
                 raise TrtllmAdapterError(f"{SECTION}.metrics_port must be <= 65535, got {self.metrics_port}")
 
 
+MAMBA_STATE_FIELDS = ("periodic_snapshot_interval", "additional_snapshot_offsets_from_start",
+                      "additional_snapshot_offsets_from_end", "enable_branch_snapshot")
+"""`kv_cache_config.mamba_state_config`'s fields (TensorRT-LLM's `MambaStateConfig`: the snapshot
+placement; docs/TRTLLM-CONFORMANCE.md), in the versions that have them."""
+
 RECOMMENDED_SNAPSHOT_PLACEMENT: dict[str, Any] = {"additional_snapshot_offsets_from_end": [0]}
 """The `kv_cache_config.mamba_state_config` a multi-turn chat should use (DECISIONS.md
 "Snapshot placement"): one recurrent-state snapshot at each prompt's end, so the next

@@ -42,7 +42,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .options import TrtllmAdapterError, reuse_stand_aside
+from .options import MAMBA_STATE_FIELDS, TrtllmAdapterError, reuse_stand_aside
 
 DRAFT_KV = "DRAFT_KV_CACHE_MANAGER"
 TARGET_KV = "KV_CACHE_MANAGER"
@@ -196,9 +196,7 @@ def _never_reuses(target: Any, reuse: bool) -> str | None:
         return reuse_stand_aside(reuse, hybrid, None)
     kv_cache_config = _attr(target, "kv_cache_config", "target KV cache manager")
     state_config = _attr(kv_cache_config, "mamba_state_config", "KvCacheConfig")
-    state = {name: getattr(state_config, name, None) for name in (
-        "periodic_snapshot_interval", "additional_snapshot_offsets_from_start",
-        "additional_snapshot_offsets_from_end", "enable_branch_snapshot")}
+    state = {name: getattr(state_config, name, None) for name in MAMBA_STATE_FIELDS}
     offsets = bool(getattr(target, "_supports_additional_snapshot_offsets", False))
     return reuse_stand_aside(reuse, hybrid, state, offsets)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.model import HybridLM
+from ..options import MAMBA_STATE_FIELDS
 from .kv_cache_manager_v2 import DraftKVManager, PagedRows
 from .llm_args import KvCacheConfig
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
@@ -49,22 +50,13 @@ VERSIONS: dict[str, dict[str, Any]] = {
               "draft_reuse_match_backoff": False, "topology": "unpaired", "snapshot_options": None},
     "1.3.0rc29": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
                   "draft_reuse_match_backoff": False, "topology": "unpaired",
-                  "snapshot_options": ("periodic_snapshot_interval",
-                                       "additional_snapshot_offsets_from_start",
-                                       "additional_snapshot_offsets_from_end",
-                                       "enable_branch_snapshot")},
+                  "snapshot_options": MAMBA_STATE_FIELDS},
     "1.4.0rc1": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
                  "draft_reuse_match_backoff": False, "topology": "unpaired",
-                 "snapshot_options": ("periodic_snapshot_interval",
-                                      "additional_snapshot_offsets_from_start",
-                                      "additional_snapshot_offsets_from_end",
-                                      "enable_branch_snapshot")},
+                 "snapshot_options": MAMBA_STATE_FIELDS},
     "main+19303": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
                    "draft_reuse_match_backoff": True, "topology": "paired",
-                   "snapshot_options": ("periodic_snapshot_interval",
-                                        "additional_snapshot_offsets_from_start",
-                                        "additional_snapshot_offsets_from_end",
-                                        "enable_branch_snapshot")},
+                   "snapshot_options": MAMBA_STATE_FIELDS},
 }
 """The stand-in's TensorRT-LLM version profiles (`create_py_executor(version=...)`)."""
 

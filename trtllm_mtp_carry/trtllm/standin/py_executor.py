@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from ...dataplane.rope import apply_rope_reference
-from ._util import StandinLlmArgs
 from .conformant import Conformant
 from .conversation_params import ConversationParams
 from .kv_cache_manager_v2 import DraftKVManager
@@ -56,7 +55,7 @@ class StandinPyExecutor(Conformant):
 
     TRTLLM_CLASS = "PyExecutor"
 
-    def __init__(self, resource_manager: ResourceManager, model_engine: Any, llm_args: StandinLlmArgs,
+    def __init__(self, resource_manager: ResourceManager, model_engine: Any, llm_args: Any,  # _util.StandinLlmArgs
                  *, max_batch_size: int) -> None:
         a = llm_args
         if a.topology not in ("unpaired", "paired", "folded"):
