@@ -3,7 +3,9 @@
 # Runs, in order, and stops at the first failure:
 #   1. the data-plane and plugin tests on CUDA (real Triton kernels instead of the
 #      interpreter, compared against the plain-torch references);
-#   2. the kernel micro-benchmark (bandwidth vs a device-to-device copy), and the carry
+#   2. the kernel micro-benchmark (bandwidth vs a device-to-device copy), the FP8 row format's
+#      pack/unpack throughput against a plain copy of the same bf16 rows
+#      (scripts/bench_row_format.py: paired, median and IQR), and the carry
 #      store's host tier copies (scripts/bench_host_tier.py: demote to pinned host memory and
 #      restore into fresh blocks, synchronized, per entry size; rows checked bit for bit);
 #   3. the ahead-of-time kernel builds: Triton's own ABI (build_kernels.py) and the
@@ -32,6 +34,7 @@ PY
 unset TRITON_INTERPRET
 python -m pytest tests/dataplane tests/plugins -q 2>&1 | tee "$OUT/dataplane-tests.txt"
 python scripts/bench_kernels.py 2>&1 | tee "$OUT/bench-kernels.txt"
+python scripts/bench_row_format.py 2>&1 | tee "$OUT/bench-row-format.txt"
 python scripts/bench_host_tier.py --device cuda 2>&1 | tee "$OUT/bench-host-tier.txt"
 python builders/build_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/build-kernels.txt"
 TARGET=$(python -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'sm_{M}{m}a')")

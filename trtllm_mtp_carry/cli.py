@@ -64,6 +64,13 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         f"{settings.DEFAULT_CARRY_HOST_MEMORY}",
     )
     p.add_argument(
+        "--carry-row-dtype",
+        choices=settings.ROW_DTYPES,
+        help="how carried drafter rows are stored (fp8: e4m3 with one float32 scale per row, K/V "
+        "and head, about half the bytes of bf16, so the same carry memory holds about twice the "
+        f"sessions); default env {settings.ENV_CARRY_ROW_DTYPE}, else {settings.DEFAULT_CARRY_ROW_DTYPE}",
+    )
+    p.add_argument(
         "--carry-eviction",
         choices=settings.EVICTION_POLICIES,
         help="which carried entry gives way when the carry is full (returns keeps the entries "
@@ -96,6 +103,7 @@ def apply_settings_flags(args: argparse.Namespace) -> list[str]:
         ("--carry-slots", settings.CARRY_SLOTS.set, settings.carry_slots),
         ("--carry-memory", settings.set_carry_memory, settings.carry_memory),
         ("--carry-host-memory", settings.set_carry_host_memory, settings.carry_host_memory),
+        ("--carry-row-dtype", settings.set_carry_row_dtype, settings.carry_row_dtype),
         ("--carry-eviction", settings.set_carry_eviction, settings.carry_eviction),
         ("--carry-idle-s", settings.set_carry_idle_s, settings.carry_idle_s),
         ("--carry-share", settings.set_carry_share, lambda: "on" if settings.carry_share() else "off"),
@@ -138,6 +146,8 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "carry_memory_source": settings.CARRY_MEMORY.source,
         "carry_host_memory": settings.carry_host_memory(),
         "carry_host_memory_source": settings.CARRY_HOST_MEMORY.source,
+        "carry_row_dtype": settings.carry_row_dtype(),
+        "carry_row_dtype_source": settings.CARRY_ROW_DTYPE.source,
         "carry_eviction": settings.carry_eviction(),
         "carry_eviction_source": settings.CARRY_EVICTION.source,
         "carry_idle_s": settings.carry_idle_s(),
@@ -206,6 +216,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("carry host tier (carry_host_memory)",
          settings.format_bytes(host_bytes) if (host_bytes := settings.carry_host_memory()) else "none",
          report["carry_host_memory_source"]),
+        ("carry row format (carry_row_dtype)", report["carry_row_dtype"], report["carry_row_dtype_source"]),
         ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
         ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",
          report["carry_idle_s_source"]),

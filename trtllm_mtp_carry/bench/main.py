@@ -47,7 +47,7 @@ DEFAULT_POLICIES = "carry,rebuild,blind,off"
 SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype",
                      "--threads", "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots",
                      "--carry-memory", "--carry-host-memory", "--carry-eviction", "--carry-idle-s",
-                     "--carry-share")
+                     "--carry-share", "--carry-row-dtype")
 """Flags that size or place the engine: with --server they are the server's parameters."""
 
 
@@ -74,8 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                    help="comma-separated drafter policies to compare, first is the numerator of "
-                        "every ratio (carry, rebuild, blind, paired, off; paired models TensorRT-LLM's "
-                        "paired draft reuse, PR #19303)")
+                        "every ratio (carry, carry-fp8, rebuild, blind, paired, off; paired models "
+                        "TensorRT-LLM's paired draft reuse, PR #19303; carry-fp8 is carry with its "
+                        "entries stored in FP8, over carry in the ratios)")
     p.add_argument("--sessions", type=positive_int, metavar="N", default=4, help="number of built-in sessions")
     p.add_argument("--turns", type=positive_int, metavar="N", default=4,
                    help="turns per built-in session (the first is cold)")
@@ -184,18 +185,19 @@ def _settings() -> dict[str, Any]:
     out["carry_eviction"] = settings.carry_eviction()
     out["carry_idle_s"] = settings.carry_idle_s()
     out["carry_share"] = settings.carry_share()
+    out["carry_row_dtype"] = settings.carry_row_dtype()
     return out
 
 
 def _check(args: argparse.Namespace) -> None:
     """Everything that can be checked before the model loads; ValueError naming the flag."""
-    from ..runtime.policy import DrafterPolicy
+    from .replay import BenchPolicy
 
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not names:
         raise ValueError(f"--policies names no policy: {args.policies!r}")
     for name in names:
-        DrafterPolicy.parse(name)
+        BenchPolicy.parse(name)
     if len(set(names)) != len(names):
         raise ValueError(f"--policies names a policy twice: {args.policies!r}")
     if args.conversations is not None and getattr(args, "shared_prefix", None):
@@ -257,7 +259,7 @@ def server_side_flags(args: argparse.Namespace) -> list[str]:
     typed = set(getattr(args, "given_flags", ()))
     for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
                  "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-host-memory",
-                 "--carry-eviction", "--carry-idle-s", "--carry-share"):
+                 "--carry-eviction", "--carry-idle-s", "--carry-share", "--carry-row-dtype"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             typed.add(flag)
     return [f for f in SERVER_SIDE_FLAGS if f in typed]
@@ -390,6 +392,7 @@ def run_server(args: argparse.Namespace) -> int:
     if "paired" in [p.strip() for p in args.policies.split(",")]:
         raise ValueError(f"--policies paired with --server {args.server}: paired (the model of "
                          "TensorRT-LLM's paired draft reuse) runs on the in-process reference engine only")
+    _refuse_row_variants(args, f"--server {args.server}")
     from .triton_driver import TritonDriver
 
     driver = TritonDriver(args.server, args.model, args.max_new_tokens, args.concurrency,
@@ -407,6 +410,7 @@ def run_openai(args: argparse.Namespace) -> int:
     if args.server:
         raise ValueError("--server and --openai: pick one (Triton's gRPC or Dynamo's OpenAI API)")
     _check(args)
+    _refuse_row_variants(args, f"--openai {args.openai}")
     from .openai_driver import OpenAIDriver
 
     env = server_environment(args.openai, args.model)
@@ -415,6 +419,15 @@ def run_openai(args: argparse.Namespace) -> int:
                           repeat=args.repeat)
     driver.check()
     return _drive_remote(args, f"--openai {args.openai}", env, driver)
+
+
+def _refuse_row_variants(args: argparse.Namespace, target: str) -> None:
+    """ValueError for a `carry-<row dtype>` policy with a remote `target`: its row format is the
+    server's `carry_row_dtype`, one per server."""
+    variants = [p.strip() for p in args.policies.split(",") if p.strip().startswith("carry-")]
+    if variants:
+        raise ValueError(f"--policies {variants[0]} with {target}: the server stores carried rows in its "
+                         "own carry_row_dtype (set it when serving); compare row formats in process")
 
 
 def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:

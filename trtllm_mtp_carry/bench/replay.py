@@ -12,15 +12,20 @@ but the summaries leave it out.
 
     replay 0 (warm-up)   replay 1            ...  replay repeat-1
     | s0 t0 t1 t2 | s1 ..| s0 t0 t1 t2 | s1 ..|    (t0 cold, t1.. warm)
+
+A bench policy is a drafter policy, or `carry-<row dtype>` (`carry-fp8`): the
+carry with its entries stored in that row format (`carry_row_dtype`), so the
+formats run side by side in one lockstep run (`BenchPolicy`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, is_dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from typing import Any
 
+from ..core.row_format import ROW_DTYPES
 from ..engine.engine import EngineConfig, ReferenceEngine
 from ..engine.model import HybridLM
 from ..engine.tokenizer import ChatTokenizer
@@ -29,9 +34,36 @@ from .driver import PolicyRun, TurnRecord, check_counts
 from .sessions import BenchSession
 
 
+@dataclass(frozen=True)
+class BenchPolicy:
+    """A bench policy: its `name` in the report, the drafter `policy` it runs, and for a
+    `carry-<row dtype>` variant the row format of its carried entries (None: the process's)."""
+
+    name: str
+    policy: DrafterPolicy
+    row_dtype: str | None = None
+
+    @classmethod
+    def parse(cls, value: BenchPolicy | DrafterPolicy | str) -> BenchPolicy:
+        """The bench policy `value` names; ValueError listing the valid names otherwise."""
+        if isinstance(value, BenchPolicy):
+            return value
+        if isinstance(value, DrafterPolicy):
+            return cls(value.value, value)
+        base, sep, dtype = str(value).partition("-")
+        if sep and base == DrafterPolicy.CARRY.value and dtype in ROW_DTYPES:
+            return cls(str(value), DrafterPolicy.CARRY, dtype)
+        try:
+            return cls(str(value), DrafterPolicy.parse(str(value)))
+        except ValueError:
+            names = [p.value for p in DrafterPolicy]
+            names[1:1] = [f"carry-{d}" for d in ROW_DTYPES]
+            raise ValueError(f"unknown drafter policy {value!r}; expected one of {', '.join(names)}") from None
+
+
 def replay(
     model: HybridLM, tokenizer: ChatTokenizer, sessions: Sequence[BenchSession],
-    policy: DrafterPolicy, config: EngineConfig, max_new_tokens: int, concurrency: int,
+    policy: BenchPolicy | DrafterPolicy, config: EngineConfig, max_new_tokens: int, concurrency: int,
     interleave: bool, run: PolicyRun, replay_index: int = 0,
 ) -> Iterator[PolicyRun]:
     """Run every session's turns under `policy` on a fresh engine, appending to `run`;
@@ -42,7 +74,10 @@ def replay(
     finishing the first session's turns first. The caller drives the
     generator, so several policies can advance in lockstep.
     """
-    engine = ReferenceEngine(model, tokenizer, replace(config, policy=policy))
+    bench = BenchPolicy.parse(policy)
+    policy = bench.policy
+    engine = ReferenceEngine(model, tokenizer, replace(
+        config, policy=policy, carry_row_dtype=bench.row_dtype or config.carry_row_dtype))
     engine.generate(None, tokenizer.render_chat([{"role": "user", "content": "warm up"}]),
                     max_new_tokens=4, policy=policy)  # first-call costs stay out of the figures
     prompts = {s.name: tokenizer.render_chat(s.history) for s in sessions}
@@ -92,6 +127,10 @@ def replay(
     run.runtime[replay_index]["target_blocks_peak"] = target_peak
     run.runtime[replay_index]["target_blocks"] = config.num_target_blocks
     run.runtime[replay_index]["drafter_blocks"] = config.num_drafter_blocks
+    pack_ms, unpack_ms = engine.runtime.pack_times()
+    if pack_ms or unpack_ms:  # fp8: each pack (deposit) and unpack (adoption), for their spread
+        run.runtime[replay_index]["pack_ms_each"] = pack_ms
+        run.runtime[replay_index]["unpack_ms_each"] = unpack_ms
     if policy is DrafterPolicy.PAIRED:
         run.runtime[replay_index]["paired"] = asdict(engine.paired.stats())
     yield run
@@ -99,7 +138,7 @@ def replay(
 
 def replay_lockstep(
     model: HybridLM, tokenizer: ChatTokenizer, sessions: Sequence[BenchSession],
-    policies: Sequence[DrafterPolicy], config: EngineConfig, max_new_tokens: int,
+    policies: Sequence[BenchPolicy | DrafterPolicy], config: EngineConfig, max_new_tokens: int,
     concurrency: int, interleave: bool, repeat: int = 1,
 ) -> Iterator[list[PolicyRun]]:
     """Replay the session set `repeat` times under every policy, one turn of each in turn;
@@ -108,10 +147,11 @@ def replay_lockstep(
     Lockstep keeps slow drift of the machine (other load, allocator state,
     frequency) from favouring whichever policy happened to run first.
     """
-    runs = [PolicyRun(p.value) for p in policies]
+    parsed = [BenchPolicy.parse(p) for p in policies]
+    runs = [PolicyRun(p.name) for p in parsed]
     for r in range(repeat):
         runners = [replay(model, tokenizer, sessions, p, config, max_new_tokens, concurrency,
-                          interleave, run, r) for p, run in zip(policies, runs, strict=True)]
+                          interleave, run, r) for p, run in zip(parsed, runs, strict=True)]
         active = list(range(len(runners)))
         while active:
             for i in list(active):
@@ -138,9 +178,9 @@ class LocalDriver:
         self.interleave, self.repeat = interleave, repeat
 
     def replay(self, sessions: Sequence[BenchSession], policies: Sequence[Any]) -> Iterator[list[PolicyRun]]:
-        """Every policy (DrafterPolicy or name; ValueError naming an unknown one) on its own
-        fresh engine per replay; yields the runs so far after every finished turn."""
-        parsed = [p if isinstance(p, DrafterPolicy) else DrafterPolicy.parse(str(p)) for p in policies]
+        """Every policy (DrafterPolicy, BenchPolicy or name; ValueError naming an unknown one) on
+        its own fresh engine per replay; yields the runs so far after every finished turn."""
+        parsed = [BenchPolicy.parse(p) for p in policies]
         return replay_lockstep(self.model, self.tokenizer, sessions, parsed, self.config,
                                self.max_new_tokens, self.concurrency, self.interleave, self.repeat)
 

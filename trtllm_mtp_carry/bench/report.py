@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import combinations
 from typing import Any
 
@@ -25,7 +25,21 @@ from .stats import Spread, paired_ratio
 REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k != "adopted")
 """Carry decisions that kept a warm turn from adopting rows (the runtime's counter names)."""
 
-PAIRED_FIGURES = {"ttft": "ttft_ms", "acceptance": "acceptance", "drafter_prep": "drafter_prep_ms"}
+PAIRED_FIGURES = {"ttft": "ttft_ms", "acceptance": "acceptance", "accepted_per_step": "accepted_per_step",
+                  "drafter_prep": "drafter_prep_ms"}
+
+
+def _figure(stats: dict[str, Any], metric: str) -> float:
+    """A turn's `metric`: a stats field, or accepted tokens per verify step (0 without steps)."""
+    if metric == "accepted_per_step":
+        steps = stats.get("verify_steps") or 0
+        return stats.get("accepted", 0) / steps if steps else 0.0
+    return float(stats[metric])
+
+
+def variant_of(a: str, b: str) -> bool:
+    """Whether policy `a` is a variant of `b` (`carry-fp8` of `carry`): its ratios are `a / b`."""
+    return a.startswith(b + "-")
 
 
 def _spread(prefix: str, values: Sequence[float]) -> dict[str, float | None]:
@@ -107,6 +121,13 @@ def _memory(runtimes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if hosts:  # the carry store's host tier (CarryStats): hits per tier, bytes and copy time
         out["host_tier"] = {k: (max if k.startswith("peak_") or k == "carry_host_memory_bytes" else sum)(
             d.get(k, 0) for d in hosts) for k in HOST_TIER_FIELDS}
+    packs = [d for d in runtimes if d.get("pack_ms_each") or d.get("unpack_ms_each")]
+    if packs:  # carry_row_dtype fp8: each deposit packed, each adoption unpacked (wall ms)
+        out["row_format"] = {"row_dtype": packs[-1].get("row_dtype"), "bytes_held_peak": max(
+            d.get("peak_device_bytes", 0) for d in packs)}
+        for what in ("pack", "unpack"):
+            times = [x for d in packs for x in d.get(f"{what}_ms_each", [])]
+            out["row_format"] |= {f"{what}s": len(times)} | _spread(f"{what}_ms", times)
     paired = [d["paired"] for d in runtimes if d.get("paired")]
     if paired:
         out["paired"] = {k: (max if k in PAIRED_PEAKS else sum)(p[k] for p in paired)
@@ -144,18 +165,26 @@ def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
 
 
 def paired(runs: Sequence[PolicyRun], first_measured: int) -> dict[str, dict[str, Any]]:
-    """For each pair of policies `a/b` (in run order), median and p25-p75 of per-turn
-    `a / b` over the warm turns both completed; `None` with a reason in
-    `null_reasons` where `b` was near zero."""
+    """For each pair of policies `a/b` (in run order, except that a variant comes over its base:
+    `carry-fp8/carry`), median and p25-p75 of per-turn `a / b` over the warm turns both
+    completed; `None` with a reason in `null_reasons` where `b` was near zero. For a variant,
+    `adopted_where_base_adopted` counts the warm turns it adopted of those its base adopted
+    (`base_adopted`)."""
     warm = [{t.key: t.stats for t in measured(r, first_measured) if t.turn > 0} for r in runs]
     out: dict[str, dict[str, Any]] = {}
     for (i, a), (j, b) in combinations(enumerate(runs), 2):
+        if variant_of(b.policy, a.policy):
+            (i, a), (j, b) = (j, b), (i, a)
         keys = sorted(warm[i].keys() & warm[j].keys())
         entry: dict[str, Any] = {"pairs": len(keys)}
         reasons: dict[str, str] = {}
+        if variant_of(a.policy, b.policy):
+            base = [k for k in keys if warm[j][k]["outcome_kind"] == "adopted"]
+            entry["base_adopted"] = len(base)
+            entry["adopted_where_base_adopted"] = sum(warm[i][k]["outcome_kind"] == "adopted" for k in base)
         for name, metric in PAIRED_FIGURES.items():
-            r = paired_ratio([warm[i][k][metric] for k in keys], [warm[j][k][metric] for k in keys],
-                             metric, b.policy)
+            r = paired_ratio([_figure(warm[i][k], metric) for k in keys],
+                             [_figure(warm[j][k], metric) for k in keys], metric, b.policy)
             entry[f"{name}_paired_median"] = r.spread.median
             entry[f"{name}_paired_p25"] = r.spread.p25
             entry[f"{name}_paired_p75"] = r.spread.p75
@@ -177,6 +206,11 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _policy_width(names: Iterable[str]) -> int:
+    """The policy column's width: 8, or the longest name (`carry-fp8`)."""
+    return max([8, *(len(n) for n in names)])
+
+
 def _natural(name: str) -> tuple[tuple[int, str], ...]:
     """Sort key putting `s2` before `s10`."""
     return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", name) if p)
@@ -184,7 +218,8 @@ def _natural(name: str) -> tuple[tuple[int, str], ...]:
 
 def turn_table(runs: Sequence[PolicyRun], first_measured: int) -> str:
     """One line per turn and policy, paired turns together; warm-up replays are marked `w`."""
-    head = (f"{'rep':>4} {'sess':<6} {'turn':>4} {'policy':<8} {'prompt':>7} {'reused':>7} "
+    w = _policy_width(r.policy for r in runs)
+    head = (f"{'rep':>4} {'sess':<6} {'turn':>4} {'policy':<{w}} {'prompt':>7} {'reused':>7} "
             f"{'rows':>6} {'prep ms':>8} {'ttft ms':>8} {'acc':>5}  outcome")
     lines = [head, "-" * len(head)]
     order = {r.policy: i for i, r in enumerate(runs)}
@@ -195,7 +230,7 @@ def turn_table(runs: Sequence[PolicyRun], first_measured: int) -> str:
         rep = f"{t.replay}{'w' if t.replay < first_measured else ''}"
         acc = f"{s['acceptance']:>5.2f}" if s["drafted"] else f"{'-':>5}"
         lines.append(
-            f"{rep:>4} {t.session:<6} {t.turn:>4} {policy:<8} {s['prompt_tokens']:>7} "
+            f"{rep:>4} {t.session:<6} {t.turn:>4} {policy:<{w}} {s['prompt_tokens']:>7} "
             f"{s['reused_tokens']:>7} {s['drafter_rows_computed']:>6} "
             f"{s['drafter_prep_ms']:>8.1f} {s['ttft_ms']:>8.1f} {acc}  {s['outcome']}"
         )
@@ -209,18 +244,19 @@ def _mid(s: dict[str, Any], prefix: str, fmt: str) -> str:
 
 def summary_table(summary: dict[str, dict[str, Any]]) -> str:
     """Warm-turn medians [p25-p75] per policy, then refusals and evictions where there were any."""
-    head = (f"{'policy':<8} {'turns':>5} {'warm TTFT ms':>22} {'drafter prep ms':>20} "
+    w = _policy_width(summary)
+    head = (f"{'policy':<{w}} {'turns':>5} {'warm TTFT ms':>22} {'drafter prep ms':>20} "
             f"{'rows':>6} {'acceptance':>19} {'adopted':>7} {'tok/s':>7}  outcomes")
     lines = [head, "-" * len(head)]
     notes = []
     for policy, s in summary.items():
         if not s.get("turns"):
-            lines.append(f"{policy:<8} {0:>5}  (no warm turns measured)")
+            lines.append(f"{policy:<{w}} {0:>5}  (no warm turns measured)")
             continue
         outcomes = " ".join(f"{k}={v}" for k, v in s["outcomes"].items())
         adopted = _f(None if s["adoption_rate"] is None else 100 * s["adoption_rate"], ".0f")
         lines.append(
-            f"{policy:<8} {s['turns']:>5} {_mid(s, 'ttft_ms', '.1f'):>22} "
+            f"{policy:<{w}} {s['turns']:>5} {_mid(s, 'ttft_ms', '.1f'):>22} "
             f"{_mid(s, 'drafter_prep_ms', '.1f'):>20} {_f(s['drafter_rows_computed_median'], '.0f'):>6} "
             f"{_mid(s, 'acceptance', '.3f'):>19} {adopted + '%':>7} "
             f"{_f(s['output_tokens_per_s'], '.1f'):>7}  {outcomes}"
@@ -242,7 +278,8 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
 def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
     """Per policy on warm turns: target tokens the prefill computed (median [p25-p75] and
     total), the most drafter and target blocks held; then the `paired` counters."""
-    head = (f"{'policy':<8} {'target tokens computed':>24} {'total':>8} {'cap':>7} "
+    w = _policy_width(summary)
+    head = (f"{'policy':<{w}} {'target tokens computed':>24} {'total':>8} {'cap':>7} "
             f"{'drafter blocks peak':>20} {'target blocks peak':>19}")
     lines = [head, "-" * len(head)]
     notes = []
@@ -253,7 +290,7 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
         t_peak, t_all = s.get("target_blocks_peak"), s.get("target_blocks")
         drafter = "-" if d_peak is None else f"{d_peak} of {d_all}"
         target = "-" if t_peak is None else f"{t_peak} of {t_all}"
-        lines.append(f"{policy:<8} {_mid(s, 'target_computed', '.0f'):>24} "
+        lines.append(f"{policy:<{w}} {_mid(s, 'target_computed', '.0f'):>24} "
                      f"{s['target_computed_total']:>8} {s['recomputed_for_cap_total']:>7} "
                      f"{drafter:>20} {target:>19}")
         sh = s.get("carry_share")
@@ -275,6 +312,12 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
                 + (f" ({h['restore_ms'] / restores:.2f} ms per restored turn)" if restores else "")
                 + f", GPU wait {h['restore_wait_ms']:.1f} ms; peak device {h['peak_device_bytes'] >> 10} KiB, "
                 f"host {h['peak_host_bytes'] >> 10} KiB")
+        rf = s.get("row_format")
+        if rf:
+            notes.append(
+                f"{policy}: rows stored {rf['row_dtype']}: {rf['packs']} deposits packed, "
+                f"{_mid(rf, 'pack_ms', '.3f')} ms each; {rf['unpacks']} adoptions unpacked, "
+                f"{_mid(rf, 'unpack_ms', '.3f')} ms each (median [p25-p75])")
         p = s.get("paired")
         if p:
             notes.append(
@@ -298,6 +341,9 @@ def ratio_lines(ratios: dict[str, dict[str, Any]]) -> list[str]:
                              f"{r[f'{fig}_paired_p75']:#.3g}]")
             elif fig != "drafter_prep":
                 parts.append(f"{fig} n/a ({r['null_reasons'].get(key, 'no pairs')})")
+        if "base_adopted" in r:
+            parts.append(f"adopted {r['adopted_where_base_adopted']} of the {r['base_adopted']} warm turns "
+                         f"{name.split('/')[1]} adopted")
         lines.append(f"{name} ({r['pairs']} paired warm turns): " + ", ".join(parts))
     return lines
 

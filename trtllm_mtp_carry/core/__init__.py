@@ -22,6 +22,7 @@ from .debuglog import log_adopt, log_store
 from .drafter import CarriedDrafter
 from .outcome import NO_CARRY_REASONS, OUTCOME_KINDS, CarryOutcome
 from .plan import AppendPlan, hidden_row_offset, plan_append
+from .row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_DTYPES, RowFormat, check_row_dtype, rows_nbytes
 from .session import TicketCounter, carry_key, session_hash
 from .settings import (
     DEFAULT_CARRY_EVICTION,
@@ -42,6 +43,7 @@ from .settings import (
     carry_host_memory,
     carry_idle_s,
     carry_memory,
+    carry_row_dtype,
     carry_share,
     carry_slots,
     marconi_min_tokens,
@@ -55,6 +57,7 @@ from .settings import (
     set_carry_host_memory,
     set_carry_idle_s,
     set_carry_memory,
+    set_carry_row_dtype,
     set_carry_share,
     set_carry_slots,
     set_marconi_min_tokens,
@@ -79,6 +82,13 @@ __all__ = [
     "parse_carry_host_memory",
     "set_carry_host_memory",
     "DEFAULT_CARRY_HOST_MEMORY",
+    "DEFAULT_CARRY_ROW_DTYPE",
+    "ROW_DTYPES",
+    "RowFormat",
+    "carry_row_dtype",
+    "check_row_dtype",
+    "rows_nbytes",
+    "set_carry_row_dtype",
     "carry_idle_s",
     "carry_key",
     "carry_memory",

@@ -52,6 +52,17 @@ Invariants:
   another key (which `decide_adopt` refuses as ForeignSession: the seed's
   slot); else None, and `miss_reason(k)` says why (`NO_CARRY_REASONS`).
 
+Tiers: the store is one mechanism over two `_Tier` objects, `device` and
+(optionally) `host`, each with its entries, its budget and its row format
+(`row_format`, core/row_format.py: what an entry's rows cost there; None: what
+the executor states, or by block). Both tiers are ranked by the same policy
+code (`_victims(tier)`) and the same learned estimate::
+
+    device tier: budget_bytes, slots, by block (shared) | row format | stated bytes
+        | demote (memory, capacity, pool_pressure)      ^ take restores
+        v                                               |
+    host tier:   host_budget_bytes, no slot cap, by block (each its own) | row format | stated bytes
+
 Host tier (`host_budget_bytes > 0`; 0, the default, is the store without one,
 bit for bit): an entry that leaves the device budget for room (`memory`,
 `capacity`) or for `pool_pressure` is demoted instead of evicted: the store
@@ -84,6 +95,7 @@ from .adopt import decide_adopt
 from .drafter import CarriedDrafter
 from .eviction import ADMIT_MARGIN, ReturnOdds
 from .outcome import CarryOutcome, NoCarry
+from .row_format import RowFormat
 from .settings import EVICTION_POLICIES, check_eviction_policy
 from .store_range import StoreRange
 from .tokens import Tokens
@@ -142,7 +154,10 @@ class CarryStore:
     for the executor's copies). `return_odds` (policy `returns` only) replaces
     the estimate the store learns from its own calls: a what-if analysis gives
     the store an estimate told part of the future (scripts/trace_ceilings.py);
-    executors leave it unset.
+    executors leave it unset. `row_format` (core/row_format.py) is the format both
+    tiers hold rows in: without block charging an entry then costs its rows in that
+    format, and a deposit's stated bytes must equal them (ValueError otherwise), so the
+    store charges what the executor really holds (fp8: payload plus scales).
     """
 
     def __init__(
@@ -155,6 +170,7 @@ class CarryStore:
         block_nbytes: int | None = None,
         host_budget_bytes: int = 0,
         return_odds: ReturnOdds | None = None,
+        row_format: RowFormat | None = None,
     ) -> None:
         if slots is not None and (type(slots) is not int or slots < 1):
             raise ValueError(f"slots must be an int >= 1 or None (no cap), got {slots!r}")
@@ -165,27 +181,24 @@ class CarryStore:
             raise ValueError(f"idle_s must be a positive number of seconds or None, got {idle_s!r}")
         if block_nbytes is not None and (type(block_nbytes) is not int or block_nbytes < 1):
             raise ValueError(f"block_nbytes must be an int >= 1 or None, got {block_nbytes!r}")
-        self.slots = slots
-        self.budget_bytes = budget_bytes
-        self.block_nbytes = block_nbytes
-        self._block_refs: Counter[int] = Counter()  # block -> entries holding it (blocks mode)
+        if row_format is not None and not isinstance(row_format, RowFormat):
+            raise TypeError(f"row_format must be a RowFormat or None, got {type(row_format).__name__}")
+        self._device = _Tier("device", budget_bytes, slots, block_nbytes, row_format, shared=True)
         self.policy = check_eviction_policy(policy, "policy")
         if slots == 1:  # the seed's single slot: the newest finished session wins it
             self.policy = "lrd"
         self.idle_s = idle_s
         self._clock = clock
-        self._entries: OrderedDict[int, _Held] = OrderedDict()
+        self._entries = self._device.entries  # the device tier's entries, which most queries read
         self._leases: dict[int, _Lease] = {}
         self._misses: OrderedDict[int, str] = OrderedDict()
         self._last_key: OrderedDict[int, int] = OrderedDict()  # session -> key it last deposited
         self._evictions = dict.fromkeys(EVICTION_CAUSES, 0)
         self._refusals = dict.fromkeys(REFUSAL_CAUSES, 0)
-        self._bytes = 0
         self.deposits = 0
         self.adoptions = 0
         if type(host_budget_bytes) is not int or host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be an int >= 0 (0: no host tier), got {host_budget_bytes!r}")
-        self.host_budget_bytes = host_budget_bytes
         self.host_moves: HostMoves | None = None
         """The executor's row moves between tiers (None: bookkeeping only, as in a trace replay)."""
         if return_odds is not None and not isinstance(return_odds, ReturnOdds):
@@ -198,10 +211,36 @@ class CarryStore:
             self._odds = None
         """The `returns` policy's chances (core/eviction.py: learned from this store's own calls, unless
         an analysis passed `return_odds`, e.g. one told the future); None under other policies."""
-        self._host = _HostTier(self, host_budget_bytes) if host_budget_bytes else None
-        self._tier = _TierCounters()
+        self._host = (_Tier("host", host_budget_bytes, None, block_nbytes, row_format, shared=False)
+                      if host_budget_bytes else None)
+        self._counts = _TierCounters()
 
     # ---- queries -------------------------------------------------------------
+
+    @property
+    def slots(self) -> int | None:
+        """The device tier's cap on entries (None: no cap)."""
+        return self._device.slots
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The device tier's budget in bytes (None: unbounded)."""
+        return self._device.budget_bytes
+
+    @property
+    def block_nbytes(self) -> int | None:
+        """Bytes of one block when entries are charged by block, else None."""
+        return self._device.block_nbytes
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """The host tier's budget in bytes (0: no host tier)."""
+        return 0 if self._host is None else self._host.budget_bytes or 0
+
+    @property
+    def row_format(self) -> RowFormat | None:
+        """The row format both tiers hold entries in (None: each costs what its deposit states)."""
+        return self._device.row_format
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -266,18 +305,18 @@ class CarryStore:
     def blocks_held(self) -> int:
         """Blocks the entries hold (a block several entries share counts once when charged by block)."""
         if self.block_nbytes is not None:
-            return len(self._block_refs)
+            return len(self._device.block_refs)
         return sum(len(h.entry.block_table) for h in self._entries.values())
 
     @property
     def shared_blocks(self) -> int:
         """Blocks two or more entries hold (0 unless charged by block)."""
-        return sum(1 for n in self._block_refs.values() if n > 1)
+        return sum(1 for n in self._device.block_refs.values() if n > 1)
 
     @property
     def bytes_held(self) -> int:
         """Bytes of every entry held (as each deposit stated them, or by distinct block)."""
-        return self._bytes
+        return self._device.nbytes
 
     @property
     def leases(self) -> int:
@@ -294,7 +333,7 @@ class CarryStore:
 
     def victim(self) -> int | None:
         """The key the policy evicts first for pool pressure (None when nothing is held)."""
-        order = self._victims()
+        order = self._victims(self._device)
         return order[0] if order else None
 
     def victims(self) -> tuple[int, ...]:
@@ -304,7 +343,7 @@ class CarryStore:
         `victim()` for each, and the store hears of each eviction (`evict`) before
         the next is named (`DrafterKVPool.grow`).
         """
-        return tuple(self._victims())
+        return tuple(self._victims(self._device))
 
     # ---- changes -------------------------------------------------------------
 
@@ -332,14 +371,14 @@ class CarryStore:
         worth = None  # `returns`: what a victim may be worth at most (the admission test)
         if self._odds is not None:
             cls = self._odds.deposited(key, self._clock())
-            worth = self._odds.worth(cls, 0.0, self._cost(room.alone))
+            worth = self._odds.worth(cls, 0.0, self._cost(room.alone, self._device))
             # near ties keep the incumbent, unless the key came back (its turn is the evidence)
             worth = worth * ADMIT_MARGIN if returning else worth / ADMIT_MARGIN
         if key in self._entries:
             room.remove(key)  # its own older rows go (`replaced`)
         if not room.fits():
-            ranked = self._ranked() if self._odds is not None else None
-            order = self._victims() if ranked is None else ranked[0]
+            ranked = self._ranked(self._device) if self._odds is not None else None
+            order = self._victims(self._device) if ranked is None else ranked[0]
             for i, k in enumerate(order):
                 if k != key:
                     if worth is not None and ranked is not None and ranked[1][i] >= worth:
@@ -372,7 +411,7 @@ class CarryStore:
         if session_hash in self._entries:
             evicted.append(self._remove(session_hash, "replaced"))
         self._drop_host(session_hash, "replaced")
-        for k in self._victims():
+        for k in self._victims(self._device):
             if self._room(nbytes, blocks).fits():
                 break
             gone = self._leave_device(k, self._room_cause())
@@ -394,17 +433,17 @@ class CarryStore:
         if key in self or not self._room(nbytes, blocks).fits():
             raise RuntimeError(
                 f"no room for session 0x{key:016x}: {len(self._entries)} of {self.slots or 'any'} slots, "
-                f"{self._bytes} of {self.budget_bytes} bytes held"
+                f"{self._device.nbytes} of {self.budget_bytes} bytes held"
                 f"{' (its own entry among them)' if key in self._entries else ''}; call admit first"
             )
+        self._device.check_nbytes(entry, nbytes)
         lease = self._leases.pop(key, None)
         owner = key if session is None else check_u64("session", session)
         if blocks is not None:
             nbytes = len(blocks) * self.block_nbytes  # type: ignore[operator]
-        self._entries[key] = _Held(entry, nbytes, owner, self._clock(),
-                                   0 if lease is None else lease.adoptions + 1)
-        self._charge(entry, nbytes)
-        self._tier.peak_device = max(self._tier.peak_device, self._bytes)
+        self._device.add(key, _Held(entry, nbytes, owner, self._clock(),
+                                    0 if lease is None else lease.adoptions + 1))
+        self._counts.peak_device = max(self._counts.peak_device, self._device.nbytes)
         self._note_deposit(key, owner)
 
     def take(self, session_hash: int) -> CarriedDrafter:
@@ -414,15 +453,14 @@ class CarryStore:
         A host-tier entry counts a host hit and is restored (`host_moves.restore`)
         first; the entry returned is then the restored one.
         """
-        held = self._entries.pop(session_hash, None) if session_hash != 0 else None
+        held = self._device.pop(session_hash) if session_hash in self._entries and session_hash != 0 else None
         if held is None:
             restored = self._take_host(session_hash) if session_hash != 0 else None
             if restored is None:
                 raise RuntimeError(f"no carried entry for session 0x{session_hash:016x} to take")
             held = restored
         else:
-            self._uncharge(held)
-            self._tier.hits["device"] += 1
+            self._counts.hits["device"] += 1
         if self._odds is not None:
             self._odds.adopted(session_hash, self._clock())
         self._leases[session_hash] = _Lease(held.nbytes, held.session, self._clock(), held.adoptions)
@@ -525,25 +563,25 @@ class CarryStore:
         if host is None or key == 0 or key in self:
             return False
         owner = key if session is None else check_u64("session", session)
-        if self.block_nbytes is not None:
-            nbytes = len(entry.block_table) * self.block_nbytes
-        dropped = host.make_room(nbytes)
+        host.check_nbytes(entry, nbytes)
+        nbytes = host.price(entry, nbytes)
+        dropped = self._host_room(nbytes)
         if dropped is None:
             return False
         if self.host_moves is not None:
             t0 = time.perf_counter()
             moved = self.host_moves.demote(entry)
-            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
+            self._counts.demote_ms += (time.perf_counter() - t0) * 1e3
             if not moved:
                 return False
         for k in dropped:
-            self._drop_host(k, host.room_cause)
+            self._drop_host(k, "memory")
         lease = self._leases.pop(key, None)
         host.insert(key, _Held(entry, nbytes, owner, self._clock(), 0 if lease is None else lease.adoptions + 1))
         self._note_deposit(key, owner)
-        self._tier.host_deposits += 1
-        self._tier.bytes_demoted += nbytes
-        self._tier.peak_host = max(self._tier.peak_host, host.nbytes)
+        self._counts.host_deposits += 1
+        self._counts.bytes_demoted += nbytes
+        self._counts.peak_host = max(self._counts.peak_host, host.nbytes)
         return True
 
     def tier(self, key: int) -> str | None:
@@ -554,7 +592,7 @@ class CarryStore:
 
     def tier_stats(self) -> TierStats:
         """A frozen snapshot of the per-tier counters (zeros without a host tier)."""
-        t = self._tier
+        t = self._counts
         host = self._host
         return TierStats(
             host_budget_bytes=self.host_budget_bytes,
@@ -568,6 +606,8 @@ class CarryStore:
             host_entries=0 if host is None else len(host.entries),
             host_bytes_held=self.host_bytes_held,
             peak_bytes={"device": t.peak_device, "host": t.peak_host},
+            row_dtypes={name: tier.row_dtype for name, tier in (("device", self._device), ("host", host))
+                        if tier is not None},
             demote_ms=t.demote_ms,
             restore_ms=t.restore_ms,
         )
@@ -575,11 +615,21 @@ class CarryStore:
     def _host_held(self, key: int) -> _Held | None:
         return None if self._host is None else self._host.entries.get(key)
 
-    def _host_charge(self, held: _Held) -> int:
-        """What `held` costs in host memory: its full rows (by block: every block it names)."""
-        if self.block_nbytes is None:
-            return held.nbytes
-        return len(held.entry.block_table) * self.block_nbytes
+    def _host_room(self, nbytes: int) -> list[int] | None:
+        """Host keys to leave so `nbytes` fit the host tier, in victim order; None if refused
+        (larger than the host budget, or `incumbent` keeps the host's entries; nothing leaves)."""
+        host = self._host
+        assert host is not None
+        room = _Room(host, nbytes, None)
+        if host.budget_bytes is not None and room.alone > host.budget_bytes:
+            return None
+        if self.policy == "incumbent" and not room.fits():
+            return None
+        for k in self._victims(host):
+            if room.fits():
+                break
+            room.remove(k)
+        return list(room.gone)
 
     def _leave_device(self, key: int, cause: str) -> CarriedDrafter | None:
         """`key`'s device entry leaves for `cause`: demoted when a host tier takes it (None), else
@@ -588,25 +638,24 @@ class CarryStore:
         if host is None or cause not in DEMOTION_CAUSES:
             return self._remove(key, cause)
         held = self._entries[key]
-        nbytes = self._host_charge(held)
-        dropped = host.make_room(nbytes)
+        nbytes = host.price(held.entry, held.nbytes)
+        dropped = self._host_room(nbytes)
         if dropped is None:  # larger than the host budget, or the policy keeps the host's incumbents
-            self._tier.demotions_refused += 1
+            self._counts.demotions_refused += 1
             return self._remove(key, cause)
         if self.host_moves is not None:
             t0 = time.perf_counter()
             moved = self.host_moves.demote(held.entry)
-            self._tier.demote_ms += (time.perf_counter() - t0) * 1e3
+            self._counts.demote_ms += (time.perf_counter() - t0) * 1e3
             if not moved:  # the executor no longer has the rows (nothing to copy): a plain eviction
                 return self._remove(key, cause)
         for k in dropped:
-            self._drop_host(k, host.room_cause)
-        del self._entries[key]
-        self._uncharge(held)
+            self._drop_host(k, "memory")  # the host tier has no slot cap: room is always memory
+        self._device.pop(key)
         host.insert(key, replace(held, nbytes=nbytes))
-        self._tier.demotions += 1
-        self._tier.bytes_demoted += nbytes
-        self._tier.peak_host = max(self._tier.peak_host, host.nbytes)
+        self._counts.demotions += 1
+        self._counts.bytes_demoted += nbytes
+        self._counts.peak_host = max(self._counts.peak_host, host.nbytes)
         return None
 
     def _drop_host(self, key: int, cause: str) -> bool:
@@ -616,7 +665,7 @@ class CarryStore:
             return False
         held = host.pop(key)
         self._evictions[cause] += 1
-        self._tier.host_evictions[cause] += 1
+        self._counts.host_evictions[cause] += 1
         if cause != "replaced":
             self._remember(key, cause)
         if self.host_moves is not None:
@@ -628,80 +677,64 @@ class CarryStore:
         if self._host is None or key not in self._host.entries:
             return None
         held = self._host.pop(key)
-        self._tier.hits["host"] += 1
-        self._tier.bytes_restored += held.nbytes
+        self._counts.hits["host"] += 1
+        self._counts.bytes_restored += held.nbytes
         if self.host_moves is not None:
             t0 = time.perf_counter()
             try:
                 restored = self.host_moves.restore(held.entry)
             except BaseException:  # the rows never came back: the entry is gone, counted as pressure
                 self._evictions["pool_pressure"] += 1
-                self._tier.host_evictions["pool_pressure"] += 1
+                self._counts.host_evictions["pool_pressure"] += 1
                 self._remember(key, "pool_pressure")
                 self.host_moves.drop(held.entry)
                 raise
             finally:
-                self._tier.restore_ms += (time.perf_counter() - t0) * 1e3
+                self._counts.restore_ms += (time.perf_counter() - t0) * 1e3
             if restored is not None:
                 held = replace(held, entry=restored)
         return held
 
     # ---- internals -----------------------------------------------------------
 
-    def _victims(self) -> list[int]:
-        """Held keys in the order the policy evicts them."""
+    def _victims(self, tier: _Tier) -> list[int]:
+        """`tier`'s keys in the order the policy evicts them."""
+        entries = tier.entries
         if self.policy == "lrd":
-            return list(self._entries)
+            return list(entries)
         if self.policy == "slru":
-            return ([k for k, h in self._entries.items() if h.adoptions == 0]
-                    + [k for k, h in self._entries.items() if h.adoptions > 0])
+            return ([k for k, h in entries.items() if h.adoptions == 0]
+                    + [k for k, h in entries.items() if h.adoptions > 0])
         if self._odds is not None:
-            return self._ranked()[0]
-        return list(reversed(self._entries))  # incumbent: the newest entry is evicted first
+            return self._ranked(tier)[0]
+        return list(reversed(entries))  # incumbent: the newest entry is evicted first
 
-    def _ranked(self) -> tuple[list[int], list[float]]:
-        """`returns`: held keys and their worth (core/eviction.py), lowest first, equal ones newest first."""
+    def _ranked(self, tier: _Tier) -> tuple[list[int], list[float]]:
+        """`returns`: `tier`'s keys and their worth (core/eviction.py), lowest first, equal ones newest first."""
         odds = self._odds
         assert odds is not None
-        keys = list(self._entries)
-        held = self._entries.values()
-        return odds.rank(keys, [h.deposited_at for h in held], [self._cost(h.nbytes) for h in held],
+        keys = list(tier.entries)
+        held = tier.entries.values()
+        return odds.rank(keys, [h.deposited_at for h in held], [self._cost(h.nbytes, tier) for h in held],
                          self._clock())
 
-    def _cost(self, nbytes: int) -> float:
-        """`returns`: the share of the store's bounds an entry of `nbytes` takes (bytes, and a slot)."""
+    @staticmethod
+    def _cost(nbytes: int, tier: _Tier) -> float:
+        """`returns`: the share of `tier`'s bounds an entry of `nbytes` takes (bytes, and a slot)."""
         cost = 0.0
-        if self.budget_bytes:
-            cost += nbytes / self.budget_bytes
-        if self.slots is not None:
-            cost += 1.0 / self.slots
+        if tier.budget_bytes:
+            cost += nbytes / tier.budget_bytes
+        if tier.slots is not None:
+            cost += 1.0 / tier.slots
         return cost if cost > 0 else float(max(nbytes, 1))  # unbounded: per byte (it never evicts)
 
     def _room(self, nbytes: int, blocks: Sequence[int] | None) -> _Room:
-        """What a deposit (`nbytes`, or its `blocks` when charged by block) needs, entry removals aside."""
+        """What a device deposit (`nbytes`, or its `blocks` when charged by block) needs, entry removals aside."""
         if self.block_nbytes is None:
-            return _Room(self, nbytes, None)
+            return _Room(self._device, nbytes, None)
         if blocks is None:
             raise ValueError("a store charged by block needs the deposit's blocks")
-        return _Room(self, len(blocks) * self.block_nbytes, frozenset(blocks))
-
-    def _charge(self, entry: CarriedDrafter, nbytes: int) -> None:
-        if self.block_nbytes is None:
-            self._bytes += nbytes
-            return
-        self._block_refs.update(entry.block_table)
-        self._bytes = len(self._block_refs) * self.block_nbytes
-
-    def _uncharge(self, held: _Held) -> None:
-        if self.block_nbytes is None:
-            self._bytes -= held.nbytes
-            return
-        refs = self._block_refs
-        for b in held.entry.block_table:
-            refs[b] -= 1
-            if not refs[b]:
-                del refs[b]
-        self._bytes = len(refs) * self.block_nbytes
+        return _Room(self._device, len(blocks) * self.block_nbytes, frozenset(blocks))
 
     def _room_cause(self) -> str:
         """`capacity` while the slot cap is what is full, else `memory`."""
@@ -732,25 +765,24 @@ class CarryStore:
 
     def _remove(self, key: int, cause: str) -> CarriedDrafter:
         self._evictions[cause] += 1
-        held = self._entries.pop(key)
-        self._uncharge(held)
+        held = self._device.pop(key)
         if cause != "replaced":
             self._remember(key, cause)
         return held.entry
 
 
 class _Room:
-    """The bytes and entries the store would hold after a deposit, as entries are removed first.
+    """The bytes and entries a tier would hold after a deposit, as entries are removed first.
 
     `remove(k)` adds one more entry to leave (`gone`, in order); `fits()` says
-    whether the deposit then fits the slot cap and the budget. Charged by block,
+    whether the deposit then fits the tier's slot cap and budget. Charged by block,
     a removed entry frees only its blocks no remaining entry nor the deposit holds.
     """
 
-    __slots__ = ("_store", "alone", "_blocks", "gone", "_freed", "_left", "_cost")
+    __slots__ = ("_tier", "alone", "_blocks", "gone", "_freed", "_left", "_cost")
 
-    def __init__(self, store: CarryStore, alone: int, blocks: Collection[int] | None) -> None:
-        self._store = store
+    def __init__(self, tier: _Tier, alone: int, blocks: Collection[int] | None) -> None:
+        self._tier = tier
         self.alone = alone  # bytes the deposit costs with nothing else held
         self._blocks = blocks
         self.gone: list[int] = []
@@ -759,27 +791,27 @@ class _Room:
         if blocks is None:
             self._cost = alone
         else:
-            bnb = store.block_nbytes or 0
-            self._cost = sum(bnb for b in blocks if b not in store._block_refs)
+            bnb = tier.block_nbytes or 0
+            self._cost = sum(bnb for b in blocks if b not in tier.block_refs)
 
     def remove(self, key: int) -> None:
-        held = self._store._entries[key]
+        held = self._tier.entries[key]
         self.gone.append(key)
         if self._blocks is None:
             self._freed += held.nbytes
             return
-        refs, left, bnb = self._store._block_refs, self._left, self._store.block_nbytes or 0
+        refs, left, bnb = self._tier.block_refs, self._left, self._tier.block_nbytes or 0
         for b in held.entry.block_table:
             left[b] += 1
             if left[b] == refs[b] and b not in self._blocks:
                 self._freed += bnb
 
     def fits(self) -> bool:
-        store = self._store
-        if store.slots is not None and len(store._entries) - len(self.gone) + 1 > store.slots:
+        tier = self._tier
+        if tier.slots is not None and len(tier.entries) - len(self.gone) + 1 > tier.slots:
             return False
-        return store.budget_bytes is None or (
-            store._bytes - self._freed + self._cost <= store.budget_bytes)
+        return tier.budget_bytes is None or (
+            tier.nbytes - self._freed + self._cost <= tier.budget_bytes)
 
 
 class HostMoves(Protocol):
@@ -832,6 +864,7 @@ class TierStats:
     peak_bytes: dict[str, int]
     demote_ms: float
     restore_ms: float
+    row_dtypes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -849,52 +882,83 @@ class _TierCounters:
     restore_ms: float = 0.0
 
 
-class _HostTier:
-    """The host tier's entries, in deposit order, bounded by bytes; victims in the owner's policy's order.
+class _Tier:
+    """One tier of the store (`TIERS`): its entries in deposit order, its bounds, its row format.
 
-    Bookkeeping rides on a second, uncapped `CarryStore` of the same policy, so
-    the victim order is the policy's own code (`_victims`) over the host entries.
+    `budget_bytes` (None: unbounded) and `slots` (None: no cap; the host tier has
+    none) bound it. What an entry costs here: charged by block (`block_nbytes`),
+    the blocks of its table, counted once across entries when `shared` (the
+    device tier: pool blocks entries share) or each entry all of its own (the
+    host tier: host copies share nothing); else its rows in `row_format` (which
+    the executor's stated bytes must equal, `check_nbytes`); else the bytes its
+    deposit stated. Victim order is the store's policy over `entries`.
     """
 
-    room_cause = "memory"  # the host tier has no slot cap: room is always memory
+    __slots__ = ("name", "budget_bytes", "slots", "block_nbytes", "row_format", "shared", "entries",
+                 "nbytes", "block_refs")
 
-    def __init__(self, owner: CarryStore, budget_bytes: int) -> None:
-        self._tier = CarryStore(None, budget_bytes, owner.policy, None, owner._clock)
-        self._tier._odds = owner._odds  # `returns`: the host tier weighs entries by what the owner learned
-        self.entries = self._tier._entries
+    def __init__(self, name: str, budget_bytes: int | None, slots: int | None, block_nbytes: int | None,
+                 row_format: RowFormat | None, shared: bool) -> None:
+        self.name = name
+        self.budget_bytes = budget_bytes
+        self.slots = slots
+        self.block_nbytes = block_nbytes
+        self.row_format = row_format
+        self.shared = shared and block_nbytes is not None
+        self.entries: OrderedDict[int, _Held] = OrderedDict()
+        self.nbytes = 0
+        self.block_refs: Counter[int] = Counter()  # block -> entries holding it (shared by block)
 
     @property
-    def nbytes(self) -> int:
-        return self._tier._bytes
+    def row_dtype(self) -> str:
+        """The tier's row format name (`bf16` when none was given: rows as the executor holds them)."""
+        return "bf16" if self.row_format is None else self.row_format.dtype
 
-    def make_room(self, nbytes: int) -> list[int] | None:
-        """Keys to leave so `nbytes` fit, in victim order; None if refused (nothing leaves)."""
-        tier = self._tier
-        room = tier._room(nbytes, None)
-        if tier.budget_bytes is not None and room.alone > tier.budget_bytes:
-            return None
-        if tier.policy == "incumbent" and not room.fits():
-            return None
-        for k in tier._victims():
-            if room.fits():
-                break
-            room.remove(k)
-        return list(room.gone)
+    def price(self, entry: CarriedDrafter, stated: int) -> int:
+        """What `entry` costs held alone here (by block: every block of its table)."""
+        if self.block_nbytes is not None:
+            return len(entry.block_table) * self.block_nbytes
+        if self.row_format is not None:
+            return self.row_format.nbytes(entry.rows)
+        return stated
+
+    def check_nbytes(self, entry: CarriedDrafter, nbytes: int) -> None:
+        """ValueError unless `nbytes`, an executor's stated bytes, are `entry`'s rows in the row format."""
+        fmt = self.row_format
+        if self.block_nbytes is None and fmt is not None and nbytes != fmt.nbytes(entry.rows):
+            raise ValueError(f"{entry.rows} rows in {fmt.dtype} take {fmt.nbytes(entry.rows)} bytes "
+                             f"({fmt.vectors_per_row} vectors of {fmt.head_dim} a row), the deposit states {nbytes}")
+
+    def add(self, key: int, held: _Held) -> None:
+        """Hold `held` as the newest entry, charged `held.nbytes` (shared by block: its new blocks)."""
+        self.entries[key] = held
+        if not self.shared:
+            self.nbytes += held.nbytes
+            return
+        self.block_refs.update(held.entry.block_table)
+        self.nbytes = len(self.block_refs) * (self.block_nbytes or 0)
 
     def insert(self, key: int, held: _Held) -> None:
-        """Hold `held` (charged `held.nbytes`) in deposit order (idle expiry stops at the first young one)."""
-        entries = self.entries
-        last = next(reversed(entries.values()), None)
-        entries[key] = held
+        """`add` in deposit-time order (idle expiry stops at the first young one): a demoted entry
+        keeps its place among the tier's by when it was deposited."""
+        last = next(reversed(self.entries.values()), None)
+        self.add(key, held)
         if last is not None and last.deposited_at > held.deposited_at:
-            ordered = sorted(entries.items(), key=lambda kv: kv[1].deposited_at)  # stable: ties keep order
-            entries.clear()
-            entries.update(ordered)
-        self._tier._bytes += held.nbytes
+            ordered = sorted(self.entries.items(), key=lambda kv: kv[1].deposited_at)  # stable: ties keep order
+            self.entries.clear()
+            self.entries.update(ordered)
 
     def pop(self, key: int) -> _Held:
         held = self.entries.pop(key)
-        self._tier._bytes -= held.nbytes
+        if not self.shared:
+            self.nbytes -= held.nbytes
+            return held
+        refs = self.block_refs
+        for b in held.entry.block_table:
+            refs[b] -= 1
+            if not refs[b]:
+                del refs[b]
+        self.nbytes = len(refs) * (self.block_nbytes or 0)
         return held
 
 

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from ._checks import check_non_negative
+from .row_format import DEFAULT_CARRY_ROW_DTYPE as DEFAULT_CARRY_ROW_DTYPE
+from .row_format import ROW_DTYPES as ROW_DTYPES
+from .row_format import check_row_dtype
 
 DEFAULT_MARCONI_MIN_TOKENS = 256
 """Default SSM snapshot restore floor: the measured crossover lies between 99 and
@@ -63,6 +66,7 @@ ENV_MARCONI_MIN_TOKENS = "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS"
 ENV_CARRY_SLOTS = "TRTLLM_MTP_CARRY_SLOTS"
 ENV_CARRY_MEMORY = "TRTLLM_MTP_CARRY_MEMORY"
 ENV_CARRY_HOST_MEMORY = "TRTLLM_MTP_CARRY_HOST_MEMORY"
+ENV_CARRY_ROW_DTYPE = "TRTLLM_MTP_CARRY_ROW_DTYPE"
 ENV_CARRY_IDLE_S = "TRTLLM_MTP_CARRY_IDLE_S"
 ENV_CARRY_EVICTION = "TRTLLM_MTP_CARRY_EVICTION"
 ENV_CARRY_SHARE = "TRTLLM_MTP_CARRY_SHARE"
@@ -322,6 +326,10 @@ CARRY_EVICTION: Pinned[str] = Pinned(
     "carry_eviction", ENV_CARRY_EVICTION, DEFAULT_CARRY_EVICTION,
     lambda name, raw: check_eviction_policy(raw.strip(), f"environment variable {name}"),
 )
+CARRY_ROW_DTYPE: Pinned[str] = Pinned(
+    "carry_row_dtype", ENV_CARRY_ROW_DTYPE, DEFAULT_CARRY_ROW_DTYPE,
+    lambda name, raw: check_row_dtype(raw.strip(), f"environment variable {name}"),
+)
 
 CARRY_SHARE: Pinned[bool] = Pinned(
     "carry_share", ENV_CARRY_SHARE, DEFAULT_CARRY_SHARE,
@@ -384,6 +392,17 @@ def set_carry_host_memory(value: str | int, source: str = "set") -> bool:
     """Pin the host tier budget: `'8GiB'`, `'512MiB'`, bytes as an int, or 0 (none).
     ValueError/TypeError naming a malformed value; `False` if already pinned."""
     return CARRY_HOST_MEMORY._pin(parse_carry_host_memory(value), source)
+
+
+def carry_row_dtype() -> str:
+    """The row format of carried entries, `bf16` or `fp8` (runtime, else env
+    `TRTLLM_MTP_CARRY_ROW_DTYPE`, else `bf16`; core/row_format.py)."""
+    return CARRY_ROW_DTYPE.get()
+
+
+def set_carry_row_dtype(value: str, source: str = "set") -> bool:
+    """Pin the row format of carried entries (one of `ROW_DTYPES`); `False` if already pinned."""
+    return CARRY_ROW_DTYPE._pin(check_row_dtype(value), source)
 
 
 def carry_idle_s() -> int:

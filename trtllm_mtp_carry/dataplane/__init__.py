@@ -5,7 +5,8 @@ the model-level BF16 hidden buffer with its stamped `StoreRange`;
 `DrafterKVPool` the drafter's paged KV of compacted rows plus carried entries;
 `hidden_row_copy` and `drafter_row_append` the two kernels, each a torch custom
 op (Triton on CUDA, plain torch on CPU). `apply_rope_reference` is the one RoPE
-formula, shared with the model code.
+formula, shared with the model code. `pack_rows`/`unpack_rows` are the FP8 row
+format of carried entries (`PackedRows`: e4m3 payload, a float32 scale per vector).
 
 Names load lazily: importing this package imports torch but neither triton nor
 the custom ops until a name that needs them is used.
@@ -30,6 +31,12 @@ _EXPORTS = {
     "CarriedBlocks": ".kv_pool",
     "PoolStats": ".kv_pool",
     "PoolExhaustedError": ".kv_pool",
+    "PackedRows": ".row_format",
+    "pack_rows": ".row_format",
+    "unpack_rows": ".row_format",
+    "packed_nbytes": ".row_format",
+    "pack_blocks": ".row_format",
+    "unpack_blocks": ".row_format",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -260,6 +260,14 @@ class DrafterKVPool:
         state = self._carried.get(key)
         return state.snapshot() if state is not None else None
 
+    def carried_runs(self, key: int) -> tuple[tuple[int, int], ...]:
+        """Entry `key`'s keys as runs `(first_key, count)` in row order (what `import_carried` takes
+        back with its rows); RuntimeError if nothing is carried under `key`."""
+        state = self._carried.get(key)
+        if state is None:
+            raise RuntimeError(f"nothing carried under {key}: no keys")
+        return tuple((k0, c) for k0, c in state.runs)
+
     def carried_keys(self) -> tuple[int, ...]:
         """Keys of the carried entries, least recently carried first (the eviction order)."""
         return tuple(self._carried)

@@ -1,4 +1,4 @@
-"""Triton kernels for the data plane: hidden-row copy and drafter-row append.
+"""Triton kernels for the data plane: hidden-row copy, drafter-row append, FP8 row pack/unpack.
 
 What it is for: the CUDA implementation behind the custom ops, and the source
 the ahead-of-time builder (`builders/build_kernels.py`) compiles to PTX/cubin
@@ -15,6 +15,16 @@ Invariants:
 Launch-grid rules (also written to the AOT manifest):
 - `hidden_row_copy_kernel`: grid `(n, cdiv(hidden_size, BLOCK))`.
 - `drafter_row_append_kernel`: grid `(n,)`; one program writes one row (all heads).
+
+The FP8 row-format kernels (`row_format.py` defines the format; JIT only, not in
+the AOT manifest) address each `head_dim` vector through an int64 element offset
+per vector (`bases`), so one kernel serves plain rows, TensorRT-LLM's HND pages
+and any other layout whose vectors have a common element stride:
+- `fp8_pack_kernel` / `fp8_unpack_kernel`: grid `(cdiv(num_vectors, BLOCK_V),)`.
+- They round to e4m3 (and bf16) in float32 arithmetic, round to nearest even,
+  before the cast, so the cast only meets representable values: the bits equal
+  torch's casts on a GPU and under the interpreter (whose float8 cast carries
+  wrongly across exponents and whose bf16 cast truncates).
 """
 
 from __future__ import annotations
@@ -28,6 +38,10 @@ from .rope import rope_inv_freq
 
 __all__ = [
     "drafter_row_append_kernel",
+    "fp8_pack_kernel",
+    "fp8_pack_triton",
+    "fp8_unpack_kernel",
+    "fp8_unpack_triton",
     "drafter_row_append_triton",
     "hidden_row_copy_kernel",
     "hidden_row_copy_triton",
@@ -161,3 +175,134 @@ def drafter_row_append_triton(
         *k_new.stride(), *v_new.stride(),
         BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(head_dim),
     )
+
+
+# ---- FP8 row format (row_format.py): pack and unpack `head_dim` vectors at element offsets ----
+
+#: e4m3fn's largest finite value and the least scale (float32's smallest normal); row_format's.
+#: (`tl.constexpr` so the compiled kernels may read them; the interpreter would take plain floats.)
+FP8_MAX = tl.constexpr(448.0)
+FP8_SCALE_FLOOR = tl.constexpr(2.0**-126)
+#: Values per program of the FP8 kernels (BLOCK_V vectors of BLOCK_D values).
+FP8_BLOCK = 4096
+
+
+@triton.jit
+def _round_to_e4m3(q):
+    """`q` (float32, |q| < 464 or NaN) rounded to e4m3's grid, to nearest even, still float32.
+
+    e4m3 spacing at |q| is 2**(max(e, -6) - 3) (3 mantissa bits; subnormals below
+    2**-6). Adding M = 1.5 * 2**(k + 23) makes float32's own rounding happen at
+    2**k (M's ulp), ties to even (M / 2**k is even); subtracting M is exact.
+    """
+    a = tl.abs(q)
+    e = (a.to(tl.int32, bitcast=True) >> 23) - 127
+    k = tl.maximum(e, -6) - 3
+    big = (((k + 150) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    r = (a + big) - big
+    sign = (q.to(tl.int32, bitcast=True) >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """`x` (float32) rounded to bfloat16's grid, to nearest even, still float32 (exact to cast)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_pack_kernel(
+    src_ptr,  # rows (bf16/f16/f32); vector v's values at bases[v] + d * d_stride
+    bases_ptr,  # [num_vectors] i64 element offsets
+    payload_ptr,  # [num_vectors, head_dim] float8_e4m3fn contiguous
+    scales_ptr,  # [num_vectors] f32
+    num_vectors,  # i32
+    head_dim,  # i32
+    d_stride,  # i32 elements between a vector's values
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mv = v < num_vectors
+    m = mv[:, None] & (d < head_dim)
+    base = tl.load(bases_ptr + v, mask=mv, other=0)[:, None]
+    x = tl.load(src_ptr + base + d * d_stride, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_SCALE_FLOOR)
+    # NaN for a vector holding a NaN or inf (x * 0 is NaN there, 0 elsewhere), as torch's path gives
+    scale = scale + tl.sum(x * 0.0, axis=1)
+    q = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))  # |q| <= 448 (1 + 2**-23): no clamp
+    tl.store(payload_ptr + v[:, None] * head_dim + d, q.to(payload_ptr.dtype.element_ty), mask=m)
+    tl.store(scales_ptr + v, scale, mask=mv)
+
+
+@triton.jit
+def fp8_unpack_kernel(
+    payload_ptr,  # [num_vectors, head_dim] float8_e4m3fn contiguous
+    scales_ptr,  # [num_vectors] f32
+    dst_ptr,  # rows (bf16/f16/f32); vector v's values at bases[v] + d * d_stride
+    bases_ptr,  # [num_vectors] i64 element offsets
+    num_vectors,  # i32
+    head_dim,  # i32
+    d_stride,  # i32
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mv = v < num_vectors
+    m = mv[:, None] & (d < head_dim)
+    q = tl.load(payload_ptr + v[:, None] * head_dim + d, mask=m, other=0.0).to(tl.float32)
+    scale = tl.load(scales_ptr + v, mask=mv, other=1.0)
+    x = q * scale[:, None]
+    if dst_ptr.dtype.element_ty == tl.bfloat16:
+        x = _round_to_bf16(x)
+    base = tl.load(bases_ptr + v, mask=mv, other=0)[:, None]
+    tl.store(dst_ptr + base + d * d_stride, x.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+def _fp8_blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
+    block_d = triton.next_power_of_2(max(head_dim, 1))
+    block_v = max(1, FP8_BLOCK // block_d)
+    return block_v, block_d, (triton.cdiv(num_vectors, block_v),)
+
+
+def fp8_pack_triton(
+    src: torch.Tensor,  # any layout; the vectors at `bases`
+    bases: torch.Tensor,  # [V] int64 element offsets from src's first element
+    head_dim: int,
+    d_stride: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `row_format.pack_rows` over `V` vectors: `(payload [V, D], scales [V])`.
+
+    Finite vectors give torch's bits exactly; a vector holding a NaN or inf gets a
+    NaN scale. The caller guarantees every offset is inside `src`.
+    """
+    n = bases.numel()
+    payload = torch.empty((n, head_dim), dtype=torch.float8_e4m3fn, device=src.device)
+    scales = torch.empty(n, dtype=torch.float32, device=src.device)
+    if n and head_dim:
+        block_v, block_d, grid = _fp8_blocks(n, head_dim)
+        fp8_pack_kernel[grid](src, bases, payload, scales, n, head_dim, d_stride,
+                              BLOCK_V=block_v, BLOCK_D=block_d)
+    elif n:
+        scales.fill_(FP8_SCALE_FLOOR.value)
+    return payload, scales
+
+
+def fp8_unpack_triton(
+    payload: torch.Tensor,  # [V, D] float8_e4m3fn contiguous
+    scales: torch.Tensor,  # [V] float32
+    dst: torch.Tensor,  # any layout; the vectors at `bases`
+    bases: torch.Tensor,  # [V] int64 element offsets from dst's first element
+    d_stride: int,
+) -> None:
+    """Triton twin of `row_format.unpack_rows`: `payload * scale`, cast to dst's dtype, written at `bases`."""
+    n, head_dim = payload.shape
+    if n and head_dim:
+        block_v, block_d, grid = _fp8_blocks(n, head_dim)
+        fp8_unpack_kernel[grid](payload, scales, dst, bases, n, head_dim, d_stride,
+                                BLOCK_V=block_v, BLOCK_D=block_d)

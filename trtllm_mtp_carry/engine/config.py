@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.row_format import check_row_dtype
 from ..runtime.policy import DrafterPolicy
 
 MAX_DRAFT_LEN = 3
@@ -29,6 +30,7 @@ class EngineConfig:
     mtp_max_seqs: int = 1  # the dispatch cap pinned for reporting (`info`); the carry is armed at any
     device: str = "cpu"
     dtype: str = "float32"
+    carry_row_dtype: str | None = None  # carried rows' format (bf16, fp8); None: `carry_row_dtype()`
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_target_blocks", "drafter_block_size",
@@ -60,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.snapshot_budget_mb must be >= 0, got {self.snapshot_budget_mb}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.carry_row_dtype is not None:
+            check_row_dtype(self.carry_row_dtype, "EngineConfig.carry_row_dtype")
         object.__setattr__(self, "policy", DrafterPolicy.parse(self.policy))
 
 

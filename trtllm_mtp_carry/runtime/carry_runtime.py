@@ -82,6 +82,7 @@ from ..core import (
     carry_host_memory,
     carry_idle_s,
     carry_memory,
+    carry_row_dtype,
     carry_share,
     carry_slots,
     log_adopt,
@@ -93,11 +94,13 @@ from ..core import (
 )
 from ..core.outcome import Adopted, NoCarry
 from ..core.plan import chunk_keys
+from ..core.row_format import RowFormat, check_row_dtype
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.kv_pool import BlockKeys, CarriedBlocks
 from .backend import CarryBackend
 from .host_moves import PoolHostMoves
+from .packed_rows import PackedCarry
 from .policy import DrafterPolicy
 
 
@@ -172,6 +175,9 @@ class CarryStats:
     tier holds, `peak_device_bytes`/`peak_host_bytes` the most each tier held;
     `restore_wait_ms` is how long the GPU stream waited for an asynchronous copy
     back (CUDA; 0 on the CPU, where `restore_ms` is the copy itself).
+    `row_dtype` is the carried rows' format (`carry_row_dtype`); with `fp8`, `packs`/
+    `pack_ms` are the deposits packed out of the pool and `unpacks`/`unpack_ms` the
+    adoptions unpacked into fresh blocks (`packed_rows.PackedCarry`).
     """
 
     armed: bool
@@ -220,6 +226,11 @@ class CarryStats:
     demote_ms: float = 0.0
     restore_ms: float = 0.0
     restore_wait_ms: float = 0.0
+    row_dtype: str = "bf16"
+    packs: int = 0
+    unpacks: int = 0
+    pack_ms: float = 0.0
+    unpack_ms: float = 0.0
 
 
 @dataclass
@@ -250,7 +261,10 @@ class CarryRuntime:
     themselves); `clock` is the idle TTL's clock; `share` overrides
     `carry_share()` (common-prefix blocks shared between entries);
     `host_memory` overrides `carry_host_memory()` (the store's host tier:
-    entries leaving the device budget wait in host memory, `PoolHostMoves`).
+    entries leaving the device budget wait in host memory, `PoolHostMoves`);
+    `row_dtype` overrides `carry_row_dtype()`: with `fp8` each entry is packed out
+    of the pool at deposit (its blocks freed, `PackedCarry`) and unpacked into fresh
+    blocks on adoption; common-prefix sharing then does not apply to carried entries.
     One runtime per pool: it listens to the pool's evictions (`pool.on_evict`),
     names their victims (`pool.victim`, asked again after each eviction), and refuses a pool that already
     carries another runtime's entries.
@@ -269,6 +283,7 @@ class CarryRuntime:
         clock: Callable[[], float] = time.monotonic,
         share: bool | None = None,
         host_memory: str | int | None = None,
+        row_dtype: str | None = None,
     ) -> None:
         self.backend = backend
         self.policy = DrafterPolicy.parse(policy)
@@ -287,13 +302,18 @@ class CarryRuntime:
             idle_s = carry_idle_s() or None
         self.memory = carry_memory() if memory is None else parse_carry_memory(memory)
         self.share = carry_share() if share is None else bool(share)
+        self.row_dtype = carry_row_dtype() if row_dtype is None else check_row_dtype(row_dtype, "row_dtype")
+        fp8 = self.row_dtype == "fp8"
+        self._packed = PackedCarry(pool) if fp8 else None  # fp8: entries packed outside the pool
         self._store = CarryStore(slots, self.memory.resolve(pool.nbytes),
                                  carry_eviction() if eviction is None else eviction, idle_s, clock,
-                                 block_nbytes=pool.block_nbytes,
+                                 block_nbytes=None if fp8 else pool.block_nbytes,
                                  host_budget_bytes=carry_host_memory() if host_memory is None
-                                 else parse_carry_host_memory(host_memory, "host_memory"))
-        self._host = PoolHostMoves(pool) if self._store.host_budget_bytes else None
-        self._store.host_moves = self._host
+                                 else parse_carry_host_memory(host_memory, "host_memory"),
+                                 row_format=RowFormat("fp8", 2 * pool.num_kv_heads, pool.head_dim,
+                                                      pool.k_cache.element_size()) if fp8 else None)
+        self._host = PoolHostMoves(pool) if self._store.host_budget_bytes and not fp8 else None
+        self._store.host_moves = self._packed if fp8 else self._host
         self._counters = _Counters()
         self._adopted: dict[int, int] = {}  # seq_id -> carry key whose rows it adopted (a lease)
         self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
@@ -424,24 +444,26 @@ class CarryRuntime:
         rows = pool.sequence(seq_id)
         if policy is DrafterPolicy.CARRY and self.armed and session_hash != 0 and rows.rows > 0:
             with self._lock:
-                if share is not None and self.share:
+                if share is not None and self.share and self._packed is None:
                     t0 = time.perf_counter()
                     pool.share_blocks(seq_id, share)
                     self._counters.share_ms += _ms(t0)
-                table = pool.sequence(seq_id).block_table[: -(-rows.rows // pool.block_size)]
-                evicted = self._store.admit(session_hash, len(table) * pool.block_nbytes, session,
-                                            blocks=table)
+                if self._packed is None:
+                    blocks = pool.sequence(seq_id).block_table[: -(-rows.rows // pool.block_size)]
+                    table: Sequence[int] | None = blocks
+                    nbytes = len(blocks) * pool.block_nbytes
+                else:  # fp8: charged the packed rows, which share no blocks
+                    table, nbytes = None, self._row_nbytes(rows.rows)
+                evicted = self._store.admit(session_hash, nbytes, session, blocks=table)
                 offered = None if evicted is not None else self._deposit_host(
-                    seq_id, session_hash, tokens, ticket, session)
+                    seq_id, session_hash, tokens, ticket, session, nbytes)
                 if offered is not None:  # the sequence's rows went to the host tier, or are freed
                     return offered
                 if evicted is not None:
                     for old in evicted:
-                        pool.free_carried(old.session_hash)
-                    carried = pool.move_to_carried(seq_id, session_hash)
-                    entry = CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key,
-                                           tokens, session_hash)
-                    self._store.put(entry, len(table) * pool.block_nbytes, session)
+                        self._free(old)
+                    entry = self._carry_out(seq_id, session_hash, tokens)
+                    self._store.put(entry, nbytes, session)
                     self._counters.deposits += 1
             if evicted is not None:
                 log_store(entry, ticket)
@@ -492,7 +514,7 @@ class CarryRuntime:
         """Drop every carried entry and free its blocks (counted as `cleared`)."""
         with self._lock:
             for old in self._store.clear():
-                self.backend.drafter_pool.free_carried(old.session_hash)
+                self._free(old)
 
     def forget_session(self, session_hash: int) -> int:
         """Drop the rows carried for session `session_hash` under every salt (the session
@@ -503,7 +525,7 @@ class CarryRuntime:
         with self._lock:
             entries = self._store.evict_session(session_hash, "session_end")
             for e in entries:
-                self.backend.drafter_pool.free_carried(e.session_hash)
+                self._free(e)
         return sum(e.rows for e in entries)
 
     def expire(self) -> int:
@@ -528,6 +550,9 @@ class CarryRuntime:
         pool = self.backend.drafter_pool
         with self._lock:
             entries = self._store.entries()
+        if self._packed is not None:
+            self._check_packed(entries)
+            return
         keys = tuple(e.session_hash for e in entries)
         if keys != pool.carried_keys():
             raise RuntimeError(f"carry store keys {keys} differ from the pool's {pool.carried_keys()}")
@@ -543,6 +568,27 @@ class CarryRuntime:
                 copies = self._host.keys()
             if host != copies:
                 raise RuntimeError(f"host tier entries {host} differ from the host copies held {copies}")
+
+    def _check_packed(self, entries: tuple[CarriedDrafter, ...]) -> None:
+        """`check` for fp8: the pool carries nothing; each tier's entries are exactly the packed
+        copies there, of their rows and bytes."""
+        packed, pool = self._packed, self.backend.drafter_pool
+        assert packed is not None
+        if pool.carried_keys():
+            raise RuntimeError(f"fp8 entries are packed, yet the pool carries {pool.carried_keys()}")
+        with self._lock:
+            host = self._store.host_entries
+        for tier, held, copies in (("device", entries, packed.keys()), ("host", host, packed.host_keys())):
+            if sorted(e.session_hash for e in held) != copies:
+                raise RuntimeError(f"{tier} entries {sorted(e.session_hash for e in held)} differ from "
+                                   f"the packed copies held {copies}")
+            for e in held:
+                copy = packed.get(e.session_hash)
+                assert copy is not None
+                if copy.rows != e.rows or copy.nbytes != self._store.nbytes(e.session_hash):
+                    raise RuntimeError(f"entry 0x{e.session_hash:016x} of {e.rows} rows charged "
+                                       f"{self._store.nbytes(e.session_hash)} B holds {copy.rows} rows, "
+                                       f"{copy.nbytes} B")
 
     def stats(self) -> CarryStats:
         """A frozen snapshot of every counter (zeros listed for outcomes never seen)."""
@@ -585,6 +631,13 @@ class CarryRuntime:
                 **self._tier_fields(),
             )
 
+    def pack_times(self) -> tuple[list[float], list[float]]:
+        """Wall ms of every pack (deposit) and unpack (adoption) so far (fp8; both empty with bf16)."""
+        with self._lock:
+            if self._packed is None:
+                return [], []
+            return list(self._packed.pack_ms_each), list(self._packed.unpack_ms_each)
+
     def wait_restored(self, seq_id: int) -> None:
         """Order the device's next use of `seq_id`'s pool rows after their copy back from the host
         tier, if one is in flight (CUDA: a GPU-side wait, counted; otherwise nothing to do). The
@@ -608,36 +661,62 @@ class CarryRuntime:
             host_bytes_held=t.host_bytes_held, bytes_demoted=t.bytes_demoted,
             bytes_restored=t.bytes_restored, peak_device_bytes=t.peak_bytes["device"],
             peak_host_bytes=t.peak_bytes["host"], demote_ms=t.demote_ms, restore_ms=t.restore_ms,
-            restore_wait_ms=wait_ms,
+            restore_wait_ms=wait_ms, row_dtype=self.row_dtype,
+            **({} if self._packed is None else dict(
+                packs=len(self._packed.pack_ms_each), unpacks=len(self._packed.unpack_ms_each),
+                pack_ms=sum(self._packed.pack_ms_each), unpack_ms=sum(self._packed.unpack_ms_each))),
         )
 
     def _deposit_host(self, seq_id: int, key: int, tokens: Sequence[int], ticket: int,
-                      session: int | None) -> bool | None:
+                      session: int | None, nbytes: int) -> bool | None:
         """The store refused the deposit as `not_admitted`: offer it to the host tier (its rows
         become a carried entry, which `demote` copies out and frees). True: deposited there;
         False: refused, and its rows are freed; None: not offered (no host tier, or refused for
         another reason), the sequence is untouched. Caller holds the lock."""
-        if self._host is None or self._store.miss_reason(key) != "not_admitted":
+        if not self._store.host_budget_bytes or self._store.miss_reason(key) != "not_admitted":
             return None
-        pool = self.backend.drafter_pool
-        carried = pool.move_to_carried(seq_id, key)
-        entry = CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key, tokens, key)
-        if not self._store.deposit_host(entry, len(carried.block_table) * pool.block_nbytes, session):
-            pool.free_carried(key)
+        entry = self._carry_out(seq_id, key, tokens)
+        if not self._store.deposit_host(entry, nbytes, session):
+            self._free(entry)
             return False
         self._counters.deposits += 1
         log_store(entry, ticket)
         return True
 
+    def _carry_out(self, seq_id: int, key: int, tokens: Sequence[int]) -> CarriedDrafter:
+        """End `seq_id` as carried entry `key`: its blocks move to the pool's carried set (zero copy),
+        or with fp8 its rows are packed out of them and the blocks freed (caller holds the lock)."""
+        carried = self.backend.drafter_pool.move_to_carried(seq_id, key)
+        if self._packed is None:
+            return CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key, tokens, key)
+        self._packed.pack(key)
+        return CarriedDrafter((), carried.rows, carried.last_pair_key, tokens, key)
+
+    def _free(self, entry: CarriedDrafter) -> None:
+        """Free the device rows of an entry that left the store (its pool blocks, or its packed copy)."""
+        if self._packed is None:
+            self.backend.drafter_pool.free_carried(entry.session_hash)
+        else:
+            self._packed.discard(entry.session_hash)
+
+    def _row_nbytes(self, rows: int) -> int:
+        """What `rows` rows cost in the store's row format (fp8 only)."""
+        fmt = self._store.row_format
+        assert fmt is not None
+        return fmt.nbytes(rows)
+
     def _unreachable_host_entry(self, key: int) -> None:
-        """Drop `key`'s host entry (`pool_pressure`) when even every carried block could not take
-        its rows back: live sequences hold the pool (caller holds the lock)."""
-        if self._store.tier(key) != "host":
+        """Drop `key`'s entry (`pool_pressure`) when it must come back into the pool (a host entry, or
+        any fp8 entry) and even every carried block could not take its rows: live sequences hold
+        the pool (caller holds the lock)."""
+        tier = self._store.tier(key)
+        if tier is None or (tier != "host" and self._packed is None):
             return
         entry = self._store.get(key)
         pool = self.backend.drafter_pool
         assert entry is not None
-        if len(entry.block_table) > pool.num_free_blocks + pool.num_carried_blocks:
+        blocks = len(entry.block_table) if self._packed is None else -(-entry.rows // pool.block_size)
+        if blocks > pool.num_free_blocks + pool.num_carried_blocks:
             self._store.evict(key, "pool_pressure")
 
     # ---- carried entries (the seam with the engine: signatures are stable) -----
@@ -663,7 +742,16 @@ class CarryRuntime:
                 raise RuntimeError(
                     f"no carried entry of session 0x{session_hash:016x} for sequence {seq_id} to take"
                 )
-            if self._store.tier(session_hash) == "host":  # the take copies its rows back first
+            if self._packed is not None:  # fp8: (a host entry comes back packed first) unpack, then adopt
+                self._store.take(session_hash)
+                try:
+                    self._packed.unpack(session_hash)
+                except BaseException:  # the rows never came back: gone, as a host restore that failed
+                    self._packed.discard(session_hash)
+                    self._store.end_lease(session_hash, "pool_pressure")
+                    raise
+                held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
+            elif self._store.tier(session_hash) == "host":  # the take copies its rows back first
                 restored = self._store.take(session_hash)
                 held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
                 if self._host is not None and len(held.block_table) < len(restored.block_table):
@@ -695,7 +783,7 @@ class CarryRuntime:
         """Evict idle entries and free their rows (caller holds the lock)."""
         expired = self._store.expire()
         for e in expired:
-            self.backend.drafter_pool.free_carried(e.session_hash)
+            self._free(e)
         return len(expired)
 
     def _end_lease(self, key: int | None, reason: str) -> None:

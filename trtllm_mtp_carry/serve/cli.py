@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..argtypes import carry_host_memory_size, carry_memory_size, non_negative_int, positive_int
 from ..cli_error import fail
+from ..core.row_format import ROW_DTYPES
 from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
 from .options import ENGINES, POLICIES, ServeOptions
 from .triton.repo import (
@@ -89,6 +90,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--carry-host-memory", dest="serve_carry_host_memory", type=carry_host_memory_size,
                    default=None, metavar="SIZE", help="host tier per instance: entries evicted from the "
                    "carry budget wait in this much host memory (8GiB; default 0: none)")
+    p.add_argument("--carry-row-dtype", dest="serve_carry_row_dtype", choices=ROW_DTYPES, default=None,
+                   help="how each instance stores carried rows (fp8: about half the bytes; default bf16)")
     p.add_argument("--device", default=d.device)
     # The settings flags of this process stay unset: these options pin each served instance.
     p.set_defaults(marconi_min_tokens=None, mtp_max_seqs=None, carry_slots=None)
@@ -103,7 +106,7 @@ def _spec(args: argparse.Namespace) -> RepoSpec | TrtllmRepoSpec:
         engine=args.engine, drafter_policy=args.policy, draft_len=args.draft_len,
         marconi_min_tokens=args.serve_marconi_min_tokens, carry_slots=args.serve_carry_slots,
         carry_memory=args.serve_carry_memory, carry_host_memory=args.serve_carry_host_memory,
-        max_model_len=args.max_model_len, max_tokens=args.max_tokens,
+        carry_row_dtype=args.serve_carry_row_dtype, max_model_len=args.max_model_len, max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs, device=args.device, max_turn_s=args.max_turn_s,
     )
     return RepoSpec(name=args.name, instances=args.instances, idle_timeout_s=args.idle_timeout_s,
@@ -116,6 +119,8 @@ def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
     for flag, value, where in (("--carry-slots", args.serve_carry_slots, "carry_slots in the mtp_carry section"),
                                ("--carry-host-memory", args.serve_carry_host_memory,
                                 "carry_host_memory in the mtp_carry section"),
+                               ("--carry-row-dtype", args.serve_carry_row_dtype,
+                                "carry_row_dtype in the mtp_carry section"),
                                ("--max-model-len", args.max_model_len, "max_seq_len"),
                                ("--marconi-min-tokens", args.serve_marconi_min_tokens, None)):
         if value is not None:

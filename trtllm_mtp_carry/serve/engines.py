@@ -82,7 +82,7 @@ def apply_settings(options: ServeOptions) -> None:
 
 
 def _apply_carry_store_settings(options: ServeOptions) -> None:
-    """Pin carry_memory, carry_host_memory, carry_eviction, carry_idle_s and carry_share; ValueError
+    """Pin carry_memory, carry_host_memory, carry_eviction, carry_idle_s, carry_row_dtype and carry_share; ValueError
     naming one that is already pinned to another value in this process."""
     from ..core import settings
 
@@ -93,6 +93,7 @@ def _apply_carry_store_settings(options: ServeOptions) -> None:
             options.carry_host_memory), settings.set_carry_host_memory, settings.carry_host_memory),
         ("carry_eviction", options.carry_eviction, settings.set_carry_eviction, settings.carry_eviction),
         ("carry_idle_s", options.carry_idle_s, settings.set_carry_idle_s, settings.carry_idle_s),
+        ("carry_row_dtype", options.carry_row_dtype, settings.set_carry_row_dtype, settings.carry_row_dtype),
         ("carry_share", options.carry_share and settings.parse_switch(options.carry_share, "carry_share"),
          settings.set_carry_share, settings.carry_share),
     ]

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_DTYPES, RowFormat
 from ..core.settings import (
     DEFAULT_CARRY_EVICTION,
     DEFAULT_CARRY_IDLE_S,
@@ -28,7 +29,13 @@ from ..core.settings import (
     check_eviction_policy,
     parse_carry_memory,
 )
-from .defaults import DECODE_S_PER_TOKEN, PREFILL_TOKENS_PER_S, QWEN3_NEXT_MTP_ROW_BYTES
+from .defaults import (
+    DECODE_S_PER_TOKEN,
+    PREFILL_TOKENS_PER_S,
+    QWEN3_NEXT_MTP_HEAD_DIM,
+    QWEN3_NEXT_MTP_ROW_BYTES,
+    QWEN3_NEXT_MTP_VECTORS_PER_ROW,
+)
 
 if TYPE_CHECKING:  # the replay (numpy) loads only when the command runs
     from .replay import BoundResult, PolicyResult
@@ -44,6 +51,13 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "
 def row_bytes_from_config(path: str) -> int:
     """Bytes of one drafter row from a Hugging Face `config.json`: MTP layers x 2 (K, V) x KV heads x
     head_dim x dtype bytes (`mtp_num_hidden_layers` or `num_nextn_predict_layers`, default 1)."""
+    return row_format_from_config(path).row_nbytes
+
+
+def row_format_from_config(path: str, row_dtype: str = DEFAULT_CARRY_ROW_DTYPE) -> RowFormat:
+    """The carried rows' format from a Hugging Face `config.json` (as `row_bytes_from_config` reads
+    it): MTP layers x 2 (K, V) x KV heads vectors of head_dim elements, stored as `row_dtype`
+    (`bf16`: the config's dtype bytes each; `fp8`: one byte each plus a float32 scale per vector)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -67,7 +81,20 @@ def row_bytes_from_config(path: str) -> int:
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"--model-config {path}: torch_dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
     assert isinstance(heads, int) and isinstance(head_dim, int) and isinstance(layers, int)
-    return layers * 2 * heads * head_dim * _DTYPE_BYTES[dtype]
+    return RowFormat(row_dtype, layers * 2 * heads, head_dim, _DTYPE_BYTES[dtype])
+
+
+def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | None) -> int:
+    """Bytes of one carried row for the replay: `--model-config`'s geometry, else `--row-bytes`
+    (bf16 only: fp8 needs the geometry), else Qwen3-Next's MTP layer, in `row_dtype`."""
+    if model_config:
+        return row_format_from_config(model_config, row_dtype).row_nbytes
+    if row_bytes is not None:
+        if row_dtype != "bf16":
+            raise ValueError(f"--row-bytes {row_bytes} with --carry-row-dtype {row_dtype}: packed rows' "
+                             "bytes depend on the head geometry; give --model-config instead")
+        return row_bytes
+    return RowFormat(row_dtype, QWEN3_NEXT_MTP_VECTORS_PER_ROW, QWEN3_NEXT_MTP_HEAD_DIM).row_nbytes
 
 
 def _memory(text: str, flag: str, allow_unbounded: bool) -> int | None:
@@ -116,6 +143,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "layer, 2 KV heads x 256 x K and V x bf16)")
     rows.add_argument("--model-config", dest="replay_model_config", metavar="PATH",
                       help="derive --row-bytes from a Hugging Face config.json (or its folder)")
+    p.add_argument("--carry-row-dtype", dest="replay_row_dtype", choices=ROW_DTYPES,
+                   default=DEFAULT_CARRY_ROW_DTYPE,
+                   help="the carried rows' format, so their bytes (fp8: e4m3 plus one float32 scale per "
+                        "row, K/V and head); default the package default")
     p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=positive_float,
                    default=PREFILL_TOKENS_PER_S, metavar="R",
                    help="service model: prompt tokens prefilled per second")
@@ -182,8 +213,7 @@ def run(args: argparse.Namespace) -> int:
     budget = _memory(args.replay_memory, "--carry-memory", allow_unbounded=True)
     host = _memory(args.replay_host_memory, "--carry-host-memory", allow_unbounded=False) or 0
     policies = _policies(args.replay_eviction)
-    row_bytes = (row_bytes_from_config(args.replay_model_config) if args.replay_model_config
-                 else args.replay_row_bytes or QWEN3_NEXT_MTP_ROW_BYTES)
+    row_bytes = replay_row_bytes(args.replay_row_dtype, args.replay_row_bytes, args.replay_model_config)
     if args.replay_json:
         from ..bench.options import output_path
 
@@ -202,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"trace {args.trace} ({trace.format}): {len(trace)} requests, {trace.conversations} conversations, "
           f"{trace.follow_ups} follow-up turns")
     print(f"{config.workers} worker(s), each: carry memory {_fmt_bytes(budget)}, host {_fmt_bytes(host)}, "
-          f"idle TTL {args.replay_idle_s or 'never'} s; {row_bytes} B a row; service "
+          f"idle TTL {args.replay_idle_s or 'never'} s; {row_bytes} B a row "
+          f"({args.replay_row_dtype}); service "
           f"{config.service.prefill_tokens_per_s:g} prompt tokens/s + {config.service.decode_s_per_token:g} s "
           f"an output token")
     print(f"clairvoyant bound: {bound.adopted} of {bound.follow_ups} follow-ups adopted "
@@ -229,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
                         "conversations": trace.conversations, "follow_ups": trace.follow_ups}
         out["config"] = {"workers": config.workers, "carry_memory_bytes": budget, "host_memory_bytes": host,
                          "idle_s": args.replay_idle_s, "row_bytes": row_bytes,
+                         "row_dtype": args.replay_row_dtype,
                          "prefill_tokens_per_s": config.service.prefill_tokens_per_s,
                          "decode_s_per_token": config.service.decode_s_per_token,
                          "host_copy_gbps": copy_gbps}
@@ -236,4 +268,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_REPLAY_MEMORY", "add_arguments", "measure_copy_gbps", "report", "row_bytes_from_config", "run"]
+__all__ = ["DEFAULT_REPLAY_MEMORY", "add_arguments", "measure_copy_gbps", "replay_row_bytes", "report",
+           "row_bytes_from_config", "row_format_from_config", "run"]

@@ -3,7 +3,13 @@ the replay)."""
 
 from __future__ import annotations
 
-QWEN3_NEXT_MTP_ROW_BYTES = 2 * 256 * 2 * 2
+QWEN3_NEXT_MTP_VECTORS_PER_ROW = 1 * 2 * 2
+"""Head vectors in one drafter row of Qwen3-Next's MTP layer: 1 MTP layer x (K, V) x 2 KV heads."""
+
+QWEN3_NEXT_MTP_HEAD_DIM = 256
+"""Qwen3-Next's attention head_dim."""
+
+QWEN3_NEXT_MTP_ROW_BYTES = QWEN3_NEXT_MTP_VECTORS_PER_ROW * QWEN3_NEXT_MTP_HEAD_DIM * 2
 """Bytes of one drafter row of Qwen3-Next's MTP layer: 2 KV heads x head_dim 256 x (K, V) x bf16."""
 
 PREFILL_TOKENS_PER_S = 8000.0
@@ -12,4 +18,5 @@ PREFILL_TOKENS_PER_S = 8000.0
 DECODE_S_PER_TOKEN = 0.030
 """Service model: seconds per output token."""
 
-__all__ = ["DECODE_S_PER_TOKEN", "PREFILL_TOKENS_PER_S", "QWEN3_NEXT_MTP_ROW_BYTES"]
+__all__ = ["DECODE_S_PER_TOKEN", "PREFILL_TOKENS_PER_S", "QWEN3_NEXT_MTP_HEAD_DIM", "QWEN3_NEXT_MTP_ROW_BYTES",
+           "QWEN3_NEXT_MTP_VECTORS_PER_ROW"]

@@ -31,6 +31,11 @@ Invariants:
   to the device they came from before `take` returns (a blocking copy on the
   current stream, so the draft stream's scatter reads finished rows; the store
   counts it as `restore_ms`). Each entry's rows are in exactly one tier.
+- Row format (`row_dtype`, `carry_row_dtype()`): `bf16` entries hold the rows as
+  gathered, `fp8` entries their `PackedRows` (`dataplane/row_format.py`: the
+  manager gathers packed and scatters unpacked, fused with the page copy); the
+  store charges what is held, `PackedRows.nbytes` (payload plus scales), and the
+  host tier holds the same packed form.
 """
 
 from __future__ import annotations
@@ -41,30 +46,47 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import CarriedDrafter, CarryStore, carry_host_memory
+from ..core import CarriedDrafter, CarryStore, carry_host_memory, carry_row_dtype
 from ..core.outcome import Adopted, CarryOutcome
+from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
+from ..dataplane.row_format import PackedRows
+
+Rows = torch.Tensor | PackedRows
+"""An entry's rows `[n, 2, Hkv, D]`: as gathered (bf16), or packed (fp8)."""
+
+
+def _nbytes(rows: Rows) -> int:
+    return rows.nbytes if isinstance(rows, PackedRows) else rows.numel() * rows.element_size()
 
 
 @dataclass(frozen=True, slots=True)
 class TakenRows:
-    """An adopted entry: its bookkeeping and its rows `[n, 2, Hkv, D]`."""
+    """An adopted entry: its bookkeeping and its rows `[n, 2, Hkv, D]` (packed with fp8)."""
 
     entry: CarriedDrafter
-    rows: torch.Tensor
+    rows: Rows
+
+    def head(self, n: int) -> Rows:
+        """The first `n` rows, in the form they are held (a view, no copy)."""
+        if isinstance(self.rows, PackedRows):
+            return PackedRows(self.rows.payload[:n], self.rows.scales[:n], self.rows.dtype)
+        return self.rows[:n]
 
 
 class CarriedRows:
     """Carried MTP rows keyed by carry key, bounded as the core's `CarryStore` bounds them."""
 
     def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent",
-                 idle_s: float | None = None, host_budget_bytes: int | None = None) -> None:
+                 idle_s: float | None = None, host_budget_bytes: int | None = None,
+                 row_dtype: str | None = None) -> None:
         host = carry_host_memory() if host_budget_bytes is None else host_budget_bytes
+        self.row_dtype = carry_row_dtype() if row_dtype is None else check_row_dtype(row_dtype, "row_dtype")
         self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s,
                                  host_budget_bytes=host)
-        self._rows: dict[int, torch.Tensor] = {}
-        self._host: dict[int, tuple[torch.Tensor, torch.device]] = {}  # key -> (host rows, their device)
+        self._rows: dict[int, Rows] = {}
+        self._host: dict[int, tuple[Rows, torch.device]] = {}  # key -> (host rows, their device)
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
         if host:
             self._store.host_moves = self
@@ -102,13 +124,22 @@ class CarriedRows:
         with self._lock:
             self._store.end_lease(key, reason)
 
-    def deposit(self, key: int, tokens: Sequence[int], rows: torch.Tensor,
+    @property
+    def packed(self) -> bool:
+        """Whether entries are held packed (`row_dtype` fp8): deposit `PackedRows`, scatter them unpacked."""
+        return self.row_dtype == "fp8"
+
+    def deposit(self, key: int, tokens: Sequence[int], rows: Rows,
                 session: int | None = None) -> bool:
-        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`) under `key`, an entry of
-        conversation `session` (None: `key` itself); False if refused."""
+        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`; `PackedRows` exactly when
+        `packed`) under `key`, an entry of conversation `session` (None: `key` itself), charged
+        the bytes held; False if refused."""
         # rows: [n, 2, Hkv, D], a copy owned by the store from now on
+        if isinstance(rows, PackedRows) != self.packed:
+            raise TypeError(f"a {self.row_dtype} store keeps {'PackedRows' if self.packed else 'tensors'}, "
+                            f"got {type(rows).__name__}")
         n = rows.shape[0]
-        nbytes = rows.numel() * rows.element_size()
+        nbytes = _nbytes(rows)
         with self._lock:
             self._expire()
             evicted = self._store.admit(key, nbytes, session) if n > 0 else None
@@ -152,6 +183,7 @@ class CarriedRows:
                 "deposits": self._store.deposits,
                 "adoptions": self._store.adoptions,
                 "evictions": self._store.evictions(),
+                "row_dtype": self.row_dtype,
                 "refusals": self._store.refusals(),
                 "carry_host_memory": t.host_budget_bytes,
                 "hits": t.hits,
@@ -191,8 +223,12 @@ class CarriedRows:
         rows = self._rows.pop(entry.session_hash, None)
         if rows is None:
             return False
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
-        host.copy_(rows)  # blocking: the device tensor may be reused as soon as it is dropped
+        host: Rows
+        if isinstance(rows, PackedRows):  # the packed form (blocking copies)
+            host = rows.to("cpu").pin_memory() if rows.device.type == "cuda" else rows.to("cpu")
+        else:
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+            host.copy_(rows)  # blocking: the device tensor may be reused as soon as it is dropped
         self._host[entry.session_hash] = (host, rows.device)
         return True
 
@@ -206,7 +242,7 @@ class CarriedRows:
         if self._host.pop(entry.session_hash, None) is not None:
             self._host_rows_dropped += entry.rows
 
-    def _deposit_host(self, key: int, tokens: Sequence[int], rows: torch.Tensor, nbytes: int,
+    def _deposit_host(self, key: int, tokens: Sequence[int], rows: Rows, nbytes: int,
                       session: int | None) -> bool:
         """A deposit the device tier refused as `not_admitted` goes to the host tier if it takes it."""
         if self._store.host_moves is None or self._store.miss_reason(key) != "not_admitted":

@@ -19,6 +19,10 @@ units of that view's first dimension (the manager divides by `kv_factor`), with
 
 Invariants:
 - One indexed copy per call, no Python loop over keys or rows.
+- `gather_packed_rows` / `scatter_packed_rows` are `pack_rows(gather_rows(...))`
+  and `scatter_rows(..., unpack_rows(...))` bit for bit, in one call each; on
+  CUDA one Triton launch each, addressing the (key, K/V, head) vectors in the
+  pages directly (`hnd_vector_bases`).
 - A key whose page is missing or `BAD_PAGE_INDEX` is a `RuntimeError` naming
   the key and the page (a caller bug: the draft manager sized the request).
 """
@@ -28,6 +32,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from ..dataplane.row_format import (
+    PackedRows,
+    pack_rows,
+    pack_vectors_triton,
+    row_kernel,
+    unpack_rows,
+    unpack_vectors_triton,
+)
 
 
 def key_slots(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int,
@@ -65,3 +78,49 @@ def scatter_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, rows: torch.T
         raise RuntimeError(f"rows are {rows.dtype}, the pages {buf.dtype}")
     page, slot = key_slots(pages, lo, lo + rows.shape[0], buf.shape[3], buf.device)
     buf[page, :, :, slot] = rows.to(buf.device)
+
+
+def hnd_vector_bases(buf: torch.Tensor, page: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Element offsets `[n * 2 * Hkv]` int64 of the (key, K/V, head) vectors at `(page, slot)`, row-major."""
+    s0, s1, s2, s3, _ = buf.stride()
+    dev = buf.device
+    key = (page * s0 + slot * s3).view(-1, 1, 1)
+    kv = (torch.arange(buf.shape[1], dtype=torch.int64, device=dev) * s1).view(1, -1, 1)
+    head = (torch.arange(buf.shape[2], dtype=torch.int64, device=dev) * s2).view(1, 1, -1)
+    return (key + kv + head).reshape(-1)
+
+
+def gather_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                       kernel: str | None = None) -> PackedRows:
+    """Rows of keys `[lo, hi)` packed in the FP8 row format (`dataplane.row_format`), `[hi - lo, 2, Hkv, D]`.
+
+    Bit for bit `pack_rows(gather_rows(buf, pages, lo, hi))` (finite rows), in one
+    pass: the Triton kernel reads the pages and writes the packed form, no bf16
+    copy; the torch path packs the indexed read. `kernel` as `row_format.row_kernel`.
+    """
+    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
+    shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
+    if row_kernel(buf, kernel) == "triton":
+        return pack_vectors_triton(buf, hnd_vector_bases(buf, page, slot), shape)
+    return pack_rows(buf[page, :, :, slot], kernel="torch")  # the index makes a fresh tensor
+
+
+def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: PackedRows,
+                        kernel: str | None = None) -> None:
+    """Dequantize `packed` `[n, 2, Hkv, D]` straight into keys `[lo, lo + n)` of the request's pages.
+
+    Bit for bit `scatter_rows(buf, pages, lo, unpack_rows(packed))`; the same checks
+    (shape, dtype: the packed rows' original dtype must be the pages') before any
+    write. The Triton kernel writes the pages from the packed form in one pass.
+    """
+    shape = packed.shape
+    if len(shape) != 4 or shape[1:] != (buf.shape[1], buf.shape[2], buf.shape[4]):
+        raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
+    if packed.dtype != buf.dtype:
+        raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
+    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
+    packed = packed.to(buf.device)
+    if row_kernel(buf, kernel) == "triton":
+        unpack_vectors_triton(packed, buf, hnd_vector_bases(buf, page, slot))
+        return
+    buf[page, :, :, slot] = unpack_rows(packed, kernel="torch")

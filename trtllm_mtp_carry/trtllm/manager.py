@@ -68,7 +68,7 @@ from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from .carried import CarriedRows
 from .identity import conversation_session, request_session, request_session_key
-from .layout import gather_rows, scatter_rows
+from .layout import gather_packed_rows, gather_rows, scatter_packed_rows, scatter_rows
 from .options import CarryOptions
 
 logger = logging.getLogger("trtllm_mtp_carry")
@@ -110,7 +110,8 @@ class CarryManagerCore:
         slots = (carry_slots() or None) if options.carry_slots is None else options.carry_slots
         idle_s = carry_idle_s() or None  # 0: entries never expire
         self.carried = CarriedRows(slots, options.carry_memory, carry_eviction(), idle_s,
-                                   host_budget_bytes=options.carry_host_memory)
+                                   host_budget_bytes=options.carry_host_memory,
+                                   row_dtype=options.carry_row_dtype)
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
         self._outcomes: Counter[str] = Counter()
@@ -224,7 +225,8 @@ class CarryManagerCore:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
             buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
             with self._draft_stream():
-                rows = gather_rows(buf, pages, 0, valid)  # [valid, 2, Hkv, D]
+                gather = gather_packed_rows if self.carried.packed else gather_rows  # fp8: packed as gathered
+                rows = gather(buf, pages, 0, valid)  # [valid, 2, Hkv, D]
                 self._sync()
         except RuntimeError as exc:  # the carry may cost acceptance, never the executor
             self._failed("deposit", rid, exc, live)
@@ -328,7 +330,8 @@ class CarryManagerCore:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
             buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
             with self._draft_stream():
-                scatter_rows(buf, pages, 0, taken.rows[:n])
+                scatter = scatter_packed_rows if self.carried.packed else scatter_rows  # fp8: unpacked as scattered
+                scatter(buf, pages, 0, taken.head(n))  # type: ignore[arg-type]  # head's form is scatter's
                 self._sync()
         except RuntimeError as exc:  # the turn runs blind over [0, R); it deposits nothing
             self._failed("scatter", rid, exc, live)

@@ -12,7 +12,7 @@ kv_cache_config:
   use_kv_cache_manager_v2: true   # V2 only ('auto' resolves to V2 for Qwen3-Next)
   dtype: auto                     # BF16 KV only (FP8/NVFP4 pages are refused)
   block_reuse_config: {policy: per_conversation, max_num_turns: 2}
-mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB, carry_host_memory: 8GiB}
+mtp_carry: {enable: true, carry_slots: 16, carry_memory: 2GiB, carry_host_memory: 8GiB, carry_row_dtype: fp8}
 # and: tensor_parallel_size 1, enable_attention_dp false, no kv_connector_config (V2 refuses one),
 # the worker-process install (TRTLLM_MTP_CARRY_WORKER, below) for the default LLM, trtllm-serve, Dynamo
 ```
@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..core.row_format import ROW_DTYPES
 
 SECTION = "mtp_carry"
 """The key of the carry's section in `extra_llm_api_options`."""
@@ -73,7 +75,10 @@ class CarryOptions:
     memory (pinned on a discrete GPU; on GB10's unified memory, system memory outside
     TensorRT-LLM's KV pool) where entries leaving `carry_memory` wait for their
     session (0: none; None: the process setting `carry_host_memory()`, env
-    `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0); `stats_every`: every this many freed
+    `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0); `carry_row_dtype`: how carried rows are
+    stored, `bf16` or `fp8` (e4m3, one float32 scale per row, K/V and head: about half
+    the bytes, so `carry_memory` holds about twice the sessions; None: the process
+    setting `carry_row_dtype()`, env `TRTLLM_MTP_CARRY_ROW_DTYPE`, else bf16); `stats_every`: every this many freed
     requests, and at shutdown, the carry prints one line of its counters (0: never),
     the way to see what a carry installed in a worker process does.
     """
@@ -83,6 +88,7 @@ class CarryOptions:
     carry_memory: int = DEFAULT_CARRY_MEMORY
     carry_host_memory: int | None = None
     stats_every: int = 0
+    carry_row_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check_bool("enable", self.enable)
@@ -92,6 +98,10 @@ class CarryOptions:
         if self.carry_host_memory is not None:
             _check_int("carry_host_memory", self.carry_host_memory, minimum=0)
         _check_int("stats_every", self.stats_every, minimum=0)
+        if self.carry_row_dtype is not None:
+            if self.carry_row_dtype not in ROW_DTYPES:
+                raise TrtllmAdapterError(f"{SECTION}.carry_row_dtype must be one of {', '.join(ROW_DTYPES)}, "
+                                         f"got {self.carry_row_dtype!r}")
 
 
 RECOMMENDED_SNAPSHOT_PLACEMENT: dict[str, Any] = {"additional_snapshot_offsets_from_end": [0]}
@@ -155,7 +165,8 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
 
     Keys: `enable` (bool), `carry_slots` (int >= 1, or null for `carry_slots()`), `carry_memory` (bytes as an
     int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused), `carry_host_memory`
-    (bytes like `carry_memory`, or null for `carry_host_memory()`), `stats_every` (int >= 0).
+    (bytes like `carry_memory`, or null for `carry_host_memory()`), `carry_row_dtype` (`bf16`, `fp8`,
+    or null for `carry_row_dtype()`), `stats_every` (int >= 0).
     An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
     naming `mtp_carry.<key>`.
     """
@@ -165,9 +176,10 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
         return mapping
     if not isinstance(mapping, Mapping):
         raise TrtllmAdapterError(
-            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory/stats_every, "
+            f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory/carry_row_dtype/"
+            "stats_every, "
             f"got {mapping!r}")
-    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory", "stats_every"}
+    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory", "carry_row_dtype", "stats_every"}
     for key in mapping:
         if key not in fields:
             raise TrtllmAdapterError(

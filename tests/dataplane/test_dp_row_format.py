@@ -1,0 +1,419 @@
+"""The FP8 row format: round trip within e4m3's rounding, exact bytes, fused paged twins bit for bit.
+
+Every run draws fresh random inputs (seed printed); bounds are the format's
+own (see `row_format`'s header), computed in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dp_helpers import bits, poison
+
+from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, HostRows
+from trtllm_mtp_carry.dataplane.rope import RopeConfig
+from trtllm_mtp_carry.dataplane.row_format import (
+    FP8_MAX,
+    SCALE_FLOOR,
+    PackedRows,
+    pack_blocks,
+    pack_rows,
+    packed_nbytes,
+    unpack_blocks,
+    unpack_rows,
+)
+from trtllm_mtp_carry.trtllm.layout import (
+    gather_packed_rows,
+    gather_rows,
+    scatter_packed_rows,
+    scatter_rows,
+)
+
+# Half an ulp of the output dtype, relative (bf16: 7 stored mantissa bits; fp16: 10; f32: 23).
+OUT_HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+# Half the output dtype's subnormal spacing: the absolute floor of its rounding.
+OUT_HALF_TINY = {torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25, torch.float32: 2.0**-150}
+
+
+def mixed_rows(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """Normal values at a random scale per vector, with zero, tiny and large vectors and zero entries."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    mag = 10.0 ** torch.randint(-30, 30, shape[:-1], generator=gen, dtype=torch.float64)
+    x = x * mag.unsqueeze(-1)
+    flat = x.view(-1, shape[-1])
+    flat[0] = 0.0  # a zero vector
+    flat[1] = -0.0
+    flat[2, ::2] = 0.0  # zeros inside a vector
+    flat[3] = torch.linspace(-1e-30, 1e-30, shape[-1], dtype=torch.float64)  # tiny
+    flat[4] = torch.linspace(-3e38, 3e38, shape[-1], dtype=torch.float64)  # near the top of bf16/f32
+    flat[5, 0] = 1e4  # one outlier: the rest of the vector goes subnormal in e4m3
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype)
+
+
+def assert_within_fp8_rounding(rows: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+    """`|out - rows| <= 2**-4 |rows| + 2**-10 scale` (e4m3: normal / subnormal), plus the output cast."""
+    v, o = rows.double(), out.double()
+    s = scales.double().unsqueeze(-1)
+    core = 2.0**-4 * v.abs() + 2.0**-10 * s
+    core = core * (1 + 2.0**-20) + 2.0**-149  # float32 arithmetic of divide and multiply
+    bound = core + OUT_HALF_ULP[rows.dtype] * (v.abs() + core) + OUT_HALF_TINY[rows.dtype]
+    err = (o - v).abs()
+    worst = (err - bound).max()
+    assert bool((err <= bound).all()), f"error over the bound by {float(worst)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_is_within_fp8_rounding_of_the_rows(dtype, gen) -> None:
+    rows = mixed_rows(gen, 9, 2, 3, 64, dtype=dtype)
+    packed = pack_rows(rows)
+    out = unpack_rows(packed)
+    assert out.dtype == dtype and out.shape == rows.shape
+    assert packed.payload.dtype == torch.float8_e4m3fn and packed.scales.dtype == torch.float32
+    assert packed.scales.shape == rows.shape[:-1]
+    assert bool(torch.isfinite(out).all())
+    assert_within_fp8_rounding(rows, out, packed.scales)
+
+
+def test_scale_is_amax_over_448_floored_at_float32_smallest_normal(gen) -> None:
+    rows = mixed_rows(gen, 6, 2, 2, 32, dtype=torch.bfloat16)
+    packed = pack_rows(rows)
+    expect = (rows.float().abs().amax(-1) / FP8_MAX).clamp(min=SCALE_FLOOR)
+    assert torch.equal(packed.scales, expect)
+    # the largest |value| of every non-zero vector packs to +-448 exactly
+    top = packed.payload.float().abs().amax(-1)
+    nonzero = rows.float().abs().amax(-1) > FP8_MAX * SCALE_FLOOR
+    assert torch.equal(top[nonzero], torch.full_like(top[nonzero], FP8_MAX))
+
+
+def test_zero_vectors_unpack_to_exact_signed_zeros() -> None:
+    rows = torch.tensor([[0.0, -0.0, 0.0, -0.0], [1.0, -0.0, 0.0, -2.0]], dtype=torch.bfloat16)
+    packed = pack_rows(rows)
+    assert packed.scales.tolist() == [SCALE_FLOOR, torch.tensor(2.0 / FP8_MAX, dtype=torch.float32).item()]
+    out = unpack_rows(packed)
+    assert torch.equal(bits(out), bits(rows))  # signs of zero kept, 1 and -2 exact
+
+
+def test_values_e4m3_holds_exactly_round_trip_exactly() -> None:
+    # scale 1 (amax 448): every e4m3 value times 1 is exact in bf16
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].view(-1, 2)  # 254 finite codes (the two NaNs dropped)
+    grid[:, 0] = FP8_MAX  # every vector's amax is 448 -> scale exactly 1
+    rows = grid.to(torch.bfloat16)
+    assert torch.equal(pack_rows(rows).scales, torch.ones(rows.shape[0]))
+    assert torch.equal(bits(unpack_rows(pack_rows(rows))), bits(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_unpack_is_the_float32_product_cast_for_every_code_nans_included(dtype, gen) -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    scales = torch.rand(16, generator=gen) * 2.0 ** torch.randint(-20, 20, (16,), generator=gen)
+    packed = PackedRows(codes, scales, dtype)
+    expect = (codes.float() * scales.unsqueeze(-1)).to(dtype)
+    assert torch.equal(bits(unpack_rows(packed, kernel="torch")), bits(expect))
+
+
+def test_non_finite_vectors_unpack_to_nan_never_a_finite_value() -> None:
+    rows = torch.tensor([[1.0, float("inf"), 2.0], [float("nan"), 1.0, 0.0], [1.0, 2.0, 4.0]],
+                        dtype=torch.bfloat16)
+    out = unpack_rows(pack_rows(rows))
+    assert bool(torch.isnan(out[:2]).all())
+    assert out[2].tolist() == [1.0, 2.0, 4.0]  # 112, 224, 448 in e4m3: exact
+
+
+def test_pack_is_bit_identical_across_runs(gen) -> None:
+    rows = mixed_rows(gen, 17, 2, 4, 128, dtype=torch.bfloat16)
+    a, b = pack_rows(rows), pack_rows(rows.clone())
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    assert torch.equal(bits(unpack_rows(a)), bits(unpack_rows(b)))
+
+
+@pytest.mark.parametrize("shape", [(5, 2, 3, 64), (1, 2, 1, 128), (0, 2, 4, 128), (7, 16)])
+def test_nbytes_is_payload_plus_scales_exactly(shape) -> None:
+    packed = pack_rows(torch.ones(shape, dtype=torch.bfloat16))
+    vectors = 1
+    for n in shape[:-1]:
+        vectors *= n
+    assert packed.nbytes == packed_nbytes(vectors, shape[-1]) == vectors * shape[-1] + 4 * vectors
+    assert packed.nbytes == (packed.payload.untyped_storage().nbytes()
+                             + packed.scales.untyped_storage().nbytes())
+
+
+def test_packed_nbytes_of_a_128_dim_row_is_516_of_1024_bf16_bytes() -> None:
+    assert packed_nbytes(2 * 4, 128) == 8 * 128 + 32 == 1056
+    assert packed_nbytes(0, 128) == 0
+    with pytest.raises(ValueError, match="num_vectors must be an int >= 0, got -1"):
+        packed_nbytes(-1, 128)
+    with pytest.raises(ValueError, match="head_dim must be an int >= 0, got 1.5"):
+        packed_nbytes(1, 1.5)  # type: ignore[arg-type]
+
+
+def test_unpack_into_out_writes_the_same_bits(gen) -> None:
+    rows = mixed_rows(gen, 4, 2, 2, 16, dtype=torch.bfloat16)
+    packed = pack_rows(rows)
+    out = poison(gen, 4, 2, 2, 16)
+    assert unpack_rows(packed, out=out) is out
+    assert torch.equal(bits(out), bits(unpack_rows(packed)))
+    with pytest.raises(ValueError, match=r"out is torch.float32 \(4, 2, 2, 16\), the packed rows torch.bfloat16"):
+        unpack_rows(packed, out=torch.empty(4, 2, 2, 16))
+
+
+def test_bad_rows_and_bad_packed_parts_are_refused_with_the_value_named() -> None:
+    with pytest.raises(TypeError, match="rows must be one of .* got torch.int32"):
+        pack_rows(torch.ones(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"rows need a last \(head_dim\) dimension, got shape \(\)"):
+        pack_rows(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="payload must be torch.float8_e4m3fn, got torch.bfloat16"):
+        PackedRows(torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(2), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scales \(3,\) must be payload \(2, 4\) without its last"):
+        PackedRows(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.ones(3), torch.bfloat16)
+
+
+def test_to_and_pin_memory_keep_every_bit(gen) -> None:
+    packed = pack_rows(mixed_rows(gen, 3, 2, 2, 8, dtype=torch.bfloat16))
+    moved = packed.to("cpu")
+    assert torch.equal(bits(moved.payload), bits(packed.payload)) and moved.dtype == packed.dtype
+    if torch.cuda.is_available():
+        pinned = packed.pin_memory()
+        assert pinned.payload.is_pinned() and pinned.scales.is_pinned()
+        assert torch.equal(bits(pinned.to("cuda").payload), bits(packed.payload))
+
+
+# ---- TensorRT-LLM's HND draft pages (the adapter) -----------------------------------------
+
+
+def hnd_buf(gen: torch.Generator) -> torch.Tensor:
+    return poison(gen, 8, 2, 2, 4, 16)  # [pages, 2, Hkv, tpb=4, D]; random bits, NaNs included
+
+
+def test_gather_packed_rows_equals_gather_then_pack_bit_for_bit(gen) -> None:
+    buf = hnd_buf(gen)
+    scatter_rows(buf, [7, 5, 2, 0], 3, mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    fused = gather_packed_rows(buf, [7, 5, 2, 0], 3, 14)
+    plain = pack_rows(gather_rows(buf, [7, 5, 2, 0], 3, 14))
+    assert torch.equal(bits(fused.payload), bits(plain.payload))
+    assert torch.equal(bits(fused.scales), bits(plain.scales)) and fused.dtype == plain.dtype
+    assert fused.nbytes == packed_nbytes(11 * 2 * 2, 16)
+
+
+def test_scatter_packed_rows_equals_unpack_then_scatter_and_writes_only_the_named_slots(gen) -> None:
+    buf = hnd_buf(gen)
+    before = buf.clone()
+    packed = pack_rows(mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    scatter_packed_rows(buf, [7, 5, 2, 0], 3, packed)  # keys 3..13: page 7 slot 3, pages 5, 2, page 0 slots 0-1
+    expect = before.clone()
+    scatter_rows(expect, [7, 5, 2, 0], 3, unpack_rows(packed))
+    assert torch.equal(bits(buf), bits(expect))
+    written = torch.zeros(8, 4, dtype=torch.bool)  # [page, slot]
+    written[7, 3] = written[5, :] = written[2, :] = True
+    written[0, :2] = True
+    keep = ~written[:, None, None, :, None].expand_as(buf)
+    assert torch.equal(bits(buf[keep]), bits(before[keep]))
+    assert torch.equal(gather_rows(buf, [7, 5, 2, 0], 3, 14), unpack_rows(packed))
+
+
+def test_scatter_packed_rows_refuses_a_misfit_before_writing(gen) -> None:
+    buf = hnd_buf(gen)
+    before = buf.clone()
+    with pytest.raises(RuntimeError, match="do not fit HND pages"):
+        scatter_packed_rows(buf, [3, 4], 0, pack_rows(torch.zeros(2, 2, 3, 16, dtype=torch.bfloat16)))
+    with pytest.raises(RuntimeError, match="rows are torch.float32, the pages torch.bfloat16"):
+        scatter_packed_rows(buf, [3, 4], 0, pack_rows(torch.zeros(2, 2, 2, 16)))
+    with pytest.raises(RuntimeError, match="page 1 is BAD_PAGE_INDEX"):
+        scatter_packed_rows(buf, [3, -1], 2, pack_rows(torch.zeros(4, 2, 2, 16, dtype=torch.bfloat16)))
+    assert torch.equal(bits(buf), bits(before))
+
+
+# ---- the reference runtime's pool ---------------------------------------------------------
+
+
+def filled_pool(gen: torch.Generator, rows: int, device: str = "cpu") -> DrafterKVPool:
+    pool = DrafterKVPool(8, 4, 2, 16, RopeConfig(16, 4, 1e6), dtype=torch.bfloat16, device=device)
+    pool.allocate_sequence(1)
+    k = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(rows, 2, 16, generator=gen).to(torch.bfloat16).to(device)
+    pool.append_rows(1, torch.arange(rows), k, v)
+    pool.move_to_carried(1, 99)
+    return pool
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen, device) -> None:
+    pool = filled_pool(gen, 10, device)  # 3 blocks, the last with 2 live rows
+    pool.k_cache[pool.carried(99).block_table[2], 2:] = float("nan")  # a dead tail is never read
+    entry = pool.carried(99)
+    packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows, kernel=kernel)
+    k, v, _ = pool.gather_carried(99)  # [rows, Hkv, D] each
+    plain = pack_rows(torch.stack((k, v), dim=1), kernel="torch")
+    assert packed.shape == (10, 2, 2, 16)
+    assert torch.equal(bits(packed.payload), bits(plain.payload))
+    assert torch.equal(bits(packed.scales), bits(plain.scales))
+    assert packed.nbytes == packed_nbytes(10 * 2 * 2, 16)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(kernel, tk, gen, device) -> None:
+    pool = filled_pool(gen, 10, device)
+    entry = pool.carried(99)
+    packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
+    runs = pool.export_carried(99).runs
+    pool.free_carried(99)
+    k, v = unpack_blocks(packed, pool.block_size, kernel=kernel)
+    assert k.shape == v.shape == (3, 4, 2, 16)
+    assert int(k[2, 2:].abs().sum()) == 0 and int(v[2, 2:].abs().sum()) == 0  # the tail is zeros
+    pool.import_carried(7, HostRows(k, v, 10, runs))
+    gk, gv, keys = pool.gather_carried(7)
+    rows = unpack_rows(packed)
+    assert torch.equal(bits(gk), bits(rows[:, 0])) and torch.equal(bits(gv), bits(rows[:, 1]))
+    assert keys.tolist() == list(range(10))
+    pool.check()
+
+
+def test_pack_blocks_refuses_more_rows_than_its_blocks_hold(gen) -> None:
+    pool = filled_pool(gen, 10)
+    with pytest.raises(ValueError, match=r"rows must be an int in \[0, 8\] for 2 blocks of 4, got 9"):
+        pack_blocks(pool.k_cache, pool.v_cache, [0, 1], 9)
+
+
+# ---- the Triton kernels (interpreted on CPU without a GPU) against the torch path ---------
+
+KERNELS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_pack_equals_torch_pack_bit_for_bit(dtype, tk, gen, device) -> None:
+    rows = mixed_rows(gen, 9, 2, 3, 64, dtype=dtype).to(device)
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    assert b.dtype == dtype and b.shape == rows.shape and b.scales.shape == rows.shape[:-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_unpack_equals_torch_unpack_bit_for_bit(dtype, tk, gen, device) -> None:
+    packed = pack_rows(mixed_rows(gen, 9, 2, 3, 64, dtype=dtype)).to(device)
+    a, b = unpack_rows(packed, kernel="torch"), unpack_rows(packed, kernel="triton")
+    assert torch.equal(bits(a), bits(b))
+
+
+def test_triton_rounds_every_e4m3_tie_and_carry_as_torch(tk, device) -> None:
+    # every code's value, the midpoints between neighbours (ties) and just either side of them,
+    # as one vector of amax 448 (scale 1): carries across exponents, subnormals, signs
+    codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0 .. 448
+    mids = (codes[1:] + codes[:-1]) / 2
+    vals = torch.cat([codes, mids, mids.nextafter(torch.tensor(0.0, dtype=torch.float64)),
+                      mids * (1 + 2.0**-20), torch.tensor([FP8_MAX])])
+    vals = torch.cat([vals, -vals]).float()
+    rows = torch.stack([vals, vals / 3, vals * 2.0**-120])  # scales 1, 1/3, the floor
+    a, b = pack_rows(rows.to(device), kernel="torch"), pack_rows(rows.to(device), kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+
+
+def test_triton_packs_and_unpacks_strided_views(tk, gen, device) -> None:
+    wide = mixed_rows(gen, 6, 3, 80, dtype=torch.bfloat16).to(device)
+    rows = wide[:, 1:, 8:72]  # vectors at row stride 240, head stride 80
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    out = poison(gen, 6, 3, 80, device=device)
+    before = out.clone()
+    unpack_rows(b, out=out[:, 1:, 8:72], kernel="triton")
+    expect = before.clone()
+    expect[:, 1:, 8:72] = unpack_rows(a, kernel="torch")
+    assert torch.equal(bits(out), bits(expect))
+
+
+def test_triton_non_finite_vectors_get_a_nan_scale_and_unpack_to_nan(tk, device) -> None:
+    rows = torch.tensor([[1.0, float("inf"), 2.0], [float("nan"), 1.0, 0.0], [-float("inf"), 0.0, 0.0],
+                         [1.0, 2.0, 4.0]], dtype=torch.bfloat16, device=device)
+    for kernel in KERNELS:
+        packed = pack_rows(rows, kernel=kernel)
+        assert bool(torch.isnan(packed.scales[:3]).all()), kernel
+        for unpack_kernel in KERNELS:
+            out = unpack_rows(packed, kernel=unpack_kernel)
+            assert bool(torch.isnan(out[:3]).all()) and out[3].tolist() == [1.0, 2.0, 4.0]
+
+
+def test_triton_gather_packed_rows_equals_torch_bit_for_bit(tk, gen, device) -> None:
+    buf = hnd_buf(gen)
+    scatter_rows(buf, [7, 5, 2, 0], 3, mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    buf = buf.to(device)
+    a = gather_packed_rows(buf, [7, 5, 2, 0], 3, 14, kernel="torch")
+    b = gather_packed_rows(buf, [7, 5, 2, 0], 3, 14, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+
+
+def test_triton_scatter_packed_rows_equals_torch_and_writes_only_the_named_slots(tk, gen, device) -> None:
+    buf = hnd_buf(gen).to(device)
+    before = buf.clone()
+    packed = pack_rows(mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
+    scatter_packed_rows(buf, [7, 5, 2, 0], 3, packed, kernel="triton")  # packed on CPU: moved
+    expect = before.clone()
+    scatter_packed_rows(expect, [7, 5, 2, 0], 3, packed, kernel="torch")
+    assert torch.equal(bits(buf), bits(expect))
+    written = torch.zeros(8, 4, dtype=torch.bool)
+    written[7, 3] = written[5, :] = written[2, :] = True
+    written[0, :2] = True
+    keep = ~written[:, None, None, :, None].expand(buf.shape).to(device)
+    assert torch.equal(bits(buf[keep]), bits(before[keep]))
+
+
+# The interpreter accepts kernels the compiler refuses (a plain-float global, for one) and
+# computes with numpy; compiling for the real targets pins what the GPU will run.
+_COMPILE_FP8 = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from trtllm_mtp_carry.dataplane import triton_kernels as tk
+common = {"num_vectors": "i32", "head_dim": "i32", "d_stride": "i32",
+          "BLOCK_V": "constexpr", "BLOCK_D": "constexpr"}
+kernels = {
+    "pack": (tk.fp8_pack_kernel, {"src_ptr": "*bf16", "bases_ptr": "*i64", "payload_ptr": "*fp8e4nv",
+                                  "scales_ptr": "*fp32", **common}),
+    "unpack": (tk.fp8_unpack_kernel, {"payload_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "dst_ptr": "*bf16",
+                                      "bases_ptr": "*i64", **common}),
+}
+out = {}
+for cap in (90, 121):
+    for name, (fn, sig) in kernels.items():
+        src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_V": 32, "BLOCK_D": 128})
+        ptx = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4}).asm["ptx"]
+        out[f"{name}.sm_{cap}"] = sorted(set(re.findall(r"^\\s*((?:div|cvt|add|sub)\\.[\\w.]+)", ptx, re.M)))
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_fp8_kernels_compile_for_hopper_and_gb10_with_ieee_division_and_rounding_casts() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FP8], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(proc.stdout)
+    for cap in ("sm_90", "sm_121"):
+        pack, unpack = ops[f"pack.{cap}"], ops[f"unpack.{cap}"]
+        assert "div.rn.f32" in pack and not any(op.startswith(("div.full", "div.approx")) for op in pack)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in pack  # exact here: the values are on e4m3's grid
+        assert "add.f32" in pack and "sub.f32" in pack  # (a + M) - M, the e4m3 rounding, not folded
+        assert "cvt.rn.bf16.f32" in unpack  # round to nearest even, as torch's cast
+
+
+def test_bench_row_format_prints_every_operation_against_the_copy() -> None:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_row_format.py"
+    proc = subprocess.run([sys.executable, str(script), "--keys", "40", "--reps", "3", "--warmup", "1",
+                           "--tokens-per-block", "8", "--pool-block-size", "16"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "rows [40, 2, 2, 256] bf16 = 0.08 MiB; packed 0.04 MiB (0.508x)" in lines[1]
+    ops = [line.split()[0] for line in lines[3:]]
+    assert ops == ["copy", "pack_rows", "unpack_rows", "gather_rows", "gather_packed", "scatter_rows",
+                   "scatter_packed", "select_blocks", "pack_blocks", "unpack_blocks"]
+    assert lines[3].endswith("1.00 [1.00, 1.00]")  # the copy against itself

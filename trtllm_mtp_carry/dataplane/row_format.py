@@ -1,0 +1,326 @@
+"""FP8 row format for carried drafter KV rows: e4m3 payload, one float32 scale per vector.
+
+What it is for: a carried entry held packed costs about half the bytes of its
+bf16 rows (issue 31), so the same carry budget holds about twice the sessions.
+The rows are a cache of a drafter's KV: the target verifies every draft, so the
+rounding here can cost accepted tokens, never correctness.
+
+A "vector" is one last-dim slice of the rows: for the rows `[n, 2, Hkv, D]`
+both executors gather, one (row, K/V, head) vector of `D` values::
+
+    rows    [n, 2, Hkv, D] bf16      ->  payload [n, 2, Hkv, D] float8_e4m3fn
+                                         scales  [n, 2, Hkv]    float32
+    bytes   n*2*Hkv*D*2              ->  n*2*Hkv*D*1 + n*2*Hkv*4   (D=128: 0.516x)
+
+Format (what `pack_rows` writes, bit for bit):
+- `scale = max(amax(|v|) / 448, 2**-126)` in float32, where 448 is e4m3fn's
+  largest finite value and 2**-126 float32's smallest normal: the floor keeps
+  the scale normal (no subnormal-scale precision loss, no division by zero),
+  so a zero vector gets scale 2**-126 and packs to exact zeros (signs kept).
+- `payload = v / scale` (float32) cast to float8_e4m3fn (torch's cast: round
+  to nearest even). No clamp is needed: `scale` is `amax / 448` correctly
+  rounded, so `|v| / scale <= 448 * (1 + 2**-23)`, below 464, the midpoint to
+  the next code (not finite in e4m3fn): the largest value rounds to 448 exactly.
+- unpack: `payload.float() * scale` in float32, cast to the rows' dtype.
+
+Error bound (what the tests pin): with `x = v / scale`, e4m3 has 3 mantissa
+bits, so a normal `x` (|x| >= 2**-6) rounds within 2**-4 of |x| and a subnormal
+one within half its spacing, 2**-10. Per value, before the final cast,
+`|unpack - v| <= 2**-4 * |v| + 2**-10 * scale` (plus float32 rounding, ~2**-23
+relative); the cast to bf16 adds at most 2**-8 of the result.
+
+Invariants:
+- vectorized: no Python loop over rows, vectors or heads; deterministic (every
+  step is elementwise or an exact max, so two runs give the same bits);
+- finite inputs only carry meaning: a vector holding a NaN or inf packs to a
+  NaN scale and unpacks to all NaN, never to a finite wrong value (its payload
+  bits are unspecified);
+- `PackedRows.nbytes == packed_nbytes(vectors, head_dim)`: the bytes a carry
+  store charges are the bytes held.
+
+Kernels: `kernel="torch"` is plain torch (CPU, and anywhere); `kernel="triton"`
+runs `triton_kernels.fp8_pack_kernel`/`fp8_unpack_kernel`, one pass over the
+bytes. The default (`None`) is Triton for CUDA tensors, unless
+`$TRTLLM_MTP_CARRY_KERNELS=aot` (the plugins' AOT kernels have no FP8 twin, so
+the torch path runs), and torch elsewhere, as `ops.py` picks. Both give the
+same bits for finite vectors.
+
+The reference runtime's pool keeps K and V in separate caches of whole blocks
+(`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
+rows from them into the same `[rows, 2, Hkv, D]` packed form, and
+`unpack_blocks` rebuilds whole blocks for `DrafterKVPool.import_carried`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .ops import cuda_kernels
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "PACKABLE_DTYPES",
+    "SCALE_FLOOR",
+    "PackedRows",
+    "pack_blocks",
+    "pack_rows",
+    "pack_vectors_triton",
+    "packed_nbytes",
+    "row_kernel",
+    "unpack_blocks",
+    "unpack_rows",
+    "unpack_vectors_triton",
+    "vector_bases",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+#: e4m3fn's largest finite value.
+FP8_MAX = 448.0
+#: float32's smallest normal value: the least scale (keeps zeros exact, scales normal).
+SCALE_FLOOR = 2.0**-126
+#: Row dtypes `pack_rows` accepts (what KV caches hold).
+PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_PAYLOAD_BYTES = 1  # float8_e4m3fn
+_SCALE_BYTES = 4  # float32
+
+
+def packed_nbytes(num_vectors: int, head_dim: int) -> int:
+    """Bytes of `num_vectors` packed vectors of `head_dim` values: payload plus scales, exact."""
+    for name, value in (("num_vectors", num_vectors), ("head_dim", head_dim)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return num_vectors * head_dim * _PAYLOAD_BYTES + num_vectors * _SCALE_BYTES
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows in the FP8 row format: `payload` `[..., D]` e4m3fn, `scales` `[...]` float32.
+
+    `dtype` is the rows' dtype before packing, the dtype `unpack_rows` returns.
+    Construction checks dtypes, shapes and devices (metadata only, no sync).
+    """
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.payload.dtype != FP8_DTYPE:
+            raise TypeError(f"payload must be {FP8_DTYPE}, got {self.payload.dtype}")
+        if self.scales.dtype != torch.float32:
+            raise TypeError(f"scales must be torch.float32, got {self.scales.dtype}")
+        if self.payload.dim() < 1 or self.scales.shape != self.payload.shape[:-1]:
+            raise ValueError(f"scales {tuple(self.scales.shape)} must be payload "
+                             f"{tuple(self.payload.shape)} without its last dimension")
+        if self.payload.device != self.scales.device:
+            raise ValueError(f"payload on {self.payload.device}, scales on {self.scales.device}")
+        if self.dtype not in PACKABLE_DTYPES:
+            raise TypeError(f"dtype must be one of {PACKABLE_DTYPES}, got {self.dtype}")
+
+    @property
+    def shape(self) -> torch.Size:
+        """The rows' shape (the payload's)."""
+        return self.payload.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.payload.device
+
+    @property
+    def num_vectors(self) -> int:
+        """Vectors held: one scale each."""
+        return self.scales.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Payload plus scale bytes; equals `packed_nbytes(num_vectors, head_dim)`."""
+        return (self.payload.numel() * self.payload.element_size()
+                + self.scales.numel() * self.scales.element_size())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
+        """The same packed rows on `device` (self when already there)."""
+        return PackedRows(self.payload.to(device, non_blocking=non_blocking),
+                          self.scales.to(device, non_blocking=non_blocking), self.dtype)
+
+    def pin_memory(self) -> PackedRows:
+        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
+        return PackedRows(self.payload.pin_memory(), self.scales.pin_memory(), self.dtype)
+
+
+# Every e4m3fn code's float32 value (NaNs included): on CPU, indexing this table is ~10x
+# faster than torch's float8 -> float32 cast, with the same bits.
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+
+
+def _payload_float(payload: torch.Tensor) -> torch.Tensor:
+    """`payload.float()`, a fresh contiguous float32 tensor (a table lookup on CPU)."""
+    if not payload.is_cpu:
+        return payload.float().contiguous()
+    codes = payload.contiguous().view(torch.uint8).reshape(-1).int()
+    return _E4M3_VALUES.index_select(0, codes).view(payload.shape)
+
+
+def _check_rows(rows: torch.Tensor) -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dtype not in PACKABLE_DTYPES:
+        raise TypeError(f"rows must be one of {PACKABLE_DTYPES}, got {rows.dtype}")
+    if rows.dim() < 1:
+        raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
+
+
+def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
+    """The implementation that packs/unpacks `t`: `kernel` when given, else by device (see the header)."""
+    if kernel is None:
+        return "triton" if t.is_cuda and cuda_kernels() == "triton" else "torch"
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"kernel must be 'torch', 'triton' or None, got {kernel!r}")
+    return kernel
+
+
+def vector_bases(t: torch.Tensor) -> torch.Tensor:
+    """Element offsets `[V]` int64 (on t's device) of `t`'s last-dim vectors, row-major order."""
+    bases = torch.zeros((), dtype=torch.int64, device=t.device)
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+        bases = bases.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device=t.device) * stride
+    return bases.reshape(-1)
+
+
+def pack_vectors_triton(src: torch.Tensor, bases: torch.Tensor, shape: Sequence[int]) -> PackedRows:
+    """Pack the `head_dim = shape[-1]` vectors of `src` at element offsets `bases` (Triton), as `shape`.
+
+    `src`'s last dimension is the vectors' (its stride is theirs); `bases` lists
+    `prod(shape[:-1])` offsets, each a vector inside `src` (the caller's duty).
+    """
+    from . import triton_kernels as tk
+
+    _check_rows(src)
+    payload, scales = tk.fp8_pack_triton(src, bases, shape[-1], src.stride(-1))
+    return PackedRows(payload.view(*shape), scales.view(*shape[:-1]), src.dtype)
+
+
+def unpack_vectors_triton(packed: PackedRows, dst: torch.Tensor, bases: torch.Tensor) -> None:
+    """Write `packed`'s vectors into `dst` at element offsets `bases` (Triton), cast to dst's dtype."""
+    from . import triton_kernels as tk
+
+    d = packed.shape[-1]
+    tk.fp8_unpack_triton(packed.payload.reshape(-1, d).contiguous(), packed.scales.reshape(-1).contiguous(),
+                         dst, bases, dst.stride(-1))
+
+
+def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
+    """`rows` `[..., D]` in the FP8 row format, one scale per last-dim vector (see the header).
+
+    Deterministic and loop-free; the result is on `rows`' device; `kernel` as `row_kernel`.
+    """
+    _check_rows(rows)
+    if row_kernel(rows, kernel) == "triton":
+        return pack_vectors_triton(rows, vector_bases(rows), rows.shape)
+    x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place
+    if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
+        scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
+    else:  # |v| and max are exact in the rows' own dtype: half the bytes of doing it on x
+        scales = rows.abs().amax(dim=-1).float().div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
+        scales += scales - scales  # inf - inf: an inf vector's scale becomes NaN, as a NaN vector's is
+    x.div_(scales.unsqueeze(-1))  # |x| <= 448 (1 + 2**-23): rounds to at most 448 (see the header)
+    return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
+
+
+def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+    """`payload * scale` in float32, cast to `packed.dtype`; written into `out` when given.
+
+    `out` must have the rows' shape and dtype (any device: the values are copied
+    there; the Triton path writes straight into an `out` on the packed rows' device).
+    """
+    if not isinstance(packed, PackedRows):
+        raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
+    if out is not None and (out.shape != packed.shape or out.dtype != packed.dtype):
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the packed rows "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    if row_kernel(packed.payload, kernel) == "triton":
+        dst = out if out is not None and out.device == packed.device else torch.empty(
+            packed.shape, dtype=packed.dtype, device=packed.device)
+        unpack_vectors_triton(packed, dst, vector_bases(dst))
+        if out is None or out is dst:
+            return dst
+        out.copy_(dst)
+        return out
+    values = _payload_float(packed.payload).mul_(packed.scales.unsqueeze(-1))
+    if out is None:
+        return values.to(packed.dtype)
+    out.copy_(values)  # converts while it copies: the same cast, one pass fewer
+    return out
+
+
+# ---- the reference runtime's pool: whole blocks of separate K and V caches ----------------
+
+
+def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                rows: int, kernel: str | None = None) -> PackedRows:
+    """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed as `[rows, 2, Hkv, D]`.
+
+    `k_cache`, `v_cache`: `[num_blocks, block_size, Hkv, D]` (a `DrafterKVPool`'s
+    caches, or a `HostRows`' `k`/`v` with `block_ids = range(len)`); row `r` is
+    slot `r % block_size` of block `block_ids[r // block_size]`. Only live rows
+    are packed (the tail of the last block is not), so `nbytes` charges rows.
+    Bit for bit `pack_rows` of those rows stacked `[rows, 2, Hkv, D]`; the Triton
+    path reads them in place (no bf16 copy), the torch path gathers them first.
+    """
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
+                         f"{tuple(v_cache.shape)} must both be [num_blocks, block_size, Hkv, D], one dtype")
+    block_size = k_cache.shape[1]
+    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
+        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
+                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+    need = -(-rows // block_size)
+    idx = torch.tensor(list(block_ids[:need]), dtype=torch.int64, device=k_cache.device)
+    shape = (rows, *k_cache.shape[2:])  # [rows, Hkv, D] of K, then of V
+    if row_kernel(k_cache, kernel) == "triton":
+        r = torch.arange(rows, dtype=torch.int64, device=k_cache.device)
+        halves = [pack_vectors_triton(c, _block_row_bases(c, idx[r // block_size], r % block_size), shape)
+                  for c in (k_cache, v_cache)]
+    else:
+        halves = [pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch")
+                  for c in (k_cache, v_cache)]
+    k, v = halves  # K and V vectors pack independently: stacking the packed halves is exact
+    return PackedRows(torch.stack((k.payload, v.payload), dim=1), torch.stack((k.scales, v.scales), dim=1),
+                      k_cache.dtype)
+
+
+def _block_row_bases(cache: torch.Tensor, block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Element offsets `[rows * Hkv]` of the head vectors of rows at (block, slot) of `cache`."""
+    s0, s1, s2, _ = cache.stride()
+    heads = torch.arange(cache.shape[2], dtype=torch.int64, device=cache.device) * s2
+    return ((block * s0 + slot * s1).unsqueeze(-1) + heads).reshape(-1)
+
+
+def unpack_blocks(packed: PackedRows, block_size: int,
+                  kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks `(k, v)`, each `[cdiv(rows, block_size), block_size, Hkv, D]`, from `pack_blocks`' rows.
+
+    Row `r` lands at block `r // block_size`, slot `r % block_size`; the last
+    block's tail past the rows is zeros. Shapes fit `HostRows`, so
+    `DrafterKVPool.import_carried` copies them into fresh blocks. K and V are
+    unpacked straight into their blocks (no stacked bf16 copy).
+    """
+    if packed.payload.dim() != 4 or packed.shape[1] != 2:
+        raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
+    if type(block_size) is not int or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    rows, _, hkv, d = packed.shape
+    nblocks = -(-rows // block_size)
+    out = []
+    for i in range(2):  # K, then V
+        blocks = torch.empty((nblocks, block_size, hkv, d), dtype=packed.dtype, device=packed.device)
+        flat = blocks.view(-1, hkv, d)
+        flat[rows:].zero_()
+        unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype), out=flat[:rows],
+                    kernel=kernel)
+        out.append(blocks)
+    return out[0], out[1]

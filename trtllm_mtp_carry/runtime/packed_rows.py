@@ -1,0 +1,121 @@
+"""The reference runtime's packed carried entries (`carry_row_dtype` fp8): rows held outside the pool.
+
+What it is for: an fp8 entry costs its rows in the FP8 row format
+(`dataplane/row_format.py`: e4m3 payload, one float32 scale per row, K/V and
+head), about half its bf16 blocks, so it cannot stay in the drafter pool's
+blocks. At deposit its live rows are packed out of its blocks and the blocks
+are freed; on adoption they are unpacked into whole blocks and copied into
+fresh pool blocks (`DrafterKVPool.import_carried`), which the adopter then
+takes as a carried entry's (zero copy)::
+
+    finish:  pool blocks --pack_blocks--> PackedEntry (device)   blocks freed
+    adopt:   PackedEntry --unpack_blocks--> fresh pool blocks --adopt_carried--> sequence
+    host tier (HostMoves): PackedEntry device <--> host memory (pinned on CUDA), still packed
+
+Invariants:
+- A key has at most one packed copy, on the device or in host memory; the
+  carry store's entries of each tier are exactly these copies (`check`).
+- An entry's bytes are `PackedRows.nbytes` (payload plus scales), what the
+  store charges (`RowFormat.nbytes(rows)`).
+- Unpacked rows and keys are the packed ones: `unpack(pack(rows))` is within
+  FP8's rounding of the rows, and deterministic.
+- No block another owner holds is written: `import_carried` writes fresh blocks only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..core import CarriedDrafter
+from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool, HostRows
+from ..dataplane.row_format import PackedRows, pack_blocks, unpack_blocks
+
+
+@dataclass(frozen=True)
+class PackedEntry:
+    """One carried entry's rows `[rows, 2, Hkv, D]` in the FP8 row format, and its keys as runs."""
+
+    packed: PackedRows
+    runs: tuple[tuple[int, int], ...]
+
+    @property
+    def rows(self) -> int:
+        return int(self.packed.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+
+class PackedCarry:
+    """Packed entries keyed by carry key (device and host copies); the store's `HostMoves` for them.
+
+    `pack_ms_each`/`unpack_ms_each` are the wall time of every pack and unpack (on CUDA, of
+    their launch and the copies that wait on them).
+    """
+
+    def __init__(self, pool: DrafterKVPool) -> None:
+        self.pool = pool
+        self._device: dict[int, PackedEntry] = {}
+        self._host: dict[int, PackedEntry] = {}
+        self._pin = pool.device.type == "cuda"
+        self.pack_ms_each: list[float] = []  # wall ms of every pack, in order
+        self.unpack_ms_each: list[float] = []  # wall ms of every unpack, in order
+
+    def keys(self) -> list[int]:
+        """Keys of the device copies, sorted."""
+        return sorted(self._device)
+
+    def host_keys(self) -> list[int]:
+        """Keys of the host copies, sorted."""
+        return sorted(self._host)
+
+    def get(self, key: int) -> PackedEntry | None:
+        """`key`'s packed copy, on the device or the host, or None."""
+        return self._device.get(key) or self._host.get(key)
+
+    def pack(self, key: int) -> PackedEntry:
+        """Pack the pool's carried entry `key` and free its blocks; the packed copy is on the device."""
+        t0 = time.perf_counter()
+        held = self.pool.carried(key)
+        if held is None:
+            raise RuntimeError(f"nothing carried under {key}: nothing to pack")
+        entry = PackedEntry(pack_blocks(self.pool.k_cache, self.pool.v_cache, held.block_table, held.rows),
+                            self.pool.carried_runs(key))
+        self.pool.free_carried(key)
+        self._device[key] = entry
+        self.pack_ms_each.append((time.perf_counter() - t0) * 1e3)
+        return entry
+
+    def unpack(self, key: int) -> CarriedBlocks:
+        """Unpack `key`'s device copy into fresh pool blocks, carried there under `key` (the copy
+        is freed); PoolExhaustedError leaves the copy in place."""
+        t0 = time.perf_counter()
+        entry = self._device[key]
+        k, v = unpack_blocks(entry.packed, self.pool.block_size)
+        held = self.pool.import_carried(key, HostRows(k, v, entry.rows, entry.runs))
+        del self._device[key]
+        self.unpack_ms_each.append((time.perf_counter() - t0) * 1e3)
+        return held
+
+    def discard(self, key: int) -> None:
+        """Free `key`'s device copy (it left the store from the device tier)."""
+        self._device.pop(key, None)
+
+    # ---- HostMoves: the packed form between the device and host memory ------------------
+
+    def demote(self, entry: CarriedDrafter) -> bool:
+        packed = self._device.pop(entry.session_hash, None)
+        if packed is None:
+            return False
+        host = packed.packed.to("cpu")
+        self._host[entry.session_hash] = PackedEntry(host.pin_memory() if self._pin else host, packed.runs)
+        return True
+
+    def restore(self, entry: CarriedDrafter) -> None:
+        packed = self._host.pop(entry.session_hash)
+        self._device[entry.session_hash] = PackedEntry(packed.packed.to(self.pool.device), packed.runs)
+
+    def drop(self, entry: CarriedDrafter) -> None:
+        self._host.pop(entry.session_hash, None)
