@@ -61,7 +61,7 @@ def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
     stats = runs["carry"][1].stats()
     warm = len(SESSIONS) * (TURNS - 1)
     assert stats["outcomes"]["adopted"] == warm and sum(stats["outcomes"].values()) == warm
-    assert stats["turns"] == {"cold": len(SESSIONS), "warm": warm}
+    assert stats["turns"] == {"cold": len(SESSIONS), "warm": warm, "resumed": 0, "reverted": 0}
     assert stats["deposits"] == len(SESSIONS) * TURNS and stats["entries"] == len(SESSIONS)
     assert stats["skipped"] == dict.fromkeys(stats["skipped"], 0)
     assert stats["live_requests"] == 0
@@ -344,8 +344,9 @@ def test_a_page_missing_at_scatter_is_counted_and_the_turn_runs_blind() -> None:
         outputs[policy] = (warm.output, warm.accepted, warm.verify_steps)
         if carry is not None:
             stats = carry.stats()
-            assert stats["errors"] == {"scatter": 1, "deposit": 0}
-            assert stats["skipped"]["gap"] == 1 and stats["deposits"] == 1
-            assert str(carry.turn(warm.py_request_id)["error"]).startswith("scatter: ")  # type: ignore[index]
+            assert stats["errors"] == {"prepare": 0, "scatter": 1, "deposit": 0, "free": 0, "other": 0}
+            assert stats["faults"] == {"RuntimeError": 1}
+            assert stats["skipped"]["fault"] == 1 and stats["deposits"] == 1
+            assert str(carry.turn(warm.py_request_id)["error"]).startswith("scatter: RuntimeError: ")  # type: ignore[index]
         llm.executor.check()
     assert outputs["carry"] == outputs["blind"]  # exactly TensorRT-LLM without the carry

@@ -231,10 +231,12 @@ def test_the_install_command_writes_the_pth_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["bogus"], "trtllm-mtp-carry: error: got 'bogus'; usage: python -m trtllm_mtp_carry.trtllm.worker install "
-                "[SITE_DIR]"),
-    ([], "trtllm-mtp-carry: error: no command given; usage: python -m trtllm_mtp_carry.trtllm.worker install "
-         "[SITE_DIR]"),
+    (["bogus"], "trtllm-mtp-carry: error: got 'bogus'; usage: python -m trtllm_mtp_carry.trtllm.worker "
+                "{install,uninstall} [SITE_DIR]"),
+    ([], "trtllm-mtp-carry: error: no command given; usage: python -m trtllm_mtp_carry.trtllm.worker "
+         "{install,uninstall} [SITE_DIR]"),
+    (["uninstall", "/nonexistent/site"],
+     "trtllm-mtp-carry: error: SITE_DIR '/nonexistent/site' is not a directory"),
     (["install", "/nonexistent/site"], "trtllm-mtp-carry: error: SITE_DIR '/nonexistent/site' is not a directory"),
 ])
 def test_a_bad_install_command_is_one_error_line(argv: list[str], line: str, capsys) -> None:

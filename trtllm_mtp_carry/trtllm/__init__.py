@@ -102,13 +102,14 @@ class CarryAttachment:
             out: dict[str, object] = self.manager.stats()
         else:
             from ..core.carry_store import EVICTION_CAUSES, REFUSAL_CAUSES
-            from ..core.outcome import OUTCOME_KINDS
-            from .manager import SKIP_REASONS
+            from ..core.outcome import NO_CARRY_REASONS, OUTCOME_KINDS
+            from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS
 
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
-                   "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": {"cold": 0, "warm": 0},
-                   "rows_scattered": 0, "rows_deposited": 0,
-                   "errors": {"scatter": 0, "deposit": 0}, "live_requests": 0,
+                   "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": dict.fromkeys(TURN_KINDS, 0),
+                   "rows_scattered": 0, "rows_deposited": 0, "rows_computed": 0,
+                   "no_carry_reasons": dict.fromkeys(NO_CARRY_REASONS, 0), "sessions_ended": 0,
+                   "rows_freed": 0, "errors": dict.fromkeys(ERROR_STEPS, 0), "faults": {}, "live_requests": 0,
                    "carry_slots": self.slots, "entries": 0, "rows_held": 0,
                    "bytes_held": 0, "budget_bytes": self.options.carry_memory, "deposits": 0,
                    "adoptions": 0, "evictions": dict.fromkeys(EVICTION_CAUSES, 0),

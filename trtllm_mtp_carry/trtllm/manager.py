@@ -51,6 +51,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from array import array
@@ -62,7 +63,7 @@ from typing import Any
 
 import torch
 
-from ..core import OUTCOME_KINDS, carry_eviction, carry_idle_s, carry_slots
+from ..core import NO_CARRY_REASONS, OUTCOME_KINDS, carry_eviction, carry_idle_s, carry_slots
 from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
@@ -79,9 +80,22 @@ SKIP_REASONS: tuple[str, ...] = (
     "context_unfinished",  # freed before its context finished (cancelled, failed, never scheduled)
     "gap",  # a blind warm turn: keys [0, R) hold no valid rows
     "session_end",  # its conversation was forgotten (the session ended) while it ran
+    "fault",  # an exception inside the carry dropped its carry state (counted in `faults`)
 )
 """Why a freed request deposited nothing, in the order `stats()` lists them."""
 
+
+ERROR_STEPS: tuple[str, ...] = ("prepare", "scatter", "deposit", "free", "other")
+"""Where a fault was caught, in the order `stats()["errors"]` lists them (`other`: update,
+dummy requests, resource counts, shutdown, reporting)."""
+
+TURN_KINDS: tuple[str, ...] = ("cold", "warm", "resumed", "reverted")
+"""`stats()["turns"]`: requests first seen cold (R = 0) or warm (R > 0); requests seen again
+after a recompute pause (`resumed`); context chunks seen that never ran (`reverted`:
+`revert_allocate_context` undid their allocation and the chunk came again)."""
+
+PAUSED_LOG = 4096
+"""How many requests freed unfinished (a recompute pause) are remembered until they come back."""
 
 TURN_LOG = 4096
 """How many recent requests' turn records `turn()` and `pop_turn()` each keep (oldest dropped first)."""
@@ -92,11 +106,50 @@ class _Live:
     key: int | None  # the carry key (None: no conversation, never carried)
     conversation: int | None  # the conversation's session, before the salt
     reused: int  # R at first sight
-    complete: bool  # keys [0, R) hold valid rows (cold turn, or fully restored)
     record: dict[str, object]  # the turn record `turn()` returns
     prompt_len: int  # LlmRequest.prompt_len
-    last_chunk: bool = False  # its last context chunk was scheduled (seen at prepare)
+    valid: int = 0  # keys [0, valid) of its draft pages hold valid rows (restored or computed)
+    chunk: tuple[int, int] = (0, 0)  # the last context chunk scheduled [start, end), not yet seen run
+    last_chunk: bool = False  # that chunk reaches the prompt's end
     forgotten: bool = False  # its conversation ended while it ran: it deposits nothing
+    dropped: bool = False  # a fault dropped its carry state: it adopts and deposits nothing
+
+    def schedule(self, position: int, size: int) -> None:
+        """A context chunk `[position, position + size)` was scheduled (seen in prepare).
+
+        The previous chunk ran iff the position moved past its end (`moveToNextContextChunk`);
+        a position at or before it means it was undone (`revert_allocate_context`: the same
+        chunk again, or prefill rewound to 0), so it extends nothing. A chunk starting past
+        `valid` leaves keys `[valid, position)` unwritten: the request can no longer deposit.
+        """
+        start, end = self.chunk
+        if end > start and position >= end and start <= self.valid:
+            self.valid = max(self.valid, end)
+        self.chunk = (position, position + size)
+        self.last_chunk = position + size >= self.prompt_len
+
+    @property
+    def complete(self) -> bool:
+        """Its last scheduled chunk starts inside the valid prefix: once it ran, keys
+        `[0, prompt_len)` hold valid rows (a cold turn, or a warm one fully restored)."""
+        return self.chunk[0] <= self.valid
+
+
+def _guarded(default: object) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wrap a method PyExecutor calls so no exception leaves it: a fault is counted and
+    logged (`_fault`, step `prepare`/`free` by name, else `other`) and `default` returned."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        step = {"prepare_resources": "prepare", "free_resources": "free"}.get(method.__name__, "other")
+
+        @functools.wraps(method)
+        def guarded(self: CarryManagerCore, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                self._fault(step, exc, None)
+                return default
+        return guarded
+    return wrap
 
 
 class CarryManagerCore:
@@ -117,88 +170,149 @@ class CarryManagerCore:
         self._outcomes: Counter[str] = Counter()
         self._skips: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()
-        self._errors: Counter[str] = Counter()  # data-plane failures by step (scatter, deposit)
+        self._errors: Counter[str] = Counter()  # faults by step (ERROR_STEPS)
+        self._faults: Counter[str] = Counter()  # faults by kind: the exception's class name
+        self._logged: set[str] = set()  # fault kinds already logged (each once)
+        self._paused: OrderedDict[int, None] = OrderedDict()  # freed unfinished: may come back
         self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_request_id
         self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
+        self._no_carry: Counter[str] = Counter()  # no_carry outcomes by reason
         self.rows_scattered = 0
         self.rows_deposited = 0
+        self.rows_computed = 0  # the prompts' pair keys [R, L - 1) TensorRT-LLM's context computed
+        self.sessions_ended = 0  # forget_conversation calls
+        self.rows_freed = 0  # carried rows they dropped
         self._freed = 0  # requests freed, for `options.stats_every`
         self._report = report or (lambda line: logger.info("%s", line))
         self._lock = threading.RLock()
 
     # ---- BaseResourceManager protocol (resource_manager.py) --------------------------
+    # Every method PyExecutor calls is guarded (`_guarded`): no exception leaves it.
 
+    @_guarded(1)
     def get_max_resource_count(self) -> int:
         return 1  # holds no schedulable resource (as KVCacheManagerV2 answers)
 
+    @_guarded(0)
     def get_needed_resource_to_completion(self, request: Any) -> int:
         return 0
 
+    @_guarded(None)
     def add_dummy_requests(self, request_ids: Any, *args: Any, **kwargs: Any) -> None:
         return None  # dummies are never carried
 
+    @_guarded(None)
     def update_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
+    @_guarded(None)
     def shutdown(self) -> None:
-        if self.options.stats_every:
-            self._report(self.stats_line())
-        self.carried.clear()
+        try:
+            if self.options.stats_every:
+                self._report(self.stats_line())
+        finally:
+            self.carried.clear()
 
+    @_guarded(None)
     def prepare_resources(self, scheduled_batch: Any) -> None:
-        """Adopt for every context request seen for the first time (see the module doc)."""
-        for request in scheduled_batch.context_requests:
-            rid = int(request.py_request_id)
-            # this chunk reaches the prompt's end (C++ isLastContextChunk, read in our own
-            # prepare: outside the draft's request_context, after the scheduler set the chunk)
-            position = int(request.context_current_position)
-            prompt_len = int(request.prompt_len)  # LlmRequest.prompt_len: no token copy
-            last = position + int(request.context_chunk_size) >= prompt_len
-            known = self._live.get(rid)
-            if known is not None:  # a later chunk of a request already judged
-                known.last_chunk = known.last_chunk or last
-                continue
-            if request.is_dummy_request:
-                continue  # never tracked: free skips it as dummy
-            found = request_session(request)
-            key, conversation = (None, None) if found is None else found
-            reused = position  # R: the prepopulated length at first sight
-            first = "no_conversation" if key is None else "pending" if reused else "cold"
-            # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
-            # as the reference engine counts `drafter_rows_computed`
-            record: dict[str, object] = {
-                "reused": reused, "outcome": first, "no_carry_reason": "", "rows_scattered": 0,
-                "rows_computed": max(0, prompt_len - 1 - reused), "rows_deposited": 0, "skipped": None}
-            live = _Live(key, conversation, reused, reused == 0, record, prompt_len, last)
-            client = getattr(request, "py_client_id", None)  # the LLM API's id of the request
-            with self._lock:
-                self._live[rid] = live
-                self._turns["warm" if reused else "cold"] += 1
-                _remember(self._turn_log, rid, record)
-                if client is not None:
-                    _remember(self._client_log, int(client), record)
-            if key is None or reused == 0:
-                continue
-            self._adopt(rid, request, live)
+        """Adopt for every context request seen for the first time (see the module doc).
 
+        One request's fault drops that request's carry state only: the others go on."""
+        for request in scheduled_batch.context_requests:
+            rid = None
+            try:
+                rid = int(request.py_request_id)
+                self._prepare_one(rid, request)
+            except Exception as exc:  # the turn runs blind; nothing more is written for it
+                self._fault("prepare", exc, rid)
+
+    def _prepare_one(self, rid: int, request: Any) -> None:
+        # this chunk reaches the prompt's end (C++ isLastContextChunk, read in our own
+        # prepare: outside the draft's request_context, after the scheduler set the chunk)
+        position = int(request.context_current_position)
+        prompt_len = int(request.prompt_len)  # LlmRequest.prompt_len: no token copy
+        size = int(request.context_chunk_size)
+        known = self._live.get(rid)
+        if known is not None:  # a later chunk, or a chunk again after revert_allocate_context
+            with self._lock:
+                if position < known.chunk[1] and known.chunk[1] > known.chunk[0]:
+                    self._turns["reverted"] += 1  # the last chunk seen never ran
+                    known.record["reverted"] = int(known.record.get("reverted", 0)) + 1  # type: ignore[call-overload]
+                known.schedule(position, size)
+            return
+        if request.is_dummy_request:
+            return  # never tracked: free skips it as dummy
+        found = request_session(request)
+        key, conversation = (None, None) if found is None else found
+        reused = position  # R: the prepopulated length at first sight
+        first = "no_conversation" if key is None else "pending" if reused else "cold"
+        # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
+        # as the reference engine counts `drafter_rows_computed`
+        record: dict[str, object] = {
+            "reused": reused, "outcome": first, "no_carry_reason": "", "rows_scattered": 0,
+            "rows_computed": max(0, prompt_len - 1 - reused), "rows_deposited": 0, "skipped": None}
+        live = _Live(key, conversation, reused, record, prompt_len)
+        live.schedule(position, size)
+        client = getattr(request, "py_client_id", None)  # the LLM API's id of the request
+        with self._lock:
+            self._live[rid] = live
+            resumed = self._paused.pop(rid, 0) is None  # back after a recompute pause
+            if resumed:
+                record["resumed"] = True
+            self._turns["resumed" if resumed else "warm" if reused else "cold"] += 1
+            self.rows_computed += int(record["rows_computed"])  # type: ignore[call-overload]
+            _remember(self._turn_log, rid, record)
+            if client is not None:
+                _remember(self._client_log, int(client), record)
+        if key is None or reused == 0:
+            return
+        self._adopt(rid, request, live)
+
+    @_guarded(None)
     def free_resources(self, request: Any) -> None:
-        """Deposit a finished request's valid rows, before the draft pool frees its pages."""
-        rid = int(request.py_request_id)
-        with self._lock:
-            live = self._live.get(rid)
-        deposited = self._deposit(rid, request, live)
-        with self._lock:
-            # popped only now: a forget until here marks it (`_deposit` checks under the lock)
-            self._live.pop(rid, None)
-            ended = live is not None and live.forgotten
-        if not deposited and live is not None and live.key is not None and not ended:
-            self.carried.end_lease(live.key)  # rows it adopted are gone with its pages
-        every = self.options.stats_every
-        with self._lock:
-            self._freed += 1
-            due = bool(every) and self._freed % every == 0
-        if due:
-            self._report(self.stats_line())
+        """Deposit a freed request's valid rows, before the draft pool frees its pages.
+
+        PyExecutor frees a finished request, and also one it pauses for recompute
+        (`_terminate_recompute_paused_requests`, then `reset_for_recompute`): that one
+        comes back as a context request under the same id; its rows are deposited
+        like a finished turn's and it is judged again when it comes back."""
+        rid = None
+        live = None
+        try:
+            rid = int(request.py_request_id)
+            with self._lock:
+                live = self._live.get(rid)
+            deposited = self._deposit(rid, request, live)
+            if not request.is_dummy_request and not request.is_finished:  # a recompute pause
+                with self._lock:
+                    self._paused[rid] = None
+                    self._paused.move_to_end(rid)
+                    while len(self._paused) > PAUSED_LOG:
+                        self._paused.popitem(last=False)
+        except Exception as exc:  # nothing is deposited; the lease ends below
+            deposited = False
+            self._fault("free", exc, rid)
+            self._skip("fault", live)
+        finally:
+            self._release(rid, live, deposited)
+
+    def _release(self, rid: int | None, live: _Live | None, deposited: bool) -> None:
+        try:
+            with self._lock:
+                # popped only now: a forget until here marks it (`_deposit` checks under the lock)
+                if rid is not None:
+                    self._live.pop(rid, None)
+                ended = live is not None and live.forgotten
+            if not deposited and live is not None and live.key is not None and not ended:
+                self.carried.end_lease(live.key)  # rows it adopted are gone with its pages
+            every = self.options.stats_every
+            with self._lock:
+                self._freed += 1
+                due = bool(every) and self._freed % every == 0
+            if due:
+                self._report(self.stats_line())
+        except Exception as exc:
+            self._fault("other", exc, None)
 
     def forget_conversation(self, conversation_id: str, lora_id: int | None = None) -> int:
         """Drop the carried rows of conversation `conversation_id` (under every salt): its
@@ -209,7 +323,10 @@ class CarryManagerCore:
             for live in self._live.values():
                 if live.conversation == conversation:
                     live.forgotten = True
-            return self.carried.forget(conversation)
+            freed = self.carried.forget(conversation)
+            self.sessions_ended += 1
+            self.rows_freed += freed
+            return freed
 
     def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
         tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
@@ -228,8 +345,9 @@ class CarryManagerCore:
                 gather = gather_packed_rows if self.carried.packed else gather_rows  # fp8: packed as gathered
                 rows = gather(buf, pages, 0, valid)  # [valid, 2, Hkv, D]
                 self._sync()
-        except RuntimeError as exc:  # the carry may cost acceptance, never the executor
-            self._failed("deposit", rid, exc, live)
+        except Exception as exc:  # the carry may cost acceptance, never the executor
+            self._fault("deposit", exc, rid)
+            self._skip("fault", live)
             return False
         with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
             if live.forgotten:
@@ -279,10 +397,15 @@ class CarryManagerCore:
             return {
                 "outcomes": {kind: self._outcomes.get(kind, 0) for kind in OUTCOME_KINDS},
                 "skipped": {why: self._skips.get(why, 0) for why in SKIP_REASONS},
-                "turns": {"cold": self._turns.get("cold", 0), "warm": self._turns.get("warm", 0)},
+                "turns": {kind: self._turns.get(kind, 0) for kind in TURN_KINDS},
                 "rows_scattered": self.rows_scattered,
                 "rows_deposited": self.rows_deposited,
-                "errors": {step: self._errors.get(step, 0) for step in ("scatter", "deposit")},
+                "rows_computed": self.rows_computed,
+                "no_carry_reasons": {r: self._no_carry.get(r, 0) for r in NO_CARRY_REASONS},
+                "sessions_ended": self.sessions_ended,
+                "rows_freed": self.rows_freed,
+                "errors": {step: self._errors.get(step, 0) for step in ERROR_STEPS},
+                "faults": dict(sorted(self._faults.items())),
                 "live_requests": len(self._live),
                 **self.carried.stats(),
             }
@@ -301,7 +424,7 @@ class CarryManagerCore:
             freed = self._freed
         return (f"mtp carry: after {freed} freed requests: turns cold {turns['cold']}, warm {turns['warm']}; "
                 f"outcomes: {nonzero(s['outcomes'])}; skipped: {nonzero(s['skipped'])}; "
-                f"errors: {nonzero(s['errors'])}; rows scattered {s['rows_scattered']}, deposited "
+                f"errors: {nonzero(s['errors'])}; faults: {nonzero(s['faults'])}; rows scattered {s['rows_scattered']}, deposited "
                 f"{s['rows_deposited']}; held {s['entries']} entries, {s['bytes_held']} bytes "
                 f"(host {s['host_entries']} entries, {s['host_bytes_held']} bytes); "
                 f"evictions: {nonzero(s['evictions'])}")
@@ -323,6 +446,7 @@ class CarryManagerCore:
             live.record["outcome"] = outcome.kind
             if isinstance(outcome, NoCarry):
                 live.record["no_carry_reason"] = outcome.reason
+                self._no_carry[outcome.reason] += 1
         if not isinstance(outcome, Adopted) or taken is None:
             return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
         n = min(outcome.rows, live.reused)
@@ -333,24 +457,43 @@ class CarryManagerCore:
                 scatter = scatter_packed_rows if self.carried.packed else scatter_rows  # fp8: unpacked as scattered
                 scatter(buf, pages, 0, taken.head(n))  # type: ignore[arg-type]  # head's form is scatter's
                 self._sync()
-        except RuntimeError as exc:  # the turn runs blind over [0, R); it deposits nothing
-            self._failed("scatter", rid, exc, live)
+        except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
+            self._fault("scatter", exc, rid)
             return
-        live.complete = n == live.reused
         with self._lock:
+            live.valid = n
             self.rows_scattered += n
             live.record["rows_scattered"] = n
 
-    def _failed(self, step: str, rid: int, exc: Exception, live: _Live) -> None:
-        logger.warning("mtp carry: %s for request %d failed, the turn goes on without it: %s",
-                       step, rid, exc)
+    def _fault(self, step: str, exc: Exception, rid: int | None) -> None:
+        """An exception inside the carry: counted by kind and step, logged once per kind, and
+        request `rid`'s carry state dropped (it adopts and deposits nothing more); never raised."""
+        kind = type(exc).__name__
         with self._lock:
+            self._faults[kind] += 1
             self._errors[step] += 1
-            live.record["error"] = f"{step}: {exc}"
+            first = kind not in self._logged
+            self._logged.add(kind)
+            live = None if rid is None else self._live.get(rid)
+            if live is None and rid is not None and step == "prepare":
+                # seen now and dropped: a later chunk of it must not be judged as a first sight
+                live = self._live[rid] = _Live(None, None, 0, {
+                    "reused": 0, "outcome": "fault", "no_carry_reason": "", "rows_scattered": 0,
+                    "rows_computed": 0, "rows_deposited": 0, "skipped": None}, 0)
+                _remember(self._turn_log, rid, live.record)
+            if live is not None:
+                live.dropped = True
+                live.record["error"] = f"{step}: {kind}: {exc}"
+        if first:
+            logger.warning("mtp carry: %s raised %s (%s): that turn runs without the carry and "
+                           "the executor goes on; later %s faults are counted, not logged",
+                           step, kind, exc, kind)
 
     def _skip_reason(self, request: Any, live: _Live | None, num_tokens: int) -> str | None:
         if request.is_dummy_request:
             return "dummy"
+        if live is not None and live.dropped:
+            return "fault"
         if (live.key if live is not None else request_session_key(request)) is None:
             return "no_conversation"
         # At free TensorRT-LLM's is_context_finished is False for every request (the state

@@ -80,7 +80,10 @@ class CarryOptions:
     the bytes, so `carry_memory` holds about twice the sessions; None: the process
     setting `carry_row_dtype()`, env `TRTLLM_MTP_CARRY_ROW_DTYPE`, else bf16); `stats_every`: every this many freed
     requests, and at shutdown, the carry prints one line of its counters (0: never),
-    the way to see what a carry installed in a worker process does.
+    the way to see what a carry installed in a worker process does; `metrics_port`: a
+    worker-installed carry serves its counters as Prometheus metrics on
+    `http://<host>:<metrics_port + rank>/metrics`, rank the worker's `Mapping.rank`
+    (None: no metrics endpoint; see `trtllm/metrics.py`).
     """
 
     enable: bool = True
@@ -89,6 +92,7 @@ class CarryOptions:
     carry_host_memory: int | None = None
     stats_every: int = 0
     carry_row_dtype: str | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_bool("enable", self.enable)
@@ -102,6 +106,10 @@ class CarryOptions:
             if self.carry_row_dtype not in ROW_DTYPES:
                 raise TrtllmAdapterError(f"{SECTION}.carry_row_dtype must be one of {', '.join(ROW_DTYPES)}, "
                                          f"got {self.carry_row_dtype!r}")
+        if self.metrics_port is not None:
+            _check_int("metrics_port", self.metrics_port, minimum=1)
+            if self.metrics_port > 65535:
+                raise TrtllmAdapterError(f"{SECTION}.metrics_port must be <= 65535, got {self.metrics_port}")
 
 
 RECOMMENDED_SNAPSHOT_PLACEMENT: dict[str, Any] = {"additional_snapshot_offsets_from_end": [0]}
@@ -166,7 +174,8 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
     Keys: `enable` (bool), `carry_slots` (int >= 1, or null for `carry_slots()`), `carry_memory` (bytes as an
     int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused), `carry_host_memory`
     (bytes like `carry_memory`, or null for `carry_host_memory()`), `carry_row_dtype` (`bf16`, `fp8`,
-    or null for `carry_row_dtype()`), `stats_every` (int >= 0).
+    or null for `carry_row_dtype()`), `stats_every` (int >= 0),
+    `metrics_port` (an int in [1, 65535], or null: no metrics endpoint).
     An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
     naming `mtp_carry.<key>`.
     """
@@ -177,9 +186,10 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
     if not isinstance(mapping, Mapping):
         raise TrtllmAdapterError(
             f"{SECTION} must be a mapping of enable/carry_slots/carry_memory/carry_host_memory/carry_row_dtype/"
-            "stats_every, "
+            "stats_every/metrics_port, "
             f"got {mapping!r}")
-    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory", "carry_row_dtype", "stats_every"}
+    fields = {"enable", "carry_slots", "carry_memory", "carry_host_memory", "carry_row_dtype", "stats_every",
+              "metrics_port"}
     for key in mapping:
         if key not in fields:
             raise TrtllmAdapterError(

@@ -25,14 +25,19 @@ section; `1` for the defaults) in the environment of the process that starts
 TensorRT-LLM (its workers inherit it), and once per environment
 `python -m trtllm_mtp_carry.trtllm.worker install`, which writes a one-line
 `.pth` file into site-packages: every interpreter start runs it, and it imports
-this module only when `TRTLLM_MTP_CARRY_WORKER` is set.
+this module only when `TRTLLM_MTP_CARRY_WORKER` is set (`... worker uninstall`
+removes it). With `metrics_port` in the carry file the installed carry serves
+Prometheus metrics, one port per worker rank (`trtllm/metrics.py`).
 
 Invariants:
 - Nothing happens unless `TRTLLM_MTP_CARRY_WORKER` is set; the hook is installed once per process.
-- At executor creation it prints one line (stderr and the `trtllm_mtp_carry` logger):
-  what it installed, or why the carry stands aside; it never raises into
-  TensorRT-LLM's executor creation (a refusal is that line, and the executor
-  is built without the carry).
+- The carry file is read at interpreter start (`boot`): a missing or invalid file is
+  one line there (stderr and the `trtllm_mtp_carry` logger) and no hook, and
+  nothing more at executor creation.
+- At executor creation it prints one line: what it installed, or why the carry
+  stands aside; no exception of any type leaves the hook into TensorRT-LLM's
+  executor creation or the interpreter start (an unexpected one is that one
+  stand-aside line naming it, and the executor is built without the carry).
 - The carry is added only on the unpaired topology (see `probe.probe_managers`).
 """
 
@@ -65,19 +70,43 @@ logger = logging.getLogger("trtllm_mtp_carry")
 _WRAPPED = "_mtp_carry_wrapped"
 _installed = False
 _messages: list[str] = []
+_checked: dict[str, Any] = {}  # TRTLLM_MTP_CARRY_WORKER value -> its CarryOptions, or the error line
 
 
 def boot() -> None:
-    """What the `.pth` line runs at interpreter start: install the hook if `TRTLLM_MTP_CARRY_WORKER` is set."""
+    """What the `.pth` line runs at interpreter start: check the carry file named by
+    `TRTLLM_MTP_CARRY_WORKER` and install the hook. A missing or invalid file is one line
+    here, at interpreter start, and no hook (TensorRT-LLM runs as is); never raises."""
     global _installed
-    if not os.environ.get(ENV) or _installed:
+    value = os.environ.get(ENV)
+    if not value:
         return
-    _installed = True
-    for name in (CREATOR, STANDIN_CREATOR):
-        module = sys.modules.get(name)
-        if module is not None:
-            wrap_creator(module)
-    sys.meta_path.insert(0, _CreatorFinder())
+    try:
+        if not isinstance(checked_options(value), Exception) and not _installed:
+            _installed = True
+            for name in (CREATOR, STANDIN_CREATOR):
+                module = sys.modules.get(name)
+                if module is not None:
+                    wrap_creator(module)
+            sys.meta_path.insert(0, _CreatorFinder())
+    except Exception as exc:  # an interpreter start must never fail because of the carry
+        _say(f"mtp carry: stands aside: {type(exc).__name__} at interpreter start: {exc}")
+
+
+def checked_options(value: str) -> Any:
+    """The `CarryOptions` of carry file `value` (`TRTLLM_MTP_CARRY_WORKER`'s value), read once
+    per value; for a missing or invalid file the `TrtllmAdapterError`, whose one line
+    (`mtp carry: stands aside: <why>`) is printed the first time only."""
+    from .options import TrtllmAdapterError
+
+    found = _checked.get(value)
+    if found is None:
+        try:
+            found = _checked[value] = carry_options_from_env(value)
+        except TrtllmAdapterError as exc:
+            found = _checked[value] = exc
+            _say(f"mtp carry: stands aside: {exc}")
+    return found
 
 
 def messages() -> list[str]:
@@ -85,11 +114,12 @@ def messages() -> list[str]:
     return list(_messages)
 
 
-def carry_options_from_env() -> Any:
-    """`CarryOptions` from `TRTLLM_MTP_CARRY_WORKER`: `1`/`true` the defaults, else a YAML file's `mtp_carry`."""
+def carry_options_from_env(value: str | None = None) -> Any:
+    """`CarryOptions` from `TRTLLM_MTP_CARRY_WORKER` (or `value`): `1`/`true` the defaults, else a
+    YAML file's `mtp_carry`. `TrtllmAdapterError` (one line) for a missing or invalid file."""
     from .options import CarryOptions, TrtllmAdapterError, load_llm_options
 
-    value = os.environ.get(ENV, "")
+    value = os.environ.get(ENV, "") if value is None else value
     if value.lower() in ("1", "true", "yes", "on"):
         return CarryOptions()
     rest, options = load_llm_options(value)
@@ -122,22 +152,39 @@ def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
 
 
 def _install(resources: Any, standin: bool) -> None:
+    """Add the carry manager to `resources`, or say in one line why not. Never raises: an
+    unexpected exception anywhere here (the probe reading a name this build lacks, ...) is
+    that one line, and the executor is built without the carry."""
+    from . import CARRY_MANAGER_KEY
+
+    try:
+        if isinstance(resources, dict):
+            # KV cache estimation builds the executor twice over one `resources` dict, tearing
+            # the KV managers down and building them again in between (`create_py_executor`): a
+            # carry manager from the first build holds a torn-down draft manager, never reused
+            resources.pop(CARRY_MANAGER_KEY, None)
+        _install_checked(resources, standin)
+    except Exception as exc:
+        if isinstance(resources, dict):
+            resources.pop(CARRY_MANAGER_KEY, None)
+        _say(f"mtp carry: stands aside: {type(exc).__name__} while installing the carry ({exc}); "
+             "the executor is built without it")
+
+
+def _install_checked(resources: Any, standin: bool) -> None:
     from . import CARRY_MANAGER_KEY
     from .manager import carry_manager_class
     from .options import TrtllmAdapterError
     from .probe import probe_managers
 
-    if isinstance(resources, dict):
-        # KV cache estimation builds the executor twice over one `resources` dict, tearing the
-        # KV managers down and building them again in between (`create_py_executor`): a carry
-        # manager from the first build holds a torn-down draft manager, never reused
-        resources.pop(CARRY_MANAGER_KEY, None)
     try:
         if not isinstance(resources, dict):
             raise TrtllmAdapterError(
                 "create_py_executor_instance was called without a resources= dict: this "
                 "TensorRT-LLM build is not one the worker hook was written against")
-        options = carry_options_from_env()
+        options = checked_options(os.environ.get(ENV, ""))
+        if isinstance(options, Exception):
+            return  # its one line was printed when the file was first read (at interpreter start)
         version = "stand-in" if standin else _trtllm_version()
         probe = probe_managers(resources, version)
         if not options.enable:
@@ -153,6 +200,10 @@ def _install(resources: Any, standin: bool) -> None:
         _say(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
              f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "
              f"tokens_per_block {probe.tokens_per_block}): {probe.reason}")
+        if options.metrics_port is not None:
+            from .metrics import export_worker_metrics
+
+            export_worker_metrics(manager, options.metrics_port, report=_say)
     except TrtllmAdapterError as exc:
         _say(f"mtp carry: stands aside: {exc}")
 
@@ -211,25 +262,51 @@ def install_pth(site_dir: str | Path | None = None) -> Path:
     return pth
 
 
+def uninstall_pth(site_dir: str | Path | None = None) -> Path | None:
+    """Remove the `.pth` line from `site_dir` (default: this interpreter's site-packages); the
+    file goes when nothing else is left in it. Returns the file, or None if it held no line of ours."""
+    pth = Path(site_dir or sysconfig.get_paths()["purelib"]) / PTH_NAME
+    try:
+        lines = pth.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return None
+    rest = [line for line in lines if line.strip() != PTH_LINE.strip()]
+    if len(rest) == len(lines):
+        return None
+    if any(line.strip() for line in rest):
+        pth.write_text("".join(rest))
+    else:
+        pth.unlink()
+    return pth
+
+
+USAGE = "usage: python -m trtllm_mtp_carry.trtllm.worker {install,uninstall} [SITE_DIR]"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m trtllm_mtp_carry.trtllm.worker install [SITE_DIR]`: write the `.pth` line."""
+    """`python -m trtllm_mtp_carry.trtllm.worker install|uninstall [SITE_DIR]`: write or remove the `.pth` line."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] != "install" or len(args) > 2:
+    if not args or args[0] not in ("install", "uninstall") or len(args) > 2:
         got = f"got {' '.join(args)!r}" if args else "no command given"
-        print(f"trtllm-mtp-carry: error: {got}; usage: python -m trtllm_mtp_carry.trtllm.worker install "
-              "[SITE_DIR]", file=sys.stderr)
+        print(f"trtllm-mtp-carry: error: {got}; {USAGE}", file=sys.stderr)
         return 2
     site_dir = args[1] if len(args) == 2 else None
     if site_dir is not None and not Path(site_dir).is_dir():
         print(f"trtllm-mtp-carry: error: SITE_DIR {site_dir!r} is not a directory", file=sys.stderr)
         return 2
     try:
-        path = install_pth(site_dir)
+        if args[0] == "install":
+            path = install_pth(site_dir)
+            print(f"wrote {path}: TensorRT-LLM workers started with {ENV} set install the carry")
+            return 0
+        removed = uninstall_pth(site_dir)
     except OSError as exc:
-        print(f"trtllm-mtp-carry: error: cannot write {PTH_NAME} ({exc.strerror}: {exc.filename})",
+        print(f"trtllm-mtp-carry: error: cannot {args[0]} {PTH_NAME} ({exc.strerror}: {exc.filename})",
               file=sys.stderr)
         return 2
-    print(f"wrote {path}: TensorRT-LLM workers started with {ENV} set install the carry")
+    where = site_dir or sysconfig.get_paths()["purelib"]
+    print(f"removed the carry's line from {removed}: TensorRT-LLM workers start without the hook"
+          if removed is not None else f"no {PTH_NAME} line in {where}: nothing to remove")
     return 0
 
 

@@ -18,73 +18,22 @@ stepping thread; a scrape reads plain ints under a lock.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from ..triton.metrics import CarryMetrics
-
-
-class _Metric:
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self.value = 0.0
-
-    def increment(self, value: float) -> None:
-        with self._lock:
-            self.value += value
-
-    def set(self, value: float) -> None:
-        with self._lock:
-            self.value = float(value)
-
-
-class _Family:
-    """`pb_utils.MetricFamily`'s interface, kept in memory."""
-
-    COUNTER = "counter"
-    GAUGE = "gauge"
-
-    def __init__(self, registry: _Registry, name: str, description: str, kind: str) -> None:
-        self.name, self.description, self.kind = name, description, kind
-        self.metrics: list[tuple[dict[str, str], _Metric]] = []
-        self._lock = registry.lock
-        registry.families.append(self)
-
-    def Metric(self, labels: dict[str, str]) -> _Metric:  # noqa: N802 (pb_utils' name)
-        metric = _Metric(self._lock)
-        with self._lock:
-            self.metrics.append((dict(labels), metric))
-        return metric
-
-
-class _Registry:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.families: list[_Family] = []
-        registry = self
-
-        class MetricFamily(_Family):
-            def __init__(self, name: str, description: str, kind: str) -> None:
-                super().__init__(registry, name, description, kind)
-
-        self.MetricFamily = MetricFamily  # the `pb_utils` attribute CarryMetrics reads
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+from ...runtime.metrics import CarryMetrics, MetricRegistry
 
 
 class WorkerMetrics:
     """CarryMetrics over an in-process registry, rendered with the worker's labels."""
 
     def __init__(self, model: str, worker: str) -> None:
-        self._registry = _Registry()
+        self._registry = MetricRegistry()
         self._model, self._worker = model, worker
         self._carry = CarryMetrics(self._registry, model, worker)
         self._kv_family = self._registry.MetricFamily(
             "mtp_carry_kv_events_total", "Prefix-cache blocks published to the router as KV events, "
-            "by kind (stored, removed)", _Family.COUNTER)
-        self._kv_events: dict[str, _Metric] = {}
+            "by kind (stored, removed)", self._registry.MetricFamily.COUNTER)
+        self._kv_events: dict[str, Any] = {}
         self.base_labels: dict[str, str] = {}  # Dynamo's labels of this worker
 
     def record_turn(self, stats: Any) -> None:
@@ -107,16 +56,4 @@ class WorkerMetrics:
 
     def exposition(self) -> str:
         """Every family in Prometheus text format (HELP, TYPE, one line per labelled series)."""
-        lines: list[str] = []
-        with self._registry.lock:
-            for family in self._registry.families:
-                if not family.metrics:
-                    continue
-                lines.append(f"# HELP {family.name} {family.description}")
-                lines.append(f"# TYPE {family.name} {family.kind}")
-                for labels, metric in family.metrics:
-                    merged = {**{k: str(v) for k, v in self.base_labels.items()}, **labels}
-                    text = ",".join(f'{k}="{_escape(v)}"' for k, v in merged.items())
-                    value = metric.value
-                    lines.append(f"{family.name}{{{text}}} {int(value) if value.is_integer() else value}")
-        return "\n".join(lines) + ("\n" if lines else "")
+        return self._registry.exposition(self.base_labels)
