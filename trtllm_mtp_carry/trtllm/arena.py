@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,6 +73,46 @@ def row_nbytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, row_dtype: 
     if row_dtype == "fp8":
         return packed_nbytes(2 * num_kv_heads, head_dim)
     return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """The carry's memory, reserved at install: the device arena and the host tier's (or None)."""
+
+    device: RowArena
+    host: RowArena | None
+
+    def line(self) -> str:
+        """What the start line says about it."""
+        host = self.host.nbytes if self.host is not None else 0
+        kind = "pinned " if self.host is not None and self.host.storage.is_pinned() else ""
+        return (f"carried rows hold {self.device.nbytes} bytes of {self.device.device.type} memory, reserved "
+                f"before TensorRT-LLM's KV cache estimation measures free memory (a fixed "
+                f"kv_cache_config.max_gpu_total_bytes or max_tokens, or a skipped estimation, leaves "
+                f"them on top of the KV cache), and {host} bytes of {kind}host memory "
+                f"(one block = one {self.device.block_nbytes}-byte row)")
+
+    def release_entries(self) -> None:
+        """Free every extent (both arenas stay reserved): a new carry manager takes them over."""
+        self.device.clear()
+        if self.host is not None:
+            self.host.clear()
+
+
+def reserve_arenas(buf: torch.Tensor, row_dtype: str, carry_memory: int, host_memory: int,
+                   allocate: Allocate = torch_allocate, allocate_host: Allocate = torch_allocate) -> Reserved:
+    """Reserve the carry's memory for rows of the MTP layer's pages `buf` (`[pages, 2, Hkv, tpb, D]`,
+    HND): a device arena of `carry_memory` bytes on `buf`'s device and, with `host_memory` > 0,
+    a host arena of `host_memory` bytes (pinned when `buf` is on a GPU), each rounded down to
+    whole rows of `row_dtype`, from `allocate` and `allocate_host`. Raises what they raise
+    (`torch.OutOfMemoryError`)."""
+    if buf.dim() != 5:
+        raise ValueError(f"the MTP layer's pages must be HND [pages, 2, Hkv, tpb, D], got {tuple(buf.shape)}")
+    block = row_nbytes(buf.shape[2], buf.shape[4], buf.dtype, row_dtype)
+    device = RowArena.reserve(carry_memory, block, buf.device, False, allocate)
+    host = (RowArena.reserve(host_memory, block, torch.device("cpu"), buf.device.type == "cuda", allocate_host)
+            if host_memory > 0 else None)
+    return Reserved(device, host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,3 +392,15 @@ class HeldRows:
         self._popped.clear()
         if self.arena is not None:
             self.arena.clear()
+
+
+def reserve_for(draft: Any, mtp_layer: int, options: Any, allocate: Allocate = torch_allocate) -> Reserved:
+    """The carry's arenas for draft KV manager `draft`'s MTP layer `mtp_layer` under `options`
+    (`CarryOptions`: `carry_memory`, `carry_host_memory`, `carry_row_dtype`; None fields take the
+    process settings). Raises `torch.OutOfMemoryError` when the memory is not there."""
+    from ..core import carry_host_memory, carry_row_dtype
+
+    buf = draft.get_buffers(mtp_layer, kv_layout="HND")
+    row_dtype = options.carry_row_dtype or carry_row_dtype()
+    host = carry_host_memory() if options.carry_host_memory is None else options.carry_host_memory
+    return reserve_arenas(buf, row_dtype, options.carry_memory, host, allocate)

@@ -218,6 +218,8 @@ class CarriedRows:
                 "evictions": self._store.evictions(),
                 "row_dtype": self.row_dtype,
                 "refusals": self._store.refusals(),
+                "reserved_bytes": 0 if self.arena is None else self.arena.nbytes,
+                "host_reserved_bytes": 0 if self.host_arena is None else self.host_arena.nbytes,
                 "carry_host_memory": t.host_budget_bytes,
                 "hits": t.hits,
                 "demotions": t.demotions,
