@@ -11,6 +11,7 @@ TensorRT-LLM and no GPU ran: what these pin is our order against that model.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,23 @@ def test_the_store_and_the_arena_charge_the_same_bytes() -> None:
         carried.check()
     assert carried.stats()["refusals"]["oom"] == 0
     assert isinstance(carried._store, CarryStore)
+
+
+@pytest.mark.parametrize(("kv", "size"), [
+    ("{}", "estimated: free_gpu_memory_fraction=0.9 of the memory free after the carry's arena"),
+    ("{max_gpu_total_bytes: 8000000000}",
+     "fixed (max_gpu_total_bytes=8000000000): the carry's reservation is on top of it"),
+])
+def test_info_reports_what_the_worker_reserves_and_how_the_kv_cache_is_sized(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kv: str, size: str) -> None:
+    from trtllm_mtp_carry.cli import main
+
+    path = tmp_path / "llm.yaml"
+    path.write_text(f"mtp_carry: {{carry_memory: 1GiB, carry_host_memory: 2GiB}}\nkv_cache_config: {kv}\n")
+    assert main(["info", "--json", "--llm-config", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["trtllm_reserved_device_bytes"], report["trtllm_reserved_host_bytes"]) == (1 << 30, 2 << 30)
+    assert report["trtllm_kv_cache_size"] == size
+    assert main(["info", "--llm-config", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TensorRT-LLM worker reserves"))
+    assert f"{1 << 30} B device, {2 << 30} B host" in line and size in line
