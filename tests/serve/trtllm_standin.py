@@ -9,7 +9,7 @@ is a row of docs/TRTLLM-CONFORMANCE.md section 4 (file and commit read there),
 with the source's semantics, and `LLMAPI_NAMES` (pinned equal to those rows by
 tests/trtllm/test_trtllm_conformance.py) is what it answers to package code:
 any other name raises AttributeError, as it would on TensorRT-LLM
-(`LlmApiConformant`, the mechanism of `trtllm_mtp_carry/trtllm/standin.py`).
+(`LlmApiConformant`, the mechanism of `trtllm_mtp_carry/trtllm/standin/conformant.py`).
 Read from the source and kept here:
 - `LLM(model, ..., **kwargs)` refuses a keyword that is no LLM argument
   (`ValueError: LLM got invalid argument: <key>`); `shutdown()` drops the
@@ -121,7 +121,7 @@ class LlmApiConformant:
     Package code (any `trtllm_mtp_carry.*` module) reading a name not in
     `LLMAPI_NAMES[TRTLLM_CLASS]` gets AttributeError, as it would on TensorRT-LLM:
     `getattr(obj, name, default)` gets the default. This module and the tests also
-    see the stand-in's bookkeeping. (The mechanism of `trtllm/standin.Conformant`.)
+    see the stand-in's bookkeeping. (The mechanism of `trtllm/standin/conformant.Conformant`.)
     """
 
     __slots__ = ()

@@ -1,6 +1,6 @@
 """Every TensorRT-LLM name the package touches is in docs/TRTLLM-CONFORMANCE.md, and the
 stand-ins answer package code for exactly those names (AttributeError for any other):
-the executor stand-in (`trtllm/standin.py`, `TRTLLM_NAMES`) and the LLM API stand-in
+the executor stand-in (`trtllm/standin/`, `TRTLLM_NAMES`) and the LLM API stand-in
 the Triton model's tests run on (`tests/serve/trtllm_standin.py`, `LLMAPI_NAMES`)."""
 
 from __future__ import annotations

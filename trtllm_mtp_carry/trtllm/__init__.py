@@ -17,7 +17,9 @@ import os
 os.environ["TLLM_WORKER_USE_SINGLE_PROCESS"] = "1"  # before the first LLM
 from tensorrt_llm import LLM
 from trtllm_mtp_carry.trtllm import attach
-llm = LLM(model=..., speculative_config=..., kv_cache_config=...)
+llm = LLM(model=..., speculative_config=...,   # block reuse and a snapshot at each prompt's end:
+          kv_cache_config={"enable_block_reuse": True,   # without them no prefix is ever reused
+                           "mamba_state_config": {"additional_snapshot_offsets_from_end": [0]}})
 carry = attach(llm, {"carry_slots": 16})
 print(carry.topology, carry.armed, carry.reason)
 ```
@@ -25,7 +27,7 @@ print(carry.topology, carry.armed, carry.reason)
 The adapter imports `tensorrt_llm` only inside `attach` (`probe.reach_executor`)
 and depends on no front end (the Triton model lives in `serve/trtllm/`);
 without TensorRT-LLM, attach on a real LLM fails with one line naming the
-`trtllm` extra. The CPU stand-in (`standin.py`) follows
+`trtllm` extra. The CPU stand-in (`standin/`) follows
 the executor's protocol so the same classes are tested without TensorRT-LLM.
 
 Invariants:
