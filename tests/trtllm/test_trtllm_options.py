@@ -97,3 +97,34 @@ def test_reading_an_options_file_without_pyyaml_names_the_extra(tmp_path) -> Non
         path.write_text("kv_cache_config: {enable_block_reuse: true}\nmtp_carry: {carry_slots: 2}\n")
         assert load_llm_options(path) == ({"kv_cache_config": {"enable_block_reuse": True}},
                                           CarryOptions(carry_slots=2))
+
+
+def _request(**fields: object) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(py_conversation_params=SimpleNamespace(conversation_id=" c "),
+                           lora_task_id=None, **fields)
+
+
+def test_a_requests_salt_string_keys_it_as_session_key_for_does_whatever_its_salt_id() -> None:
+    from trtllm_mtp_carry.trtllm.identity import conversation_session, request_session
+
+    assert request_session(_request(cache_salt="s")) == (session_key_for("c", "s"), conversation_session("c"))
+    assert request_session(_request(cache_salt="s", cache_salt_id=7))[0] == session_key_for("c", "s")
+    assert request_session(_request(cache_salt=None))[0] == session_key_for("c")
+
+
+def test_an_older_request_without_the_salt_string_is_scoped_by_its_salt_id() -> None:
+    from trtllm_mtp_carry.trtllm.identity import request_session
+
+    assert request_session(_request(cache_salt_id=7))[0] == session_key_for("c", cache_salt_id=7)
+    assert request_session(_request(cache_salt=None, cache_salt_id=7))[0] == session_key_for("c", cache_salt_id=7)
+    assert request_session(_request())[0] == session_key_for("c")
+
+
+def test_an_empty_salt_string_is_a_session_of_its_own() -> None:
+    from trtllm_mtp_carry.trtllm.identity import request_session
+
+    empty = request_session(_request(cache_salt=""))[0]
+    assert empty not in {session_key_for("c"), session_key_for("c", "s")} and empty != 0
+    assert empty == request_session(_request(cache_salt=""))[0]  # stable

@@ -20,12 +20,11 @@ from standin_helpers import (
     user_tokens,
 )
 
-from trtllm_mtp_carry.trtllm import session_key_for
+from trtllm_mtp_carry.trtllm import attach, session_key_for
 from trtllm_mtp_carry.trtllm.standin import (
     ConversationParams,
     LlmRequest,
     StandinLLM,
-    get_cache_salt_id,
 )
 
 SESSIONS = quote_sessions(4)  # the user shows code, then asks to repeat it exactly
@@ -215,7 +214,7 @@ def test_one_conversation_under_two_salts_keeps_two_sessions() -> None:
         llm.run_until_done()
     assert firsts["y"].reused == 0  # the salt scopes TensorRT-LLM's reuse too
     manager = carry.manager
-    x_key, y_key = (session_key_for("same", cache_salt_id=get_cache_salt_id(s)) for s in "xy")
+    x_key, y_key = (session_key_for("same", s) for s in "xy")  # keyed by the salt string
     warm = llm.generate_async(padded(firsts["y"].get_tokens(0), 3), MAX_NEW, conversation_params=conv,
                               cache_salt="y")
     llm.executor.step()
@@ -350,3 +349,49 @@ def test_a_page_missing_at_scatter_is_counted_and_the_turn_runs_blind() -> None:
             assert str(carry.turn(warm.py_request_id)["error"]).startswith("scatter: RuntimeError: ")  # type: ignore[index]
         llm.executor.check()
     assert outputs["carry"] == outputs["blind"]  # exactly TensorRT-LLM without the carry
+
+
+@pytest.mark.parametrize("build", ["string_only", "string_and_id"])
+def test_another_salt_never_adopts_the_other_salts_rows(build: str) -> None:
+    """One conversation under salts x and y, one carry slot: y's deposit takes the slot from
+    x's entry. x's warm turn (the target reuses x's prefix) finds the slot held by another
+    session and writes nothing: never y's rows; y's own warm turn then adopts them.
+    `string_only`: newer LlmRequests carry only `cache_salt` (`cache_salt_id` unset), the
+    case that adopted 269 foreign rows before (issue 30)."""
+    llm, _ = make_llm("blind")  # the helper's executor options, with a one-slot carry attached here
+    carry = attach(llm, {"carry_slots": 1})
+    conv = ConversationParams(conversation_id="same")
+
+    def run(prompt: list[int], salt: str) -> LlmRequest:
+        req = llm.generate_async(prompt, MAX_NEW, conversation_params=conv, cache_salt=salt)
+        if build == "string_only":
+            req.cache_salt_id = None
+        llm.run_until_done()
+        return req
+
+    x1 = run(user_tokens(0, 4 * CHUNK), "x")
+    y1 = run(user_tokens(0, 4 * CHUNK), "y")
+    assert y1.reused == 0  # the salt scopes TensorRT-LLM's own reuse
+    x2 = run(padded(x1.get_tokens(0), 3), "x")
+    assert x2.reused == 4 * CHUNK
+    record = carry.turn(x2.py_request_id)
+    assert (record["outcome"], record["rows_scattered"], record["skipped"]) == ("foreign_session", 0, "gap")
+    y2 = run(padded(y1.get_tokens(0), 5), "y")
+    y_record = carry.turn(y2.py_request_id)
+    assert (y_record["outcome"], y_record["rows_scattered"]) == ("adopted", 4 * CHUNK)
+    stats = carry.stats()
+    assert stats["rows_scattered"] == 4 * CHUNK and stats["outcomes"]["adopted"] == 1
+    llm.executor.check()
+
+
+def test_a_salt_keys_the_session_as_session_key_for_does() -> None:
+    llm, carry = make_llm("carry")
+    conv = ConversationParams(conversation_id="k")
+    first = llm.generate_async(user_tokens(0, 2 * CHUNK), MAX_NEW, conversation_params=conv, cache_salt="s")
+    first.cache_salt_id = None
+    llm.run_until_done()
+    assert carry.manager.carried.get(session_key_for("k", "s")) is not None
+    warm = llm.generate_async(padded(first.get_tokens(0), 3), MAX_NEW, conversation_params=conv, cache_salt="s")
+    warm.cache_salt_id = None
+    llm.run_until_done()
+    assert carry.turn(warm.py_request_id)["outcome"] == "adopted"

@@ -21,13 +21,10 @@ from typing import Any
 
 import pytest
 import torch
-from standin_helpers import user_tokens
+from standin_helpers import make_llm, user_tokens
 
-from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, metrics, worker
-from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
+from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, attach, metrics, worker
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
-
-from standin_helpers import model  # isort: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +67,7 @@ def no_endpoint() -> Iterator[None]:
 def test_an_unexpected_exception_in_the_install_is_one_stand_aside_line_and_no_carry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, kind: type[Exception]) -> None:
     _carry_file(tmp_path, monkeypatch, "mtp_carry: {carry_slots: 4}\n")
-    reference = _serve_one(StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=256, single_process=True))
+    reference = _serve_one(make_llm("blind")[0])
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise kind("the build has no such name")
@@ -80,7 +77,7 @@ def test_an_unexpected_exception_in_the_install_is_one_stand_aside_line_and_no_c
     else:  # the carry manager's construction fails (e.g. out of memory)
         monkeypatch.setattr("trtllm_mtp_carry.trtllm.manager.carry_manager_class", lambda base: boom)
     before = len(worker.messages())
-    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=256)
+    llm, _ = make_llm("blind", single_process=False)  # built "in a worker": the hook runs
     lines = worker.messages()[before:]
     assert lines == [f"mtp carry: stands aside: {kind.__name__} while installing the carry "
                      f"({kind('the build has no such name')}); the executor is built without it"]
@@ -199,7 +196,7 @@ def test_a_worker_carry_serves_the_triton_models_families_scraped_over_http(
     port = _free_port()
     _carry_file(tmp_path, monkeypatch, f"mtp_carry: {{carry_slots: 4, metrics_port: {port}}}\n")
     before = len(worker.messages())
-    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, max_batch=2, num_pages=512)
+    llm, _ = make_llm("blind", single_process=False, max_batch=2)  # the worker hook installs the carry
     assert worker.messages()[before + 1] == (
         f"mtp carry: metrics on http://0.0.0.0:{port}/metrics (metrics_port {port} + rank 0)")
     conv = [ConversationParams(conversation_id=f"m{i}") for i in range(2)]
@@ -237,9 +234,7 @@ def test_a_worker_carry_serves_the_triton_models_families_scraped_over_http(
 
 
 def test_each_worker_rank_serves_on_its_own_port(no_endpoint: None) -> None:
-    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, single_process=True)
-    from trtllm_mtp_carry.trtllm import attach
-
+    llm, _ = make_llm("blind")
     real = attach(llm, {"carry_slots": 2}).manager
     base = _free_port()
     lines: list[str] = []
@@ -256,9 +251,7 @@ def test_each_worker_rank_serves_on_its_own_port(no_endpoint: None) -> None:
 
 def test_a_port_in_use_or_past_65535_is_one_line_and_the_carry_runs_without_metrics(
         no_endpoint: None) -> None:
-    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, single_process=True)
-    from trtllm_mtp_carry.trtllm import attach
-
+    llm, _ = make_llm("blind")
     manager = attach(llm, {"carry_slots": 2}).manager
     lines: list[str] = []
     with socket.socket() as held:
@@ -272,3 +265,22 @@ def test_a_port_in_use_or_past_65535_is_one_line_and_the_carry_runs_without_metr
     assert metrics.export_worker_metrics(far, 65534, lines.append) is None
     assert lines[-1] == "mtp carry: metrics: stands aside: mtp_carry.metrics_port 65534 + rank 3 = 65537 is past 65535"
     assert _serve_one(llm)  # the carry and the executor go on
+
+
+# ---- the trtllm extra -------------------------------------------------------------------
+
+
+def test_the_trtllm_extra_pins_a_tensorrt_llm_the_carry_arms_on() -> None:
+    """`pip install ".[trtllm]"` gets one version, and the stand-in's profile of that
+    version (its target manager class and pairing markers, from the version table) arms."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trtllm"]
+    (req,) = [Requirement(r) for r in extra]
+    (spec,) = list(req.specifier)
+    assert (req.name, spec.operator) == ("tensorrt_llm", "==")
+    assert spec.version == "1.3.0rc29" and req.specifier.contains("1.3.0rc29") and not req.specifier.contains("1.2.1")
+    llm, _ = make_llm("blind", version=spec.version)
+    carry = attach(llm)
+    assert (carry.topology, carry.armed) == ("unpaired", True)

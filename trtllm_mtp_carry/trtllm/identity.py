@@ -5,19 +5,24 @@ shared token prefix (two conversations agree on hundreds of chat-template
 tokens). Inside TensorRT-LLM's PyTorch backend the session is the request's
 `py_conversation_params.conversation_id` (`tensorrt_llm/conversation_params.py`:
 `ConversationParams(conversation_id: str)`, stripped; copied onto the
-executor request as `py_conversation_params`), scoped like TensorRT-LLM's own
-reuse by the salt and `lora_task_id` (`KVCacheManagerV2._create_kv_cache`
-builds `ReuseScope(lora_id=lora_task_id, salt=...)` from the request's
-`cache_salt_id`). The executor request carries no salt text: only
+executor request as `py_conversation_params`), scoped exactly as KV cache
+manager V2 scopes its own reuse: by the request's `cache_salt` string and
+`lora_task_id`. V2 builds `ReuseScope(lora_id=req.lora_task_id,
+salt=self._derive_reuse_salt(req.cache_salt))` (`probe_context_reuse`,
+`kv_cache_manager_v2.py` @ 00043967, whose `_mirror_draft_kv_cache` also passes
+`cache_salt=req.cache_salt` to `_create_kv_cache`), and newer
+`LlmRequest`s carry only that string (`llm_request.py` @ 002f3cc3 passes
+`cache_salt=executor_request.cache_salt`). Older builds carry only
 `cache_salt_id`, the 64-bit hash `tensorrt_llm.inputs.utils.get_cache_salt_id`
-makes of the client's `cache_salt` (`executor_request_to_llm_request`), so
-the executor-side key is scoped by that id (`cache_salt_id=`).
+makes of the client's salt (`executor_request_to_llm_request`; V1's C++ block
+keys): read only where the string is absent.
 
 Invariants:
 - `session_key_for` is stable across processes (the core's blake2b
   `session_hash` of one unambiguous encoding) and never 0.
-- A different salt or LoRA id is a different session; no salt and an empty
-  salt are refused as different spellings of one thing (empty is an error).
+- A different salt or LoRA id is a different session. `session_key_for` refuses an
+  empty salt (no salt is None); a request's empty `cache_salt` is a session of its own,
+  as it is a reuse scope of its own in V2.
 - A request without a conversation id has no session (`None`): it is never carried.
 - `conversation_session` is the key without the salt: every key of one
   conversation (any salt) names it as its session, so ending the conversation
@@ -79,18 +84,28 @@ def request_session(request: object) -> tuple[int, int] | None:
     """`(carry key, conversation session)` of an executor request (`LlmRequest`), or None
     when it has no conversation id.
 
-    Reads `py_conversation_params.conversation_id`, `cache_salt_id` and
-    `lora_task_id`; a missing or blank conversation id means "no session".
+    Reads `py_conversation_params.conversation_id`, `lora_task_id` and the salt V2's
+    reuse scope reads, the `cache_salt` string; only where a request has no salt string
+    (older builds: no such attribute, or None), `cache_salt_id`; neither: unsalted. A
+    missing or blank conversation id means "no session". The key under salt text `s`
+    equals `session_key_for(conversation_id, s, lora_id)`; the empty salt, a scope of its
+    own in V2 (`_derive_reuse_salt` tells None from ""), gets a key of its own.
     """
     params = getattr(request, "py_conversation_params", None)
     conv = getattr(params, "conversation_id", None) if params is not None else None
     if not isinstance(conv, str) or not conv.strip():
         return None
-    salt_id = getattr(request, "cache_salt_id", None)
     lora = getattr(request, "lora_task_id", None)
     lora_id = None if lora is None else int(lora)
-    key = session_key_for(conv, None, lora_id,
-                          cache_salt_id=None if salt_id is None else int(salt_id))
+    salt = getattr(request, "cache_salt", None)
+    if isinstance(salt, str) and salt:
+        key = session_key_for(conv, salt, lora_id)
+    elif isinstance(salt, str):  # "": not None's scope, and no text session_key_for takes
+        key = session_hash(json.dumps(["trtllm", conv.strip(), lora_id, ""], ensure_ascii=False))
+    else:  # an older build: only the 64-bit id of the salt, if any
+        salt_id = getattr(request, "cache_salt_id", None)
+        key = session_key_for(conv, None, lora_id,
+                              cache_salt_id=None if salt_id is None else int(salt_id))
     return key, conversation_session(conv, lora_id)
 
 

@@ -18,7 +18,7 @@ gives a warm turn fresh, unwritten draft pages for the reused prefix
   executor uses); if adopted, rows of keys `[0, min(rows, R))` are scattered
   into the request's pages for the MTP layer.
 - `free_resources(request)` runs before the draft manager's (the dict is
-  iterated in reverse), so the pages are still live: a finished request's
+  iterated in reverse), so the pages are still live: a freed request's
   valid rows, keys `[0, N - 1)` of its `N` tokens, are gathered into the
   carry store. Rows past `N - 2` are later draft steps' rows over drafted
   tokens: never kept.
@@ -41,9 +41,19 @@ Invariants:
   a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
   pages hold whatever the pool had; they are never carried.
 - Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope.
-- A data-plane failure (a page missing at scatter or gather) is logged and
-  counted (`errors`), never raised into the executor: the turn runs blind
-  and deposits nothing; outputs never depend on the drafter's rows.
+- No exception of any type leaves a method PyExecutor calls (every
+  `BaseResourceManager` method, `resource_manager.py` @ d2a5560a): a fault
+  (a page missing, a `KeyError` from a full draft IndexMapper, out of memory,
+  a name a build lacks, ...) runs that turn blind, drops that request's carry
+  state (skipped `fault`: it adopts and deposits nothing more), is counted by
+  kind (`faults`, the exception's class name) and step (`errors`), and is
+  logged once per kind; the other requests and the executor go on, and
+  outputs never depend on the drafter's rows.
+- A request's state follows its chunks (`_Live.schedule`): a chunk counts as
+  run only once the next one starts past it, so a chunk undone by
+  `revert_allocate_context` (the same chunk again, or the prefill rewound to 0)
+  extends nothing; a request freed unfinished (the recompute pause) deposits
+  like a finished turn and is judged afresh when it comes back (`resumed`).
 - Nothing is written outside the request's own fresh pages for keys `[0, R)`;
   the manager is installed only on the unpaired topology (never on paired or
   folded pools, whose pages below R are shared tree blocks).
@@ -119,13 +129,18 @@ class _Live:
         """A context chunk `[position, position + size)` was scheduled (seen in prepare).
 
         The previous chunk ran iff the position moved past its end (`moveToNextContextChunk`);
-        a position at or before it means it was undone (`revert_allocate_context`: the same
-        chunk again, or prefill rewound to 0), so it extends nothing. A chunk starting past
-        `valid` leaves keys `[valid, position)` unwritten: the request can no longer deposit.
+        a position before it means it was undone (`revert_allocate_context`: the same chunk
+        again, or the prefill rewound to 0, when "the caller drops any draft pool",
+        kv_cache_manager_v2.py @ 00043967): it extends nothing, and no row at or past the
+        position is known any more. A chunk starting past `valid` leaves keys
+        `[valid, position)` unwritten: the request can no longer deposit.
         """
         start, end = self.chunk
-        if end > start and position >= end and start <= self.valid:
-            self.valid = max(self.valid, end)
+        if end > start and position >= end:
+            if start <= self.valid:
+                self.valid = max(self.valid, end)
+        elif end > start:
+            self.valid = min(self.valid, position)
         self.chunk = (position, position + size)
         self.last_chunk = position + size >= self.prompt_len
 
@@ -219,10 +234,12 @@ class CarryManagerCore:
             self.carried.clear()
 
     @_guarded(None)
-    def prepare_resources(self, scheduled_batch: Any) -> None:
+    def prepare_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
         """Adopt for every context request seen for the first time (see the module doc).
 
-        One request's fault drops that request's carry state only: the others go on."""
+        One request's fault drops that request's carry state only: the others go on.
+        Arguments past the batch (what `ResourceManager` gives KV cache managers, e.g.
+        `attn_metadata`) are accepted and not read."""
         for request in scheduled_batch.context_requests:
             rid = None
             try:
@@ -274,13 +291,14 @@ class CarryManagerCore:
         self._adopt(rid, request, live)
 
     @_guarded(None)
-    def free_resources(self, request: Any) -> None:
+    def free_resources(self, request: Any, *args: Any, **kwargs: Any) -> None:
         """Deposit a freed request's valid rows, before the draft pool frees its pages.
 
         PyExecutor frees a finished request, and also one it pauses for recompute
         (`_terminate_recompute_paused_requests`, then `reset_for_recompute`): that one
         comes back as a context request under the same id; its rows are deposited
-        like a finished turn's and it is judged again when it comes back."""
+        like a finished turn's and it is judged again when it comes back. Arguments past
+        the request (a KV cache manager's `pin_on_release`) are accepted and not read."""
         rid = None
         live = None
         try:

@@ -12,8 +12,8 @@ Prometheus's text exposition format (version 0.0.4), `rank` the worker's
 `Mapping.rank` (`draft.mapping.rank`: TensorRT-LLM's global rank of this worker,
 `tensorrt_llm/mapping.py`; 0 where the mapping has none), so every worker rank on
 a host gets its own port. The families are the Triton model's, created through the
-same class (`runtime/metrics.CarryMetrics`) over the registry the Dynamo worker
-renders its endpoint with (`runtime/metrics.MetricRegistry`), labelled `model="tensorrt_llm"`,
+same class (`trtllm_mtp_carry/metrics.CarryMetrics`) over the registry the Dynamo worker
+renders its endpoint with (`trtllm_mtp_carry/metrics.MetricRegistry`), labelled `model="tensorrt_llm"`,
 `instance="rank<r>"`:
 
     mtp_carry_outcomes_total{kind}          warm turns by carry outcome kind
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..runtime.metrics import CarryMetrics, MetricRegistry
+from ..metrics import CarryMetrics, MetricRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus's text exposition format."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...runtime.metrics import CarryMetrics, MetricRegistry
+from ...metrics import CarryMetrics, MetricRegistry
 
 
 class WorkerMetrics:

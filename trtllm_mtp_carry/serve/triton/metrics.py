@@ -26,12 +26,12 @@ what the carry did and gauges of what it holds:
 Called from the model instance's stepping thread, and for errors also from
 `execute`'s thread: metric creation is locked. `pb_utils` is passed in, as it
 exists only inside the Python backend's stub. The class lives in
-`runtime/metrics.py`, shared with the Dynamo worker and the TensorRT-LLM worker's
+`trtllm_mtp_carry/metrics.py`, shared with the Dynamo worker and the TensorRT-LLM worker's
 endpoint.
 """
 
 from __future__ import annotations
 
-from ...runtime.metrics import CarryMetrics
+from ...metrics import CarryMetrics
 
 __all__ = ["CarryMetrics"]

@@ -43,7 +43,7 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
     "LlmRequest": frozenset({
         "py_request_id", "py_client_id", "prompt_len", "max_new_tokens", "state",
         "context_current_position", "context_chunk_size", "prepopulated_prompt_len",
-        "get_tokens", "get_num_tokens", "py_conversation_params", "cache_salt_id",
+        "get_tokens", "get_num_tokens", "py_conversation_params", "cache_salt", "cache_salt_id",
         "lora_task_id", "is_dummy_request", "is_context_init_state", "is_context_finished",
         "is_generation_in_progress_state", "is_generation_complete_state", "is_finished",
         "is_finished_due_to_length", "is_finished_due_to_cancellation", "is_last_context_chunk",
