@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from dp_helpers import bits, poison
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, HostRows
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
 from trtllm_mtp_carry.dataplane.row_format import (
     FP8_MAX,
+    FP8_TRITON_MIN_CAPABILITY,
     SCALE_FLOOR,
     PackedRows,
     pack_blocks,
@@ -34,6 +37,15 @@ from trtllm_mtp_carry.trtllm.layout import (
     scatter_packed_rows,
     scatter_rows,
 )
+
+
+@pytest.fixture
+def fp8_tk(tk, device):
+    """The Triton kernels, where they can run the FP8 ones (interpreted on CPU; on a GPU from sm_89)."""
+    if device == "cuda" and torch.cuda.get_device_capability() < FP8_TRITON_MIN_CAPABILITY:
+        pytest.skip("Triton's float8 e4m3 conversions need compute capability 8.9 or later")
+    return tk
+
 
 # Half an ulp of the output dtype, relative (bf16: 7 stored mantissa bits; fp16: 10; f32: 23).
 OUT_HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
@@ -80,6 +92,17 @@ def test_round_trip_is_within_fp8_rounding_of_the_rows(dtype, gen) -> None:
     assert packed.scales.shape == rows.shape[:-1]
     assert bool(torch.isfinite(out).all())
     assert_within_fp8_rounding(rows, out, packed.scales)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=40))
+def test_any_finite_float32_vector_round_trips_within_fp8_rounding(values) -> None:
+    rows = torch.tensor(values, dtype=torch.float32)
+    packed = pack_rows(rows)
+    out = unpack_rows(packed)
+    assert bool(torch.isfinite(out).all())
+    assert_within_fp8_rounding(rows, out, packed.scales)
+    assert torch.equal(bits(out), bits(unpack_rows(pack_rows(rows.clone()))))
 
 
 def test_scale_is_amax_over_448_floored_at_float32_smallest_normal(gen) -> None:
@@ -245,7 +268,7 @@ def filled_pool(gen: torch.Generator, rows: int, device: str = "cpu") -> Drafter
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen, device) -> None:
+def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, fp8_tk, gen, device) -> None:
     pool = filled_pool(gen, 10, device)  # 3 blocks, the last with 2 live rows
     pool.k_cache[pool.carried(99).block_table[2], 2:] = float("nan")  # a dead tail is never read
     entry = pool.carried(99)
@@ -259,7 +282,7 @@ def test_pack_blocks_packs_only_live_rows_as_the_gathered_rows(kernel, tk, gen, 
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(kernel, tk, gen, device) -> None:
+def test_unpack_blocks_imports_into_fresh_blocks_as_the_rows_unpacked(kernel, fp8_tk, gen, device) -> None:
     pool = filled_pool(gen, 10, device)
     entry = pool.carried(99)
     packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
@@ -288,7 +311,7 @@ KERNELS = ["torch", "triton"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_triton_pack_equals_torch_pack_bit_for_bit(dtype, tk, gen, device) -> None:
+def test_triton_pack_equals_torch_pack_bit_for_bit(dtype, fp8_tk, gen, device) -> None:
     rows = mixed_rows(gen, 9, 2, 3, 64, dtype=dtype).to(device)
     a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
     assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
@@ -296,13 +319,13 @@ def test_triton_pack_equals_torch_pack_bit_for_bit(dtype, tk, gen, device) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_triton_unpack_equals_torch_unpack_bit_for_bit(dtype, tk, gen, device) -> None:
+def test_triton_unpack_equals_torch_unpack_bit_for_bit(dtype, fp8_tk, gen, device) -> None:
     packed = pack_rows(mixed_rows(gen, 9, 2, 3, 64, dtype=dtype)).to(device)
     a, b = unpack_rows(packed, kernel="torch"), unpack_rows(packed, kernel="triton")
     assert torch.equal(bits(a), bits(b))
 
 
-def test_triton_rounds_every_e4m3_tie_and_carry_as_torch(tk, device) -> None:
+def test_triton_rounds_every_e4m3_tie_and_carry_as_torch(fp8_tk, device) -> None:
     # every code's value, the midpoints between neighbours (ties) and just either side of them,
     # as one vector of amax 448 (scale 1): carries across exponents, subnormals, signs
     codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0 .. 448
@@ -315,7 +338,7 @@ def test_triton_rounds_every_e4m3_tie_and_carry_as_torch(tk, device) -> None:
     assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
 
 
-def test_triton_packs_and_unpacks_strided_views(tk, gen, device) -> None:
+def test_triton_packs_and_unpacks_strided_views(fp8_tk, gen, device) -> None:
     wide = mixed_rows(gen, 6, 3, 80, dtype=torch.bfloat16).to(device)
     rows = wide[:, 1:, 8:72]  # vectors at row stride 240, head stride 80
     a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
@@ -328,7 +351,7 @@ def test_triton_packs_and_unpacks_strided_views(tk, gen, device) -> None:
     assert torch.equal(bits(out), bits(expect))
 
 
-def test_triton_non_finite_vectors_get_a_nan_scale_and_unpack_to_nan(tk, device) -> None:
+def test_triton_non_finite_vectors_get_a_nan_scale_and_unpack_to_nan(fp8_tk, device) -> None:
     rows = torch.tensor([[1.0, float("inf"), 2.0], [float("nan"), 1.0, 0.0], [-float("inf"), 0.0, 0.0],
                          [1.0, 2.0, 4.0]], dtype=torch.bfloat16, device=device)
     for kernel in KERNELS:
@@ -339,7 +362,7 @@ def test_triton_non_finite_vectors_get_a_nan_scale_and_unpack_to_nan(tk, device)
             assert bool(torch.isnan(out[:3]).all()) and out[3].tolist() == [1.0, 2.0, 4.0]
 
 
-def test_triton_gather_packed_rows_equals_torch_bit_for_bit(tk, gen, device) -> None:
+def test_triton_gather_packed_rows_equals_torch_bit_for_bit(fp8_tk, gen, device) -> None:
     buf = hnd_buf(gen)
     scatter_rows(buf, [7, 5, 2, 0], 3, mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
     buf = buf.to(device)
@@ -348,7 +371,7 @@ def test_triton_gather_packed_rows_equals_torch_bit_for_bit(tk, gen, device) -> 
     assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
 
 
-def test_triton_scatter_packed_rows_equals_torch_and_writes_only_the_named_slots(tk, gen, device) -> None:
+def test_triton_scatter_packed_rows_equals_torch_and_writes_only_the_named_slots(fp8_tk, gen, device) -> None:
     buf = hnd_buf(gen).to(device)
     before = buf.clone()
     packed = pack_rows(mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))
@@ -417,3 +440,22 @@ def test_bench_row_format_prints_every_operation_against_the_copy() -> None:
     assert ops == ["copy", "pack_rows", "unpack_rows", "gather_rows", "gather_packed", "scatter_rows",
                    "scatter_packed", "select_blocks", "pack_blocks", "unpack_blocks"]
     assert lines[3].endswith("1.00 [1.00, 1.00]")  # the copy against itself
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_packed_gather_and_scatter_follow_a_permuted_page_view(kernel, fp8_tk, gen, device) -> None:
+    # pages stored [pages, tpb, 2, Hkv, D] and viewed HND: strides no longer row-major
+    store = poison(gen, 8, 4, 2, 2, 16, device=device)
+    buf = store.permute(0, 2, 3, 1, 4)
+    assert buf.shape == (8, 2, 2, 4, 16) and not buf.is_contiguous()
+    rows = mixed_rows(gen, 6, 2, 2, 16, dtype=torch.bfloat16).to(device)
+    before = store.clone()
+    packed = pack_rows(rows, kernel="torch")
+    scatter_packed_rows(buf, [6, 1, 3], 2, packed, kernel=kernel)  # keys 2..7: page 6 slots 2-3, page 1
+    expect = before.permute(0, 2, 3, 1, 4).clone()
+    scatter_rows(expect, [6, 1, 3], 2, unpack_rows(packed, kernel="torch"))
+    assert torch.equal(bits(buf), bits(expect))
+    again = gather_packed_rows(buf, [6, 1, 3], 2, 8, kernel=kernel)
+    plain = pack_rows(gather_rows(buf, [6, 1, 3], 2, 8), kernel="torch")
+    assert torch.equal(bits(again.payload), bits(plain.payload))
+    assert torch.equal(bits(again.scales), bits(plain.scales))

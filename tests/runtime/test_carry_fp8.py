@@ -19,11 +19,10 @@ def model():
     return tiny_model(seed=11)
 
 
-def fp8_engine(model, row_dtype="fp8", blocks=None, host_memory=0, **overrides):
-    """An engine whose runtime stores carried rows as `row_dtype` (the pool holds bf16);
-    `blocks` sets a device budget of that many bf16 blocks' bytes."""
+def fp8_engine(model, row_dtype="fp8", memory=None, host_memory=0, **overrides):
+    """An engine whose runtime stores carried rows as `row_dtype` (the pool holds bf16), with a
+    device budget of `memory` bytes (None: the process setting)."""
     eng = engine(model, **overrides)
-    memory = None if blocks is None else blocks * eng.drafter_pool.block_nbytes
     eng.runtime = CarryRuntime(eng, eng.config.policy, slots=None, memory=memory, eviction="lrd",
                                host_memory=host_memory, share=False, row_dtype=row_dtype)
     return eng
@@ -101,13 +100,12 @@ def test_the_host_tier_holds_the_packed_form_and_gives_the_same_rows_back(model)
     a, b = session_hash("a"), session_hash("b")
     device_only = fp8_engine(model)
     device_only.generate("a", pa, max_new_tokens=6)
-    rows = device_only.runtime.stats().slot_rows
+    rows, one = device_only.runtime.stats().slot_rows, device_only.runtime.stats().bytes_held
     expect = adopted_rows(device_only, a, rows)
-    # a device budget of one entry's packed bytes: b's deposit demotes a to the host tier
-    eng = fp8_engine(model, host_memory="1MiB")
+    # a device budget of exactly a's packed bytes: b's deposit demotes a to the host tier
+    eng = fp8_engine(model, memory=one, host_memory="1MiB")
     eng.generate("a", pa, max_new_tokens=6)
-    one = eng.runtime.stats().bytes_held
-    eng.runtime._store._device.budget_bytes = one  # exactly a's packed bytes
+    assert eng.runtime.stats().bytes_held == one
     eng.generate("b", pb, max_new_tokens=6)
     stats = eng.runtime.stats()
     assert eng.runtime._store.tier(a) == "host" and eng.runtime._store.tier(b) == "device"
@@ -140,3 +138,24 @@ def test_the_cores_pure_python_bytes_equal_the_codecs():
             assert rows_nbytes("fp8", vectors, head_dim) == packed_nbytes(vectors, head_dim)
             rows = torch.zeros(vectors, head_dim, dtype=torch.bfloat16)
             assert pack_rows(rows).nbytes == packed_nbytes(vectors, head_dim)
+
+
+@pytest.mark.parametrize("host_memory", [0, "1MiB"])
+def test_an_fp8_entry_the_pool_cannot_take_back_leaves_as_pool_pressure(model, host_memory):
+    gen = torch.Generator().manual_seed(9)
+    eng = fp8_engine(model, host_memory=host_memory, num_drafter_blocks=8)
+    prompt = random_prompt(gen, 40)
+    result = eng.generate("a", prompt, max_new_tokens=6)
+    a, pool = session_hash("a"), eng.drafter_pool
+    pool.allocate_sequence(500)  # a live sequence holds all but one block: a's 3 blocks cannot come back
+    pool.grow(500, (pool.num_free_blocks - 1) * pool.block_size)
+    turn2 = prompt + result.output + random_prompt(gen, 8)
+    build = eng.runtime.prepare(77, eng.runtime.draw_ticket(), a, turn2, len(prompt))
+    assert build.mode == "blind" and build.outcome.reason == "pool_pressure"
+    stats = eng.runtime.stats()
+    assert stats.evictions["pool_pressure"] == 1 and stats.entries_held == stats.host_entries == 0
+    assert eng.runtime._packed.keys() == [] and eng.runtime._packed.host_keys() == []
+    eng.runtime.release(77)
+    pool.free_sequence(500)
+    eng.runtime.check()
+    pool.check()

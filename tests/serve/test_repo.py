@@ -64,13 +64,13 @@ def test_config_declares_the_tensorrt_llm_style_inputs_and_outputs():
 def test_every_option_round_trips_through_the_configs_parameters():
     options = ServeOptions(drafter_policy="blind", draft_len=3, marconi_min_tokens=0, carry_slots=5,
                            carry_memory="512MiB", carry_eviction="lrd", carry_idle_s=30, carry_share="off",
-                           carry_host_memory="8GiB",
+                           carry_host_memory="8GiB", carry_row_dtype="fp8",
                            max_model_len=1024, max_tokens=7, max_num_seqs=2, device="cuda", max_turn_s=9)
     cfg = parse(render_config(RepoSpec(options=options)))
     params = {k: {"string_value": v.string_value} for k, v in cfg.parameters.items()}
     assert set(params) == {"engine", "drafter_policy", "draft_len", "marconi_min_tokens", "carry_slots",
                            "carry_memory", "carry_eviction", "carry_idle_s", "carry_share",
-                           "carry_host_memory", "max_model_len", "max_tokens", "max_num_seqs", "device", "max_turn_s"}
+                           "carry_host_memory", "carry_row_dtype", "max_model_len", "max_tokens", "max_num_seqs", "device", "max_turn_s"}
     assert ServeOptions.from_parameters(params) == options
     defaults = parse(render_config(RepoSpec())).parameters
     assert ServeOptions.from_parameters({k: v.string_value for k, v in defaults.items()}) == ServeOptions()

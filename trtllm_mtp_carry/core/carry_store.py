@@ -575,24 +575,13 @@ class CarryStore:
             return False
         owner = key if session is None else check_u64("session", session)
         host.check_nbytes(entry, nbytes)
-        nbytes = host.price(entry, nbytes)
-        dropped = self._host_room(nbytes)
-        if dropped is None:
+        lease = self._leases.get(key)
+        held = _Held(entry, nbytes, owner, self._clock(), 0 if lease is None else lease.adoptions + 1)
+        if self._into_host(key, held) != "moved":
             return False
-        if self.host_moves is not None:
-            t0 = time.perf_counter()
-            moved = self.host_moves.demote(entry)
-            self._counts.demote_ms += (time.perf_counter() - t0) * 1e3
-            if not moved:
-                return False
-        for k in dropped:
-            self._drop_host(k, "memory")
-        lease = self._leases.pop(key, None)
-        host.insert(key, _Held(entry, nbytes, owner, self._clock(), 0 if lease is None else lease.adoptions + 1))
+        self._leases.pop(key, None)
         self._note_deposit(key, owner)
         self._counts.host_deposits += 1
-        self._counts.bytes_demoted += nbytes
-        self._counts.peak_host = max(self._counts.peak_host, host.nbytes)
         return True
 
     def tier(self, key: int) -> str | None:
@@ -648,26 +637,38 @@ class CarryStore:
         host = self._host
         if host is None or cause not in DEMOTION_CAUSES:
             return self._remove(key, cause)
-        held = self._entries[key]
+        moved = self._into_host(key, self._entries[key])
+        if moved == "no_room":  # larger than the host budget, or the policy keeps the host's incumbents
+            self._counts.demotions_refused += 1
+        if moved != "moved":  # (or the executor no longer has the rows: nothing to copy) evicted
+            return self._remove(key, cause)
+        self._device.pop(key)
+        self._counts.demotions += 1
+        return None
+
+    def _into_host(self, key: int, held: _Held) -> str:
+        """Put `held` (a device entry leaving, or a deposit the device refused) into the host
+        tier at its host price, its rows copied out by `host_moves.demote`: `moved`; else
+        nothing changed, `no_room` (larger than the host budget, or the policy keeps the
+        host's incumbents) or `gone` (the executor no longer holds the rows)."""
+        host = self._host
+        assert host is not None
         nbytes = host.price(held.entry, held.nbytes)
         dropped = self._host_room(nbytes)
-        if dropped is None:  # larger than the host budget, or the policy keeps the host's incumbents
-            self._counts.demotions_refused += 1
-            return self._remove(key, cause)
+        if dropped is None:
+            return "no_room"
         if self.host_moves is not None:
             t0 = time.perf_counter()
             moved = self.host_moves.demote(held.entry)
             self._counts.demote_ms += (time.perf_counter() - t0) * 1e3
-            if not moved:  # the executor no longer has the rows (nothing to copy): a plain eviction
-                return self._remove(key, cause)
+            if not moved:
+                return "gone"
         for k in dropped:
             self._drop_host(k, "memory")  # the host tier has no slot cap: room is always memory
-        self._device.pop(key)
         host.insert(key, replace(held, nbytes=nbytes))
-        self._counts.demotions += 1
         self._counts.bytes_demoted += nbytes
         self._counts.peak_host = max(self._counts.peak_host, host.nbytes)
-        return None
+        return "moved"
 
     def _drop_host(self, key: int, cause: str) -> bool:
         """`key`'s host entry leaves the store for `cause` (counted; `host_moves.drop` frees its copy)."""

@@ -10,7 +10,7 @@ both executors gather, one (row, K/V, head) vector of `D` values::
 
     rows    [n, 2, Hkv, D] bf16      ->  payload [n, 2, Hkv, D] float8_e4m3fn
                                          scales  [n, 2, Hkv]    float32
-    bytes   n*2*Hkv*D*2              ->  n*2*Hkv*D*1 + n*2*Hkv*4   (D=128: 0.516x)
+    bytes   n*2*Hkv*D*2              ->  n*2*Hkv*D*1 + n*2*Hkv*4   (D=256: 0.508x, D=128: 0.516x)
 
 Format (what `pack_rows` writes, bit for bit):
 - `scale = max(amax(|v|) / 448, 2**-126)` in float32, where 448 is e4m3fn's
@@ -40,10 +40,11 @@ Invariants:
 
 Kernels: `kernel="torch"` is plain torch (CPU, and anywhere); `kernel="triton"`
 runs `triton_kernels.fp8_pack_kernel`/`fp8_unpack_kernel`, one pass over the
-bytes. The default (`None`) is Triton for CUDA tensors, unless
-`$TRTLLM_MTP_CARRY_KERNELS=aot` (the plugins' AOT kernels have no FP8 twin, so
-the torch path runs), and torch elsewhere, as `ops.py` picks. Both give the
-same bits for finite vectors.
+bytes. The default (`None`) is Triton for CUDA tensors on a GPU with float8
+conversions (compute capability 8.9 or later: Ada, Hopper, Blackwell, GB10),
+unless `$TRTLLM_MTP_CARRY_KERNELS=aot` (the plugins' AOT kernels have no FP8
+twin), and torch elsewhere (CPU, an A100: Triton cannot convert to float8
+below 8.9). Both give the same bits for finite vectors.
 
 The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
@@ -53,6 +54,7 @@ rows from them into the same `[rows, 2, Hkv, D]` packed form, and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,6 +65,7 @@ from .ops import cuda_kernels
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "FP8_TRITON_MIN_CAPABILITY",
     "PACKABLE_DTYPES",
     "SCALE_FLOOR",
     "PackedRows",
@@ -143,7 +146,7 @@ class PackedRows:
                 + self.scales.numel() * self.scales.element_size())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
-        """The same packed rows on `device` (self when already there)."""
+        """The same packed rows on `device` (sharing the tensors when they are there already)."""
         return PackedRows(self.payload.to(device, non_blocking=non_blocking),
                           self.scales.to(device, non_blocking=non_blocking), self.dtype)
 
@@ -174,10 +177,20 @@ def _check_rows(rows: torch.Tensor) -> None:
         raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
 
 
+#: The least compute capability whose Triton converts float32 to float8 e4m3 (`cvt...e4m3x2`).
+FP8_TRITON_MIN_CAPABILITY = (8, 9)
+
+
+@functools.cache
+def _has_fp8_cvt(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= FP8_TRITON_MIN_CAPABILITY
+
+
 def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
     """The implementation that packs/unpacks `t`: `kernel` when given, else by device (see the header)."""
     if kernel is None:
-        return "triton" if t.is_cuda and cuda_kernels() == "triton" else "torch"
+        cuda = t.is_cuda and cuda_kernels() == "triton"
+        return "triton" if cuda and _has_fp8_cvt(t.device.index or 0) else "torch"
     if kernel not in ("torch", "triton"):
         raise ValueError(f"kernel must be 'torch', 'triton' or None, got {kernel!r}")
     return kernel

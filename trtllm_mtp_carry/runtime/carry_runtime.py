@@ -36,6 +36,11 @@ Invariants:
   the store charges a shared block once. Sharing changes no row anyone reads,
   so adoption and its ownership checks are unchanged: an entry is adopted only
   by its own key, and a shared block is copied before anyone writes into it.
+- Row format (`carry_row_dtype`): with `bf16` entries stay in the pool's blocks
+  (below); with `fp8` each is packed out of the pool at deposit, its blocks freed,
+  and unpacked into fresh blocks on adoption (`packed_rows.PackedCarry`): the
+  store is charged the packed bytes, the pool carries nothing, and `check()`
+  proves each tier's entries are exactly the packed copies.
 - The store and the pool carry the same keys in the same order (`check()`);
   live sequences always win: a pool grow that runs short evicts carried
   entries in the store's victim order (counted as `pool_pressure`) before any
@@ -717,7 +722,11 @@ class CarryRuntime:
         assert entry is not None
         blocks = len(entry.block_table) if self._packed is None else -(-entry.rows // pool.block_size)
         if blocks > pool.num_free_blocks + pool.num_carried_blocks:
-            self._store.evict(key, "pool_pressure")
+            gone = self._store.evict(key, "pool_pressure")
+            if gone is not None:  # an fp8 device entry: its packed copy goes with it
+                self._free(gone)
+            if self._store.tier(key) == "host":  # demoted instead: it could not come back either
+                self._store.evict(key, "pool_pressure")
 
     # ---- carried entries (the seam with the engine: signatures are stable) -----
 
