@@ -252,3 +252,17 @@ def test_info_reports_what_the_worker_reserves_and_how_the_kv_cache_is_sized(
     assert main(["info", "--llm-config", str(path)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TensorRT-LLM worker reserves"))
     assert f"{1 << 30} B device, {2 << 30} B host" in line and size in line
+
+
+def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
+    from standin_helpers import make_llm
+
+    from trtllm_mtp_carry.trtllm import attach
+
+    llm, _ = make_llm("blind")
+    carry = attach(llm, {"carry_slots": 8, "carry_memory": 1000, "carry_host_memory": 600})
+    reserved = carry.manager.reserved
+    # rounded down to whole 256-byte rows: 3 rows on the device, 2 on the host
+    assert (reserved.device.nbytes, reserved.host.nbytes) == (768, 512)
+    assert carry.info()[-1][:2] == ("carry reserved", "768 B device, 512 B host")
+    assert carry.stats()["reserved_bytes"] == 768

@@ -153,7 +153,16 @@ class CarryAttachment:
              "mtp_carry.carry_slots" if self.options.carry_slots else "carry_slots()"),
             ("carry memory (carry_memory)", str(self.options.carry_memory), "bytes"),
             ("MTP layer", where, f"tokens_per_block={self.tokens_per_block}"),
+            ("carry reserved", self._reserved(),
+             "bytes held at attach, after TensorRT-LLM sized its KV cache (README: Memory)"),
         ]
+
+    def _reserved(self) -> str:
+        reserved = None if self.manager is None else self.manager.reserved
+        if reserved is None:
+            return "0 B device, 0 B host"
+        host = 0 if reserved.host is None else reserved.host.nbytes
+        return f"{reserved.device.nbytes} B device, {host} B host"
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, CarryAttachment] = weakref.WeakKeyDictionary()
