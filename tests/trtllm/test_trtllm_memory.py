@@ -266,3 +266,41 @@ def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
     assert (reserved.device.nbytes, reserved.host.nbytes) == (768, 512)
     assert carry.info()[-1][:2] == ("carry reserved", "768 B device, 512 B host")
     assert carry.stats()["reserved_bytes"] == 768
+
+
+@pytest.mark.parametrize(("row_dtype", "row"), [("bf16", ROW), ("fp8", 2 * 2 * 32 + 2 * 2 * 4)])
+def test_both_tiers_serve_from_their_arenas_bit_for_bit_and_outputs_stay_the_same(row_dtype: str, row: int) -> None:
+    """The device arena holds one session's first turn (at most 559 rows), the host arena all
+    four: every warm turn adopts, some from the host tier, and the outputs are TensorRT-LLM's."""
+    from standin_helpers import make_llm, quote_sessions, run_turns
+
+    from trtllm_mtp_carry.trtllm import attach
+
+    sessions = quote_sessions(4)
+    blind, _ = make_llm("blind")
+    want = {c: [r.output for r in t] for c, t in run_turns(blind, sessions, 2, 48).items()}
+    llm, _ = make_llm("blind")
+    carry = attach(llm, {"carry_slots": 8, "carry_memory": 560 * row, "carry_host_memory": 4 * 560 * row,
+                         "carry_row_dtype": row_dtype})
+    got = run_turns(llm, sessions, 2, 48)
+    assert {c: [r.output for r in t] for c, t in got.items()} == want
+    stats = carry.stats()
+    assert stats["outcomes"]["adopted"] == 4 and stats["hits"]["host"] >= 1
+    assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (560 * row, 4 * 560 * row)
+    assert stats["refusals"]["oom"] == 0
+    carry.manager.carried.check()  # entries and arena extents agree, the extents tile each arena
+    llm.executor.check()
+
+
+def test_a_taken_entry_s_view_holds_its_rows_until_the_next_deposit_reuses_its_blocks() -> None:
+    arena = _arena(4)
+    carried = CarriedRows(None, 4 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=arena)
+    a = _rows(4, 1)
+    assert carried.deposit(1, list(range(5)), a)
+    taken = carried.take(1)
+    assert carried.stats()["bytes_held"] == 0 and arena.blocks_held == 4  # released lazily
+    carried.forget(7)  # another session's end frees nothing of it
+    assert torch.equal(taken.rows, a)
+    assert carried.deposit(2, list(range(5)), _rows(4, 2))  # the next deposit takes the blocks
+    assert arena.blocks_held == 4 and torch.equal(carried.take(2).rows, _rows(4, 2))
+    carried.check()
