@@ -203,6 +203,13 @@ class RowArena:
         else:
             assert isinstance(view, torch.Tensor)
             view.copy_(rows)
+        if self.storage.is_cuda:
+            # the rows were gathered on the draft pool's stream and are copied here on the
+            # current one: the allocator must not hand their memory out again before it ran
+            stream = torch.cuda.current_stream(self.storage.device)
+            for t in (rows.payload, rows.scales) if isinstance(rows, PackedRows) else (rows,):
+                if t.is_cuda:
+                    t.record_stream(stream)
         return True
 
     def get(self, key: int) -> Rows:
