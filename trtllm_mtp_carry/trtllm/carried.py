@@ -36,6 +36,13 @@ Invariants:
   manager gathers packed and scatters unpacked, fused with the page copy); the
   store charges what is held, `PackedRows.nbytes` (payload plus scales), and the
   host tier holds the same packed form.
+- Memory (`arena`, `host_arena`: `trtllm/arena.py`, reserved when the carry is
+  installed): a deposit copies its rows into the device arena and a demotion into
+  the host arena, one block per row, so the store's budget is the arena's size; an
+  entry's rows are views of its extent. A deposit whose rows cannot be placed (an
+  allocation failure) is refused as `oom` (`CarryStore.refuse`: counted, logged
+  once), never raised; what the store holds stays adoptable. Without arenas the
+  entries hold the tensors given (as before; tests of the store logic).
 """
 
 from __future__ import annotations

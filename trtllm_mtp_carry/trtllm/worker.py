@@ -18,7 +18,10 @@ after `DRAFT_KV_CACHE_MANAGER` in prepare (its pages exist), before it in free
 (its pages are still live), before the executor exists, so before any request.
 With KV cache estimation the executor is built twice over one `resources` dict
 (the KV managers torn down and rebuilt in between): each build gets a fresh
-carry manager bound to that build's draft manager.
+carry manager bound to that build's draft manager. The first build reserves the
+carry's memory (`trtllm/arena.py`: `carry_memory` device bytes, `carry_host_memory`
+host bytes) before `configure_kv_cache_capacity` measures the free memory, so the
+KV cache is sized around it; the second build's manager takes the same arenas over.
 
 Turn it on: `TRTLLM_MTP_CARRY_WORKER=<file>` (a YAML file with an `mtp_carry:`
 section; `1` for the defaults) in the environment of the process that starts
@@ -34,8 +37,8 @@ Invariants:
 - The carry file is read at interpreter start (`boot`): a missing or invalid file is
   one line there (stderr and the `trtllm_mtp_carry` logger) and no hook, and
   nothing more at executor creation.
-- At executor creation it prints one line: what it installed, or why the carry
-  stands aside; no exception of any type leaves the hook into TensorRT-LLM's
+- At executor creation it prints one line: what it installed and the bytes it
+  reserved, or why the carry stands aside (no room for the arenas is one such line); no exception of any type leaves the hook into TensorRT-LLM's
   executor creation or the interpreter start (an unexpected one is that one
   stand-aside line naming it, and the executor is built without the carry).
 - The carry is added only on the unpaired topology (see `probe.probe_managers`).
