@@ -220,6 +220,13 @@ def test_an_injected_allocation_failure_in_the_worker_is_refused_as_oom_and_noth
     assert stats["deposits"] == 2 and stats["skipped"]["gap"] == 1
     manager.carried.check()
     llm.executor.check()
+    from trtllm_mtp_carry.trtllm.metrics import WorkerMetrics
+
+    exporter = WorkerMetrics(0)  # what the worker's Prometheus endpoint serves
+    exporter.bind(manager)
+    text = exporter.render()
+    assert any(x.endswith('field="refusals.oom"} 1') for x in text.splitlines()), text
+    assert any(x.endswith(f'field="reserved_bytes"}} {CARRY}') for x in text.splitlines())
 
 
 def test_the_store_and_the_arena_charge_the_same_bytes() -> None:
