@@ -146,6 +146,11 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "carry_host_memory": settings.carry_host_memory(),
         "carry_host_memory_source": settings.CARRY_HOST_MEMORY.source,
         "carry_row_dtype": settings.carry_row_dtype(),
+        # what the TensorRT-LLM adapter reserves at install (trtllm/arena.py; rounded down to whole rows)
+        "trtllm_reserved_device_bytes": _trtllm_default_carry_memory(),
+        "trtllm_reserved_host_bytes": settings.carry_host_memory(),
+        "trtllm_kv_cache_size": "estimated: free_gpu_memory_fraction (default 0.9) of the memory free "
+                                "after the carry's arena",
         "carry_row_dtype_source": settings.CARRY_ROW_DTYPE.source,
         "carry_eviction": settings.carry_eviction(),
         "carry_eviction_source": settings.CARRY_EVICTION.source,
@@ -162,6 +167,12 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
     }
 
 
+def _trtllm_default_carry_memory() -> int:
+    from .trtllm.options import DEFAULT_CARRY_MEMORY
+
+    return DEFAULT_CARRY_MEMORY
+
+
 def llm_config_report(path: str) -> dict[str, object]:
     """What a TensorRT-LLM `llm.yaml` (extra_llm_api_options) gives the carry on a Qwen3-Next
     (hybrid) target: its block reuse and snapshot placement over the model's defaults, and
@@ -173,7 +184,16 @@ def llm_config_report(path: str) -> dict[str, object]:
     kv = kv_cache_config_of(rest)
     state = kv["mamba_state_config"]
     aside = None if options.enable else "not configured (mtp_carry.enable is false)"
+    raw = rest.get("kv_cache_config") or {}
+    fixed = [f"{k}={raw[k]}" for k in ("max_gpu_total_bytes", "max_tokens") if raw.get(k)]
+    fraction = raw.get("free_gpu_memory_fraction", 0.9)
+    size = (f"fixed ({', '.join(fixed)}): the carry's reservation is on top of it" if fixed else
+            f"estimated: free_gpu_memory_fraction={fraction} of the memory free after the carry's arena")
+    host = settings.carry_host_memory() if options.carry_host_memory is None else options.carry_host_memory
     return {
+        "trtllm_reserved_device_bytes": options.carry_memory if options.enable else 0,
+        "trtllm_reserved_host_bytes": host if options.enable else 0,
+        "trtllm_kv_cache_size": size,
         "llm_config": path,
         "llm_config_block_reuse": kv["enable_block_reuse"],
         "llm_config_snapshot_placement": ", ".join(f"{k}={v}" for k, v in sorted(state.items())) or "none",
@@ -216,6 +236,9 @@ def cmd_info(args: argparse.Namespace) -> int:
          settings.format_bytes(host_bytes) if (host_bytes := settings.carry_host_memory()) else "none",
          report["carry_host_memory_source"]),
         ("carry row format (carry_row_dtype)", report["carry_row_dtype"], report["carry_row_dtype_source"]),
+        ("TensorRT-LLM worker reserves", f"{report['trtllm_reserved_device_bytes']} B device, "
+         f"{report['trtllm_reserved_host_bytes']} B host",
+         "before KV cache estimation measures free memory; KV cache size: " + str(report["trtllm_kv_cache_size"])),
         ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
         ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",
          report["carry_idle_s_source"]),

@@ -38,7 +38,7 @@ def test_a_deposit_larger_than_the_budget_is_refused_as_too_large():
     store = CarryStore(budget_bytes=30, policy="lrd")
     deposit(store, 1)
     assert store.admit(2, 31) is None
-    assert keys(store) == [1] and store.refusals() == {"not_admitted": 0, "too_large": 1}
+    assert keys(store) == [1] and store.refusals() == {"not_admitted": 0, "too_large": 1, "oom": 0}
     assert store.miss_reason(2) == "too_large"
 
 
@@ -55,7 +55,7 @@ def test_incumbent_refuses_newcomers_and_a_returning_key_evicts_the_newest():
     assert deposit(store, 1, nbytes=15) == [4, 3]  # key 1 comes back larger: newest entries give way
     assert keys(store) == [2, 1] and store.bytes_held == 25
     assert store.evictions() == zeros(memory=2)
-    assert store.refusals() == {"not_admitted": 1, "too_large": 0}
+    assert store.refusals() == {"not_admitted": 1, "too_large": 0, "oom": 0}
     assert store.miss_reason(4) == "memory"
 
 
@@ -204,7 +204,7 @@ def test_charged_by_block_the_incumbent_admits_a_newcomer_whose_new_blocks_fit()
     assert deposit_blocks(store, 3, [0, 1, 2, 5]) is None  # block 5 does not fit
     assert store.miss_reason(3) == "not_admitted"
     assert deposit_blocks(store, 4, list(range(10, 15))) is None  # 50 bytes alone: too large
-    assert store.refusals() == {"not_admitted": 1, "too_large": 1}
+    assert store.refusals() == {"not_admitted": 1, "too_large": 1, "oom": 0}
 
 
 def test_a_store_charged_by_block_needs_the_deposits_blocks():

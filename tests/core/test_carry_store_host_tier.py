@@ -252,7 +252,7 @@ def test_a_newcomer_the_device_refuses_goes_straight_to_the_host_tier_and_is_ado
     assert store.deposit_host(entry(3), 10, session=30)
     assert moves.calls == [("demote", 3)] and host_keys(store) == [3] and keys(store) == [1, 2]
     assert store.tier(3) == "host" and store.deposits == 3
-    assert store.refusals() == {"not_admitted": 1, "too_large": 0}  # the device's refusal stays counted
+    assert store.refusals() == {"not_admitted": 1, "too_large": 0, "oom": 0}  # the device's refusal stays counted
     t = store.tier_stats()
     assert (t.host_deposits, t.demotions, t.bytes_demoted, t.host_bytes_held) == (1, 0, 10, 10)
     prompt = list(range(100, 104)) + [1, 2, 3]

@@ -78,7 +78,7 @@ def test_sessions_round_robin_under_a_tiny_device_budget_adopt_from_host_and_kee
     assert stats.evictions == zeros() and stats.adoptions == 6
     assert stats.peak_device_bytes == 5 * eng.drafter_pool.block_nbytes
     assert stats.peak_host_bytes == 2 * 5 * eng.drafter_pool.block_nbytes  # two third-turn entries
-    assert stats.demotions == 8 and stats.refusals == {"not_admitted": 0, "too_large": 0}
+    assert stats.demotions == 8 and stats.refusals == {"not_admitted": 0, "too_large": 0, "oom": 0}
 
 
 def test_without_a_host_tier_the_same_turns_miss_for_memory(model):
@@ -178,7 +178,7 @@ def test_a_newcomer_the_device_budget_refuses_waits_in_host_memory_and_adopts_fr
     b = session_hash("b")
     assert [e.session_hash for e in eng.runtime._store.host_entries] == [b]
     stats = eng.runtime.stats()
-    assert stats.refusals == {"not_admitted": 1, "too_large": 0} and stats.host_deposits == 1
+    assert stats.refusals == {"not_admitted": 1, "too_large": 0, "oom": 0} and stats.host_deposits == 1
     assert stats.deposits == 2 and eng.drafter_pool.carried_keys() == (session_hash("a"),)
     check_all(eng)
     b2_prompt = b1.prompt + b1.output + random_prompt(gen, 4)

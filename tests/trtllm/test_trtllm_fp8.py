@@ -48,7 +48,7 @@ def test_the_host_tier_holds_the_packed_form_and_gives_it_back_bit_for_bit():
     assert carried.deposit(12, list(range(12)), packed_of(2))  # 11 is demoted, packed
     stats = carried.stats()
     assert (stats["host_entries"], stats["host_bytes_held"], stats["bytes_demoted"]) == (1, one, one)
-    assert isinstance(carried._host[11][0], PackedRows)
+    assert isinstance(carried._host[11], PackedRows)
     carried.check()
     assert same(carried.take(11).rows, packed_of(1))
     assert carried.stats()["bytes_restored"] == one

@@ -98,7 +98,7 @@ def test_a_deposit_the_incumbents_refuse_waits_in_host_memory():
     assert carried.deposit(11, list(range(12)), rows_of(1))
     assert carried.deposit(12, list(range(12)), rows_of(2))  # refused on the device, kept in host memory
     stats = carried.stats()
-    assert stats["refusals"] == {"not_admitted": 1, "too_large": 0} and stats["host_deposits"] == 1
+    assert stats["refusals"] == {"not_admitted": 1, "too_large": 0, "oom": 0} and stats["host_deposits"] == 1
     assert (stats["entries"], stats["host_entries"], stats["deposits"]) == (1, 1, 2)
     carried.check()
     assert torch.equal(carried.take(12).rows, rows_of(2))

@@ -241,7 +241,7 @@ def test_memory_budget_and_slots_bound_the_store_and_a_newcomer_that_does_not_fi
     # store's default policy (incumbent) keeps them and refuses the third, as the runtime's does
     assert stats["deposits"] == 2 and stats["entries"] == 2 and stats["rows_held"] == 2 * 143
     assert stats["evictions"] == dict.fromkeys(stats["evictions"], 0)
-    assert stats["refusals"] == {"not_admitted": 1, "too_large": 0}
+    assert stats["refusals"] == {"not_admitted": 1, "too_large": 0, "oom": 0}
     assert stats["bytes_held"] == 2 * 143 * row_bytes
     held = carry.manager.carried
     assert held.get(session_key_for("m1")) is not None and held.get(session_key_for("m3")) is None

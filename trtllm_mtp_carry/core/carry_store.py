@@ -117,8 +117,10 @@ DEMOTION_CAUSES: tuple[str, ...] = ("capacity", "memory", "pool_pressure")
 TIERS: tuple[str, ...] = ("device", "host")
 """The store's tiers, in the order per-tier counters list them."""
 
-REFUSAL_CAUSES: tuple[str, ...] = ("not_admitted", "too_large")
-"""Why a deposit was refused (nothing evicted), in the order counters list them."""
+REFUSAL_CAUSES: tuple[str, ...] = ("not_admitted", "too_large", "oom")
+"""Why a deposit was refused, in the order counters list them: the store's own decisions
+(`not_admitted`, `too_large`: nothing evicted) and the executor's (`oom`: an admitted
+deposit whose rows could not be allocated, `refuse`)."""
 
 MISS_MEMORY = 65536
 """How many absent keys the store remembers a miss reason for, and at most how many leases
@@ -394,6 +396,15 @@ class CarryStore:
         gone = (self._remove(k, "replaced") if k == key else self._leave_device(k, self._room_cause())
                 for k in room.gone)  # the cause is read per entry, as each leaves
         return [e for e in gone if e is not None]
+
+    def refuse(self, key: int, cause: str = "oom") -> None:
+        """The executor could not hold the rows of `key`'s admitted deposit (`oom`: an allocation
+        failed): the refusal is counted, `miss_reason(key)` says `oom`, and the key's lease is
+        dropped. Call between `admit` and `put`, instead of `put` (what `admit` evicted stays evicted)."""
+        check_u64("key", key)
+        if cause != "oom":
+            raise ValueError(f"the executor refuses a deposit only as 'oom', got {cause!r}")
+        self._refuse(key, cause)
 
     def make_room(self, session_hash: int, nbytes: int = 0,
                   blocks: Sequence[int] | None = None) -> list[CarriedDrafter]:

@@ -58,6 +58,7 @@ NO_CARRY_REASONS: tuple[str, ...] = (
     "cleared",  # evicted: the runtime dropped every entry
     "not_admitted",  # the last deposit was refused: the store was full of incumbents
     "too_large",  # the last deposit was refused: its rows exceed the whole budget
+    "oom",  # the last deposit was refused: its rows could not be allocated (the executor said so)
     "not_deposited",  # the last turn adopted the rows and ended without depositing them
 )
 """Why a session's own carried entry was absent, in the order counters list them."""

@@ -153,7 +153,16 @@ class CarryAttachment:
              "mtp_carry.carry_slots" if self.options.carry_slots else "carry_slots()"),
             ("carry memory (carry_memory)", str(self.options.carry_memory), "bytes"),
             ("MTP layer", where, f"tokens_per_block={self.tokens_per_block}"),
+            ("carry reserved", self._reserved(),
+             "bytes held at attach, after TensorRT-LLM sized its KV cache (README: Memory)"),
         ]
+
+    def _reserved(self) -> str:
+        reserved = None if self.manager is None else self.manager.reserved
+        if reserved is None:
+            return "0 B device, 0 B host"
+        host = 0 if reserved.host is None else reserved.host.nbytes
+        return f"{reserved.device.nbytes} B device, {host} B host"
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, CarryAttachment] = weakref.WeakKeyDictionary()
@@ -182,7 +191,12 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
     if armed:
         assert probe.mtp_layer is not None  # runnable implies a draft manager with its MTP layer
         base = _base_resource_manager(probe.draft)
-        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, opts)
+        from .arena import reserve_for
+
+        # in-process, the executor (and its KV cache) exists already: the arena comes out of
+        # the headroom TensorRT-LLM left, reserved now rather than one deposit at a time
+        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, opts,
+                                            reserved=reserve_for(probe.draft, probe.mtp_layer, opts))
         probe.resource_manager.resource_managers[CARRY_MANAGER_KEY] = manager  # after DRAFT_KV
     attachment = CarryAttachment(probe.topology, armed, reason, opts, probe.version,
                                  probe.mtp_layer, probe.tokens_per_block, manager,

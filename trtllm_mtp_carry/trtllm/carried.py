@@ -36,10 +36,18 @@ Invariants:
   manager gathers packed and scatters unpacked, fused with the page copy); the
   store charges what is held, `PackedRows.nbytes` (payload plus scales), and the
   host tier holds the same packed form.
+- Memory (`arena`, `host_arena`: `trtllm/arena.py`, reserved when the carry is
+  installed): a deposit copies its rows into the device arena and a demotion into
+  the host arena, one block per row, so the store's budget is the arena's size; an
+  entry's rows are views of its extent. A deposit whose rows cannot be placed (an
+  allocation failure) is refused as `oom` (`CarryStore.refuse`: counted, logged
+  once), never raised; what the store holds stays adoptable. Without arenas the
+  entries hold the tensors given (as before; tests of the store logic).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,9 +60,21 @@ from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
 from ..dataplane.row_format import PackedRows
+from .arena import HeldRows, RowArena
+
+logger = logging.getLogger("trtllm_mtp_carry")
 
 Rows = torch.Tensor | PackedRows
 """An entry's rows `[n, 2, Hkv, D]`: as gathered (bf16), or packed (fp8)."""
+
+
+def _host_copy(rows: Rows) -> Rows:
+    """`rows` copied to host memory (pinned when they are on a GPU), blocking."""
+    if isinstance(rows, PackedRows):
+        return rows.to("cpu").pin_memory() if rows.device.type == "cuda" else rows.to("cpu")
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+    host.copy_(rows)  # blocking: the device rows may be reused as soon as they are dropped
+    return host
 
 
 def _nbytes(rows: Rows) -> int:
@@ -80,13 +100,18 @@ class CarriedRows:
 
     def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent",
                  idle_s: float | None = None, host_budget_bytes: int | None = None,
-                 row_dtype: str | None = None) -> None:
+                 row_dtype: str | None = None, arena: RowArena | None = None,
+                 host_arena: RowArena | None = None) -> None:
         host = carry_host_memory() if host_budget_bytes is None else host_budget_bytes
         self.row_dtype = carry_row_dtype() if row_dtype is None else check_row_dtype(row_dtype, "row_dtype")
         self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s,
                                  host_budget_bytes=host)
-        self._rows: dict[int, Rows] = {}
-        self._host: dict[int, tuple[Rows, torch.device]] = {}  # key -> (host rows, their device)
+        self._rows = HeldRows(arena)  # device rows: in the arena when one is reserved
+        self._host = HeldRows(host_arena)  # host tier rows: in the pinned arena when one is reserved
+        self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
+        self.arena = arena
+        self.host_arena = host_arena
+        self._oom_logged = False
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
         if host:
             self._store.host_moves = self
@@ -117,7 +142,9 @@ class CarriedRows:
         """Remove `key`'s entry for adoption; RuntimeError if it has none."""
         with self._lock:
             entry = self._store.take(key)
-            return TakenRows(entry, self._rows.pop(key))
+            rows = self._rows.pop(key)
+            assert rows is not None
+            return TakenRows(entry, rows)
 
     def end_lease(self, key: int, reason: str = "not_deposited") -> None:
         """The request that adopted `key`'s rows ended without depositing them."""
@@ -148,9 +175,22 @@ class CarriedRows:
                 return n > 0 and self._deposit_host(key, tokens, rows, nbytes, session)
             for old in evicted:
                 del self._rows[old.session_hash]
+            try:
+                self._rows.put(key, rows)  # into the arena: the one allocation a deposit makes
+            except torch.OutOfMemoryError as exc:
+                self._refuse_oom(key, exc)
+                return False
             self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes, session)
-            self._rows[key] = rows
             return True
+
+    def _refuse_oom(self, key: int, exc: BaseException) -> None:
+        """An allocation for `key`'s deposit failed: refused as `oom` (counted; logged once), the
+        carry goes on with what it holds."""
+        self._store.refuse(key, "oom")
+        if not self._oom_logged:
+            self._oom_logged = True
+            logger.warning("mtp carry: a deposit was refused as oom (%s); the carry keeps serving with "
+                           "what it holds; later ones are counted in refusals.oom, not logged", exc)
 
     def forget(self, session: int) -> int:
         """Drop conversation `session`'s rows under every salt, and its leases (the session
@@ -185,6 +225,8 @@ class CarriedRows:
                 "evictions": self._store.evictions(),
                 "row_dtype": self.row_dtype,
                 "refusals": self._store.refusals(),
+                "reserved_bytes": 0 if self.arena is None else self.arena.nbytes,
+                "host_reserved_bytes": 0 if self.host_arena is None else self.host_arena.nbytes,
                 "carry_host_memory": t.host_budget_bytes,
                 "hits": t.hits,
                 "demotions": t.demotions,
@@ -212,33 +254,44 @@ class CarriedRows:
             if host != sorted(self._host):
                 raise RuntimeError(f"host tier entries {host} differ from the host rows held {sorted(self._host)}")
             for e in self._store.host_entries:
-                if self._host[e.session_hash][0].shape[0] != e.rows:
+                if self._host[e.session_hash].shape[0] != e.rows:
                     raise RuntimeError(f"host entry 0x{e.session_hash:016x} has {e.rows} rows, "
-                                       f"holds {self._host[e.session_hash][0].shape[0]}")
+                                       f"holds {self._host[e.session_hash].shape[0]}")
+            for arena in (self.arena, self.host_arena):
+                if arena is not None:
+                    arena.check()
 
     # ---- HostMoves (the store calls these under our lock) --------------------------------
 
     def demote(self, entry: CarriedDrafter) -> bool:
         """Copy `entry`'s rows to host memory (pinned when they are on a GPU); drop the device tensor."""
-        rows = self._rows.pop(entry.session_hash, None)
+        key = entry.session_hash
+        rows = self._rows[key] if key in self._rows else None
         if rows is None:
             return False
-        host: Rows
-        if isinstance(rows, PackedRows):  # the packed form (blocking copies)
-            host = rows.to("cpu").pin_memory() if rows.device.type == "cuda" else rows.to("cpu")
-        else:
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
-            host.copy_(rows)  # blocking: the device tensor may be reused as soon as it is dropped
-        self._host[entry.session_hash] = (host, rows.device)
+        try:
+            if self._host.arena is not None:
+                self._host.put(key, rows)  # a blocking copy into the pinned arena
+            else:
+                self._host.keep(key, _host_copy(rows))
+        except torch.OutOfMemoryError:  # no pinned memory for it: the store evicts it instead
+            return False
+        self._host_device[key] = rows.device
+        del self._rows[key]  # the device blocks go only once the rows are on the host
         return True
 
     def restore(self, entry: CarriedDrafter) -> None:
         """Copy `entry`'s rows back to their device (blocking, so any stream reads finished rows)."""
-        host, device = self._host.pop(entry.session_hash)
-        self._rows[entry.session_hash] = host.to(device)
+        key = entry.session_hash
+        host = self._host.pop(key)
+        assert host is not None
+        # a transient device copy the take hands to the scatter (not in the arena: the
+        # entry is leaving the store); the host view is read before the next host put
+        self._rows.keep(key, host.to(self._host_device.pop(key)))
 
     def drop(self, entry: CarriedDrafter) -> None:
         """Free `entry`'s host rows (it left the store from the host tier)."""
+        self._host_device.pop(entry.session_hash, None)
         if self._host.pop(entry.session_hash, None) is not None:
             self._host_rows_dropped += entry.rows
 
@@ -247,7 +300,7 @@ class CarriedRows:
         """A deposit the device tier refused as `not_admitted` goes to the host tier if it takes it."""
         if self._store.host_moves is None or self._store.miss_reason(key) != "not_admitted":
             return False
-        self._rows[key] = rows  # as a device entry's, for `demote` to copy out
+        self._rows.keep(key, rows)  # as a device entry's (not in the arena), for `demote` to copy out
         if self._store.deposit_host(CarriedDrafter((), rows.shape[0], rows.shape[0] - 1, tokens, key),
                                     nbytes, session):
             return True

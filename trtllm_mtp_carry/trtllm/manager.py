@@ -77,6 +77,7 @@ from ..core import NO_CARRY_REASONS, OUTCOME_KINDS, carry_eviction, carry_idle_s
 from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
+from .arena import Reserved
 from .carried import CarriedRows
 from .identity import conversation_session, request_session, request_session_key
 from .layout import gather_packed_rows, gather_rows, scatter_packed_rows, scatter_rows
@@ -171,15 +172,19 @@ class CarryManagerCore:
     """The carry's resource-manager logic over one draft KV manager's MTP layer (see module doc)."""
 
     def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions,
-                 report: Callable[[str], None] | None = None) -> None:
+                 report: Callable[[str], None] | None = None, reserved: Reserved | None = None) -> None:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
         slots = (carry_slots() or None) if options.carry_slots is None else options.carry_slots
         idle_s = carry_idle_s() or None  # 0: entries never expire
+        # issue 33: the rows live in the arenas reserved at install (trtllm/arena.py)
+        self.reserved = reserved
         self.carried = CarriedRows(slots, options.carry_memory, carry_eviction(), idle_s,
                                    host_budget_bytes=options.carry_host_memory,
-                                   row_dtype=options.carry_row_dtype)
+                                   row_dtype=options.carry_row_dtype,
+                                   arena=None if reserved is None else reserved.device,
+                                   host_arena=None if reserved is None else reserved.host)
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
         self._outcomes: Counter[str] = Counter()

@@ -18,7 +18,10 @@ after `DRAFT_KV_CACHE_MANAGER` in prepare (its pages exist), before it in free
 (its pages are still live), before the executor exists, so before any request.
 With KV cache estimation the executor is built twice over one `resources` dict
 (the KV managers torn down and rebuilt in between): each build gets a fresh
-carry manager bound to that build's draft manager.
+carry manager bound to that build's draft manager. The first build reserves the
+carry's memory (`trtllm/arena.py`: `carry_memory` device bytes, `carry_host_memory`
+host bytes) before `configure_kv_cache_capacity` measures the free memory, so the
+KV cache is sized around it; the second build's manager takes the same arenas over.
 
 Turn it on: `TRTLLM_MTP_CARRY_WORKER=<file>` (a YAML file with an `mtp_carry:`
 section; `1` for the defaults) in the environment of the process that starts
@@ -34,8 +37,8 @@ Invariants:
 - The carry file is read at interpreter start (`boot`): a missing or invalid file is
   one line there (stderr and the `trtllm_mtp_carry` logger) and no hook, and
   nothing more at executor creation.
-- At executor creation it prints one line: what it installed, or why the carry
-  stands aside; no exception of any type leaves the hook into TensorRT-LLM's
+- At executor creation it prints one line: what it installed and the bytes it
+  reserved, or why the carry stands aside (no room for the arenas is one such line); no exception of any type leaves the hook into TensorRT-LLM's
   executor creation or the interpreter start (an unexpected one is that one
   stand-aside line naming it, and the executor is built without the carry).
 - The carry is added only on the unpaired topology (see `probe.probe_managers`).
@@ -143,7 +146,7 @@ def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
     def create_py_executor_instance(*args: Any, **kwargs: Any) -> Any:
         # py_executor_creator passes keywords only (`resources=`, `start_worker=False`, ...)
         if os.environ.get(ENV):  # unset since boot: TensorRT-LLM as is
-            _install(kwargs.get("resources"), standin)
+            _install(kwargs.get("resources"), standin, kwargs.get("llm_args"))
         return original(*args, **kwargs)
 
     create_py_executor_instance.__wrapped__ = original  # type: ignore[attr-defined]
@@ -151,19 +154,24 @@ def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
     return create_py_executor_instance
 
 
-def _install(resources: Any, standin: bool) -> None:
+def _install(resources: Any, standin: bool, llm_args: Any = None) -> None:
     """Add the carry manager to `resources`, or say in one line why not. Never raises: an
     unexpected exception anywhere here (the probe reading a name this build lacks, ...) is
     that one line, and the executor is built without the carry."""
     from . import CARRY_MANAGER_KEY
 
     try:
+        reserved = None
         if isinstance(resources, dict):
             # KV cache estimation builds the executor twice over one `resources` dict, tearing
             # the KV managers down and building them again in between (`create_py_executor`): a
-            # carry manager from the first build holds a torn-down draft manager, never reused
-            resources.pop(CARRY_MANAGER_KEY, None)
-        _install_checked(resources, standin)
+            # carry manager from the first build holds a torn-down draft manager, never reused;
+            # its arenas are: reserved before the estimation measured, they are what it measured
+            old = resources.pop(CARRY_MANAGER_KEY, None)
+            reserved = getattr(old, "reserved", None)
+            if old is not None:
+                old.carried.clear()
+        _install_checked(resources, standin, reserved, llm_args)
     except Exception as exc:
         if isinstance(resources, dict):
             resources.pop(CARRY_MANAGER_KEY, None)
@@ -171,8 +179,9 @@ def _install(resources: Any, standin: bool) -> None:
              "the executor is built without it")
 
 
-def _install_checked(resources: Any, standin: bool) -> None:
+def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_args: Any = None) -> None:
     from . import CARRY_MANAGER_KEY
+    from .arena import reserve_for, torch_allocate
     from .manager import carry_manager_class
     from .options import TrtllmAdapterError
     from .probe import probe_managers
@@ -195,11 +204,19 @@ def _install_checked(resources: Any, standin: bool) -> None:
             return
         assert probe.draft is not None and probe.mtp_layer is not None
         base = _base_resource_manager(probe.draft)
-        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, options, report=_say)
+        if reserved is None:  # the first build: before configure_kv_cache_capacity measures
+            # (the stand-in models a device's memory: its allocator, as torch.cuda's here)
+            memory = getattr(llm_args, "device_memory", None) if standin else None
+            reserved = reserve_for(probe.draft, probe.mtp_layer, options,
+                                   torch_allocate if memory is None else memory.allocate)
+        else:
+            reserved.release_entries()
+        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, options, report=_say,
+                                            reserved=reserved)
         resources[CARRY_MANAGER_KEY] = manager  # where extra_resource_managers go
         _say(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
              f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "
-             f"tokens_per_block {probe.tokens_per_block}): {probe.reason}")
+             f"tokens_per_block {probe.tokens_per_block}): {probe.reason}; {reserved.line()}")
         if options.metrics_port is not None:
             from .metrics import export_worker_metrics
 

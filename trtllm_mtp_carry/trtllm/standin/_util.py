@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ...engine.model import HybridLM
 from ..options import MAMBA_STATE_FIELDS
 from .kv_cache_manager_v2 import DraftKVManager, PagedRows
@@ -39,6 +41,7 @@ from .resource_manager import (
     ResourceManagerType,
     SeqSlotManager,
 )
+from .torch_cuda import StandinDeviceMemory
 
 VERSIONS: dict[str, dict[str, Any]] = {
     # what a hybrid one-model MTP model with block reuse gets, per TensorRT-LLM version (README
@@ -83,6 +86,7 @@ class StandinLlmArgs:
     stop_token_ids: tuple[int, ...] = ()
     extra_resource_managers: dict[str, Any] = field(default_factory=dict)
     pool: PagedRows | None = None  # the one stand-in page pool (draft or folded MTP pages)
+    device_memory: StandinDeviceMemory | None = None  # the modelled device (None: not modelled)
 
 
 def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -> None:
@@ -111,6 +115,45 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
     # as build_managers: the target's entry first, then the draft's (None: no separate pool)
     resources[ResourceManagerType.KV_CACHE_MANAGER] = target
     resources[ResourceManagerType.DRAFT_KV_CACHE_MANAGER] = draft
+
+
+def page_nbytes(llm_args: StandinLlmArgs) -> int:
+    """Bytes of one page of the stand-in's pool `[2, Hkv, tpb, D]` (the KV cache it models)."""
+    cfg = llm_args.model.cfg
+    elt = torch.empty((), dtype=_TORCH_DTYPES[llm_args.kv_dtype]).element_size()
+    return 2 * cfg.num_kv_heads * llm_args.tokens_per_block * cfg.head_dim * elt
+
+
+def configure_kv_cache_capacity(llm_args: StandinLlmArgs, allocated_bytes: int) -> int:
+    """`KvCacheCreator.configure_kv_cache_capacity` (`_util.py` @ 00043967) on the modelled device:
+    `end, total = torch.cuda.mem_get_info()`, `peak = total - end` (the stand-in's dummy run
+    allocates nothing, so the peak is what is held), then `_cal_max_memory`:
+    `(total - peak + allocated_bytes) * free_gpu_memory_fraction` (`allocated_bytes`: the
+    estimation build's KV cache, counted back in), capped by a set `max_gpu_total_bytes`. Called
+    after the first `create_py_executor_instance` under estimation; before the build, with
+    `allocated_bytes` 0, when estimation is skipped (`py_executor` None: `peak = total_used_bytes`)."""
+    memory = llm_args.device_memory
+    assert memory is not None
+    end, total = memory.mem_get_info()
+    peak = total - end
+    config = llm_args.kv_cache_config
+    budget = int((total - peak + allocated_bytes) * config.free_gpu_memory_fraction)
+    if config.max_gpu_total_bytes > 0:
+        budget = min(budget, config.max_gpu_total_bytes)
+    return budget
+
+
+def size_kv_pool(llm_args: StandinLlmArgs, budget: int | None) -> int | None:
+    """Charge the stand-in's pool to the modelled device: `budget // page_nbytes` pages (None: the
+    `num_pages` given), releasing any pool charged before. Returns `budget`."""
+    memory = llm_args.device_memory
+    assert memory is not None
+    memory.release(memory.charged["kv"], "kv")
+    if budget is not None:
+        llm_args.num_pages = budget // page_nbytes(llm_args)
+        llm_args.pool = None  # built again at the new size
+    memory.charge(llm_args.num_pages * page_nbytes(llm_args), "kv")
+    return budget
 
 
 def teardown_managers(resources: OrderedDict[Any, Any]) -> None:

@@ -48,12 +48,17 @@ class MambaStateConfig(Conformant):
 
 @dataclass
 class KvCacheConfig(Conformant):
-    """`kv_cache_config`: the two fields the stand-in's reuse reads (block reuse, snapshot placement)."""
+    """`kv_cache_config`: the fields the stand-in reads (block reuse, snapshot placement, and the
+    capacity knobs of KV cache estimation)."""
 
     TRTLLM_CLASS = "KvCacheConfig"
 
     enable_block_reuse: bool = True
     mamba_state_config: MambaStateConfig = field(default_factory=MambaStateConfig)
+    # the capacity knobs KV cache estimation reads (`llmapi/llm_args.py` KvCacheConfig, code index:
+    # `free_gpu_memory_fraction` default 0.9, `max_gpu_total_bytes` default 0: not set)
+    free_gpu_memory_fraction: float = 0.9
+    max_gpu_total_bytes: int = 0
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any] | KvCacheConfig | None) -> KvCacheConfig:
@@ -69,7 +74,9 @@ class KvCacheConfig(Conformant):
         state = merged.get("mamba_state_config") or {}
         if not isinstance(state, MambaStateConfig):
             state = MambaStateConfig(**state)
-        return cls(bool(merged["enable_block_reuse"]), state)
+        fraction = merged.get("free_gpu_memory_fraction")
+        return cls(bool(merged["enable_block_reuse"]), state,
+                   0.9 if fraction is None else float(fraction), int(merged.get("max_gpu_total_bytes") or 0))
 
 
 QWEN3_NEXT_MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"kv_cache_config": {"enable_block_reuse": False}}

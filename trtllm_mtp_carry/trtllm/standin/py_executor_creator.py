@@ -16,6 +16,7 @@ Invariant: the worker hook (`trtllm.worker`) wraps this module's
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
@@ -26,12 +27,16 @@ from ._util import (
     VERSIONS,
     StandinLlmArgs,
     build_managers,
+    configure_kv_cache_capacity,
     create_py_executor_instance,
+    page_nbytes,
+    size_kv_pool,
     teardown_managers,
 )
 from .llm_args import KvCacheConfig
 from .mapping import Mapping as TrtllmMapping
 from .resource_manager import DataType
+from .torch_cuda import StandinDeviceMemory
 
 
 def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | KvCacheConfig | None = None,
@@ -42,7 +47,8 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
                        enable_attention_dp: bool = False, overlap_scheduler: bool = False,
                        stop_token_ids: Sequence[int] = (),
                        extra_resource_managers: Mapping[str, Any] | None = None,
-                       estimate_kv_cache: bool = False) -> Any:
+                       estimate_kv_cache: bool = False,
+                       device_memory: StandinDeviceMemory | None = None) -> Any:
     """Build and start a stand-in PyExecutor as TensorRT-LLM's `create_py_executor` does.
 
     `kv_cache_config` is the user's `kv_cache_config` (a dict as in `llm.yaml`, or a
@@ -53,32 +59,51 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
     without speculation (no draft pool). `estimate_kv_cache=True` builds the executor
     twice over one `resources` dict (an `extra_resource_managers` entry then raises on
     the second build, as on TensorRT-LLM).
+
+    `device_memory` models the device (`torch_cuda.StandinDeviceMemory`): the draft pool is
+    then charged to it and sized as `KvCacheCreator` sizes the KV cache (`_util.configure_kv_cache_capacity`):
+    with `estimate_kv_cache`, `num_pages` is the estimation build's pool and the served pool
+    gets the budget measured after the first `create_py_executor_instance` (where the worker
+    hook reserves the carry's arena); without, the budget is measured before the build (the
+    `TRTLLM_SKIP_KV_CACHE_ESTIMATION` order: `build_managers` calls it first). The executor's
+    `kv_cache_budget_bytes` records the budget.
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
     config = KvCacheConfig.from_dict(kv_cache_config)
     if enable_block_reuse is not None:
-        config = KvCacheConfig(enable_block_reuse, config.mamba_state_config)
+        config = dataclasses.replace(config, enable_block_reuse=enable_block_reuse)
     args = StandinLlmArgs(
         model=model.eval(), kv_cache_config=config,
         topology=VERSIONS[version]["topology"] if topology is None else topology, version=version,
         max_draft_len=max_draft_len, chunk_size=chunk_size, tokens_per_block=tokens_per_block,
         num_pages=num_pages, prefix_entries=prefix_entries, max_batch=max_batch, kv_dtype=kv_dtype,
         tp_size=tp_size, enable_attention_dp=enable_attention_dp, overlap_scheduler=overlap_scheduler,
-        stop_token_ids=tuple(stop_token_ids), extra_resource_managers=dict(extra_resource_managers or {}))
+        stop_token_ids=tuple(stop_token_ids), extra_resource_managers=dict(extra_resource_managers or {}),
+        device_memory=device_memory)
     if args.topology not in ("unpaired", "paired", "folded"):
         raise ValueError(f"topology must be unpaired, paired or folded, got {args.topology!r}")
     model_engine = SimpleNamespace(model=args.model)  # PyTorchModelEngine (.model)
     resources: OrderedDict[Any, Any] = OrderedDict()
+    budget = None
+    if device_memory is not None and not estimate_kv_cache:  # measured before the build
+        budget = size_kv_pool(args, configure_kv_cache_capacity(args, 0))
+    elif device_memory is not None:
+        size_kv_pool(args, None)  # the estimation build's pool: num_pages as given
     build_managers(resources, args)
     py_executor = _instance(resources, args, model_engine)
     if estimate_kv_cache:
         first_draft = py_executor.draft
+        if device_memory is not None:  # measured now: after the hook reserved the carry's arena
+            budget = configure_kv_cache_capacity(args, args.num_pages * page_nbytes(args))
         teardown_managers(resources)
         del py_executor  # free before constructing new
+        if device_memory is not None:
+            size_kv_pool(args, budget)
         build_managers(resources, args)
         py_executor = _instance(resources, args, model_engine)
         py_executor.estimation_draft = first_draft  # the stand-in's record, for tests
+    py_executor.kv_cache_budget_bytes = budget  # the stand-in's record, for tests
     py_executor.start_worker()
     return py_executor
 

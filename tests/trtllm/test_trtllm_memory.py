@@ -1,0 +1,313 @@
+"""The carry's memory is part of TensorRT-LLM's budget (issue 33), on the STAND-IN.
+
+The stand-in models one device's memory (`standin.torch_cuda.StandinDeviceMemory`, the
+`torch.cuda.mem_get_info()` KV cache estimation reads) and `KvCacheCreator`'s order
+(`_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412, `py_executor_creator.py` @
+000429d57d42ecc8d481e5cdf653fff238be5974): the estimation build, the first
+`create_py_executor_instance` (where the worker hook reserves the carry's arena), then
+`configure_kv_cache_capacity` measures free memory and sizes the served KV cache. No
+TensorRT-LLM and no GPU ran: what these pin is our order against that model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from standin_helpers import CHUNK, model, padded, user_tokens
+
+from trtllm_mtp_carry.core import CarryStore
+from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
+from trtllm_mtp_carry.trtllm.arena import RowArena, row_nbytes
+from trtllm_mtp_carry.trtllm.carried import CarriedRows
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
+from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
+from trtllm_mtp_carry.trtllm.standin.torch_cuda import StandinDeviceMemory
+
+MiB = 1 << 20
+TOTAL = 64 * MiB  # the modelled device
+WEIGHTS = 6 * MiB + 123 * 1024
+CARRY = 4 * MiB
+ROW = 256  # one carried row of the reference model's draft pool: [2, Hkv=2, D=32] bf16
+MAX_NEW = 12
+
+
+@pytest.fixture
+def carry_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    config = tmp_path / "carry.yaml"
+    config.write_text(f"mtp_carry: {{carry_slots: 8, carry_memory: {CARRY}, carry_host_memory: 0}}\n")
+    monkeypatch.setenv(worker.ENV, str(config))
+    return config
+
+
+def _llm(memory: StandinDeviceMemory, estimate: bool = True, **kv: Any) -> StandinLLM:
+    return StandinLLM(model(), kv_cache_config={**RECOMMENDED_KV_CACHE_CONFIG, **kv}, chunk_size=CHUNK,
+                      max_batch=4, num_pages=64, estimate_kv_cache=estimate, device_memory=memory)
+
+
+def _manager(llm: StandinLLM) -> Any:
+    return llm.executor.resource_manager.resource_managers.get(CARRY_MANAGER_KEY)
+
+
+def _budget(llm: StandinLLM) -> int:
+    return int(llm.executor.kv_cache_budget_bytes)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.9])
+def test_the_kv_budget_shrinks_by_the_arena_reserved_before_estimation_measures(
+        carry_file: Path, monkeypatch: pytest.MonkeyPatch, fraction: float) -> None:
+    with_carry = StandinDeviceMemory(TOTAL, WEIGHTS)
+    llm = _llm(with_carry, free_gpu_memory_fraction=fraction)
+    line = worker.messages()[-1]
+    monkeypatch.delenv(worker.ENV)
+    without = StandinDeviceMemory(TOTAL, WEIGHTS)
+    plain = _llm(without, free_gpu_memory_fraction=fraction)
+    assert _manager(plain) is None and without.charged["carry"] == 0
+    # _cal_max_memory: (total - peak + estimation KV) * fraction; the arena is in the peak
+    assert _budget(plain) == int((TOTAL - WEIGHTS) * fraction)
+    assert _budget(llm) == int((TOTAL - WEIGHTS - CARRY) * fraction)
+    assert _budget(plain) - _budget(llm) in (int(CARRY * fraction), int(CARRY * fraction) + 1)
+    # reserved once for both builds (the served build's carry took the estimation build's arena)
+    assert with_carry.charged["carry"] == CARRY
+    assert _manager(llm).reserved.device.nbytes == CARRY and _manager(llm).reserved.host is None
+    assert llm.executor.paged.buf.shape[0] == _budget(llm) // (32 * ROW)  # tokens_per_block rows a page
+    assert f"carried rows hold {CARRY} bytes of cpu memory, reserved before TensorRT-LLM's KV cache " \
+           "estimation measures free memory" in line
+    stats = _manager(llm).stats()
+    assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (CARRY, 0)
+
+
+def test_a_fixed_max_gpu_total_bytes_keeps_the_kv_cache_and_the_start_line_says_what_the_carry_holds(
+        carry_file: Path) -> None:
+    memory = StandinDeviceMemory(TOTAL, WEIGHTS)
+    llm = _llm(memory, max_gpu_total_bytes=8 * MiB)
+    assert _budget(llm) == 8 * MiB  # the user's size: the carry's 4 MiB are on top of it
+    assert memory.charged == {"weights": WEIGHTS, "kv": 8 * MiB, "carry": CARRY}
+    line = worker.messages()[-1]
+    assert line.startswith(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY}")
+    assert f"carried rows hold {CARRY} bytes" in line and "max_gpu_total_bytes" in line
+
+
+def test_without_room_for_the_arena_the_carry_stands_aside_and_the_executor_serves(
+        carry_file: Path) -> None:
+    """Estimation skipped (`TRTLLM_SKIP_KV_CACHE_ESTIMATION`: measured before the build) with the
+    whole free memory given to the KV cache: the arena cannot be reserved; nothing is raised."""
+    memory = StandinDeviceMemory(TOTAL, WEIGHTS)
+    llm = _llm(memory, estimate=False, free_gpu_memory_fraction=1.0)
+    assert _manager(llm) is None and memory.charged["carry"] == 0
+    line = worker.messages()[-1]
+    assert line.startswith("mtp carry: stands aside: OutOfMemoryError while installing the carry "
+                           f"(stand-in device: tried to allocate {CARRY} bytes for carry;")
+    req = llm.generate_async(user_tokens(0, 2 * CHUNK), MAX_NEW,
+                             conversation_params=ConversationParams(conversation_id="s"))
+    llm.run_until_done()
+    assert len(req.output) == MAX_NEW
+
+
+def _rows(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 2, 2, 32, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _arena(rows: int) -> RowArena:
+    return RowArena(torch.zeros(rows * ROW, dtype=torch.uint8), ROW)
+
+
+def test_one_block_is_one_row_in_the_carry_s_format() -> None:
+    assert row_nbytes(2, 32, torch.bfloat16, "bf16") == ROW == _rows(1, 0).nbytes
+    assert row_nbytes(2, 32, torch.bfloat16, "fp8") == 2 * 2 * 32 + 2 * 2 * 4  # payload + float32 scales
+
+
+def test_a_full_arena_refuses_the_deposit_as_oom_and_the_carry_keeps_what_it_holds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="trtllm_mtp_carry")
+    # the store's budget (10 rows) above the arena's (4 rows): only the arena can refuse
+    carried = CarriedRows(None, 10 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=_arena(4))
+    kept = _rows(3, 1)
+    assert carried.deposit(1, list(range(4)), kept)
+    assert not carried.deposit(2, list(range(4)), _rows(3, 2))
+    assert not carried.deposit(3, list(range(4)), _rows(2, 3))
+    stats = carried.stats()
+    assert stats["refusals"] == {"not_admitted": 0, "too_large": 0, "oom": 2}
+    assert stats["entries"] == 1 and stats["bytes_held"] == 3 * ROW
+    assert carried.get(2) is None and carried._store.miss_reason(2) == "oom"
+    lines = [r.getMessage() for r in caplog.records if "refused as oom" in r.getMessage()]
+    assert len(lines) == 1  # logged once, counted every time
+    taken = carried.take(1)
+    assert torch.equal(taken.rows, kept)  # the held entry adopts bit for bit
+    carried.check()
+
+
+def test_a_fragmented_arena_compacts_and_the_moved_rows_stay_bit_equal() -> None:
+    arena = _arena(6)
+    a, b, c, d = _rows(2, 1), _rows(2, 2), _rows(2, 3), _rows(4, 4)
+    assert arena.put(1, a) and arena.put(2, b) and arena.put(3, c)
+    arena.release(1)
+    arena.release(3)  # 4 free blocks, in two extents of 2
+    assert arena.put(4, d)
+    assert arena.compactions == 1
+    assert torch.equal(arena.get(2), b) and torch.equal(arena.get(4), d)
+    arena.check()
+    assert not arena.put(5, _rows(1, 5))  # full
+
+
+def test_fp8_rows_are_payload_then_scales_in_one_extent() -> None:
+    from trtllm_mtp_carry.dataplane.row_format import pack_rows
+
+    packed = pack_rows(_rows(3, 7))
+    arena = RowArena(torch.zeros(3 * row_nbytes(2, 32, torch.bfloat16, "fp8"), dtype=torch.uint8),
+                     row_nbytes(2, 32, torch.bfloat16, "fp8"))
+    assert arena.put(9, packed)
+    got = arena.get(9)
+    assert torch.equal(got.payload.view(torch.uint8), packed.payload.view(torch.uint8))
+    assert torch.equal(got.scales, packed.scales) and got.dtype == packed.dtype
+    assert arena.blocks_held == arena.capacity_blocks == 3
+
+
+def test_a_compaction_that_cannot_stage_is_refused_as_oom_and_the_arena_stays_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    arena = _arena(6)
+    carried = CarriedRows(None, 6 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=arena)
+    b = _rows(3, 2)  # blocks [1, 4): sliding it to [0, 3) overlaps itself, so it is staged
+    assert carried.deposit(1, list(range(2)), _rows(1, 1)) and carried.deposit(2, list(range(4)), b)
+    assert carried.deposit(3, list(range(3)), _rows(2, 3))
+    carried.forget(1)
+    carried.forget(3)  # 3 blocks free, in extents of 1 and 2
+
+    def no_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(torch.Tensor, "clone", no_memory)
+    assert not carried.deposit(4, list(range(4)), _rows(3, 4))  # needs the compaction's staging
+    monkeypatch.undo()
+    assert carried.stats()["refusals"]["oom"] == 1
+    assert torch.equal(carried.take(2).rows, b)
+    carried.check()
+
+
+def test_an_injected_allocation_failure_in_the_worker_is_refused_as_oom_and_nothing_is_raised(
+        carry_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _llm(StandinDeviceMemory(TOTAL, WEIGHTS))
+    manager = _manager(llm)
+    arena = manager.reserved.device
+    real = arena.put
+    failures = [1]
+
+    def put(key: int, rows: Any) -> bool:
+        if failures:
+            failures.pop()
+            raise torch.OutOfMemoryError("injected")
+        return real(key, rows)
+
+    monkeypatch.setattr(arena, "put", put)
+    convs = [ConversationParams(conversation_id=name) for name in "ab"]
+    first = [llm.generate_async(user_tokens(97 * i, 2 * CHUNK), MAX_NEW, conversation_params=c)
+             for i, c in enumerate(convs)]
+    llm.run_until_done()  # the first deposit fails, the other is kept
+    second = [llm.generate_async(padded(r.get_tokens(0), 5 + i), MAX_NEW, conversation_params=c)
+              for i, (r, c) in enumerate(zip(first, convs, strict=True))]
+    llm.run_until_done()
+    stats = manager.stats()
+    assert stats["refusals"]["oom"] == 1 and stats["faults"] == {}
+    assert stats["no_carry_reasons"]["oom"] == 1
+    records = sorted((manager.turn(r.py_request_id) for r in second), key=lambda t: str(t["outcome"]))
+    assert [(t["outcome"], t["no_carry_reason"]) for t in records] == [("adopted", ""), ("no_carry", "oom")]
+    # the kept session deposited both turns; the refused one's warm turn ran blind over [0, R)
+    # (skipped `gap`: it has no valid rows to carry), as TensorRT-LLM without the carry
+    assert stats["deposits"] == 2 and stats["skipped"]["gap"] == 1
+    manager.carried.check()
+    llm.executor.check()
+    from trtllm_mtp_carry.trtllm.metrics import WorkerMetrics
+
+    exporter = WorkerMetrics(0)  # what the worker's Prometheus endpoint serves
+    exporter.bind(manager)
+    text = exporter.render()
+    assert any(x.endswith('field="refusals.oom"} 1') for x in text.splitlines()), text
+    assert any(x.endswith(f'field="reserved_bytes"}} {CARRY}') for x in text.splitlines())
+
+
+def test_the_store_and_the_arena_charge_the_same_bytes() -> None:
+    """The store's budget is the arena's capacity: whatever the store admits, the arena holds."""
+    arena = _arena(8)
+    carried = CarriedRows(None, 8 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=arena)
+    for key, n in enumerate([3, 2, 3, 4, 1, 5, 2, 2, 8], start=1):
+        assert carried.deposit(key, list(range(n + 1)), _rows(n, key))
+        assert carried.stats()["bytes_held"] == arena.blocks_held * ROW
+        carried.check()
+    assert carried.stats()["refusals"]["oom"] == 0
+    assert isinstance(carried._store, CarryStore)
+
+
+@pytest.mark.parametrize(("kv", "size"), [
+    ("{}", "estimated: free_gpu_memory_fraction=0.9 of the memory free after the carry's arena"),
+    ("{max_gpu_total_bytes: 8000000000}",
+     "fixed (max_gpu_total_bytes=8000000000): the carry's reservation is on top of it"),
+])
+def test_info_reports_what_the_worker_reserves_and_how_the_kv_cache_is_sized(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kv: str, size: str) -> None:
+    from trtllm_mtp_carry.cli import main
+
+    path = tmp_path / "llm.yaml"
+    path.write_text(f"mtp_carry: {{carry_memory: 1GiB, carry_host_memory: 2GiB}}\nkv_cache_config: {kv}\n")
+    assert main(["info", "--json", "--llm-config", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["trtllm_reserved_device_bytes"], report["trtllm_reserved_host_bytes"]) == (1 << 30, 2 << 30)
+    assert report["trtllm_kv_cache_size"] == size
+    assert main(["info", "--llm-config", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TensorRT-LLM worker reserves"))
+    assert f"{1 << 30} B device, {2 << 30} B host" in line and size in line
+
+
+def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
+    from standin_helpers import make_llm
+
+    from trtllm_mtp_carry.trtllm import attach
+
+    llm, _ = make_llm("blind")
+    carry = attach(llm, {"carry_slots": 8, "carry_memory": 1000, "carry_host_memory": 600})
+    reserved = carry.manager.reserved
+    # rounded down to whole 256-byte rows: 3 rows on the device, 2 on the host
+    assert (reserved.device.nbytes, reserved.host.nbytes) == (768, 512)
+    assert carry.info()[-1][:2] == ("carry reserved", "768 B device, 512 B host")
+    assert carry.stats()["reserved_bytes"] == 768
+
+
+@pytest.mark.parametrize(("row_dtype", "row"), [("bf16", ROW), ("fp8", 2 * 2 * 32 + 2 * 2 * 4)])
+def test_both_tiers_serve_from_their_arenas_bit_for_bit_and_outputs_stay_the_same(row_dtype: str, row: int) -> None:
+    """The device arena holds one session's first turn (at most 559 rows), the host arena all
+    four: every warm turn adopts, some from the host tier, and the outputs are TensorRT-LLM's."""
+    from standin_helpers import make_llm, quote_sessions, run_turns
+
+    from trtllm_mtp_carry.trtllm import attach
+
+    sessions = quote_sessions(4)
+    blind, _ = make_llm("blind")
+    want = {c: [r.output for r in t] for c, t in run_turns(blind, sessions, 2, 48).items()}
+    llm, _ = make_llm("blind")
+    carry = attach(llm, {"carry_slots": 8, "carry_memory": 560 * row, "carry_host_memory": 4 * 560 * row,
+                         "carry_row_dtype": row_dtype})
+    got = run_turns(llm, sessions, 2, 48)
+    assert {c: [r.output for r in t] for c, t in got.items()} == want
+    stats = carry.stats()
+    assert stats["outcomes"]["adopted"] == 4 and stats["hits"]["host"] >= 1
+    assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (560 * row, 4 * 560 * row)
+    assert stats["refusals"]["oom"] == 0
+    carry.manager.carried.check()  # entries and arena extents agree, the extents tile each arena
+    llm.executor.check()
+
+
+def test_a_taken_entry_s_view_holds_its_rows_until_the_next_deposit_reuses_its_blocks() -> None:
+    arena = _arena(4)
+    carried = CarriedRows(None, 4 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=arena)
+    a = _rows(4, 1)
+    assert carried.deposit(1, list(range(5)), a)
+    taken = carried.take(1)
+    assert carried.stats()["bytes_held"] == 0 and arena.blocks_held == 4  # released lazily
+    carried.forget(7)  # another session's end frees nothing of it
+    assert torch.equal(taken.rows, a)
+    assert carried.deposit(2, list(range(5)), _rows(4, 2))  # the next deposit takes the blocks
+    assert arena.blocks_held == 4 and torch.equal(carried.take(2).rows, _rows(4, 2))
+    carried.check()
