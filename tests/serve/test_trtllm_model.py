@@ -304,6 +304,8 @@ def test_a_repository_without_llm_options_gets_the_recommended_snapshot_placemen
     written = yaml.safe_load((model_dir / LLM_OPTIONS_FILE).read_text())
     assert written["kv_cache_config"] == RECOMMENDED_KV_CACHE_CONFIG
     assert written["kv_cache_config"]["mamba_state_config"] == {"additional_snapshot_offsets_from_end": [0]}
+    # three drafts a step in every TensorRT-LLM version read (a lone max_draft_len is 1 in older ones)
+    assert written["speculative_config"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
 
 
 @pytest.mark.parametrize("args, message", [
