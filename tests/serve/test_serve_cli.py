@@ -9,10 +9,15 @@ serve says which instance died); and the one-line errors of a bad start.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -67,7 +72,7 @@ def stub_regions(grpc: int) -> list[str]:
 class Serve:
     """`trtllm-mtp-carry serve` in a subprocess on free loopback ports, always stopped."""
 
-    def __init__(self, tmp_path: Path, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, *flags: str, stderr: int | None = None) -> None:
         tritonserver_or_skip()
         self.http, self.grpc, self.metrics_port = free_ports(3)
         self.log = tmp_path / "serve.log"
@@ -75,7 +80,8 @@ class Serve:
                "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics_port),
                "--log-file", str(self.log), *flags]
         env = dict(os.environ, PYTHONPATH=os.getcwd() + ":" + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
+                                     stderr=subprocess.STDOUT if stderr is None else stderr)
         self.banner = ""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -157,6 +163,39 @@ def test_serve_survives_a_client_dying_mid_stream_and_stops_in_seconds_leaving_n
         assert serve.log.is_file() and "Signal (15) received" in serve.log.read_text()
     finally:
         serve.close()
+
+
+def test_serve_shows_a_bar_while_the_server_starts_on_a_terminal_and_none_into_a_pipe(tmp_path):
+    piped = Serve(tmp_path, "--max-tokens", "6")  # stderr into the stdout pipe
+    try:
+        assert "waiting for tritonserver" not in piped.banner, piped.banner
+    finally:
+        piped.close()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # the other end closed
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    on_terminal = Serve(tmp_path, "--max-tokens", "6", stderr=slave)
+    try:
+        assert "waiting for tritonserver" not in on_terminal.banner  # the bar is on stderr only
+    finally:
+        on_terminal.close()
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    assert "waiting for tritonserver" in b"".join(chunks).decode(errors="replace")
 
 
 def test_a_killed_backend_stub_fails_its_clients_and_serve_says_which_instance_died(tmp_path):

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..argtypes import carry_host_memory_size, carry_memory_size, non_negative_int, positive_int
 from ..cli_error import fail
 from ..core.row_format import ROW_DTYPES
+from ..progress import progress
 from .dynamo.cli import add_dynamo_flags, cmd_serve_dynamo
 from .options import ENGINES, POLICIES, ServeOptions, carry_options
 from .triton.repo import (
@@ -214,7 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.start()
-            server.wait_ready([spec.name], args.ready_timeout_s)
+            with progress(None, "waiting for tritonserver", "check") as bar:  # a terminal only
+                server.wait_ready([spec.name], args.ready_timeout_s, on_poll=bar.update)
             stubs = server.stubs()
             print(f"serving model {spec.name!r} from {repository}\n"
                   f"  HTTP    {endpoints.http}\n  gRPC    {endpoints.grpc}\n  metrics {endpoints.metrics}\n"

@@ -16,6 +16,7 @@ import threading
 
 from ...argtypes import positive_int
 from ...cli_error import fail
+from ...progress import progress
 from ..options import ServeOptions, carry_options
 
 
@@ -65,7 +66,8 @@ def cmd_serve_dynamo(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         deployment.start()
-        deployment.wait_ready(args.ready_timeout_s)
+        with progress(None, "waiting for Dynamo", "check") as bar:  # a terminal only
+            deployment.wait_ready(args.ready_timeout_s, on_poll=bar.update)
         affinity = f"session affinity {'on' if spec.session_affinity else 'off'}"
         lines = [f"serving model {spec.name!r} behind Dynamo ({len(deployment.workers)} workers, "
                  f"router {spec.router_mode}, {affinity})", f"  OpenAI  {spec.base_url}"]

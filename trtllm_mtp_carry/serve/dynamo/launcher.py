@@ -36,6 +36,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,9 +228,10 @@ class DynamoDeployment:
             return 0
         return sum(1 for p in folder.iterdir() if "%2Fgenerate%2F" in p.name)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0, on_poll: Callable[[], object] | None = None) -> None:
         """Until every live worker is registered and healthy and the frontend lists the model;
-        DeploymentError (with the log's tail) if a process exits or time runs out."""
+        DeploymentError (with the log's tail) if a process exits or time runs out. `on_poll` is
+        called after each check that found it not ready yet (`serve --dynamo`'s progress bar)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
@@ -244,6 +246,8 @@ class DynamoDeployment:
                 raise DeploymentError(f"not ready after {timeout_s:.0f} s (workers healthy: {healthy}, "
                                       f"model listed: {listed}, registered: {self.registered()}/"
                                       f"{len(live)}); logs in {self.workdir}")
+            if on_poll is not None:
+                on_poll()
             time.sleep(0.2)
 
     def _check_alive(self) -> None:

@@ -39,7 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -201,9 +201,11 @@ class TritonServer:
                 return text.strip('"').split("\\n")[0].replace('\\"', '"').strip()
         return ""
 
-    def wait_ready(self, models: Sequence[str], timeout_s: float = 180.0) -> None:
+    def wait_ready(self, models: Sequence[str], timeout_s: float = 180.0,
+                   on_poll: Callable[[], object] | None = None) -> None:
         """Block until the server and `models` are ready; ServeError naming the cause in one
-        line (the log's error line and the log's path) if the server exits or the time runs out."""
+        line (the log's error line and the log's path) if the server exits or the time runs out.
+        `on_poll` is called after each check that found them not ready yet (`serve`'s progress bar)."""
         deadline = time.monotonic() + timeout_s
         urls = [f"http://{self.endpoints.http}/v2/models/{m}/ready" for m in models]
         urls.insert(0, f"http://{self.endpoints.http}/v2/health/live")
@@ -214,6 +216,8 @@ class TritonServer:
                                  f"(log: {self.log_path})")
             if all(_http_ok(u) for u in urls):
                 return
+            if on_poll is not None:
+                on_poll()
             time.sleep(0.5)
         raise ServeError(f"tritonserver not ready after {timeout_s:.0f} s (log: {self.log_path})")
 
