@@ -39,9 +39,12 @@ def netns() -> Iterator[Netns]:
 def served(netns: Netns, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     (serve_block,) = [code for lang, code in readme_blocks("dynamo")
                       if lang == "bash" and code.startswith("trtllm-mtp-carry serve --dynamo")]
-    process = subprocess.Popen(netns.argv("bash", "-c", f"exec {serve_block}"), env=netns.env(),
+    workdir = tmp_path_factory.mktemp("dynamo-serve")
+    (workdir / ".home").mkdir()
+    process = subprocess.Popen(netns.argv("bash", "-c", f"exec {serve_block}"),
+                               env=netns.clean_env(workdir / ".home"),  # as a README block runs
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, cwd=tmp_path_factory.mktemp("dynamo-serve"))
+                               start_new_session=True, cwd=workdir)
     assert process.stdout is not None
     lines: list[str] = []
     try:

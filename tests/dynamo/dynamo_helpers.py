@@ -66,6 +66,13 @@ class Netns:
                 *cmd]
 
     @staticmethod
+    def clean_env(home: Path) -> dict[str, str]:
+        """What a README block runs in, as tests/test_readme_blocks.py runs one: `env -i` plus
+        PATH (this interpreter's bin first), a fresh HOME and this checkout."""
+        return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
+                "PYTHONPATH": str(ROOT)}
+
+    @staticmethod
     def env(**extra: str) -> dict[str, str]:
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

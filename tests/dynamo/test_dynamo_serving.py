@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 from dynamo_helpers import Served, expected_text, readme_blocks
@@ -114,9 +112,7 @@ def test_readme_dynamo_blocks_run_as_written(served: Served, tmp_path) -> None:
         ("bash", "trtllm-mtp-carry"), ("bash", "curl"), ("python", "from")]
     home = tmp_path / ".home"
     home.mkdir()
-    # as tests/test_readme_blocks.py runs a block: env -i plus PATH, a fresh HOME and this checkout
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = served.netns.clean_env(home)
     for lang, code in blocks:
         done = served.netns.run("bash", "-e", "-o", "pipefail", "-c", code, cwd=tmp_path, env=env) \
             if lang == "bash" else served.netns.run("python", "-c", code, cwd=tmp_path, env=env)
