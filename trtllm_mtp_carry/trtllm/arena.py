@@ -81,16 +81,19 @@ class Reserved:
 
     device: RowArena
     host: RowArena | None
+    early: bool = False  # reserved at try_prepare_estimation, before any KV cache existed
 
     def line(self) -> str:
         """What the start line says about it."""
         host = self.host.nbytes if self.host is not None else 0
         kind = "pinned " if self.host is not None and self.host.storage.is_pinned() else ""
+        when = ("before any KV cache exists (a kv_cache_config.max_gpu_total_bytes or max_tokens "
+                "you fixed leaves them on top of the KV cache)" if self.early else
+                "(a fixed kv_cache_config.max_gpu_total_bytes or max_tokens, or a skipped estimation, "
+                "leaves them on top of the KV cache)")
         return (f"carried rows hold {self.device.nbytes} bytes of {self.device.device.type} memory, reserved "
-                f"before TensorRT-LLM's KV cache estimation measures free memory (a fixed "
-                f"kv_cache_config.max_gpu_total_bytes or max_tokens, or a skipped estimation, leaves "
-                f"them on top of the KV cache), and {host} bytes of {kind}host memory "
-                f"(one block = one {self.device.block_nbytes}-byte row)")
+                f"before TensorRT-LLM's KV cache estimation measures free memory {when}, and {host} bytes of "
+                f"{kind}host memory (one block = one {self.device.block_nbytes}-byte row)")
 
     def release_entries(self) -> None:
         """Free every extent (both arenas stay reserved): a new carry manager takes them over."""
@@ -113,6 +116,57 @@ def reserve_arenas(buf: torch.Tensor, row_dtype: str, carry_memory: int, host_me
     host = (RowArena.reserve(host_memory, block, torch.device("cpu"), buf.device.type == "cuda", allocate_host)
             if host_memory > 0 else None)
     return Reserved(device, host)
+
+
+@dataclass
+class EarlyReservation:
+    """The carry's bytes, reserved before any KV cache exists (`trtllm.worker` at
+    `KvCacheCreator.try_prepare_estimation`), before the row size is known: `device` holds
+    `carry_memory` bytes, `host` `carry_host_memory` bytes (or None). `arenas_over` turns them
+    into the arenas at install; `release` gives them back (a carry that stands aside)."""
+
+    device: torch.Tensor
+    host: torch.Tensor | None
+    free: Callable[[torch.Tensor], None]
+
+    def release(self) -> None:
+        """Give both back (`free` each; torch's own storage goes with its last reference)."""
+        for storage in (self.device, self.host):
+            if storage is not None:
+                self.free(storage)
+        self.host = None
+
+
+def reserve_early(device_memory: int, host_memory: int, device: torch.device,
+                  allocate: Allocate = torch_allocate, free: Callable[[torch.Tensor], None] = lambda t: None,
+                  allocate_host: Allocate = torch_allocate) -> EarlyReservation:
+    """Reserve `device_memory` bytes on `device` and, with `host_memory` > 0, `host_memory` bytes of
+    host memory (pinned when `device` is a GPU). Raises what `allocate` raises
+    (`torch.OutOfMemoryError`), holding nothing then."""
+    storage = allocate(device_memory, device, False)
+    try:
+        host = (allocate_host(host_memory, torch.device("cpu"), device.type == "cuda")
+                if host_memory > 0 else None)
+    except BaseException:
+        free(storage)
+        raise
+    return EarlyReservation(storage, host, free)
+
+
+def arenas_over(early: EarlyReservation, buf: torch.Tensor, row_dtype: str) -> Reserved | None:
+    """The arenas for rows of the MTP layer's pages `buf` (`[pages, 2, Hkv, tpb, D]`, HND) over the
+    bytes `early` holds, each cut to whole rows (the rest, under one row, stays reserved and
+    unused), as `reserve_arenas` would have sized them; None when `early` is not on `buf`'s device."""
+    if buf.dim() != 5:
+        raise ValueError(f"the MTP layer's pages must be HND [pages, 2, Hkv, tpb, D], got {tuple(buf.shape)}")
+    if early.device.device != buf.device:
+        return None
+    block = row_nbytes(buf.shape[2], buf.shape[4], buf.dtype, row_dtype)
+
+    def whole_rows(storage: torch.Tensor) -> RowArena:
+        return RowArena(storage[: storage.numel() // block * block], block)
+
+    return Reserved(whole_rows(early.device), None if early.host is None else whole_rows(early.host), early=True)
 
 
 @dataclass(frozen=True, slots=True)
