@@ -328,6 +328,23 @@ def test_info_reports_what_the_worker_reserves_and_how_the_kv_cache_is_sized(
     assert f"{1 << 30} B device, {2 << 30} B host" in line and size in line
 
 
+@pytest.mark.parametrize(("section", "port"), [("{metrics_port: 9400}", 9400), ("{}", None),
+                                              ("{enable: false, metrics_port: 9400}", None)])
+def test_info_shows_the_worker_s_metrics_port_when_the_carry_file_sets_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str, port: int | None) -> None:
+    from trtllm_mtp_carry.cli import main
+
+    path = tmp_path / "llm.yaml"
+    path.write_text(f"mtp_carry: {section}\nkv_cache_config: {{}}\n")
+    assert main(["info", "--json", "--llm-config", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["trtllm_metrics_port"] == port
+    assert main(["info", "--llm-config", str(path)]) == 0
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("worker metrics (metrics_port)")]
+    assert [row.split()[3:5] for row in rows] == ([] if port is None else [["9400", "Prometheus"]])
+    if port is not None:
+        assert rows[0].endswith("http://<host>:<metrics_port + rank>/metrics, one port per worker rank")
+
+
 def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
     from standin_helpers import make_llm
 
