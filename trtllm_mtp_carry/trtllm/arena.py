@@ -8,16 +8,20 @@ dummy run, `torch.cuda.mem_get_info()` and the allocator's peak give
 Memory the carry allocated later, one tensor per deposit, came out of the
 headroom TensorRT-LLM left for activations and CUDA graphs, unreserved and
 unreported, and a failed allocation was a `torch.OutOfMemoryError`. Here the
-carry's rows live in one `uint8` tensor of `carry_memory` bytes, allocated when
-the carry is installed: in the worker that is the first
-`create_py_executor_instance` call, before `configure_kv_cache_capacity`
+carry's rows live in one `uint8` tensor of `carry_memory` bytes, reserved before any
+KV cache exists: in the worker at `KvCacheCreator.try_prepare_estimation`, before it
 measures (`py_executor_creator.py` @ 000429d57d42ecc8d481e5cdf653fff238be5974:
 `try_prepare_estimation`, `build_managers(resources, True)`,
 `create_py_executor_instance(...)`, then `configure_kv_cache_capacity(py_executor)`,
 `teardown_managers`, `build_managers(resources, False)`, the second
-`create_py_executor_instance`). The same arena serves both builds
-(`trtllm.worker` hands it over), so the KV cache is sized around it. The host
-tier's pinned memory is one arena of `carry_host_memory` bytes the same way.
+`create_py_executor_instance`). KV cache manager V2 sizes its estimation cache there
+(`fraction * free`, the dummy workload's quota if smaller, mapped at construction), so
+an arena reserved after it would have to fit in the `(1 - fraction)` margin. The row
+size is known only at the first `create_py_executor_instance` (the draft pool's
+pages): `arenas_over` cuts the early bytes into whole rows there; `reserve_arenas`
+reserves there when the early point did not run. The same arena serves both builds
+(`trtllm.worker` hands it over), so the KV cache is sized around it. The host tier's
+pinned memory is one arena of `carry_host_memory` bytes the same way.
 
 ```
   arena (uint8, capacity = blocks * block_nbytes):

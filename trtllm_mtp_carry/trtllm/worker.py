@@ -18,10 +18,18 @@ after `DRAFT_KV_CACHE_MANAGER` in prepare (its pages exist), before it in free
 (its pages are still live), before the executor exists, so before any request.
 With KV cache estimation the executor is built twice over one `resources` dict
 (the KV managers torn down and rebuilt in between): each build gets a fresh
-carry manager bound to that build's draft manager. The first build reserves the
-carry's memory (`trtllm/arena.py`: `carry_memory` device bytes, `carry_host_memory`
-host bytes) before `configure_kv_cache_capacity` measures the free memory, so the
-KV cache is sized around it; the second build's manager takes the same arenas over.
+carry manager bound to that build's draft manager. The carry's memory
+(`trtllm/arena.py`: `carry_memory` device bytes, `carry_host_memory` host bytes) is
+reserved before any KV cache exists: the hook also wraps `try_prepare_estimation` of the
+`KvCacheCreator` class the creator module builds its KV managers with (imported there by
+name from `_util`; `_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412), which
+`create_py_executor` calls first, before the estimation build; on KV cache manager V2 it
+measures `mem_get_info()` there and sizes the estimation cache from it. The first
+`create_py_executor_instance` builds the arenas over those bytes (or, where that wrap did
+not run, reserves them itself, still before `configure_kv_cache_capacity` measures), so
+the KV cache is sized around them; the second build's manager takes the same arenas over.
+A carry that stands aside gives the early bytes back at that first call, before the
+measurement.
 
 Turn it on: `TRTLLM_MTP_CARRY_WORKER=<file>` (a YAML file with an `mtp_carry:`
 section; `1` for the defaults) in the environment of the process that starts
@@ -38,9 +46,10 @@ Invariants:
   one line there (stderr and the `trtllm_mtp_carry` logger) and no hook, and
   nothing more at executor creation.
 - At executor creation it prints one line: what it installed and the bytes it
-  reserved, or why the carry stands aside (no room for the arenas is one such line); no exception of any type leaves the hook into TensorRT-LLM's
-  executor creation or the interpreter start (an unexpected one is that one
-  stand-aside line naming it, and the executor is built without the carry).
+  reserved, or why the carry stands aside (no room for the arenas is one such line); no
+  exception of any type leaves the hook into TensorRT-LLM's executor creation (either
+  wrap) or the interpreter start (an unexpected one is that one stand-aside line naming
+  it, and the executor is built without the carry).
 - The carry is added only on the unpaired topology (see `probe.probe_managers`).
 """
 
