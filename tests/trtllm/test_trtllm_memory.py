@@ -395,3 +395,25 @@ def test_a_taken_entry_s_view_holds_its_rows_until_the_next_deposit_reuses_its_b
     assert carried.deposit(2, list(range(5)), _rows(4, 2))  # the next deposit takes the blocks
     assert arena.blocks_held == 4 and torch.equal(carried.take(2).rows, _rows(4, 2))
     carried.check()
+
+
+def test_early_bytes_are_cut_into_whole_rows_and_given_back_once() -> None:
+    from trtllm_mtp_carry.trtllm.arena import arenas_over, reserve_early
+
+    memory = StandinDeviceMemory(TOTAL, WEIGHTS)
+    early = reserve_early(10 * ROW + 100, 3 * ROW + 7, torch.device("cpu"), memory.allocate, memory.free)
+    assert memory.charged["carry"] == 10 * ROW + 100 and early.host is not None
+    pages = torch.zeros(4, 2, 2, 32, 32, dtype=torch.bfloat16)  # HND [pages, 2, Hkv, tpb, D]
+    reserved = arenas_over(early, pages, "bf16")
+    assert reserved is not None and reserved.early
+    assert (reserved.device.capacity_blocks, reserved.device.nbytes) == (10, 10 * ROW)
+    assert reserved.host is not None and (reserved.host.capacity_blocks, reserved.host.nbytes) == (3, 3 * ROW)
+    assert reserved.device.storage.data_ptr() == early.device.data_ptr()  # over the same bytes, no copy
+    early.release()
+    early.release()
+    assert memory.charged["carry"] == 0
+    with pytest.raises(torch.OutOfMemoryError):
+        reserve_early(TOTAL, 0, torch.device("cpu"), memory.allocate, memory.free)
+    assert memory.charged["carry"] == 0
+    if torch.cuda.is_available():  # the early bytes on another device than the pages: not used
+        assert arenas_over(reserve_early(ROW, 0, torch.device("cuda")), pages, "bf16") is None

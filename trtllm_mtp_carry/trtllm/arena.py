@@ -127,18 +127,21 @@ class EarlyReservation:
     """The carry's bytes, reserved before any KV cache exists (`trtllm.worker` at
     `KvCacheCreator.try_prepare_estimation`), before the row size is known: `device` holds
     `carry_memory` bytes, `host` `carry_host_memory` bytes (or None). `arenas_over` turns them
-    into the arenas at install; `release` gives them back (a carry that stands aside)."""
+    into the arenas at install; `release` gives them back (a carry that stands aside); `free`
+    gives back what the device `allocate` took."""
 
     device: torch.Tensor
     host: torch.Tensor | None
     free: Callable[[torch.Tensor], None]
+    released: bool = False
 
     def release(self) -> None:
-        """Give both back (`free` each; torch's own storage goes with its last reference)."""
-        for storage in (self.device, self.host):
-            if storage is not None:
-                self.free(storage)
-        self.host = None
+        """Give both back, once: `free` the device bytes (from the `allocate` that `free` pairs
+        with); the host bytes (torch's) go with their last reference."""
+        if not self.released:
+            self.released = True
+            self.free(self.device)
+            self.host = None
 
 
 def reserve_early(device_memory: int, host_memory: int, device: torch.device,

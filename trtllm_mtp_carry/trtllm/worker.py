@@ -297,6 +297,8 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
                 buf = probe.draft.get_buffers(probe.mtp_layer, kv_layout="HND")
                 reserved = arenas_over(early, buf, options.carry_row_dtype or carry_row_dtype())
                 over_early = reserved is not None
+                if not over_early:
+                    early.release()  # on another device than the draft pool: before reserving there
             if reserved is None:  # no early reservation (or on another device): reserve now
                 # (the stand-in models a device's memory: its allocator, as torch.cuda's here)
                 memory = getattr(llm_args, "device_memory", None) if standin else None
