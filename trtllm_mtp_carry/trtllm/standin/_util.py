@@ -15,6 +15,8 @@ puts the target manager (`KV_CACHE_MANAGER`) and, for a one-model drafter with i
 pool, the draft manager (`DRAFT_KV_CACHE_MANAGER`, `_mirror_draft_kv_cache`) into
 `resources`; without a separate draft pool the entry is None (notes section 0b);
 `teardown_managers` removes them before the second build under KV cache estimation.
+`KvCacheCreator` models the estimation's memory order on a modelled device (its docstring
+cites the rows).
 
 Invariant: the executor exists only through `create_py_executor_instance`, called with
 keywords only (a positional argument is a TypeError, as it is on TensorRT-LLM's).
