@@ -177,7 +177,8 @@ def llm_config_report(path: str) -> dict[str, object]:
     """What a TensorRT-LLM `llm.yaml` (extra_llm_api_options) gives the carry on a Qwen3-Next
     (hybrid) target: its block reuse and snapshot placement over the model's defaults, and
     the one line of why the carry stands aside, if it must (None: the carry can restore rows;
-    the executor's own probe decides the rest at start). TrtllmAdapterError on a bad file."""
+    the executor's own probe decides the rest at start), what the worker reserves, and the
+    worker's `metrics_port` (None: not set). TrtllmAdapterError on a bad file."""
     from .trtllm.options import kv_cache_config_of, load_llm_options, reuse_stand_aside
 
     rest, options = load_llm_options(path)
@@ -194,6 +195,7 @@ def llm_config_report(path: str) -> dict[str, object]:
         "trtllm_reserved_device_bytes": options.carry_memory if options.enable else 0,
         "trtllm_reserved_host_bytes": host if options.enable else 0,
         "trtllm_kv_cache_size": size,
+        "trtllm_metrics_port": options.metrics_port if options.enable else None,
         "llm_config": path,
         "llm_config_block_reuse": kv["enable_block_reuse"],
         "llm_config_snapshot_placement": ", ".join(f"{k}={v}" for k, v in sorted(state.items())) or "none",
@@ -256,6 +258,9 @@ def cmd_info(args: argparse.Namespace) -> int:
              "kv_cache_config.enable_block_reuse (Qwen3-Next's default: off)"),
             ("snapshot placement (--llm-config)", "-", report["llm_config_snapshot_placement"]),
         ]
+        if report["trtllm_metrics_port"] is not None:
+            rows[-1:-1] = [("worker metrics (metrics_port)", report["trtllm_metrics_port"],
+                            "Prometheus at http://<host>:<metrics_port + rank>/metrics, one port per worker rank")]
     width = max(len(name) for name, _, _ in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value!s:<6}  {note}".rstrip())

@@ -3,8 +3,10 @@
 The stand-in models one device's memory (`standin.torch_cuda.StandinDeviceMemory`, the
 `torch.cuda.mem_get_info()` KV cache estimation reads) and `KvCacheCreator`'s order
 (`_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412, `py_executor_creator.py` @
-000429d57d42ecc8d481e5cdf653fff238be5974): the estimation build, the first
-`create_py_executor_instance` (where the worker hook reserves the carry's arena), then
+000429d57d42ecc8d481e5cdf653fff238be5974): `try_prepare_estimation` (where the worker hook
+reserves the carry's bytes; V2 sizes the estimation cache from the memory free then), the
+estimation build, the first `create_py_executor_instance` (where the hook builds the arenas
+over those bytes, or reserves when the earlier point did not run), then
 `configure_kv_cache_capacity` measures free memory and sizes the served KV cache. No
 TensorRT-LLM and no GPU ran: what these pin is our order against that model.
 """
@@ -92,13 +94,28 @@ def test_a_fixed_max_gpu_total_bytes_keeps_the_kv_cache_and_the_start_line_says_
     assert f"carried rows hold {CARRY} bytes" in line and "max_gpu_total_bytes" in line
 
 
-def test_without_room_for_the_arena_the_carry_stands_aside_and_the_executor_serves(
+def test_a_skipped_estimation_sizes_the_kv_cache_around_the_arena_reserved_at_try_prepare_estimation(
         carry_file: Path) -> None:
-    """Estimation skipped (`TRTLLM_SKIP_KV_CACHE_ESTIMATION`: measured before the build) with the
-    whole free memory given to the KV cache: the arena cannot be reserved; nothing is raised."""
+    """Estimation skipped (`TRTLLM_SKIP_KV_CACHE_ESTIMATION`: `build_managers` measures before the
+    build) with the whole free memory given to the KV cache: the hook reserved at
+    `try_prepare_estimation`, before that measurement, so the KV cache is sized around it."""
     memory = StandinDeviceMemory(TOTAL, WEIGHTS)
     llm = _llm(memory, estimate=False, free_gpu_memory_fraction=1.0)
+    assert _manager(llm) is not None and _manager(llm).reserved.early
+    assert memory.charged == {"weights": WEIGHTS, "kv": _budget(llm) // (32 * ROW) * 32 * ROW, "carry": CARRY}
+    assert _budget(llm) == TOTAL - WEIGHTS - CARRY
+    assert "reserved before TensorRT-LLM's KV cache estimation measures free memory before any KV " \
+           "cache exists" in worker.messages()[-1]
+
+
+def test_without_room_for_the_arena_the_carry_stands_aside_and_the_executor_serves(
+        carry_file: Path) -> None:
+    """Less free memory than `carry_memory`: the reservation at `try_prepare_estimation` fails, the
+    install says so in one line, nothing is raised, and the KV cache gets all it would have."""
+    memory = StandinDeviceMemory(TOTAL, TOTAL - CARRY + 64 * 1024)
+    llm = _llm(memory, free_gpu_memory_fraction=0.9)
     assert _manager(llm) is None and memory.charged["carry"] == 0
+    assert _budget(llm) == int((CARRY - 64 * 1024) * 0.9)
     line = worker.messages()[-1]
     assert line.startswith("mtp carry: stands aside: OutOfMemoryError while installing the carry "
                            f"(stand-in device: tried to allocate {CARRY} bytes for carry;")
@@ -106,6 +123,56 @@ def test_without_room_for_the_arena_the_carry_stands_aside_and_the_executor_serv
                              conversation_params=ConversationParams(conversation_id="s"))
     llm.run_until_done()
     assert len(req.output) == MAX_NEW
+
+
+def test_a_v2_estimation_cache_sized_from_free_memory_leaves_room_for_the_arena_reserved_before_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KV cache manager V2's estimation build gets `fraction * free` (measured in
+    `try_prepare_estimation`) when the dummy workload asks for more, mapped at construction. An
+    arena reserved after it (at the first `create_py_executor_instance`, the fallback) must fit in
+    the `(1 - fraction)` margin; reserved before it, it is sized around. 8 MiB > 0.1 * 57.9 MiB."""
+    from trtllm_mtp_carry.trtllm.standin._util import KvCacheCreator
+
+    carry = 8 * MiB
+    config = tmp_path / "carry.yaml"
+    config.write_text(f"mtp_carry: {{carry_slots: 8, carry_memory: {carry}, carry_host_memory: 0}}\n")
+    monkeypatch.setenv(worker.ENV, str(config))
+    worker.boot()  # installs the hook on the stand-in's creator (as the .pth line does)
+    wrap = KvCacheCreator.__dict__["try_prepare_estimation"]
+    assert getattr(wrap, "_mtp_carry_wrapped", False)
+
+    def build(memory: StandinDeviceMemory) -> StandinLLM:  # a dummy workload of 64 MiB of pages
+        return StandinLLM(model(), kv_cache_config={**RECOMMENDED_KV_CACHE_CONFIG}, chunk_size=CHUNK,
+                          max_batch=4, num_pages=8192, estimate_kv_cache=True, device_memory=memory)
+
+    free = TOTAL - WEIGHTS
+    early = StandinDeviceMemory(TOTAL, WEIGHTS)
+    llm = build(early)
+    assert _manager(llm) is not None and _manager(llm).reserved.device.nbytes == carry
+    assert llm.executor.estimation_draft.paged.buf.shape[0] == int((free - carry) * 0.9) // (32 * ROW)
+    assert _budget(llm) == int((free - carry) * 0.9)
+    assert early.charged["carry"] == carry
+    # a build whose creator has no try_prepare_estimation to wrap: the first
+    # create_py_executor_instance reserves, after the estimation cache took 0.9 of the free memory
+    monkeypatch.setattr(KvCacheCreator, "try_prepare_estimation", wrap.__wrapped__)
+    late = StandinDeviceMemory(TOTAL, WEIGHTS)
+    llm = build(late)
+    assert _manager(llm) is None and late.charged["carry"] == 0
+    assert worker.messages()[-1].startswith(
+        f"mtp carry: stands aside: OutOfMemoryError while installing the carry (stand-in device: tried "
+        f"to allocate {carry} bytes for carry; {free - int(free * 0.9) // (32 * ROW) * (32 * ROW)} of")
+    assert _budget(llm) == int(free * 0.9)
+
+
+def test_a_carry_that_stands_aside_gives_its_early_bytes_back_before_the_kv_cache_is_measured(
+        carry_file: Path) -> None:
+    memory = StandinDeviceMemory(TOTAL, WEIGHTS)
+    llm = StandinLLM(model(), kv_cache_config=dict(RECOMMENDED_KV_CACHE_CONFIG), chunk_size=CHUNK,
+                     max_batch=4, num_pages=64, estimate_kv_cache=True, device_memory=memory,
+                     topology="paired")
+    assert _manager(llm) is None and memory.charged["carry"] == 0
+    assert worker.messages()[-1].startswith("mtp carry: stands aside: ")
+    assert _budget(llm) == int((TOTAL - WEIGHTS) * 0.9)  # as without the carry
 
 
 def _rows(n: int, seed: int) -> torch.Tensor:
@@ -261,6 +328,23 @@ def test_info_reports_what_the_worker_reserves_and_how_the_kv_cache_is_sized(
     assert f"{1 << 30} B device, {2 << 30} B host" in line and size in line
 
 
+@pytest.mark.parametrize(("section", "port"), [("{metrics_port: 9400}", 9400), ("{}", None),
+                                              ("{enable: false, metrics_port: 9400}", None)])
+def test_info_shows_the_worker_s_metrics_port_when_the_carry_file_sets_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str, port: int | None) -> None:
+    from trtllm_mtp_carry.cli import main
+
+    path = tmp_path / "llm.yaml"
+    path.write_text(f"mtp_carry: {section}\nkv_cache_config: {{}}\n")
+    assert main(["info", "--json", "--llm-config", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["trtllm_metrics_port"] == port
+    assert main(["info", "--llm-config", str(path)]) == 0
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("worker metrics (metrics_port)")]
+    assert [row.split()[3:5] for row in rows] == ([] if port is None else [["9400", "Prometheus"]])
+    if port is not None:
+        assert rows[0].endswith("http://<host>:<metrics_port + rank>/metrics, one port per worker rank")
+
+
 def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
     from standin_helpers import make_llm
 
@@ -311,3 +395,25 @@ def test_a_taken_entry_s_view_holds_its_rows_until_the_next_deposit_reuses_its_b
     assert carried.deposit(2, list(range(5)), _rows(4, 2))  # the next deposit takes the blocks
     assert arena.blocks_held == 4 and torch.equal(carried.take(2).rows, _rows(4, 2))
     carried.check()
+
+
+def test_early_bytes_are_cut_into_whole_rows_and_given_back_once() -> None:
+    from trtllm_mtp_carry.trtllm.arena import arenas_over, reserve_early
+
+    memory = StandinDeviceMemory(TOTAL, WEIGHTS)
+    early = reserve_early(10 * ROW + 100, 3 * ROW + 7, torch.device("cpu"), memory.allocate, memory.free)
+    assert memory.charged["carry"] == 10 * ROW + 100 and early.host is not None
+    pages = torch.zeros(4, 2, 2, 32, 32, dtype=torch.bfloat16)  # HND [pages, 2, Hkv, tpb, D]
+    reserved = arenas_over(early, pages, "bf16")
+    assert reserved is not None and reserved.early
+    assert (reserved.device.capacity_blocks, reserved.device.nbytes) == (10, 10 * ROW)
+    assert reserved.host is not None and (reserved.host.capacity_blocks, reserved.host.nbytes) == (3, 3 * ROW)
+    assert reserved.device.storage.data_ptr() == early.device.data_ptr()  # over the same bytes, no copy
+    early.release()
+    early.release()
+    assert memory.charged["carry"] == 0
+    with pytest.raises(torch.OutOfMemoryError):
+        reserve_early(TOTAL, 0, torch.device("cpu"), memory.allocate, memory.free)
+    assert memory.charged["carry"] == 0
+    if torch.cuda.is_available():  # the early bytes on another device than the pages: not used
+        assert arenas_over(reserve_early(ROW, 0, torch.device("cuda")), pages, "bf16") is None

@@ -8,16 +8,20 @@ dummy run, `torch.cuda.mem_get_info()` and the allocator's peak give
 Memory the carry allocated later, one tensor per deposit, came out of the
 headroom TensorRT-LLM left for activations and CUDA graphs, unreserved and
 unreported, and a failed allocation was a `torch.OutOfMemoryError`. Here the
-carry's rows live in one `uint8` tensor of `carry_memory` bytes, allocated when
-the carry is installed: in the worker that is the first
-`create_py_executor_instance` call, before `configure_kv_cache_capacity`
+carry's rows live in one `uint8` tensor of `carry_memory` bytes, reserved before any
+KV cache exists: in the worker at `KvCacheCreator.try_prepare_estimation`, before it
 measures (`py_executor_creator.py` @ 000429d57d42ecc8d481e5cdf653fff238be5974:
 `try_prepare_estimation`, `build_managers(resources, True)`,
 `create_py_executor_instance(...)`, then `configure_kv_cache_capacity(py_executor)`,
 `teardown_managers`, `build_managers(resources, False)`, the second
-`create_py_executor_instance`). The same arena serves both builds
-(`trtllm.worker` hands it over), so the KV cache is sized around it. The host
-tier's pinned memory is one arena of `carry_host_memory` bytes the same way.
+`create_py_executor_instance`). KV cache manager V2 sizes its estimation cache there
+(`fraction * free`, the dummy workload's quota if smaller, mapped at construction), so
+an arena reserved after it would have to fit in the `(1 - fraction)` margin. The row
+size is known only at the first `create_py_executor_instance` (the draft pool's
+pages): `arenas_over` cuts the early bytes into whole rows there; `reserve_arenas`
+reserves there when the early point did not run. The same arena serves both builds
+(`trtllm.worker` hands it over), so the KV cache is sized around it. The host tier's
+pinned memory is one arena of `carry_host_memory` bytes the same way.
 
 ```
   arena (uint8, capacity = blocks * block_nbytes):
@@ -81,16 +85,19 @@ class Reserved:
 
     device: RowArena
     host: RowArena | None
+    early: bool = False  # reserved at try_prepare_estimation, before any KV cache existed
 
     def line(self) -> str:
         """What the start line says about it."""
         host = self.host.nbytes if self.host is not None else 0
         kind = "pinned " if self.host is not None and self.host.storage.is_pinned() else ""
+        when = ("before any KV cache exists (a kv_cache_config.max_gpu_total_bytes or max_tokens "
+                "you fixed leaves them on top of the KV cache)" if self.early else
+                "(a fixed kv_cache_config.max_gpu_total_bytes or max_tokens, or a skipped estimation, "
+                "leaves them on top of the KV cache)")
         return (f"carried rows hold {self.device.nbytes} bytes of {self.device.device.type} memory, reserved "
-                f"before TensorRT-LLM's KV cache estimation measures free memory (a fixed "
-                f"kv_cache_config.max_gpu_total_bytes or max_tokens, or a skipped estimation, leaves "
-                f"them on top of the KV cache), and {host} bytes of {kind}host memory "
-                f"(one block = one {self.device.block_nbytes}-byte row)")
+                f"before TensorRT-LLM's KV cache estimation measures free memory {when}, and {host} bytes of "
+                f"{kind}host memory (one block = one {self.device.block_nbytes}-byte row)")
 
     def release_entries(self) -> None:
         """Free every extent (both arenas stay reserved): a new carry manager takes them over."""
@@ -113,6 +120,60 @@ def reserve_arenas(buf: torch.Tensor, row_dtype: str, carry_memory: int, host_me
     host = (RowArena.reserve(host_memory, block, torch.device("cpu"), buf.device.type == "cuda", allocate_host)
             if host_memory > 0 else None)
     return Reserved(device, host)
+
+
+@dataclass
+class EarlyReservation:
+    """The carry's bytes, reserved before any KV cache exists (`trtllm.worker` at
+    `KvCacheCreator.try_prepare_estimation`), before the row size is known: `device` holds
+    `carry_memory` bytes, `host` `carry_host_memory` bytes (or None). `arenas_over` turns them
+    into the arenas at install; `release` gives them back (a carry that stands aside); `free`
+    gives back what the device `allocate` took."""
+
+    device: torch.Tensor
+    host: torch.Tensor | None
+    free: Callable[[torch.Tensor], None]
+    released: bool = False
+
+    def release(self) -> None:
+        """Give both back, once: `free` the device bytes (from the `allocate` that `free` pairs
+        with); the host bytes (torch's) go with their last reference."""
+        if not self.released:
+            self.released = True
+            self.free(self.device)
+            self.host = None
+
+
+def reserve_early(device_memory: int, host_memory: int, device: torch.device,
+                  allocate: Allocate = torch_allocate, free: Callable[[torch.Tensor], None] = lambda t: None,
+                  allocate_host: Allocate = torch_allocate) -> EarlyReservation:
+    """Reserve `device_memory` bytes on `device` and, with `host_memory` > 0, `host_memory` bytes of
+    host memory (pinned when `device` is a GPU). Raises what `allocate` raises
+    (`torch.OutOfMemoryError`), holding nothing then."""
+    storage = allocate(device_memory, device, False)
+    try:
+        host = (allocate_host(host_memory, torch.device("cpu"), device.type == "cuda")
+                if host_memory > 0 else None)
+    except BaseException:
+        free(storage)
+        raise
+    return EarlyReservation(storage, host, free)
+
+
+def arenas_over(early: EarlyReservation, buf: torch.Tensor, row_dtype: str) -> Reserved | None:
+    """The arenas for rows of the MTP layer's pages `buf` (`[pages, 2, Hkv, tpb, D]`, HND) over the
+    bytes `early` holds, each cut to whole rows (the rest, under one row, stays reserved and
+    unused), as `reserve_arenas` would have sized them; None when `early` is not on `buf`'s device."""
+    if buf.dim() != 5:
+        raise ValueError(f"the MTP layer's pages must be HND [pages, 2, Hkv, tpb, D], got {tuple(buf.shape)}")
+    if early.device.device != buf.device:
+        return None
+    block = row_nbytes(buf.shape[2], buf.shape[4], buf.dtype, row_dtype)
+
+    def whole_rows(storage: torch.Tensor) -> RowArena:
+        return RowArena(storage[: storage.numel() // block * block], block)
+
+    return Reserved(whole_rows(early.device), None if early.host is None else whole_rows(early.host), early=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,18 @@ after `DRAFT_KV_CACHE_MANAGER` in prepare (its pages exist), before it in free
 (its pages are still live), before the executor exists, so before any request.
 With KV cache estimation the executor is built twice over one `resources` dict
 (the KV managers torn down and rebuilt in between): each build gets a fresh
-carry manager bound to that build's draft manager. The first build reserves the
-carry's memory (`trtllm/arena.py`: `carry_memory` device bytes, `carry_host_memory`
-host bytes) before `configure_kv_cache_capacity` measures the free memory, so the
-KV cache is sized around it; the second build's manager takes the same arenas over.
+carry manager bound to that build's draft manager. The carry's memory
+(`trtllm/arena.py`: `carry_memory` device bytes, `carry_host_memory` host bytes) is
+reserved before any KV cache exists: the hook also wraps `try_prepare_estimation` of the
+`KvCacheCreator` class the creator module builds its KV managers with (imported there by
+name from `_util`; `_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412), which
+`create_py_executor` calls first, before the estimation build; on KV cache manager V2 it
+measures `mem_get_info()` there and sizes the estimation cache from it. The first
+`create_py_executor_instance` builds the arenas over those bytes (or, where that wrap did
+not run, reserves them itself, still before `configure_kv_cache_capacity` measures), so
+the KV cache is sized around them; the second build's manager takes the same arenas over.
+A carry that stands aside gives the early bytes back at that first call, before the
+measurement.
 
 Turn it on: `TRTLLM_MTP_CARRY_WORKER=<file>` (a YAML file with an `mtp_carry:`
 section; `1` for the defaults) in the environment of the process that starts
@@ -38,9 +46,10 @@ Invariants:
   one line there (stderr and the `trtllm_mtp_carry` logger) and no hook, and
   nothing more at executor creation.
 - At executor creation it prints one line: what it installed and the bytes it
-  reserved, or why the carry stands aside (no room for the arenas is one such line); no exception of any type leaves the hook into TensorRT-LLM's
-  executor creation or the interpreter start (an unexpected one is that one
-  stand-aside line naming it, and the executor is built without the carry).
+  reserved, or why the carry stands aside (no room for the arenas is one such line); no
+  exception of any type leaves the hook into TensorRT-LLM's executor creation (either
+  wrap) or the interpreter start (an unexpected one is that one stand-aside line naming
+  it, and the executor is built without the carry).
 - The carry is added only on the unpaired topology (see `probe.probe_managers`).
 """
 
@@ -134,12 +143,17 @@ def carry_options_from_env(value: str | None = None) -> Any:
 
 
 def wrap_creator(module: ModuleType) -> None:
-    """Wrap `module.create_py_executor_instance` once (TensorRT-LLM's creator or the stand-in's)."""
+    """Wrap `module.create_py_executor_instance` once (TensorRT-LLM's creator or the stand-in's),
+    and `try_prepare_estimation` of the `KvCacheCreator` class the module builds its KV managers
+    with (absent in a build: the first `create_py_executor_instance` reserves instead)."""
+    standin = module.__name__ == STANDIN_CREATOR
     original = getattr(module, "create_py_executor_instance", None)
-    if original is None or getattr(original, _WRAPPED, False):
-        return
-    wrapped = _wrapped(original, module.__name__ == STANDIN_CREATOR)
-    module.create_py_executor_instance = wrapped  # type: ignore[attr-defined]
+    if original is not None and not getattr(original, _WRAPPED, False):
+        module.create_py_executor_instance = _wrapped(original, standin)  # type: ignore[attr-defined]
+    creator_class = getattr(module, "KvCacheCreator", None)
+    prepare = getattr(creator_class, "try_prepare_estimation", None)
+    if creator_class is not None and callable(prepare) and not getattr(prepare, _WRAPPED, False):
+        creator_class.try_prepare_estimation = _wrapped_prepare(prepare, standin)
 
 
 def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
@@ -154,12 +168,66 @@ def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
     return create_py_executor_instance
 
 
+def _wrapped_prepare(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
+    def try_prepare_estimation(creator: Any, *args: Any, **kwargs: Any) -> Any:
+        # before its mem_get_info: the estimation build's V2 quota is then sized around the carry
+        if os.environ.get(ENV):  # unset since boot: TensorRT-LLM as is
+            _reserve_early(creator, standin)
+        return original(creator, *args, **kwargs)
+
+    try_prepare_estimation.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(try_prepare_estimation, _WRAPPED, True)
+    return try_prepare_estimation
+
+
+_early: list[Any] = []  # the reservation (or its failure) try_prepare_estimation made, for the next install
+
+
+def _reserve_early(creator: Any, standin: bool) -> None:
+    """Reserve the carry's bytes before any KV cache of this executor exists (the wrap of
+    `KvCacheCreator.try_prepare_estimation`); the first `create_py_executor_instance` turns
+    them into the arenas, or gives them back when the carry stands aside. A failure is kept
+    for that install to report in its one line. Never raises."""
+    from .arena import reserve_early, torch_allocate
+
+    _give_back(_drop_early())  # an executor creation that never reached its install
+    try:
+        options = checked_options(os.environ.get(ENV, ""))
+        if isinstance(options, Exception) or not options.enable:
+            return  # the install says why (or said it at interpreter start)
+        import torch
+
+        from ..core import carry_host_memory
+
+        host = carry_host_memory() if options.carry_host_memory is None else options.carry_host_memory
+        if standin:  # the stand-in models a device's memory: its allocator, as torch.cuda's here
+            memory = getattr(creator._llm_args, "device_memory", None)
+            if memory is not None:
+                _early.append(reserve_early(options.carry_memory, host, torch.device("cpu"),
+                                            memory.allocate, memory.free))
+                return
+            device = torch.device("cpu")
+        elif torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            return  # the install reserves where the draft pool lives
+        _early.append(reserve_early(options.carry_memory, host, device, torch_allocate))
+    except Exception as exc:  # reported by the install's one line, never raised into TensorRT-LLM
+        _early.append(exc)
+
+
+def _drop_early() -> Any:
+    """Take the early reservation (or its failure) out; None when there is none."""
+    return _early.pop() if _early else None
+
+
 def _install(resources: Any, standin: bool, llm_args: Any = None) -> None:
     """Add the carry manager to `resources`, or say in one line why not. Never raises: an
     unexpected exception anywhere here (the probe reading a name this build lacks, ...) is
     that one line, and the executor is built without the carry."""
     from . import CARRY_MANAGER_KEY
 
+    early = _drop_early()
     try:
         reserved = None
         if isinstance(resources, dict):
@@ -171,17 +239,32 @@ def _install(resources: Any, standin: bool, llm_args: Any = None) -> None:
             reserved = getattr(old, "reserved", None)
             if old is not None:
                 old.carried.clear()
-        _install_checked(resources, standin, reserved, llm_args)
+        if reserved is not None:
+            _give_back(early)  # the first build's arenas serve: nothing of this creation's is used
+            early = None
+        if _install_checked(resources, standin, reserved, llm_args, early):
+            early = None  # the arenas are over its bytes now
     except Exception as exc:
         if isinstance(resources, dict):
             resources.pop(CARRY_MANAGER_KEY, None)
         _say(f"mtp carry: stands aside: {type(exc).__name__} while installing the carry ({exc}); "
              "the executor is built without it")
+    finally:
+        _give_back(early)  # the carry stood aside: before configure_kv_cache_capacity measures
 
 
-def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_args: Any = None) -> None:
+def _give_back(early: Any) -> None:
+    from .arena import EarlyReservation
+
+    if isinstance(early, EarlyReservation):
+        early.release()
+
+
+def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_args: Any = None,
+                     early: Any = None) -> bool:
+    """Install the carry manager, or say why not; True when the arenas were built over `early`."""
     from . import CARRY_MANAGER_KEY
-    from .arena import reserve_for, torch_allocate
+    from .arena import EarlyReservation, arenas_over, reserve_for, torch_allocate
     from .manager import carry_manager_class
     from .options import TrtllmAdapterError
     from .probe import probe_managers
@@ -193,22 +276,34 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
                 "TensorRT-LLM build is not one the worker hook was written against")
         options = checked_options(os.environ.get(ENV, ""))
         if isinstance(options, Exception):
-            return  # its one line was printed when the file was first read (at interpreter start)
+            return False  # its one line was printed when the file was first read (at interpreter start)
         version = "stand-in" if standin else _trtllm_version()
         probe = probe_managers(resources, version)
         if not options.enable:
             _say("mtp carry: stands aside: not configured (mtp_carry.enable is false)")
-            return
+            return False
         if not probe.runnable:
             _say(f"mtp carry: stands aside: {probe.reason}")
-            return
+            return False
         assert probe.draft is not None and probe.mtp_layer is not None
         base = _base_resource_manager(probe.draft)
+        over_early = False
         if reserved is None:  # the first build: before configure_kv_cache_capacity measures
-            # (the stand-in models a device's memory: its allocator, as torch.cuda's here)
-            memory = getattr(llm_args, "device_memory", None) if standin else None
-            reserved = reserve_for(probe.draft, probe.mtp_layer, options,
-                                   torch_allocate if memory is None else memory.allocate)
+            if isinstance(early, BaseException):
+                raise early  # try_prepare_estimation could not reserve: nor could this, later
+            if isinstance(early, EarlyReservation):
+                from ..core import carry_row_dtype
+
+                buf = probe.draft.get_buffers(probe.mtp_layer, kv_layout="HND")
+                reserved = arenas_over(early, buf, options.carry_row_dtype or carry_row_dtype())
+                over_early = reserved is not None
+                if not over_early:
+                    early.release()  # on another device than the draft pool: before reserving there
+            if reserved is None:  # no early reservation (or on another device): reserve now
+                # (the stand-in models a device's memory: its allocator, as torch.cuda's here)
+                memory = getattr(llm_args, "device_memory", None) if standin else None
+                reserved = reserve_for(probe.draft, probe.mtp_layer, options,
+                                       torch_allocate if memory is None else memory.allocate)
         else:
             reserved.release_entries()
         manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, options, report=_say,
@@ -221,8 +316,10 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
             from .metrics import export_worker_metrics
 
             export_worker_metrics(manager, options.metrics_port, report=_say)
+        return over_early
     except TrtllmAdapterError as exc:
         _say(f"mtp carry: stands aside: {exc}")
+        return False
 
 
 def _base_resource_manager(draft: Any) -> type:

@@ -11,7 +11,7 @@ its name and cites the file and commit it was read from (diff one against the ot
 | `llm` | `tensorrt_llm/llmapi/llm.py` (`LLM`, the process split) |
 | `llm_args` | `tensorrt_llm/llmapi/llm_args.py` (`KvCacheConfig`, `MambaStateConfig`) |
 | `py_executor_creator` | `_torch/pyexecutor/py_executor_creator.py` (`create_py_executor`) |
-| `_util` | `_torch/pyexecutor/_util.py` (`create_py_executor_instance`, the KV managers' build) |
+| `_util` | `_torch/pyexecutor/_util.py` (`create_py_executor_instance`, `KvCacheCreator`: the KV managers' build and KV cache estimation) |
 | `py_executor` | `_torch/pyexecutor/py_executor.py` (`PyExecutor`'s loop) |
 | `resource_manager` | `_torch/pyexecutor/resource_manager.py` (`ResourceManager`, `BaseResourceManager`) |
 | `scheduler` | `_torch/pyexecutor/scheduler.py` (`ScheduledRequests`) |

@@ -15,6 +15,8 @@ puts the target manager (`KV_CACHE_MANAGER`) and, for a one-model drafter with i
 pool, the draft manager (`DRAFT_KV_CACHE_MANAGER`, `_mirror_draft_kv_cache`) into
 `resources`; without a separate draft pool the entry is None (notes section 0b);
 `teardown_managers` removes them before the second build under KV cache estimation.
+`KvCacheCreator` models the estimation's memory order on a modelled device (its docstring
+cites the rows).
 
 Invariant: the executor exists only through `create_py_executor_instance`, called with
 keywords only (a positional argument is a TypeError, as it is on TensorRT-LLM's).
@@ -30,6 +32,7 @@ import torch
 
 from ...engine.model import HybridLM
 from ..options import MAMBA_STATE_FIELDS
+from .conformant import Conformant
 from .kv_cache_manager_v2 import DraftKVManager, PagedRows
 from .llm_args import KvCacheConfig
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
@@ -164,6 +167,73 @@ def teardown_managers(resources: OrderedDict[Any, Any]) -> None:
         manager = resources.pop(key, None)
         if manager is not None:
             manager.shutdown()
+
+
+class KvCacheCreator(Conformant):
+    """Stand-in for `_util.KvCacheCreator` (`_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412):
+    the KV managers' build around KV cache estimation, on the modelled device (`llm_args.device_memory`;
+    None: nothing is sized, the pool is `num_pages` as given).
+
+    Row by row as the source: `__init__` keeps `self._llm_args` and the user's
+    `max_gpu_total_bytes` (`_max_gpu_total_bytes_in`); `try_prepare_estimation()` returns False
+    at once when estimation is skipped (`_skip_est`: `TRTLLM_SKIP_KV_CACHE_ESTIMATION`), else, on
+    KV cache manager V2, measures `free_mem, _ = torch.cuda.mem_get_info()` and gives the
+    estimation build `max_gpu_total_bytes = int(free_gpu_memory_fraction * free_mem)` (capped by
+    the user's) and `max_tokens` = the dummy workload; `build_managers(resources, estimating)`
+    calls `configure_kv_cache_capacity()` first when `_skip_est`; a V2 manager's device quota is
+    `min(max_gpu_total_bytes, quota from max_tokens / max_util_for_resume)`
+    (`kv_cache/kv_cache_manager_v2.py` @ 00043967), mapped in full at construction (the GPU
+    pool's slot count comes from the tier quota, `runtime/kv_cache_manager_v2/_storage_manager.py`
+    @ 00f6bd61 `_compute_slot_count_for_level`; `GpuSlotPool.resize` maps physical memory,
+    `_cuda_virt_mem.py` @ 0c84bd31). Here `num_pages` pages stand for the quota the dummy
+    workload asks for, so the estimation pool is `min(cap, num_pages * page_nbytes)` bytes.
+    """
+
+    TRTLLM_CLASS = "KvCacheCreator"
+
+    def __init__(self, *, llm_args: StandinLlmArgs, skip_est: bool = False) -> None:
+        self._llm_args = llm_args
+        self._max_gpu_total_bytes_in = llm_args.kv_cache_config.max_gpu_total_bytes
+        self._skip_est = skip_est
+        self._estimation_bytes: int | None = None  # try_prepare_estimation's max_gpu_total_bytes
+        self.budget: int | None = None  # what configure_kv_cache_capacity gave (the stand-in's record)
+
+    def try_prepare_estimation(self) -> bool:
+        if self._skip_est:
+            return False
+        memory = self._llm_args.device_memory
+        if memory is not None:
+            free_mem, _ = memory.mem_get_info()
+            cap = int(self._llm_args.kv_cache_config.free_gpu_memory_fraction * free_mem)
+            if self._max_gpu_total_bytes_in > 0:
+                cap = min(cap, self._max_gpu_total_bytes_in)
+            self._estimation_bytes = cap
+        return True
+
+    def build_managers(self, resources: OrderedDict[Any, Any], estimating_kv_cache: bool = False) -> None:
+        if self._skip_est:
+            self.configure_kv_cache_capacity()
+        args = self._llm_args
+        if args.device_memory is not None:
+            if estimating_kv_cache:
+                assert self._estimation_bytes is not None
+                size_kv_pool(args, min(self._estimation_bytes, args.num_pages * page_nbytes(args)))
+            else:
+                size_kv_pool(args, self.budget)
+        build_managers(resources, args)
+
+    def configure_kv_cache_capacity(self, py_executor: Any = None) -> None:
+        args = self._llm_args
+        if args.device_memory is None:
+            return
+        estimated = py_executor is not None and not self._skip_est
+        allocated = args.device_memory.charged["kv"] if estimated else 0  # the estimation KV's bytes
+        self.budget = configure_kv_cache_capacity(args, allocated)
+
+    def teardown_managers(self, resources: OrderedDict[Any, Any]) -> None:
+        teardown_managers(resources)
+        if self._llm_args.device_memory is not None:  # shut down: its memory is free again
+            self._llm_args.device_memory.release(self._llm_args.device_memory.charged["kv"], "kv")
 
 
 def create_py_executor_instance(

@@ -37,6 +37,7 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
         "add_dummy_requests", "shutdown", "get_max_resource_count",
         "get_needed_resource_to_completion"}),
     "KvCacheConfig": frozenset({"enable_block_reuse", "mamba_state_config"}),
+    "KvCacheCreator": frozenset({"try_prepare_estimation", "_llm_args"}),
     "MambaStateConfig": frozenset({
         "periodic_snapshot_interval", "additional_snapshot_offsets_from_start",
         "additional_snapshot_offsets_from_end", "enable_branch_snapshot"}),

@@ -8,10 +8,16 @@ estimation twice (the KV managers torn down and built again in between, over one
 `kv_cache_creator.build_managers(resources, False)`); then `py_executor.start_worker()`.
 Newer versions pass `llm_args=` instead of `pytorch_backend_config=` and add
 `virtual_memory_pools=` and `execution_stream=` (notes section 0b); the stand-in passes
-the newer set.
+the newer set. The KV managers come from `KvCacheCreator`, imported by name from
+`._util` and built through this module's global name (@ 000429d57d42ecc8d481e5cdf653fff238be5974):
+`kv_cache_creator = KvCacheCreator(...)`, `estimating_kv_cache =
+kv_cache_creator.try_prepare_estimation()`, `kv_cache_creator.build_managers(resources,
+estimating_kv_cache)`, the first `create_py_executor_instance`, then under estimation
+`configure_kv_cache_capacity(py_executor)`, `teardown_managers(resources)`, the second build.
 
 Invariant: the worker hook (`trtllm.worker`) wraps this module's
-`create_py_executor_instance`, exactly as on TensorRT-LLM: one path, the keyword one.
+`create_py_executor_instance` and its `KvCacheCreator.try_prepare_estimation`, exactly as
+on TensorRT-LLM: one path, the keyword one.
 """
 
 from __future__ import annotations
@@ -25,13 +31,9 @@ from typing import Any
 from ...engine.model import HybridLM
 from ._util import (
     VERSIONS,
+    KvCacheCreator,
     StandinLlmArgs,
-    build_managers,
-    configure_kv_cache_capacity,
     create_py_executor_instance,
-    page_nbytes,
-    size_kv_pool,
-    teardown_managers,
 )
 from .llm_args import KvCacheConfig
 from .mapping import Mapping as TrtllmMapping
@@ -61,12 +63,14 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
     the second build, as on TensorRT-LLM).
 
     `device_memory` models the device (`torch_cuda.StandinDeviceMemory`): the draft pool is
-    then charged to it and sized as `KvCacheCreator` sizes the KV cache (`_util.configure_kv_cache_capacity`):
-    with `estimate_kv_cache`, `num_pages` is the estimation build's pool and the served pool
-    gets the budget measured after the first `create_py_executor_instance` (where the worker
-    hook reserves the carry's arena); without, the budget is measured before the build (the
-    `TRTLLM_SKIP_KV_CACHE_ESTIMATION` order: `build_managers` calls it first). The executor's
-    `kv_cache_budget_bytes` records the budget.
+    then charged to it and sized as `_util.KvCacheCreator` sizes the KV cache: with
+    `estimate_kv_cache`, the estimation build's pool is V2's quota, `min(free_gpu_memory_fraction
+    x the memory free at try_prepare_estimation, num_pages pages)`, and the served pool gets the
+    budget measured after the first `create_py_executor_instance`; without, the budget is
+    measured before the build (the `TRTLLM_SKIP_KV_CACHE_ESTIMATION` order: `build_managers`
+    calls it first). The worker hook reserves the carry's memory in its wrap of
+    `try_prepare_estimation`, before either. The executor's `kv_cache_budget_bytes` records
+    the budget.
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
@@ -85,25 +89,21 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
         raise ValueError(f"topology must be unpaired, paired or folded, got {args.topology!r}")
     model_engine = SimpleNamespace(model=args.model)  # PyTorchModelEngine (.model)
     resources: OrderedDict[Any, Any] = OrderedDict()
-    budget = None
-    if device_memory is not None and not estimate_kv_cache:  # measured before the build
-        budget = size_kv_pool(args, configure_kv_cache_capacity(args, 0))
-    elif device_memory is not None:
-        size_kv_pool(args, None)  # the estimation build's pool: num_pages as given
-    build_managers(resources, args)
+    # as create_py_executor: the creator through this module's global name, then
+    # try_prepare_estimation (the worker hook reserves the carry's memory first, in its wrap)
+    kv_cache_creator = KvCacheCreator(llm_args=args, skip_est=not estimate_kv_cache)
+    estimating_kv_cache = kv_cache_creator.try_prepare_estimation()
+    kv_cache_creator.build_managers(resources, estimating_kv_cache)
     py_executor = _instance(resources, args, model_engine)
-    if estimate_kv_cache:
+    if estimating_kv_cache:
         first_draft = py_executor.draft
-        if device_memory is not None:  # measured now: after the hook reserved the carry's arena
-            budget = configure_kv_cache_capacity(args, args.num_pages * page_nbytes(args))
-        teardown_managers(resources)
+        kv_cache_creator.configure_kv_cache_capacity(py_executor)
+        kv_cache_creator.teardown_managers(resources)
         del py_executor  # free before constructing new
-        if device_memory is not None:
-            size_kv_pool(args, budget)
-        build_managers(resources, args)
+        kv_cache_creator.build_managers(resources, False)
         py_executor = _instance(resources, args, model_engine)
         py_executor.estimation_draft = first_draft  # the stand-in's record, for tests
-    py_executor.kv_cache_budget_bytes = budget  # the stand-in's record, for tests
+    py_executor.kv_cache_budget_bytes = kv_cache_creator.budget  # the stand-in's record, for tests
     py_executor.start_worker()
     return py_executor
 

@@ -58,3 +58,7 @@ class StandinDeviceMemory:
         a CPU `uint8` tensor of `nbytes` holds the bytes."""
         self.charge(nbytes, "carry")
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def free(self, storage: torch.Tensor) -> None:
+        """Give back what `allocate` charged for `storage` (the carry stood aside)."""
+        self.release(storage.numel(), "carry")
