@@ -186,7 +186,7 @@ class CarriedRows:
     def _refuse_oom(self, key: int, exc: BaseException) -> None:
         """An allocation for `key`'s deposit failed: refused as `oom` (counted; logged once), the
         carry goes on with what it holds."""
-        self._store.refuse(key, "oom")
+        self._store.refuse(key)
         if not self._oom_logged:
             self._oom_logged = True
             logger.warning("mtp carry: a deposit was refused as oom (%s); the carry keeps serving with "
