@@ -71,7 +71,7 @@ Rows = torch.Tensor | PackedRows
 def _host_copy(rows: Rows) -> Rows:
     """`rows` copied to host memory (pinned when they are on a GPU), blocking."""
     if isinstance(rows, PackedRows):
-        return rows.to("cpu").pin_memory() if rows.device.type == "cuda" else rows.to("cpu")
+        return rows.host_copy()
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
     host.copy_(rows)  # blocking: the device rows may be reused as soon as they are dropped
     return host
