@@ -69,7 +69,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -84,6 +84,8 @@ from .layout import gather_packed_rows, gather_rows, scatter_packed_rows, scatte
 from .options import CarryOptions
 
 logger = logging.getLogger("trtllm_mtp_carry")
+
+V = TypeVar("V")
 
 SKIP_REASONS: tuple[str, ...] = (
     "dummy",  # warm-up or padding requests
@@ -283,9 +285,9 @@ class CarryManagerCore:
                 record["resumed"] = True
             self._turns["resumed" if resumed else "warm" if reused else "cold"] += 1
             self.rows_computed += int(record["rows_computed"])  # type: ignore[call-overload]
-            _remember(self._turn_log, rid, record)
+            _remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
-                _remember(self._client_log, int(client), record)
+                _remember(self._client_log, int(client), record, TURN_LOG)
         if key is None or reused == 0:
             return
         self._adopt(rid, request, live)
@@ -308,10 +310,7 @@ class CarryManagerCore:
             deposited = self._deposit(rid, request, live)
             if not request.is_dummy_request and not request.is_finished:  # a recompute pause
                 with self._lock:
-                    self._paused[rid] = None
-                    self._paused.move_to_end(rid)
-                    while len(self._paused) > PAUSED_LOG:
-                        self._paused.popitem(last=False)
+                    _remember(self._paused, rid, None, PAUSED_LOG)
         except Exception as exc:  # nothing is deposited; the lease ends below
             deposited = False
             self._fault("free", exc, rid)
@@ -503,7 +502,7 @@ class CarryManagerCore:
                 live = self._live[rid] = _Live(None, None, 0, {
                     "reused": 0, "outcome": "fault", "no_carry_reason": "", "rows_scattered": 0,
                     "rows_computed": 0, "rows_deposited": 0, "skipped": None}, 0)
-                _remember(self._turn_log, rid, live.record)
+                _remember(self._turn_log, rid, live.record, TURN_LOG)
             if live is not None:
                 live.dropped = True
                 live.record["error"] = f"{step}: {kind}: {exc}"
@@ -547,10 +546,11 @@ class CarryManagerCore:
             stream.synchronize()
 
 
-def _remember(log: OrderedDict[int, dict[str, object]], key: int, record: dict[str, object]) -> None:
-    log[key] = record
+def _remember(log: OrderedDict[int, V], key: int, value: V, limit: int) -> None:
+    """`log[key] = value` as the newest of an LRU of at most `limit` keys (the oldest dropped)."""
+    log[key] = value
     log.move_to_end(key)
-    while len(log) > TURN_LOG:
+    while len(log) > limit:
         log.popitem(last=False)
 
 
