@@ -127,8 +127,9 @@ class _Live:
     forgotten: bool = False  # its conversation ended while it ran: it deposits nothing
     dropped: bool = False  # a fault dropped its carry state: it adopts and deposits nothing
 
-    def schedule(self, position: int, size: int) -> None:
-        """A context chunk `[position, position + size)` was scheduled (seen in prepare).
+    def schedule(self, position: int, size: int) -> bool:
+        """A context chunk `[position, position + size)` was scheduled (seen in prepare);
+        True iff it undid the previous chunk (see below).
 
         The previous chunk ran iff the position moved past its end (`moveToNextContextChunk`);
         a position before it means it was undone (`revert_allocate_context`: the same chunk
@@ -138,13 +139,14 @@ class _Live:
         `[valid, position)` unwritten: the request can no longer deposit.
         """
         start, end = self.chunk
-        if end > start and position >= end:
-            if start <= self.valid:
-                self.valid = max(self.valid, end)
-        elif end > start:
+        reverted = end > start and position < end
+        if reverted:
             self.valid = min(self.valid, position)
+        elif end > start and start <= self.valid:
+            self.valid = max(self.valid, end)
         self.chunk = (position, position + size)
         self.last_chunk = position + size >= self.prompt_len
+        return reverted
 
     @property
     def complete(self) -> bool:
@@ -259,10 +261,9 @@ class CarryManagerCore:
         known = self._live.get(rid)
         if known is not None:  # a later chunk, or a chunk again after revert_allocate_context
             with self._lock:
-                if position < known.chunk[1] and known.chunk[1] > known.chunk[0]:
+                if known.schedule(position, size):
                     self._turns["reverted"] += 1  # the last chunk seen never ran
                     known.record["reverted"] = int(known.record.get("reverted", 0)) + 1  # type: ignore[call-overload]
-                known.schedule(position, size)
             return
         if request.is_dummy_request:
             return  # never tracked: free skips it as dummy
@@ -272,9 +273,8 @@ class CarryManagerCore:
         first = "no_conversation" if key is None else "pending" if reused else "cold"
         # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
         # as the reference engine counts `drafter_rows_computed`
-        record: dict[str, object] = {
-            "reused": reused, "outcome": first, "no_carry_reason": "", "rows_scattered": 0,
-            "rows_computed": max(0, prompt_len - 1 - reused), "rows_deposited": 0, "skipped": None}
+        computed = max(0, prompt_len - 1 - reused)
+        record = _turn_record(reused, first, computed)
         live = _Live(key, conversation, reused, record, prompt_len)
         live.schedule(position, size)
         client = getattr(request, "py_client_id", None)  # the LLM API's id of the request
@@ -284,7 +284,7 @@ class CarryManagerCore:
             if resumed:
                 record["resumed"] = True
             self._turns["resumed" if resumed else "warm" if reused else "cold"] += 1
-            self.rows_computed += int(record["rows_computed"])  # type: ignore[call-overload]
+            self.rows_computed += computed
             _remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
                 _remember(self._client_log, int(client), record, TURN_LOG)
@@ -499,9 +499,7 @@ class CarryManagerCore:
             live = None if rid is None else self._live.get(rid)
             if live is None and rid is not None and step == "prepare":
                 # seen now and dropped: a later chunk of it must not be judged as a first sight
-                live = self._live[rid] = _Live(None, None, 0, {
-                    "reused": 0, "outcome": "fault", "no_carry_reason": "", "rows_scattered": 0,
-                    "rows_computed": 0, "rows_deposited": 0, "skipped": None}, 0)
+                live = self._live[rid] = _Live(None, None, 0, _turn_record(0, "fault", 0), 0)
                 _remember(self._turn_log, rid, live.record, TURN_LOG)
             if live is not None:
                 live.dropped = True
@@ -544,6 +542,12 @@ class CarryManagerCore:
         stream = getattr(self.draft, "_stream", None)
         if stream is not None and torch.cuda.is_available():
             stream.synchronize()
+
+
+def _turn_record(reused: int, outcome: str, rows_computed: int) -> dict[str, object]:
+    """A request's turn record (`turn()`'s keys) at first sight: nothing scattered or deposited yet."""
+    return {"reused": reused, "outcome": outcome, "no_carry_reason": "", "rows_scattered": 0,
+            "rows_computed": rows_computed, "rows_deposited": 0, "skipped": None}
 
 
 def _remember(log: OrderedDict[int, V], key: int, value: V, limit: int) -> None:
