@@ -155,12 +155,10 @@ class _Live:
         return self.chunk[0] <= self.valid
 
 
-def _guarded(default: object) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _guarded(default: object, step: str = "other") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap a method PyExecutor calls so no exception leaves it: a fault is counted and
-    logged (`_fault`, step `prepare`/`free` by name, else `other`) and `default` returned."""
+    logged (`_fault` at `step`, one of `ERROR_STEPS`) and `default` returned."""
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
-        step = {"prepare_resources": "prepare", "free_resources": "free"}.get(method.__name__, "other")
-
         @functools.wraps(method)
         def guarded(self: CarryManagerCore, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -237,7 +235,7 @@ class CarryManagerCore:
         finally:
             self.carried.clear()
 
-    @_guarded(None)
+    @_guarded(None, "prepare")
     def prepare_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
         """Adopt for every context request seen for the first time (see the module doc).
 
@@ -292,7 +290,7 @@ class CarryManagerCore:
             return
         self._adopt(rid, request, live)
 
-    @_guarded(None)
+    @_guarded(None, "free")
     def free_resources(self, request: Any, *args: Any, **kwargs: Any) -> None:
         """Deposit a freed request's valid rows, before the draft pool frees its pages.
 
