@@ -40,7 +40,14 @@ Invariants:
 - A request deposits only if every key `[0, N - 1)` is valid: a cold turn, or
   a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
   pages hold whatever the pool had; they are never carried.
-- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope.
+- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope;
+  with `carry_row_dtype` fp8 they are packed as they are gathered and unpacked as
+  they are scattered (within FP8's rounding: the target verifies every draft).
+- The rows wait in `CarriedRows` (trtllm/carried.py), in the arenas reserved at
+  install (`reserved`, trtllm/arena.py; the worker reserves them before TensorRT-LLM
+  sizes its KV cache, `attach` at attach); a
+  deposit the arena cannot place is refused as `oom` (counted in `refusals`), never
+  raised. Without `reserved` (tests of the carry logic) entries hold the gathered tensors.
 - No exception of any type leaves a method PyExecutor calls (every
   `BaseResourceManager` method, `resource_manager.py` @ d2a5560a): a fault
   (a page missing, a `KeyError` from a full draft IndexMapper, out of memory,
