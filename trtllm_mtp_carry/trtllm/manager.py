@@ -44,10 +44,10 @@ Invariants:
   with `carry_row_dtype` fp8 they are packed as they are gathered and unpacked as
   they are scattered (within FP8's rounding: the target verifies every draft).
 - The rows wait in `CarriedRows` (trtllm/carried.py), in the arenas reserved at
-  install (`reserved`, trtllm/arena.py; the worker reserves them before TensorRT-LLM
-  sizes its KV cache, `attach` at attach); a
-  deposit the arena cannot place is refused as `oom` (counted in `refusals`), never
-  raised. Without `reserved` (tests of the carry logic) entries hold the gathered tensors.
+  install (`reserved`, trtllm/arena.py; the worker reserves them before
+  TensorRT-LLM sizes its KV cache, `attach` at attach); a deposit the arena
+  cannot place is refused as `oom` (counted in `refusals`), never raised.
+  Without `reserved` (tests of the carry logic) entries hold the gathered tensors.
 - No exception of any type leaves a method PyExecutor calls (every
   `BaseResourceManager` method, `resource_manager.py` @ d2a5560a): a fault
   (a page missing, a `KeyError` from a full draft IndexMapper, out of memory,
