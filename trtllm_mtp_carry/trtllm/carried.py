@@ -60,12 +60,9 @@ from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
 from ..dataplane.row_format import PackedRows
-from .arena import HeldRows, RowArena
+from .arena import HeldRows, RowArena, Rows
 
 logger = logging.getLogger("trtllm_mtp_carry")
-
-Rows = torch.Tensor | PackedRows
-"""An entry's rows `[n, 2, Hkv, D]`: as gathered (bf16), or packed (fp8)."""
 
 
 def _host_copy(rows: Rows) -> Rows:
