@@ -14,7 +14,7 @@ takes as a carried entry's (zero copy)::
 
 Invariants:
 - A key has at most one packed copy, on the device or in host memory; the
-  carry store's entries of each tier are exactly these copies (`check`).
+  carry store's entries of each tier are exactly these copies (`CarryRuntime.check`).
 - An entry's bytes are `PackedRows.nbytes` (payload plus scales), what the
   store charges (`RowFormat.nbytes(rows)`).
 - Unpacked rows and keys are the packed ones: `unpack(pack(rows))` is within
