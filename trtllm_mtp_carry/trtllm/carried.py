@@ -106,8 +106,6 @@ class CarriedRows:
         self._rows = HeldRows(arena)  # device rows: in the arena when one is reserved
         self._host = HeldRows(host_arena)  # host tier rows: in the pinned arena when one is reserved
         self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
-        self.arena = arena
-        self.host_arena = host_arena
         self._oom_logged = False
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
         if host:
@@ -222,8 +220,8 @@ class CarriedRows:
                 "evictions": self._store.evictions(),
                 "row_dtype": self.row_dtype,
                 "refusals": self._store.refusals(),
-                "reserved_bytes": 0 if self.arena is None else self.arena.nbytes,
-                "host_reserved_bytes": 0 if self.host_arena is None else self.host_arena.nbytes,
+                "reserved_bytes": 0 if self._rows.arena is None else self._rows.arena.nbytes,
+                "host_reserved_bytes": 0 if self._host.arena is None else self._host.arena.nbytes,
                 "carry_host_memory": t.host_budget_bytes,
                 "hits": t.hits,
                 "demotions": t.demotions,
@@ -254,7 +252,7 @@ class CarriedRows:
                 if self._host[e.session_hash].shape[0] != e.rows:
                     raise RuntimeError(f"host entry 0x{e.session_hash:016x} has {e.rows} rows, "
                                        f"holds {self._host[e.session_hash].shape[0]}")
-            for arena in (self.arena, self.host_arena):
+            for arena in (self._rows.arena, self._host.arena):
                 if arena is not None:
                     arena.check()
 
