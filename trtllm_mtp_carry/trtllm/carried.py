@@ -74,10 +74,6 @@ def _host_copy(rows: Rows) -> Rows:
     return host
 
 
-def _nbytes(rows: Rows) -> int:
-    return rows.nbytes if isinstance(rows, PackedRows) else rows.numel() * rows.element_size()
-
-
 @dataclass(frozen=True, slots=True)
 class TakenRows:
     """An adopted entry: its bookkeeping and its rows `[n, 2, Hkv, D]` (packed with fp8)."""
@@ -161,7 +157,7 @@ class CarriedRows:
             raise TypeError(f"a {self.row_dtype} store keeps {'PackedRows' if self.packed else 'tensors'}, "
                             f"got {type(rows).__name__}")
         n = rows.shape[0]
-        nbytes = _nbytes(rows)
+        nbytes = rows.nbytes  # a tensor's numel x element size; packed: payload plus scales
         with self._lock:
             self._expire()
             evicted = self._store.admit(key, nbytes, session) if n > 0 else None
