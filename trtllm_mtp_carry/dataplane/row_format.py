@@ -142,8 +142,7 @@ class PackedRows:
     @property
     def nbytes(self) -> int:
         """Payload plus scale bytes; equals `packed_nbytes(num_vectors, head_dim)`."""
-        return (self.payload.numel() * self.payload.element_size()
-                + self.scales.numel() * self.scales.element_size())
+        return self.payload.nbytes + self.scales.nbytes
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
         """The same packed rows on `device` (sharing the tensors when they are there already)."""
