@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -97,14 +98,17 @@ class CarryMetrics:
     def refresh(self, runtime_stats: Any) -> None:
         """Set a gauge for every int or float field of the runtime's frozen stats snapshot, and
         for every entry of its dict-of-int fields as `field="<name>.<key>"`."""
-        if not is_dataclass(runtime_stats):
-            return
-        for f in fields(runtime_stats):
-            value = getattr(runtime_stats, f.name)
+        if is_dataclass(runtime_stats):
+            self.set_runtime({f.name: getattr(runtime_stats, f.name) for f in fields(runtime_stats)})
+
+    def set_runtime(self, values: Mapping[str, Any]) -> None:
+        """Set a `runtime` gauge for every int or float of `values`, and for every int or float
+        entry of its dict values as `field="<name>.<key>"` (bools and anything else skipped)."""
+        for name, value in values.items():
             items = value.items() if isinstance(value, dict) else [("", value)]
             for key, v in items:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.metric("runtime", "field", f"{f.name}.{key}" if key else f.name).set(v)
+                    self.metric("runtime", "field", f"{name}.{key}" if key else name).set(v)
 
 
 class _Metric:

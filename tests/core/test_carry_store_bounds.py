@@ -42,6 +42,21 @@ def test_a_deposit_larger_than_the_budget_is_refused_as_too_large():
     assert store.miss_reason(2) == "too_large"
 
 
+def test_an_admitted_deposit_the_executor_cannot_hold_is_refused_as_oom_and_its_lease_dropped():
+    store = CarryStore(budget_bytes=30, policy="lrd")
+    deposit(store, 1)
+    deposit(store, 2)
+    store.take(1)  # key 1's turn holds a lease
+    assert store.leases == 1
+    assert [e.session_hash for e in store.admit(1, 25)] == [2]  # admitted: key 2 made room
+    store.refuse(1)  # the executor's allocation failed instead of `put`
+    assert keys(store) == [] and store.leases == 0 and store.bytes_held == 0
+    assert store.refusals() == {"not_admitted": 0, "too_large": 0, "oom": 1}
+    assert store.miss_reason(1) == "oom" and store.miss_reason(2) == "memory"
+    with pytest.raises(TypeError, match=r"key must be an int in \[0, 2\*\*64\), got 'a'"):
+        store.refuse("a")  # type: ignore[arg-type]
+
+
 def test_incumbent_refuses_newcomers_and_a_returning_key_evicts_the_newest():
     store = CarryStore(budget_bytes=30, policy="incumbent")
     deposit(store, 1)

@@ -209,6 +209,19 @@ def test_to_and_pin_memory_keep_every_bit(gen) -> None:
         assert torch.equal(bits(pinned.to("cuda").payload), bits(packed.payload))
 
 
+def test_host_copy_keeps_every_bit_in_fresh_host_memory_pinned_only_from_a_gpu(gen) -> None:
+    packed = pack_rows(mixed_rows(gen, 3, 2, 2, 8, dtype=torch.bfloat16))
+    copy = packed.host_copy()
+    assert torch.equal(bits(copy.payload), bits(packed.payload)) and torch.equal(copy.scales, packed.scales)
+    assert copy.dtype == packed.dtype and copy.device.type == "cpu" and not copy.payload.is_pinned()
+    assert copy.payload.data_ptr() != packed.payload.data_ptr()  # a copy, also from the host
+    assert copy.scales.data_ptr() != packed.scales.data_ptr()
+    if torch.cuda.is_available():
+        pinned = packed.to("cuda").host_copy()
+        assert pinned.payload.is_pinned() and pinned.scales.is_pinned()
+        assert torch.equal(bits(pinned.payload), bits(packed.payload))
+
+
 # ---- TensorRT-LLM's HND draft pages (the adapter) -----------------------------------------
 
 

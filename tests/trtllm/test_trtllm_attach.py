@@ -121,6 +121,15 @@ def test_paired_folded_and_reuse_off_stand_aside_installing_nothing(
     assert carry.stats()["outcomes"] == {k: 0 for k in carry.stats()["outcomes"]}  # type: ignore[union-attr]
 
 
+def test_a_carry_standing_aside_reports_every_stats_key_an_armed_one_does_at_zero() -> None:
+    armed = attach(_llm()).stats()
+    aside = attach(_llm(topology="paired")).stats()
+    assert list(aside) == list(armed)  # a scraper reads the same keys either way
+    assert (aside["armed"], aside["entries"], aside["bytes_held"], aside["reserved_bytes"]) == (False, 0, 0, 0)
+    assert aside["hits"] == {"device": 0, "host": 0} and aside["refusals"] == {
+        "not_admitted": 0, "too_large": 0, "oom": 0}
+
+
 def test_a_disabled_carry_is_configured_off_and_says_so() -> None:
     carry = attach(_llm(), {"enable": False})
     assert (carry.armed, carry.reason) == (False, "not configured (mtp_carry.enable is false)")

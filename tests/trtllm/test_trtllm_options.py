@@ -80,23 +80,23 @@ def test_importing_the_adapter_loads_neither_tensorrt_llm_nor_torch_until_attach
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_reading_an_options_file_without_pyyaml_names_the_extra(tmp_path) -> None:
-    try:
-        import yaml  # noqa: F401
-    except ImportError:
-        path = tmp_path / "extra.yaml"
-        path.write_text("mtp_carry: {carry_slots: 2}\n")
-        from trtllm_mtp_carry.trtllm import load_llm_options
+def test_reading_an_options_file_without_pyyaml_names_the_extra(tmp_path, monkeypatch) -> None:
+    from trtllm_mtp_carry.trtllm import load_llm_options
 
-        with pytest.raises(TrtllmAdapterError, match=r"needs PyYAML, a dependency of trtllm-mtp-carry that is missing here: pip install pyyaml"):
-            load_llm_options(path)
-    else:
-        from trtllm_mtp_carry.trtllm import load_llm_options
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError, as without PyYAML
+    path = tmp_path / "extra.yaml"
+    path.write_text("mtp_carry: {carry_slots: 2}\n")
+    with pytest.raises(TrtllmAdapterError, match=r"needs PyYAML, a dependency of trtllm-mtp-carry that is missing here: pip install pyyaml"):
+        load_llm_options(path)
 
-        path = tmp_path / "extra.yaml"
-        path.write_text("kv_cache_config: {enable_block_reuse: true}\nmtp_carry: {carry_slots: 2}\n")
-        assert load_llm_options(path) == ({"kv_cache_config": {"enable_block_reuse": True}},
-                                          CarryOptions(carry_slots=2))
+
+def test_reading_an_options_file_splits_the_carry_options_from_tensorrt_llms(tmp_path) -> None:
+    from trtllm_mtp_carry.trtllm import load_llm_options
+
+    path = tmp_path / "extra.yaml"
+    path.write_text("kv_cache_config: {enable_block_reuse: true}\nmtp_carry: {carry_slots: 2}\n")
+    assert load_llm_options(path) == ({"kv_cache_config": {"enable_block_reuse": True}},
+                                      CarryOptions(carry_slots=2))
 
 
 def _request(**fields: object) -> object:

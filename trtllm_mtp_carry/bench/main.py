@@ -194,7 +194,7 @@ def _check(args: argparse.Namespace) -> None:
     """Everything that can be checked before the model loads; ValueError naming the flag."""
     from .replay import BenchPolicy
 
-    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    names = _policy_names(args)
     if not names:
         raise ValueError(f"--policies names no policy: {args.policies!r}")
     for name in names:
@@ -276,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _policy_names(args: argparse.Namespace) -> list[str]:
+    """The names `--policies` lists, stripped, empty items dropped."""
     return [p.strip() for p in args.policies.split(",") if p.strip()]
 
 
@@ -402,7 +403,7 @@ def run_server(args: argparse.Namespace) -> int:
     _refuse_server_side_flags(args, f"--server {args.server}", "the server's",
                               "`trtllm-mtp-carry serve` or `triton-repo` options")
     _check(args)
-    if "paired" in [p.strip() for p in args.policies.split(",")]:
+    if "paired" in _policy_names(args):
         raise ValueError(f"--policies paired with --server {args.server}: paired (the model of "
                          "TensorRT-LLM's paired draft reuse) runs on the in-process reference engine only")
     _refuse_row_variants(args, f"--server {args.server}")
@@ -437,7 +438,7 @@ def run_openai(args: argparse.Namespace) -> int:
 def _refuse_row_variants(args: argparse.Namespace, target: str) -> None:
     """ValueError for a `carry-<row dtype>` policy with a remote `target`: its row format is the
     server's `carry_row_dtype`, one per server."""
-    variants = [p.strip() for p in args.policies.split(",") if p.strip().startswith("carry-")]
+    variants = [p for p in _policy_names(args) if p.startswith("carry-")]
     if variants:
         raise ValueError(f"--policies {variants[0]} with {target}: the server stores carried rows in its "
                          "own carry_row_dtype (set it when serving); compare row formats in process")

@@ -8,8 +8,9 @@ rows themselves under the same key. `judge` is the carry decision: the key's
 own entry through `decide_adopt`, or `NoCarry` with the reason it is absent.
 Plain Python, no torch.
 
-Bounds: `budget_bytes` of rows (each deposit says its size), an optional cap of
-`slots` entries, and an idle time-to-live (`idle_s`). With `block_nbytes` set,
+Bounds: `budget_bytes` of rows (each deposit says its size; with a `row_format`
+the size must be its rows in that format), an optional cap of `slots` entries,
+and an idle time-to-live (`idle_s`). With `block_nbytes` set,
 entries are charged by block instead: an entry costs `block_nbytes` per block
 of its `block_table`, and a block several entries share (a common prompt
 prefix, `DrafterKVPool.share_blocks`) is charged once, so evicting an entry
@@ -397,14 +398,12 @@ class CarryStore:
                 for k in room.gone)  # the cause is read per entry, as each leaves
         return [e for e in gone if e is not None]
 
-    def refuse(self, key: int, cause: str = "oom") -> None:
-        """The executor could not hold the rows of `key`'s admitted deposit (`oom`: an allocation
-        failed): the refusal is counted, `miss_reason(key)` says `oom`, and the key's lease is
-        dropped. Call between `admit` and `put`, instead of `put` (what `admit` evicted stays evicted)."""
-        check_u64("key", key)
-        if cause != "oom":
-            raise ValueError(f"the executor refuses a deposit only as 'oom', got {cause!r}")
-        self._refuse(key, cause)
+    def refuse(self, key: int) -> None:
+        """The executor could not hold the rows of `key`'s admitted deposit (an allocation
+        failed): the refusal is counted as `oom`, `miss_reason(key)` says `oom`, and the key's
+        lease is dropped. Call between `admit` and `put`, instead of `put` (what `admit`
+        evicted stays evicted)."""
+        self._refuse(check_u64("key", key), "oom")
 
     def make_room(self, session_hash: int, nbytes: int = 0,
                   blocks: Sequence[int] | None = None) -> list[CarriedDrafter]:
@@ -606,8 +605,7 @@ class CarryStore:
             host_entries=0 if host is None else len(host.entries),
             host_bytes_held=self.host_bytes_held,
             peak_bytes={"device": t.peak_device, "host": t.peak_host},
-            row_dtypes={name: tier.row_dtype for name, tier in (("device", self._device), ("host", host))
-                        if tier is not None},
+            row_dtypes={tier.name: tier.row_dtype for tier in (self._device, host) if tier is not None},
             demote_ms=t.demote_ms,
             restore_ms=t.restore_ms,
         )

@@ -142,8 +142,7 @@ class PackedRows:
     @property
     def nbytes(self) -> int:
         """Payload plus scale bytes; equals `packed_nbytes(num_vectors, head_dim)`."""
-        return (self.payload.numel() * self.payload.element_size()
-                + self.scales.numel() * self.scales.element_size())
+        return self.payload.nbytes + self.scales.nbytes
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
         """The same packed rows on `device` (sharing the tensors when they are there already)."""
@@ -153,6 +152,19 @@ class PackedRows:
     def pin_memory(self) -> PackedRows:
         """A page-locked host copy (for asynchronous copies to and from a GPU)."""
         return PackedRows(self.payload.pin_memory(), self.scales.pin_memory(), self.dtype)
+
+    def host_copy(self) -> PackedRows:
+        """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
+        copies back): one blocking pass over the bytes, so the source may be reused at once;
+        always a copy, also of rows already on the host."""
+        pin = self.device.type == "cuda"
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t)
+            return host
+
+        return PackedRows(copy(self.payload), copy(self.scales), self.dtype)
 
 
 # Every e4m3fn code's float32 value (NaNs included): on CPU, indexing this table is ~10x

@@ -14,7 +14,7 @@ takes as a carried entry's (zero copy)::
 
 Invariants:
 - A key has at most one packed copy, on the device or in host memory; the
-  carry store's entries of each tier are exactly these copies (`check`).
+  carry store's entries of each tier are exactly these copies (`CarryRuntime.check`).
 - An entry's bytes are `PackedRows.nbytes` (payload plus scales), what the
   store charges (`RowFormat.nbytes(rows)`).
 - Unpacked rows and keys are the packed ones: `unpack(pack(rows))` is within
@@ -109,8 +109,9 @@ class PackedCarry:
         packed = self._device.pop(entry.session_hash, None)
         if packed is None:
             return False
-        host = packed.packed.to("cpu")
-        self._host[entry.session_hash] = PackedEntry(host.pin_memory() if self._pin else host, packed.runs)
+        # on a GPU one pass into pinned memory; a CPU pool's popped copy is host memory already
+        host = packed.packed.host_copy() if self._pin else packed.packed
+        self._host[entry.session_hash] = PackedEntry(host, packed.runs)
         return True
 
     def restore(self, entry: CarriedDrafter) -> None:

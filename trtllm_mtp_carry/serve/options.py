@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..core import settings
+
 POLICIES = ("carry", "rebuild", "blind", "off")
 ENGINES = ("reference",)  # the TensorRT-LLM engine registers here (serve/engines.py)
 MAX_DRAFT_LEN = 3  # the reference engine's EngineConfig bound
@@ -115,14 +117,14 @@ class ServeOptions:
 
 CARRY_FLAGS: tuple[tuple[str, str, str], ...] = (
     # (ServeOptions field, the serve flags' dest or "" when serve has no flag, the variable's name)
-    ("marconi_min_tokens", "serve_marconi_min_tokens", "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS"),
-    ("carry_slots", "serve_carry_slots", "TRTLLM_MTP_CARRY_SLOTS"),
-    ("carry_memory", "serve_carry_memory", "TRTLLM_MTP_CARRY_MEMORY"),
-    ("carry_host_memory", "serve_carry_host_memory", "TRTLLM_MTP_CARRY_HOST_MEMORY"),
-    ("carry_row_dtype", "serve_carry_row_dtype", "TRTLLM_MTP_CARRY_ROW_DTYPE"),
-    ("carry_eviction", "", "TRTLLM_MTP_CARRY_EVICTION"),
-    ("carry_idle_s", "", "TRTLLM_MTP_CARRY_IDLE_S"),
-    ("carry_share", "", "TRTLLM_MTP_CARRY_SHARE"),
+    ("marconi_min_tokens", "serve_marconi_min_tokens", settings.ENV_MARCONI_MIN_TOKENS),
+    ("carry_slots", "serve_carry_slots", settings.ENV_CARRY_SLOTS),
+    ("carry_memory", "serve_carry_memory", settings.ENV_CARRY_MEMORY),
+    ("carry_host_memory", "serve_carry_host_memory", settings.ENV_CARRY_HOST_MEMORY),
+    ("carry_row_dtype", "serve_carry_row_dtype", settings.ENV_CARRY_ROW_DTYPE),
+    ("carry_eviction", "", settings.ENV_CARRY_EVICTION),
+    ("carry_idle_s", "", settings.ENV_CARRY_IDLE_S),
+    ("carry_share", "", settings.ENV_CARRY_SHARE),
 )
 """The served model's carry options and where `triton-repo`/`serve` take each from."""
 

@@ -41,6 +41,7 @@ from ..core.settings import (
     ENV_CARRY_MEMORY,
     ENV_CARRY_ROW_DTYPE,
     EVICTION_POLICIES,
+    Pinned,
     check_eviction_policy,
     parse_carry_memory,
 )
@@ -121,30 +122,25 @@ def resolve_replay_options(args: argparse.Namespace) -> None:
     replay's default, in place; a malformed variable is a ValueError naming it and its value."""
     import os
 
-    def env(var: str) -> str | None:
-        raw = os.environ.get(var)
-        return raw.strip() if raw is not None else None
-
-    if args.replay_memory is None:
-        raw = env(ENV_CARRY_MEMORY)
-        if raw is not None:
-            CARRY_MEMORY.check_env()
-            _memory(raw, f"environment variable {ENV_CARRY_MEMORY}", allow_unbounded=False)
-        args.replay_memory = raw if raw is not None else DEFAULT_REPLAY_MEMORY
-    if args.replay_host_memory is None:
-        CARRY_HOST_MEMORY.check_env()
-        raw = env(ENV_CARRY_HOST_MEMORY)
-        args.replay_host_memory = raw if raw is not None else DEFAULT_REPLAY_HOST_MEMORY
-    if args.replay_eviction is None:
-        CARRY_EVICTION.check_env()
-        args.replay_eviction = env(ENV_CARRY_EVICTION) or DEFAULT_CARRY_EVICTION
-    if args.replay_row_dtype is None:
-        CARRY_ROW_DTYPE.check_env()
-        args.replay_row_dtype = env(ENV_CARRY_ROW_DTYPE) or DEFAULT_CARRY_ROW_DTYPE
-    if args.replay_idle_s is None:
-        CARRY_IDLE_S.check_env()
-        raw = env(ENV_CARRY_IDLE_S)
-        args.replay_idle_s = int(raw) if raw is not None else DEFAULT_CARRY_IDLE_S
+    table: tuple[tuple[str, Pinned[Any], object], ...] = (
+        ("replay_memory", CARRY_MEMORY, DEFAULT_REPLAY_MEMORY),
+        ("replay_host_memory", CARRY_HOST_MEMORY, DEFAULT_REPLAY_HOST_MEMORY),
+        ("replay_eviction", CARRY_EVICTION, DEFAULT_CARRY_EVICTION),
+        ("replay_row_dtype", CARRY_ROW_DTYPE, DEFAULT_CARRY_ROW_DTYPE),
+        ("replay_idle_s", CARRY_IDLE_S, DEFAULT_CARRY_IDLE_S),
+    )
+    for dest, setting, default in table:
+        if getattr(args, dest) is not None:
+            continue
+        setting.check_env()  # a malformed variable: the one error line, naming it
+        raw = os.environ.get(setting.env_var)
+        if raw is None:
+            setattr(args, dest, default)
+            continue
+        raw = raw.strip()
+        if setting is CARRY_MEMORY:  # a server takes a pool fraction; the replay has no pool
+            _memory(raw, f"environment variable {setting.env_var}", allow_unbounded=False)
+        setattr(args, dest, int(raw) if setting is CARRY_IDLE_S else raw)
 
 
 def _memory(text: str, flag: str, allow_unbounded: bool) -> int | None:

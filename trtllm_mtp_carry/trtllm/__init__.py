@@ -103,19 +103,19 @@ class CarryAttachment:
         if self.manager is not None:
             out: dict[str, object] = self.manager.stats()
         else:
-            from ..core.carry_store import EVICTION_CAUSES, REFUSAL_CAUSES
             from ..core.outcome import NO_CARRY_REASONS, OUTCOME_KINDS
+            from .carried import CarriedRows
             from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS
 
+            # the held part is an empty store's own stats (no arena, no host tier): the same keys armed
+            held = CarriedRows(None, self.options.carry_memory, host_budget_bytes=0,
+                               row_dtype=self.options.carry_row_dtype).stats()
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
                    "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": dict.fromkeys(TURN_KINDS, 0),
                    "rows_scattered": 0, "rows_deposited": 0, "rows_computed": 0,
                    "no_carry_reasons": dict.fromkeys(NO_CARRY_REASONS, 0), "sessions_ended": 0,
                    "rows_freed": 0, "errors": dict.fromkeys(ERROR_STEPS, 0), "faults": {}, "live_requests": 0,
-                   "carry_slots": self.slots, "entries": 0, "rows_held": 0,
-                   "bytes_held": 0, "budget_bytes": self.options.carry_memory, "deposits": 0,
-                   "adoptions": 0, "evictions": dict.fromkeys(EVICTION_CAUSES, 0),
-                   "refusals": dict.fromkeys(REFUSAL_CAUSES, 0)}
+                   **held, "carry_slots": self.slots}
         return {"topology": self.topology, "armed": self.armed, **out}
 
     def turn(self, request_id: int) -> dict[str, object] | None:

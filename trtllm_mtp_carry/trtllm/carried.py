@@ -60,25 +60,18 @@ from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
 from ..dataplane.row_format import PackedRows
-from .arena import HeldRows, RowArena
+from .arena import HeldRows, RowArena, Rows
 
 logger = logging.getLogger("trtllm_mtp_carry")
-
-Rows = torch.Tensor | PackedRows
-"""An entry's rows `[n, 2, Hkv, D]`: as gathered (bf16), or packed (fp8)."""
 
 
 def _host_copy(rows: Rows) -> Rows:
     """`rows` copied to host memory (pinned when they are on a GPU), blocking."""
     if isinstance(rows, PackedRows):
-        return rows.to("cpu").pin_memory() if rows.device.type == "cuda" else rows.to("cpu")
+        return rows.host_copy()
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
     host.copy_(rows)  # blocking: the device rows may be reused as soon as they are dropped
     return host
-
-
-def _nbytes(rows: Rows) -> int:
-    return rows.nbytes if isinstance(rows, PackedRows) else rows.numel() * rows.element_size()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +102,6 @@ class CarriedRows:
         self._rows = HeldRows(arena)  # device rows: in the arena when one is reserved
         self._host = HeldRows(host_arena)  # host tier rows: in the pinned arena when one is reserved
         self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
-        self.arena = arena
-        self.host_arena = host_arena
         self._oom_logged = False
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
         if host:
@@ -166,7 +157,7 @@ class CarriedRows:
             raise TypeError(f"a {self.row_dtype} store keeps {'PackedRows' if self.packed else 'tensors'}, "
                             f"got {type(rows).__name__}")
         n = rows.shape[0]
-        nbytes = _nbytes(rows)
+        nbytes = rows.nbytes  # a tensor's numel x element size; packed: payload plus scales
         with self._lock:
             self._expire()
             evicted = self._store.admit(key, nbytes, session) if n > 0 else None
@@ -186,7 +177,7 @@ class CarriedRows:
     def _refuse_oom(self, key: int, exc: BaseException) -> None:
         """An allocation for `key`'s deposit failed: refused as `oom` (counted; logged once), the
         carry goes on with what it holds."""
-        self._store.refuse(key, "oom")
+        self._store.refuse(key)
         if not self._oom_logged:
             self._oom_logged = True
             logger.warning("mtp carry: a deposit was refused as oom (%s); the carry keeps serving with "
@@ -225,8 +216,8 @@ class CarriedRows:
                 "evictions": self._store.evictions(),
                 "row_dtype": self.row_dtype,
                 "refusals": self._store.refusals(),
-                "reserved_bytes": 0 if self.arena is None else self.arena.nbytes,
-                "host_reserved_bytes": 0 if self.host_arena is None else self.host_arena.nbytes,
+                "reserved_bytes": 0 if self._rows.arena is None else self._rows.arena.nbytes,
+                "host_reserved_bytes": 0 if self._host.arena is None else self._host.arena.nbytes,
                 "carry_host_memory": t.host_budget_bytes,
                 "hits": t.hits,
                 "demotions": t.demotions,
@@ -257,7 +248,7 @@ class CarriedRows:
                 if self._host[e.session_hash].shape[0] != e.rows:
                     raise RuntimeError(f"host entry 0x{e.session_hash:016x} has {e.rows} rows, "
                                        f"holds {self._host[e.session_hash].shape[0]}")
-            for arena in (self.arena, self.host_arena):
+            for arena in (self._rows.arena, self._host.arena):
                 if arena is not None:
                     arena.check()
 

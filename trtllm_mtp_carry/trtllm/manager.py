@@ -40,7 +40,14 @@ Invariants:
 - A request deposits only if every key `[0, N - 1)` is valid: a cold turn, or
   a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
   pages hold whatever the pool had; they are never carried.
-- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope.
+- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope;
+  with `carry_row_dtype` fp8 they are packed as they are gathered and unpacked as
+  they are scattered (within FP8's rounding: the target verifies every draft).
+- The rows wait in `CarriedRows` (trtllm/carried.py), in the arenas reserved at
+  install (`reserved`, trtllm/arena.py; the worker reserves them before
+  TensorRT-LLM sizes its KV cache, `attach` at attach); a deposit the arena
+  cannot place is refused as `oom` (counted in `refusals`), never raised.
+  Without `reserved` (tests of the carry logic) entries hold the gathered tensors.
 - No exception of any type leaves a method PyExecutor calls (every
   `BaseResourceManager` method, `resource_manager.py` @ d2a5560a): a fault
   (a page missing, a `KeyError` from a full draft IndexMapper, out of memory,
@@ -69,7 +76,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -84,6 +91,8 @@ from .layout import gather_packed_rows, gather_rows, scatter_packed_rows, scatte
 from .options import CarryOptions
 
 logger = logging.getLogger("trtllm_mtp_carry")
+
+V = TypeVar("V")
 
 SKIP_REASONS: tuple[str, ...] = (
     "dummy",  # warm-up or padding requests
@@ -125,8 +134,9 @@ class _Live:
     forgotten: bool = False  # its conversation ended while it ran: it deposits nothing
     dropped: bool = False  # a fault dropped its carry state: it adopts and deposits nothing
 
-    def schedule(self, position: int, size: int) -> None:
-        """A context chunk `[position, position + size)` was scheduled (seen in prepare).
+    def schedule(self, position: int, size: int) -> bool:
+        """A context chunk `[position, position + size)` was scheduled (seen in prepare);
+        True iff it undid the previous chunk (see below).
 
         The previous chunk ran iff the position moved past its end (`moveToNextContextChunk`);
         a position before it means it was undone (`revert_allocate_context`: the same chunk
@@ -136,13 +146,14 @@ class _Live:
         `[valid, position)` unwritten: the request can no longer deposit.
         """
         start, end = self.chunk
-        if end > start and position >= end:
-            if start <= self.valid:
-                self.valid = max(self.valid, end)
-        elif end > start:
+        reverted = end > start and position < end
+        if reverted:
             self.valid = min(self.valid, position)
+        elif end > start and start <= self.valid:
+            self.valid = max(self.valid, end)
         self.chunk = (position, position + size)
         self.last_chunk = position + size >= self.prompt_len
+        return reverted
 
     @property
     def complete(self) -> bool:
@@ -151,12 +162,10 @@ class _Live:
         return self.chunk[0] <= self.valid
 
 
-def _guarded(default: object) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _guarded(default: object, step: str = "other") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap a method PyExecutor calls so no exception leaves it: a fault is counted and
-    logged (`_fault`, step `prepare`/`free` by name, else `other`) and `default` returned."""
+    logged (`_fault` at `step`, one of `ERROR_STEPS`) and `default` returned."""
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
-        step = {"prepare_resources": "prepare", "free_resources": "free"}.get(method.__name__, "other")
-
         @functools.wraps(method)
         def guarded(self: CarryManagerCore, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -233,7 +242,7 @@ class CarryManagerCore:
         finally:
             self.carried.clear()
 
-    @_guarded(None)
+    @_guarded(None, "prepare")
     def prepare_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
         """Adopt for every context request seen for the first time (see the module doc).
 
@@ -257,10 +266,9 @@ class CarryManagerCore:
         known = self._live.get(rid)
         if known is not None:  # a later chunk, or a chunk again after revert_allocate_context
             with self._lock:
-                if position < known.chunk[1] and known.chunk[1] > known.chunk[0]:
+                if known.schedule(position, size):
                     self._turns["reverted"] += 1  # the last chunk seen never ran
                     known.record["reverted"] = int(known.record.get("reverted", 0)) + 1  # type: ignore[call-overload]
-                known.schedule(position, size)
             return
         if request.is_dummy_request:
             return  # never tracked: free skips it as dummy
@@ -270,9 +278,8 @@ class CarryManagerCore:
         first = "no_conversation" if key is None else "pending" if reused else "cold"
         # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
         # as the reference engine counts `drafter_rows_computed`
-        record: dict[str, object] = {
-            "reused": reused, "outcome": first, "no_carry_reason": "", "rows_scattered": 0,
-            "rows_computed": max(0, prompt_len - 1 - reused), "rows_deposited": 0, "skipped": None}
+        computed = max(0, prompt_len - 1 - reused)
+        record = _turn_record(reused, first, computed)
         live = _Live(key, conversation, reused, record, prompt_len)
         live.schedule(position, size)
         client = getattr(request, "py_client_id", None)  # the LLM API's id of the request
@@ -282,15 +289,15 @@ class CarryManagerCore:
             if resumed:
                 record["resumed"] = True
             self._turns["resumed" if resumed else "warm" if reused else "cold"] += 1
-            self.rows_computed += int(record["rows_computed"])  # type: ignore[call-overload]
-            _remember(self._turn_log, rid, record)
+            self.rows_computed += computed
+            _remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
-                _remember(self._client_log, int(client), record)
+                _remember(self._client_log, int(client), record, TURN_LOG)
         if key is None or reused == 0:
             return
         self._adopt(rid, request, live)
 
-    @_guarded(None)
+    @_guarded(None, "free")
     def free_resources(self, request: Any, *args: Any, **kwargs: Any) -> None:
         """Deposit a freed request's valid rows, before the draft pool frees its pages.
 
@@ -308,10 +315,7 @@ class CarryManagerCore:
             deposited = self._deposit(rid, request, live)
             if not request.is_dummy_request and not request.is_finished:  # a recompute pause
                 with self._lock:
-                    self._paused[rid] = None
-                    self._paused.move_to_end(rid)
-                    while len(self._paused) > PAUSED_LOG:
-                        self._paused.popitem(last=False)
+                    _remember(self._paused, rid, None, PAUSED_LOG)
         except Exception as exc:  # nothing is deposited; the lease ends below
             deposited = False
             self._fault("free", exc, rid)
@@ -500,10 +504,8 @@ class CarryManagerCore:
             live = None if rid is None else self._live.get(rid)
             if live is None and rid is not None and step == "prepare":
                 # seen now and dropped: a later chunk of it must not be judged as a first sight
-                live = self._live[rid] = _Live(None, None, 0, {
-                    "reused": 0, "outcome": "fault", "no_carry_reason": "", "rows_scattered": 0,
-                    "rows_computed": 0, "rows_deposited": 0, "skipped": None}, 0)
-                _remember(self._turn_log, rid, live.record)
+                live = self._live[rid] = _Live(None, None, 0, _turn_record(0, "fault", 0), 0)
+                _remember(self._turn_log, rid, live.record, TURN_LOG)
             if live is not None:
                 live.dropped = True
                 live.record["error"] = f"{step}: {kind}: {exc}"
@@ -547,10 +549,17 @@ class CarryManagerCore:
             stream.synchronize()
 
 
-def _remember(log: OrderedDict[int, dict[str, object]], key: int, record: dict[str, object]) -> None:
-    log[key] = record
+def _turn_record(reused: int, outcome: str, rows_computed: int) -> dict[str, object]:
+    """A request's turn record (`turn()`'s keys) at first sight: nothing scattered or deposited yet."""
+    return {"reused": reused, "outcome": outcome, "no_carry_reason": "", "rows_scattered": 0,
+            "rows_computed": rows_computed, "rows_deposited": 0, "skipped": None}
+
+
+def _remember(log: OrderedDict[int, V], key: int, value: V, limit: int) -> None:
+    """`log[key] = value` as the newest of an LRU of at most `limit` keys (the oldest dropped)."""
+    log[key] = value
     log.move_to_end(key)
-    while len(log) > TURN_LOG:
+    while len(log) > limit:
         log.popitem(last=False)
 
 

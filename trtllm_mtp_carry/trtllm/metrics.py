@@ -92,12 +92,7 @@ class WorkerMetrics:
         self._count("freed", "", "", stats["rows_freed"])
         for kind, n in stats["faults"].items():
             self._count("errors", "reason", kind, n)
-        for name, value in stats.items():
-            items = value.items() if isinstance(value, dict) else [("", value)]
-            for key, v in items:
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    field = f"{name}.{key}" if key else name
-                    self.families.metric("runtime", "field", field).set(v)
+        self.families.set_runtime(stats)
 
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (`GET /metrics`) on a daemon thread; OSError if the port is taken."""

@@ -85,15 +85,6 @@ def is_finished(state: LlmRequestState) -> bool:
     return state in (_S.GENERATION_COMPLETE, _S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
 
 
-_REQUEST_STATE_PREDICATES = {
-    "is_context_init_state": is_context_init_state,
-    "is_context_finished": is_context_finished,
-    "is_generation_in_progress_state": is_generation_in_progress_state,
-    "is_generation_complete_state": is_generation_complete_state,
-    "is_finished": is_finished,
-}
-
-
 def get_cache_salt_id(cache_salt: str) -> int:
     """The stand-in's `tensorrt_llm.inputs.utils.get_cache_salt_id`: a 64-bit id of the salt text.
 
