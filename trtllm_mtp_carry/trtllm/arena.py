@@ -50,13 +50,15 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..dataplane.row_format import FP8_DTYPE, PackedRows, packed_nbytes
+from ..core.row_format import RowFormat
+from ..dataplane.row_format import FP8_DTYPE, PackedRows
 
 Rows = torch.Tensor | PackedRows
 
@@ -73,10 +75,10 @@ def torch_allocate(nbytes: int, device: torch.device, pinned: bool) -> torch.Ten
 
 def row_nbytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, row_dtype: str) -> int:
     """Bytes of one carried row `[2, Hkv, D]` (K and V) in `row_dtype` (`bf16`: as gathered, in
-    `dtype`; `fp8`: payload plus scales, `packed_nbytes`): the arena's block size."""
-    if row_dtype == "fp8":
-        return packed_nbytes(2 * num_kv_heads, head_dim)
-    return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    `dtype`; `fp8`: payload plus scales), as the store charges it (`core.row_format.RowFormat`):
+    the arena's block size."""
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    return RowFormat(row_dtype, 2 * num_kv_heads, head_dim, elem_bytes).row_nbytes
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ class RowArena:
 
     def blocks_for(self, rows: Rows) -> int:
         """Blocks `rows` take: their bytes over the block size (ValueError unless whole blocks)."""
-        nbytes = _nbytes(rows)
+        nbytes = rows.nbytes
         if nbytes % self.block_nbytes:
             raise ValueError(f"rows of {nbytes} bytes are not whole {self.block_nbytes}-byte blocks "
                              "(a carried row is one block)")
@@ -363,16 +365,10 @@ class RowArena:
         raw = self._bytes(e.start, e.blocks)
         if not e.packed:
             return raw.view(e.dtype).view(e.shape)
-        payload_nbytes = 1
-        for d in e.shape:
-            payload_nbytes *= d
+        payload_nbytes = math.prod(e.shape)  # one e4m3 byte an element
         payload = raw[:payload_nbytes].view(FP8_DTYPE).view(e.shape)
         scales = raw[payload_nbytes:].view(torch.float32).view(e.shape[:-1])
         return PackedRows(payload, scales, e.dtype)
-
-
-def _nbytes(rows: Rows) -> int:
-    return rows.nbytes if isinstance(rows, PackedRows) else rows.numel() * rows.element_size()
 
 
 class HeldRows:
@@ -401,7 +397,7 @@ class HeldRows:
         self._popped.clear()
         if not self.arena.put(key, rows):
             raise torch.OutOfMemoryError(
-                f"the carry's arena has no room for {_nbytes(rows)} bytes "
+                f"the carry's arena has no room for {rows.nbytes} bytes "
                 f"({self.arena.capacity_blocks - self.arena.blocks_held} of {self.arena.capacity_blocks} "
                 "blocks free)")
 
