@@ -3,16 +3,13 @@ with nothing printed before it (issue 32)."""
 
 from __future__ import annotations
 
-import fcntl
 import io
 import os
-import pty
-import struct
 import subprocess
 import sys
-import termios
-import threading
 from pathlib import Path
+
+from terminal import Terminal
 
 from trtllm_mtp_carry.progress import progress, shows_progress
 
@@ -54,27 +51,12 @@ def test_a_bar_is_shown_on_a_terminal_only_and_when_not_turned_off():
 
 def _stderr_on_a_terminal(argv: list[str], cwd: Path) -> tuple[int, str]:
     """Run `argv` with stderr on a pseudo-terminal (stdout a pipe); its exit status and stderr."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
-    chunks: list[bytes] = []
-
-    def drain() -> None:
-        while True:
-            try:
-                data = os.read(master, 4096)
-            except OSError:  # the other end closed
-                return
-            if not data:
-                return
-            chunks.append(data)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    done = subprocess.run(argv, env=_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=slave, timeout=300)
-    os.close(slave)
-    reader.join(timeout=10)
-    os.close(master)
-    return done.returncode, b"".join(chunks).decode(errors="replace")
+    terminal = Terminal()
+    try:
+        done = subprocess.run(argv, env=_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=terminal.fd, timeout=300)
+    finally:
+        text = terminal.close()
+    return done.returncode, text
 
 
 def test_bench_draws_its_bar_on_a_terminal_and_none_into_a_pipe(tmp_path):

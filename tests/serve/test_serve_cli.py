@@ -9,15 +9,10 @@ serve says which instance died); and the one-line errors of a bad start.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import pty
 import signal
-import struct
 import subprocess
 import sys
-import termios
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from serve_helpers import free_ports, metric, tritonserver_or_skip, wait_for
+from terminal import Terminal
 
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
@@ -171,31 +167,14 @@ def test_serve_shows_a_bar_while_the_server_starts_on_a_terminal_and_none_into_a
         assert "waiting for tritonserver" not in piped.banner, piped.banner
     finally:
         piped.close()
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
-    chunks: list[bytes] = []
-
-    def drain() -> None:
-        while True:
-            try:
-                data = os.read(master, 4096)
-            except OSError:  # the other end closed
-                return
-            if not data:
-                return
-            chunks.append(data)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    on_terminal = Serve(tmp_path, "--max-tokens", "6", stderr=slave)
+    terminal = Terminal()
+    on_terminal = Serve(tmp_path, "--max-tokens", "6", stderr=terminal.fd)
     try:
         assert "waiting for tritonserver" not in on_terminal.banner  # the bar is on stderr only
     finally:
         on_terminal.close()
-        os.close(slave)
-        reader.join(timeout=10)
-        os.close(master)
-    assert "waiting for tritonserver" in b"".join(chunks).decode(errors="replace")
+        seen = terminal.close()
+    assert "waiting for tritonserver" in seen
 
 
 def test_a_killed_backend_stub_fails_its_clients_and_serve_says_which_instance_died(tmp_path):
