@@ -175,6 +175,28 @@ def test_a_carry_that_stands_aside_gives_its_early_bytes_back_before_the_kv_cach
     assert _budget(llm) == int((TOTAL - WEIGHTS) * 0.9)  # as without the carry
 
 
+def test_a_failure_giving_the_early_bytes_back_is_one_line_and_the_executor_is_built(
+        carry_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trtllm_mtp_carry.trtllm.arena import EarlyReservation
+
+    def refuse(self: Any) -> None:
+        raise RuntimeError("cannot free")
+
+    monkeypatch.setattr(EarlyReservation, "release", refuse)
+    memory = StandinDeviceMemory(TOTAL, WEIGHTS)
+    llm = StandinLLM(model(), kv_cache_config=dict(RECOMMENDED_KV_CACHE_CONFIG), chunk_size=CHUNK,
+                     max_batch=4, num_pages=64, estimate_kv_cache=True, device_memory=memory,
+                     topology="paired")  # stands aside: its early bytes go back, which fails here
+    assert _manager(llm) is None
+    first, give_back, second = worker.messages()[-3:]  # the estimation build, then the served one
+    assert first == second and first.startswith("mtp carry: stands aside: paired: ")
+    assert give_back == "mtp carry: RuntimeError while giving back the carry's reserved bytes (cannot free)"
+    req = llm.generate_async(user_tokens(0, 2 * CHUNK), MAX_NEW,
+                             conversation_params=ConversationParams(conversation_id="s"))
+    llm.run_until_done()  # the executor serves
+    assert len(req.output) == MAX_NEW
+
+
 def _rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 2, 2, 32, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 

@@ -188,10 +188,10 @@ def _reserve_early(creator: Any, standin: bool) -> None:
     `KvCacheCreator.try_prepare_estimation`); the first `create_py_executor_instance` turns
     them into the arenas, or gives them back when the carry stands aside. A failure is kept
     for that install to report in its one line. Never raises."""
-    from .arena import reserve_early, torch_allocate
-
     _give_back(_drop_early())  # an executor creation that never reached its install
     try:
+        from .arena import reserve_early, torch_allocate
+
         options = checked_options(os.environ.get(ENV, ""))
         if isinstance(options, Exception) or not options.enable:
             return  # the install says why (or said it at interpreter start)
@@ -225,7 +225,7 @@ def _install(resources: Any, standin: bool, llm_args: Any = None) -> None:
     """Add the carry manager to `resources`, or say in one line why not. Never raises: an
     unexpected exception anywhere here (the probe reading a name this build lacks, ...) is
     that one line, and the executor is built without the carry."""
-    from . import CARRY_MANAGER_KEY
+    from . import CARRY_MANAGER_KEY  # this package's own __init__, loaded with this module
 
     early = _drop_early()
     try:
@@ -254,10 +254,15 @@ def _install(resources: Any, standin: bool, llm_args: Any = None) -> None:
 
 
 def _give_back(early: Any) -> None:
-    from .arena import EarlyReservation
+    """Release an early reservation the carry will not use. Never raises (it runs inside
+    TensorRT-LLM's executor creation): a failure is one line."""
+    try:
+        from .arena import EarlyReservation
 
-    if isinstance(early, EarlyReservation):
-        early.release()
+        if isinstance(early, EarlyReservation):
+            early.release()
+    except Exception as exc:
+        _say(f"mtp carry: {type(exc).__name__} while giving back the carry's reserved bytes ({exc})")
 
 
 def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_args: Any = None,
