@@ -1,4 +1,4 @@
-"""Every default is stated once, in README.md's "Defaults" table, and equal everywhere (issue 32).
+"""Every default is stated once, in docs/CONFIGURATION.md's "Defaults" table, and equal everywhere (issue 32).
 
 Three checks:
 - the table's default of each option equals the code's (`core.settings`, the TensorRT-LLM
@@ -25,10 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\|\s*`([\w.]+)`[^|]*\|\s*`([^`]+)`[^|]*\|([^|]*)\|")
 
 
+TABLE = ROOT / "docs" / "CONFIGURATION.md"
+"""The page that holds the one table of defaults."""
+
+
 def readme_defaults(text: str | None = None) -> dict[str, tuple[str, str]]:
-    """`{option: (default, variable or '')}` from the README's "### Defaults" table."""
-    text = (ROOT / "README.md").read_text() if text is None else text
-    section = text.split("\n### Defaults\n", 1)[1]
+    """`{option: (default, variable or '')}` from docs/CONFIGURATION.md's "## Defaults" table."""
+    text = TABLE.read_text() if text is None else text
+    section = text.split("\n## Defaults\n", 1)[1]
     rows: dict[str, tuple[str, str]] = {}
     for line in section.splitlines():
         if line.startswith("#"):
@@ -45,7 +49,7 @@ def _switch(on: bool) -> str:
 
 
 def code_defaults() -> dict[str, str]:
-    """Each option's default as the code has it, written as the README writes it."""
+    """Each option's default as the code has it, written as the table writes it."""
     options = CarryOptions()
     adapter_memory = settings.format_bytes(options.carry_memory)
     assert settings.format_bytes(settings.parse_carry_memory(DEFAULT_REPLAY_MEMORY).nbytes or 0) == adapter_memory
@@ -74,12 +78,12 @@ SPELLINGS = {
 }
 
 
-def test_the_readme_table_states_the_codes_defaults():
+def test_the_defaults_table_states_the_codes_defaults():
     table = readme_defaults()
     assert {k: v[0] for k, v in table.items()} == code_defaults()
 
 
-def test_the_readme_table_names_each_settings_variable_and_every_mtp_carry_key():
+def test_the_defaults_table_names_each_settings_variable_and_every_mtp_carry_key():
     table = readme_defaults()
     for setting in settings.CARRY_VARIABLES:
         assert table[setting.name][1] == setting.env_var, setting.name
@@ -131,4 +135,4 @@ def _agrees(option: str, words: str) -> bool:
 @pytest.mark.parametrize("path,text", _texts(), ids=[p for p, _ in _texts()])
 def test_every_stated_default_equals_the_tables(path, text):
     wrong = [(option, words[:60]) for option, words in stated_defaults(text) if not _agrees(option, words)]
-    assert wrong == [], f"{path} states a default the README's table does not"
+    assert wrong == [], f"{path} states a default the table of docs/CONFIGURATION.md does not"

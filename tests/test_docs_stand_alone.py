@@ -75,3 +75,33 @@ def test_no_source_script_or_document_names_a_path_outside_the_repository():
              if not any(part.startswith(".") for part in p.relative_to(ROOT).parts) and p != Path(__file__)]
     files.append(ROOT / ".ci" / "run")
     assert [str(p.relative_to(ROOT)) for p in files if any(s in p.read_text() for s in ("../shared", "/work/"))] == []
+
+
+SUBPACKAGES = {p.name for p in (ROOT / "trtllm_mtp_carry").iterdir() if p.is_dir() and not p.name.startswith("_")}
+TOP_LEVEL = {p.name for p in ROOT.iterdir() if not p.name.startswith(".git")}
+REPO_PATH = re.compile(r"(?<![\w./:-])((?:[\w.-]+/)+[\w.-]*)")
+MANUAL = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "TRTLLM-CONFORMANCE.md")]
+"""The README and the manual's pages (the conformance table names TensorRT-LLM's own files, not ours)."""
+
+
+def repo_paths_named(text: str) -> list[str]:
+    """Each path in `text` that starts at one of the repository's top-level entries or at one of the
+    package's subpackages (`engine/x.py`: a path a reader would look for from the root)."""
+    found = []
+    for m in REPO_PATH.finditer(text):
+        path = m.group(1).rstrip(".")
+        if path.split("/")[0] in TOP_LEVEL | SUBPACKAGES:
+            found.append(path)
+    return found
+
+
+def test_the_path_finder_reads_root_and_subpackage_paths_and_leaves_urls_alone():
+    text = ("see `engine/paired_drafts.py` and trtllm_mtp_carry/engine/paired_drafts.py, tests/, "
+            "https://github.com/x/engine/y.py and tensorrt_llm/_torch/pyexecutor/py_executor.py.")
+    assert repo_paths_named(text) == ["engine/paired_drafts.py", "trtllm_mtp_carry/engine/paired_drafts.py", "tests/"]
+
+
+@pytest.mark.parametrize("path", MANUAL, ids=[str(p.relative_to(ROOT)) for p in MANUAL])
+def test_every_repository_path_a_document_names_exists(path):
+    missing = sorted({p for p in repo_paths_named(path.read_text()) if not (ROOT / p).exists()})
+    assert missing == [], f"{path.relative_to(ROOT)} names paths that are not in the repository"

@@ -1,12 +1,13 @@
-"""Every ```bash and ```python block of README.md runs as written and exits.
+"""Every ```bash and ```python block of README.md and of docs/*.md runs as written and exits.
 
 The README's promise is that a newcomer can paste its commands, in order, into a
-fresh shell after command 1. So each fenced bash or python block is extracted
+fresh shell after command 1, and the manual's pages (docs/) make the same promise,
+each page on its own. So each fenced bash or python block is extracted
 and run in a clean environment, not the developer's: only `PATH` (this
 interpreter's `bin`, where command 1's `.venv/bin` would be, then the system's),
 a fresh `HOME` and `PYTHONPATH` naming this checkout (what command 1's editable
-install does) are set, as under `env -i`; every block of a run shares one fresh
-working directory, as a newcomer's clone would, in the README's order. Bash runs
+install does) are set, as under `env -i`; every block of one document shares one
+fresh working directory, as a newcomer's clone would, in the document's order. Bash runs
 with `-e -o pipefail`, python as `python -c` from that `PATH`; each must exit 0.
 (One fresh virtual environment per run was ruled out: CI's 2 cores have no
 minutes for another torch install; DECISIONS.md, "README blocks".)
@@ -22,11 +23,12 @@ right before its fence:
     <!-- readme-test: skip: <reason> -->  not run; the reason says why
 
 Any other tag, a tag without a fence below it, or a skip without a reason
-fails. A skipped block that needs a GPU or TensorRT-LLM says so to the reader
-too, in the paragraph right above it. The README's first block (the main bench
+fails. A skipped block that needs a GPU, TensorRT or TensorRT-LLM says so to the
+reader too, in the paragraph right above it, and a command block never goes
+untyped (it would escape the run). The README's first block (the main bench
 job and `bash scripts/test.sh`, the suite that runs this very test) must be a
-skip: CI runs both anyway. Other test modules reuse `readme_blocks()` and
-`clean_env()`.
+skip: CI runs both anyway. Other test modules reuse `readme_blocks()`,
+`document_blocks()` and `clean_env()`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+"""The documents whose blocks run: the README, then each page of the manual."""
 RUNNABLE = ("bash", "python")
 TAG = re.compile(r"^\s*<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 OPEN = re.compile(r"^(\s*)```([\w+-]*)\s*$")
@@ -57,6 +61,7 @@ class Block:
     lang: str
     code: str
     tag: str | None  # "triton", "dynamo", "skip: <reason>", or whatever the README says
+    doc: str = "README.md"  # the document, relative to the repository
 
     @property
     def kind(self) -> str:
@@ -67,21 +72,22 @@ class Block:
             return self.tag
         if self.tag.startswith("skip:"):
             if not self.tag[len("skip:"):].strip():
-                raise ValueError(f"README.md:{self.line}: a skip tag needs a reason (skip: <why>)")
+                raise ValueError(f"{self.doc}:{self.line}: a skip tag needs a reason (skip: <why>)")
             return "skip"
-        raise ValueError(f"README.md:{self.line}: unknown readme-test tag {self.tag!r} "
+        raise ValueError(f"{self.doc}:{self.line}: unknown readme-test tag {self.tag!r} "
                          "(known: triton, dynamo, skip: <reason>)")
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    """Every fenced block of the README, in order; ValueError for a tag no fence follows."""
-    lines = (README.read_text() if text is None else text).splitlines()
+def readme_blocks(text: str | None = None, path: Path = README) -> list[Block]:
+    """Every fenced block of `path` (default the README), in order; ValueError for a tag no fence follows."""
+    doc = str(path.relative_to(ROOT))
+    lines = (path.read_text() if text is None else text).splitlines()
     blocks: list[Block] = []
     i = 0
     while i < len(lines):
         tag = TAG.match(lines[i])
         if tag and not (i + 1 < len(lines) and OPEN.match(lines[i + 1])):
-            raise ValueError(f"README.md:{i + 1}: a readme-test tag must be right above a fence")
+            raise ValueError(f"{doc}:{i + 1}: a readme-test tag must be right above a fence")
         opening = OPEN.match(lines[i])
         if opening is None:
             i += 1
@@ -93,13 +99,18 @@ def readme_blocks(text: str | None = None) -> list[Block]:
             body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
             j += 1
         previous = TAG.match(lines[i - 1]) if i > 0 else None
-        blocks.append(Block(i + 1, lang, "\n".join(body) + "\n", previous.group(1) if previous else None))
+        blocks.append(Block(i + 1, lang, "\n".join(body) + "\n", previous.group(1) if previous else None, doc))
         i = j + 1
     return blocks
 
 
+def document_blocks() -> list[Block]:
+    """Every fenced block of the README and of each docs/ page, document by document, in order."""
+    return [b for path in DOCUMENTS for b in readme_blocks(path=path)]
+
+
 def _runnable(kind: str) -> list[Block]:
-    return [b for b in readme_blocks() if b.lang in RUNNABLE and b.kind == kind]
+    return [b for b in document_blocks() if b.lang in RUNNABLE and b.kind == kind]
 
 
 def clean_env(home: Path) -> dict[str, str]:
@@ -119,11 +130,11 @@ def run_block(block: Block, cwd: Path, timeout_s: float = 300.0,
 
 
 def _ids(blocks: list[Block]) -> list[str]:
-    return [f"line{b.line}-{b.lang}" for b in blocks]
+    return [f"{b.doc}:{b.line}-{b.lang}" for b in blocks]
 
 
 def test_every_readme_test_tag_is_known_and_sits_on_a_fence():
-    kinds = [b.kind for b in readme_blocks()]  # raises, naming the line, for a bad tag
+    kinds = [b.kind for b in document_blocks()]  # raises, naming the document and line, for a bad tag
     assert set(kinds) <= {"run", "triton", "dynamo", "skip"}
 
 
@@ -149,15 +160,15 @@ def test_the_first_block_is_the_main_job_and_the_suite_and_is_skipped():
 
 
 @pytest.fixture(scope="module")
-def newcomer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The one working directory every block of a run shares, in the README's order."""
-    return tmp_path_factory.mktemp("readme-clone")
+def newcomer_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per document, the one working directory every block of it shares, in its order."""
+    return {str(p.relative_to(ROOT)): tmp_path_factory.mktemp(p.stem.lower() + "-clone") for p in DOCUMENTS}
 
 
 @pytest.mark.parametrize("block", _runnable("run"), ids=_ids(_runnable("run")))
-def test_an_untagged_block_runs_as_written_and_exits(block, newcomer_dir):
-    done = run_block(block, newcomer_dir)
-    assert done.returncode == 0, f"README.md:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+def test_an_untagged_block_runs_as_written_and_exits(block, newcomer_dirs):
+    done = run_block(block, newcomer_dirs[block.doc])
+    assert done.returncode == 0, f"{block.doc}:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
 
 
 def test_the_clean_environment_holds_only_path_home_and_the_checkout(tmp_path, monkeypatch):
@@ -182,17 +193,27 @@ def _paragraph_above(block: Block, lines: list[str]) -> str:
     return " ".join(reversed(para))
 
 
-def test_a_skipped_block_that_needs_a_gpu_or_tensorrt_llm_says_so_above_it():
-    lines = README.read_text().splitlines()
-    for b in readme_blocks():
+@pytest.mark.parametrize("path", DOCUMENTS, ids=[str(p.relative_to(ROOT)) for p in DOCUMENTS])
+def test_a_skipped_block_that_needs_a_gpu_or_tensorrt_says_so_above_it(path):
+    lines = path.read_text().splitlines()
+    for b in readme_blocks(path=path):
         if b.kind != "skip":
             continue
         reason = (b.tag or "").lower()
         above = _paragraph_above(b, lines)
         if "gpu" in reason:
-            assert "GPU" in above, f"README.md:{b.line}: say above the block that it needs a GPU"
+            assert "GPU" in above, f"{b.doc}:{b.line}: say above the block that it needs a GPU"
         if "tensorrt_llm" in reason or "tensorrt-llm" in reason:
-            assert "TensorRT-LLM" in above, f"README.md:{b.line}: say above the block that it needs TensorRT-LLM"
+            assert "TensorRT-LLM" in above, f"{b.doc}:{b.line}: say above the block that it needs TensorRT-LLM"
+        elif "tensorrt" in reason:
+            assert "TensorRT" in above, f"{b.doc}:{b.line}: say above the block that it needs TensorRT"
+
+
+def test_every_runnable_block_of_the_manual_is_run_or_tagged():
+    # a command block without a language would escape the run: the manual's are bash, python or output
+    untyped = [f"{b.doc}:{b.line}" for b in document_blocks()
+               if b.lang == "" and re.match(r"\s*(pip|python|trtllm-mtp-carry|bash|curl|aiperf) ", b.code)]
+    assert untyped == []
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +250,8 @@ def triton_endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
 
 
 @pytest.mark.parametrize("block", _runnable("triton"), ids=_ids(_runnable("triton")))
-def test_a_triton_block_runs_against_a_real_server_and_exits(block, newcomer_dir, triton_endpoints):
+def test_a_triton_block_runs_against_a_real_server_and_exits(block, newcomer_dirs, triton_endpoints):
     code = re.sub(r"(127\.0\.0\.1|localhost):(800[012])\b",
                   lambda m: f"127.0.0.1:{triton_endpoints[m.group(2)]}", block.code)
-    done = run_block(Block(block.line, block.lang, code, block.tag), newcomer_dir, timeout_s=180)
-    assert done.returncode == 0, f"README.md:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    done = run_block(Block(block.line, block.lang, code, block.tag, block.doc), newcomer_dirs[block.doc], timeout_s=180)
+    assert done.returncode == 0, f"{block.doc}:{block.line} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"

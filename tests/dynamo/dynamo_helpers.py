@@ -100,11 +100,13 @@ class Netns:
 
 
 def readme_blocks(tag: str) -> list[tuple[str, str]]:
-    """(language, code) of every README block tagged `<!-- readme-test: TAG -->`."""
-    text = README.read_text()
+    """(language, code) of every block tagged `<!-- readme-test: TAG -->` in the README, then in
+    each docs/ page (alphabetically), as tests/test_readme_blocks.py orders them."""
     pattern = re.compile(r"^([ \t]*)<!-- readme-test: " + re.escape(tag) + r" -->\n[ \t]*```(\w+)\n(.*?)\n[ \t]*```",
                          re.S | re.M)
-    return [(m.group(2), textwrap.dedent(m.group(3))) for m in pattern.finditer(text)]
+    return [(m.group(2), textwrap.dedent(m.group(3)))
+            for path in (README, *sorted((ROOT / "docs").glob("*.md")))
+            for m in pattern.finditer(path.read_text())]
 
 
 @dataclass
