@@ -219,10 +219,13 @@ def test_every_runnable_block_of_the_manual_is_run_or_tagged():
 @pytest.fixture(scope="module")
 def triton_endpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real tritonserver serving what `serve` serves by default (model mtp_carry)."""
+    # ServeError comes from a stdlib-only module, imported before the `try` that names it:
+    # inside, a missing tritonclient left it unbound and the fixture errored instead of skipping
+    from trtllm_mtp_carry.serve.triton.server import ServeError, find_tritonserver
+
     try:
         import tritonclient.grpc  # noqa: F401
 
-        from trtllm_mtp_carry.serve.triton.server import ServeError, find_tritonserver
         binary = find_tritonserver()
     except (ImportError, ServeError) as exc:
         pytest.skip(f"no tritonserver for the README's triton blocks: {exc}")
