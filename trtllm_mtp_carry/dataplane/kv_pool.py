@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from .checks import CACHE_DTYPES
-from .ops import drafter_row_append
+from .ops import drafter_row_append_direct as drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
 

@@ -77,7 +77,7 @@ from ..core import plan_append
 from ..core.plan import chunk_keys
 from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
-from ..dataplane.ops import drafter_row_append
+from ..dataplane.ops import drafter_row_append_direct as drafter_row_append
 from ..dataplane.reference import slots_for_rows
 from ..dataplane.rope import RopeConfig
 from .block_manager import RefCountedBlocks
