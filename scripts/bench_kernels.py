@@ -32,11 +32,12 @@ Usage: python3 scripts/bench_kernels.py [--rows 512 4096 65536 262144] [--reps 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -133,22 +134,24 @@ def figure(name: str, value: str, target: str, verdict: str) -> None:
     print(f"FIGURE\t{name}\t{value}\t{target}\t{verdict}", flush=True)
 
 
-def with_backend(backend: str, fn: Callable[[], None]) -> Callable[[], None]:
-    """`fn` run with `TRTLLM_MTP_CARRY_KERNELS` set for the backend (`aot`) or unset."""
-    def run() -> None:
-        old = os.environ.get(ops.KERNELS_ENV)
-        if backend == "aot":
-            os.environ[ops.KERNELS_ENV] = "aot"
-        else:
+@contextlib.contextmanager
+def backend_env(backend: str) -> Iterator[None]:
+    """`TRTLLM_MTP_CARRY_KERNELS` set for the backend (`aot`) or unset, restored after.
+
+    Set around a whole measurement, not per call, so the timings hold no environment writes.
+    """
+    old = os.environ.get(ops.KERNELS_ENV)
+    if backend == "aot":
+        os.environ[ops.KERNELS_ENV] = "aot"
+    else:
+        os.environ.pop(ops.KERNELS_ENV, None)
+    try:
+        yield
+    finally:
+        if old is None:
             os.environ.pop(ops.KERNELS_ENV, None)
-        try:
-            fn()
-        finally:
-            if old is None:
-                os.environ.pop(ops.KERNELS_ENV, None)
-            else:
-                os.environ[ops.KERNELS_ENV] = old
-    return run
+        else:
+            os.environ[ops.KERNELS_ENV] = old
 
 
 def aot_available(device: torch.device) -> str | None:
@@ -215,9 +218,10 @@ def bench_copy(n: int, args: argparse.Namespace, device: torch.device, backends:
         if backend == "triton-kernel":
             fn = lambda: tk.hidden_row_copy_triton(store, 3, out, 0, n)  # noqa: E731
         else:
-            fn = with_backend(backend, lambda: ops.hidden_row_copy_direct(store, 3, out, 0, n))
-        report("hidden_row_copy", backend, n, copy_bytes, cuda, per_call(fn, base, reps, cuda),
-               kernel_times(fn, d2d, rounds, launches, cuda))
+            fn = lambda: ops.hidden_row_copy_direct(store, 3, out, 0, n)  # noqa: E731
+        with backend_env(backend):
+            report("hidden_row_copy", backend, n, copy_bytes, cuda, per_call(fn, base, reps, cuda),
+                   kernel_times(fn, d2d, rounds, launches, cuda))
 
 
 def bench_append(n: int, args: argparse.Namespace, device: torch.device, backends: list[str],
@@ -249,11 +253,12 @@ def bench_append(n: int, args: argparse.Namespace, device: torch.device, backend
         if backend == "triton-kernel":
             continue  # the op's default append backend is the Triton kernel already
         keys_b = keys32 if backend == "aot" else keys
-        fn = with_backend(backend, lambda kb=keys_b: ops.drafter_row_append_direct(
-            k, v, kb, k_cache, v_cache, table, row0, rd, 1e7, False))
+        fn = lambda kb=keys_b: ops.drafter_row_append_direct(  # noqa: E731
+            k, v, kb, k_cache, v_cache, table, row0, rd, 1e7, False)
         label = backend if backend != "op" else ("triton" if cuda else "reference")
-        report("drafter_row_append", label, n, append_bytes, cuda, per_call(fn, base, reps, cuda),
-               kernel_times(fn, d2d, rounds, launches, cuda))
+        with backend_env(backend):
+            report("drafter_row_append", label, n, append_bytes, cuda, per_call(fn, base, reps, cuda),
+                   kernel_times(fn, d2d, rounds, launches, cuda))
 
 
 def main(argv: list[str] | None = None) -> int:

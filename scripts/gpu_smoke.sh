@@ -61,6 +61,7 @@ unset TRITON_INTERPRET
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package, installed or not
 CORES=$(nproc 2>/dev/null || echo 4)
 TABLE="python3 $ROOT/scripts/gpu_smoke_table.py"
+CARRY="python3 -m trtllm_mtp_carry.cli"  # the `trtllm-mtp-carry` command, installed or not
 
 # step NAME KIND LIMIT_S CMD...: run CMD under `timeout`, output to OUT/NAME.log, one steps.tsv row.
 step() {
@@ -104,10 +105,10 @@ step fp8-codec correctness 90 python3 scripts/bench_row_format.py
 step host-tier correctness 90 python3 scripts/bench_host_tier.py --device cuda
 
 # 4. the session bench (outputs must be identical across policies)
-step session-28k correctness 200 trtllm-mtp-carry bench --device cuda --history 28000 --new-span 512 \
+step session-28k correctness 200 $CARRY bench --device cuda --history 28000 --new-span 512 \
     --policies carry,carry-fp8,rebuild,blind --no-progress --json "$OUT/session-28k.json"
 $TABLE json-check "session bench 28k outputs identical" "$OUT/session-28k.json" "$OUT/session-28k.log"
-step sessions-64 correctness 120 trtllm-mtp-carry bench --device cuda --concurrency 32 --sessions 64 \
+step sessions-64 correctness 120 $CARRY bench --device cuda --concurrency 32 --sessions 64 \
     --history 1024 --no-progress --json "$OUT/sessions-64.json"
 $TABLE json-check "64 sessions at concurrency 32 outputs identical" "$OUT/sessions-64.json" \
     "$OUT/sessions-64.log"
