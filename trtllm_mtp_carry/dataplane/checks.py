@@ -13,6 +13,8 @@ dtypes, devices, bounds) never touch device memory.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["CACHE_DTYPES", "check_drafter_row_append", "check_hidden_row_copy"]
@@ -98,6 +100,79 @@ def check_drafter_row_append(
     they are made (on the host) and pass `check_data=False`: no sync at all.
     `key_limit` (with `key_limit_why` for the message) refuses a key >= it.
     """
+    if not _append_metadata_ok(k_new, v_new, keys, k_cache, v_cache, block_table, start_row,
+                               rotary_dim, rope_theta):
+        _explain_append_metadata(k_new, v_new, keys, k_cache, v_cache, block_table, start_row,
+                                 rotary_dim, rope_theta)
+    n = k_new.shape[0]
+    if n == 0 or not check_data:
+        return
+    block_size = k_cache.shape[1]
+    num_blocks = k_cache.shape[0]
+    end_row = start_row + n
+    # The content checks read five device values with ONE host copy (one sync on CUDA).
+    used = block_table[start_row // block_size : (end_row + block_size - 1) // block_size]
+    k64 = keys.long()
+    if n > 1:
+        bad_order = (k64[1:] <= k64[:-1]).any().long()
+    else:
+        bad_order = torch.zeros((), dtype=torch.int64, device=keys.device)
+    lo, hi, kmin, kmax, unordered = torch.stack([
+        used.min().long(), used.max().long(), k64.min(), k64.max(), bad_order,
+    ]).tolist()
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"block_table holds block id {bad} outside [0, num_blocks={num_blocks})")
+    if kmin < 0:
+        raise ValueError(f"keys must be >= 0, got min key {kmin}")
+    if unordered:
+        raise ValueError(f"keys must be strictly increasing, got {keys.tolist()[:16]}")
+    if key_limit is not None and kmax >= key_limit:
+        raise ValueError(f"keys must be < {key_limit} for {key_limit_why}, got max key {kmax}")
+
+
+def _append_metadata_ok(
+    k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, block_table: torch.Tensor, start_row: int, rotary_dim: int,
+    rope_theta: float,
+) -> bool:
+    """True when every metadata check of `_explain_append_metadata` passes (the warm path:
+    one pass over the metadata, no messages built). False sends the call to that function,
+    which raises the first failing check's error."""
+    shape = k_cache.shape
+    if len(shape) != 4 or v_cache.shape != shape:
+        return False
+    dt, dev = k_cache.dtype, k_cache.device
+    if dt not in CACHE_DTYPES or v_cache.dtype != dt or v_cache.device != dev:
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    _, block_size, hkv, head_dim = shape
+    ks = k_new.shape
+    if len(ks) != 3 or ks[1] != hkv or ks[2] != head_dim or v_new.shape != ks:
+        return False
+    n = ks[0]
+    if k_new.dtype != dt or v_new.dtype != dt or k_new.device != dev or v_new.device != dev:
+        return False
+    if keys.dim() != 1 or keys.shape[0] != n or keys.dtype not in _INT_DTYPES or keys.device != dev:
+        return False
+    if block_table.dim() != 1 or block_table.dtype != torch.int32 or block_table.device != dev:
+        return False
+    if type(rotary_dim) is not int or not (0 <= rotary_dim <= head_dim) or rotary_dim % 2:
+        return False
+    if type(rope_theta) is not float or not (math.isfinite(rope_theta) and rope_theta > 1.0):
+        return False
+    if type(start_row) is not int or start_row < 0:
+        return False
+    return start_row + n <= block_table.shape[0] * block_size
+
+
+def _explain_append_metadata(
+    k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, block_table: torch.Tensor, start_row: int, rotary_dim: int,
+    rope_theta: float,
+) -> None:
+    """Raise the ValueError of the first failing metadata check, in a fixed order."""
     from .rope import check_rope_args
 
     if k_cache.dim() != 4:
@@ -148,24 +223,3 @@ def check_drafter_row_append(
             f"rows [{start_row}, {end_row}) run past the block table "
             f"({block_table.shape[0]} blocks x {block_size} = {block_table.shape[0] * block_size} rows)"
         )
-    if n == 0 or not check_data:
-        return
-    # The content checks read five device values with ONE host copy (one sync on CUDA).
-    used = block_table[start_row // block_size : (end_row + block_size - 1) // block_size]
-    k64 = keys.long()
-    if n > 1:
-        bad_order = (k64[1:] <= k64[:-1]).any().long()
-    else:
-        bad_order = torch.zeros((), dtype=torch.int64, device=keys.device)
-    lo, hi, kmin, kmax, unordered = torch.stack([
-        used.min().long(), used.max().long(), k64.min(), k64.max(), bad_order,
-    ]).tolist()
-    if lo < 0 or hi >= num_blocks:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"block_table holds block id {bad} outside [0, num_blocks={num_blocks})")
-    if kmin < 0:
-        raise ValueError(f"keys must be >= 0, got min key {kmin}")
-    if unordered:
-        raise ValueError(f"keys must be strictly increasing, got {keys.tolist()[:16]}")
-    if key_limit is not None and kmax >= key_limit:
-        raise ValueError(f"keys must be < {key_limit} for {key_limit_why}, got max key {kmax}")

@@ -96,14 +96,25 @@ def rope_inv_freq(rotary_dim: int, rope_theta: float, device: torch.device | str
     return _inv_freq_on(int(rotary_dim), float(rope_theta), _device_key(device))
 
 
+_KERNEL_TABLES: dict[tuple[int, float, torch.device | str], torch.Tensor] = {}
+
+
 def rope_kernel_table(rotary_dim: int, rope_theta: float, device: torch.device | str) -> torch.Tensor:
     """`rope_inv_freq`, or one float32 zero when `rotary_dim == 0`: a kernel's valid pointer.
 
     Shared and read-only like `rope_inv_freq` (the kernels never read it at rotary_dim 0).
+    A warm call is one dict lookup (the kernels' launchers call it on every launch).
     """
-    if rotary_dim == 0:
-        return _zero_table(_device_key(device))
-    return rope_inv_freq(rotary_dim, rope_theta, device)
+    key = (rotary_dim, rope_theta, device)
+    table = _KERNEL_TABLES.get(key)
+    if table is None:
+        if rotary_dim == 0:
+            table = _zero_table(_device_key(device))
+        else:
+            table = rope_inv_freq(rotary_dim, rope_theta, device)
+        if len(_KERNEL_TABLES) < 256:
+            _KERNEL_TABLES[key] = table
+    return table
 
 
 @lru_cache(maxsize=16)
