@@ -25,7 +25,8 @@ Per-call cost: `hidden_row_copy_direct` / `drafter_row_append_direct` run the
 same implementation as the custom ops without the dispatcher round trip; eager
 callers on the hot path (the hidden store, the drafter pools) use them,
 `torch.compile`d code uses `torch.ops.trtllm_mtp_carry.*`. With
-`check_data=False` an append neither syncs nor allocates on the host side.
+`check_data=False` an append neither syncs nor allocates (the AOT backend's one
+allocation: int64 keys copied to the int32 its ABI takes).
 
     torch.ops.trtllm_mtp_carry.hidden_row_copy(src, src_row, dst, dst_row, n)
     torch.ops.trtllm_mtp_carry.drafter_row_append(
