@@ -20,6 +20,7 @@ those of the files written next to it.
 Usage:
     python builders/build_kernels.py --out builders/out \
         [--targets sm_121a,sm_90a,sm_100a] [--dtype bf16] [--num-kv-heads 2] [--head-dim 256]
+        [--rotary-dim 64]
 """
 
 from __future__ import annotations
@@ -50,55 +51,57 @@ def _capability(target: str) -> int:
     return cap
 
 
-def kernel_specs(dtype: str, num_kv_heads: int, head_dim: int) -> list[dict]:
-    """The (kernel, signature, constants, hints, grid rule) tuples to compile."""
-    import triton
+def kernel_specs(dtype: str, num_kv_heads: int, head_dim: int, rotary_dim: int = 64) -> list[dict]:
+    """The (kernel, signature, constants, hints, grid rule) tuples to compile.
 
+    The constants are those the JIT launchers pick for large row counts
+    (`triton_kernels.copy_rows_for`, `append_blocks_for`).
+    """
     from trtllm_mtp_carry.dataplane import triton_kernels as tk
 
     ptr = _DTYPES[dtype]
     copy_sig = {
-        "src_ptr": ptr, "dst_ptr": ptr, "src_row": "i32", "dst_row": "i32",
-        "src_stride": "i32", "dst_stride": "i32", "hidden_size": "i32", "BLOCK": "constexpr",
+        "src_ptr": ptr, "dst_ptr": ptr, "src_row": "i32", "dst_row": "i32", "n": "i32",
+        "src_stride": "i32", "dst_stride": "i32", "hidden_size": "i32",
+        "ROWS": "constexpr", "BLOCK": "constexpr",
     }
     append_sig = {
         "k_ptr": ptr, "v_ptr": ptr, "keys_ptr": "*i64", "k_cache_ptr": ptr, "v_cache_ptr": ptr,
         "block_table_ptr": "*i32", "inv_freq_ptr": "*fp32",
-        "start_row": "i32", "num_kv_heads": "i32", "head_dim": "i32", "page_size": "i32",
+        "n": "i32", "start_row": "i32", "num_blocks": "i32",
+        "num_kv_heads": "i32", "head_dim": "i32", "page_size": "i32",
         "rotary_dim": "i32", "k_s0": "i32", "k_s1": "i32", "k_s2": "constexpr",
         "v_s0": "i32", "v_s1": "i32", "v_s2": "constexpr",
-        "BLOCK_H": "constexpr", "BLOCK_D": "constexpr",
+        "ROWS": "constexpr", "BLOCK_H": "constexpr", "BLOCK_D": "constexpr",
+        "BLOCK_HALF": "constexpr",
     }
+    copy_block = tk.COPY_BLOCK
+    blocks = tk.append_blocks_for(1 << 30, num_kv_heads, head_dim, rotary_dim)
     return [
         {
             "name": "hidden_row_copy",
             "fn": tk.hidden_row_copy_kernel,
             "signature": copy_sig,
-            "constants": {"BLOCK": tk.COPY_BLOCK},
+            "constants": {"ROWS": tk.copy_rows_for(1 << 30, copy_block), "BLOCK": copy_block},
             "divisible_by_16": ["src_ptr", "dst_ptr", "src_stride", "dst_stride", "hidden_size"],
-            "grid": "(n, cdiv(hidden_size, BLOCK), 1)",
+            "grid": "(cdiv(n, ROWS), cdiv(hidden_size, BLOCK), 1)",
             "requires": "pointers 16-byte aligned; src_stride, dst_stride, hidden_size multiples of 16",
         },
         {
             "name": "drafter_row_append",
             "fn": tk.drafter_row_append_kernel,
             "signature": append_sig,
-            "constants": {
-                "k_s2": 1,
-                "v_s2": 1,
-                "BLOCK_H": triton.next_power_of_2(num_kv_heads),
-                "BLOCK_D": triton.next_power_of_2(head_dim),
-            },
+            "constants": {"k_s2": 1, "v_s2": 1, **blocks},
             "divisible_by_16": [
                 "k_ptr", "v_ptr", "keys_ptr", "k_cache_ptr", "v_cache_ptr",
                 "block_table_ptr", "inv_freq_ptr", "head_dim", "k_s0", "k_s1", "v_s0", "v_s1",
             ],
-            "grid": "(n, 1, 1)",
+            "grid": "(cdiv(n, ROWS), 1, 1)",
             "requires": (
                 "pointers 16-byte aligned; head_dim and the row/head strides of k and v multiples "
                 "of 16, their last dim contiguous (k_s2 = v_s2 = 1 are baked in); "
-                f"num_kv_heads <= {triton.next_power_of_2(num_kv_heads)}, "
-                f"head_dim <= {triton.next_power_of_2(head_dim)}; caches contiguous "
+                f"num_kv_heads <= {blocks['BLOCK_H']}, head_dim <= {blocks['BLOCK_D']}, "
+                f"rotary_dim <= {2 * blocks['BLOCK_HALF']}; caches contiguous "
                 "[num_blocks, page_size, num_kv_heads, head_dim]; inv_freq from rope.rope_inv_freq"
             ),
         },
@@ -113,7 +116,7 @@ def _ptx_params(ptx: str, entry: str) -> list[str]:
 
 
 def build(out: Path, targets: list[str], dtype: str, num_kv_heads: int, head_dim: int,
-          num_warps: int = 4) -> dict:
+          num_warps: int = 4, rotary_dim: int = 64) -> dict:
     """Compile every kernel for every target into `out`; write and return the manifest."""
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
@@ -124,7 +127,7 @@ def build(out: Path, targets: list[str], dtype: str, num_kv_heads: int, head_dim
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     out.mkdir(parents=True, exist_ok=True)
     entries = []
-    for spec in kernel_specs(dtype, num_kv_heads, head_dim):
+    for spec in kernel_specs(dtype, num_kv_heads, head_dim, rotary_dim):
         fn = spec["fn"]
         if not isinstance(fn, triton.runtime.jit.JITFunction):
             raise RuntimeError(
@@ -188,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--num-kv-heads", type=int, default=2, help="Qwen3-Next MTP: 2")
     p.add_argument("--head-dim", type=int, default=256, help="Qwen3-Next MTP: 256")
+    p.add_argument("--rotary-dim", type=int, default=64, help="Qwen3-Next MTP: 64")
     p.add_argument("--num-warps", type=int, default=4)
     args = p.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
         _capability(t)
-    manifest = build(args.out, targets, args.dtype, args.num_kv_heads, args.head_dim, args.num_warps)
+    manifest = build(args.out, targets, args.dtype, args.num_kv_heads, args.head_dim, args.num_warps,
+                     args.rotary_dim)
     for e in manifest["artifacts"]:
         print(f"{e['kernel']:20s} {e['target']:8s} {e['ptx']}  {e['cubin']}  shared={e['shared_bytes']}")
     print(f"manifest: {args.out / 'manifest.json'}")

@@ -1,56 +1,137 @@
 #!/usr/bin/env bash
-# GPU smoke test, for a machine with an NVIDIA GPU (GB10, H100/H200, B200...).
-# Runs, in order, and stops at the first failure:
-#   1. the data-plane and plugin tests on CUDA (real Triton kernels instead of the
-#      interpreter, compared against the plain-torch references);
-#   2. the kernel micro-benchmark (bandwidth vs a device-to-device copy), the FP8 row format's
-#      pack/unpack throughput against a plain copy of the same bf16 rows
-#      (scripts/bench_row_format.py: paired, median and IQR), and the carry
-#      store's host tier copies (scripts/bench_host_tier.py: demote to pinned host memory and
-#      restore into fresh blocks, synchronized, per entry size; rows checked bit for bit);
-#   3. the ahead-of-time kernel builds: Triton's own ABI (build_kernels.py) and the
-#      TensorRT plugin ABI (build_abi_kernels.py: PTX + cubin + manifest);
-#   4. the AOT launcher check (scripts/gpu_check_aot.py): the plugins' exact PTX through the
-#      CUDA driver API, bit for bit (copy) / within one 16-bit rounding (append) against the
-#      references, odd shapes, scattered block tables, untouched rows; the custom ops with
-#      TRTLLM_MTP_CARRY_KERNELS=aot; bandwidth against a D2D copy (CUDA events). Needs the
-#      `cuda` extra (cuda-python);
-#   5. where `tensorrt.plugin` imports: a TensorRT engine with both AOT plugins
-#      (builders/build_engine.py), run by the plain TensorRT runtime without the plugin
-#      module (scripts/run_trt_engine.py) and compared with the references; else skipped;
-#   6. the session benchmark on the GPU at an 8k-token history.
-# Usage: bash scripts/gpu_smoke.sh [OUT_DIR]   (inside an environment with the package installed)
-set -euo pipefail
+# The one GPU check: run on a fresh NVIDIA GPU machine (H100/H200, GB10, B200...) with python3,
+# torch with CUDA and Triton; no TensorRT needed. About 6 minutes on an H200.
+#
+#   bash scripts/gpu_smoke.sh [OUT_DIR]        (default OUT_DIR: gpu-smoke-<UTC date-time>)
+#
+# Every step runs, even after one fails, each under its own time limit (`timeout`), each with its
+# output in its own log in OUT_DIR (the tail is printed afterwards; a killed step keeps its log):
+#   tests          the whole test suite on CUDA (pytest -n <cores> where pytest-xdist imports)
+#   aot-build      the TensorRT plugins' kernels ahead of time (builders/build_abi_kernels.py)
+#   aot-check      their exact PTX through the CUDA driver, bit for bit, and their kernel
+#                  bandwidth in CUDA graphs (scripts/gpu_check_aot.py); SKIP without cuda-python
+#   kernels        both kernels at 512 / 4k / 64k / 256k rows: per call vs index_copy_, kernel
+#                  time vs a D2D copy (scripts/bench_kernels.py)
+#   fp8-codec      the FP8 row codec against a plain copy (scripts/bench_row_format.py)
+#   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py)
+#   session-28k    the session bench at a 28k-token history: carry, carry-fp8, rebuild, blind
+#   sessions-64    64 sessions at concurrency 32
+#   standin-cuda   the TensorRT-LLM adapter's data path on the stand-in with CUDA pages
+#   trt-engine     where `tensorrt.plugin` imports: an engine with both plugins, built and run;
+#                  else SKIP
+# It ends with one table (scripts/gpu_smoke_table.py): a row per step (exit code, seconds),
+# every CHECK (PASS/FAIL) and every FIGURE with its target, collected from the steps' logs.
+# Exit status: 1 on any correctness failure (a correctness step's non-zero exit or a CHECK
+# FAIL), 2 on a machine without CUDA, else 0. A FIGURE that misses its target is reported only.
+set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-gpu-smoke}
-mkdir -p "$OUT"
-export TRITON_DEFAULT_FP_FUSION=1
-python - <<'PY'
-import torch
-assert torch.cuda.is_available(), "no CUDA device: this script is for a GPU machine"
-p = torch.cuda.get_device_properties(0)
-print(f"device: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB; torch {torch.__version__}")
-PY
-unset TRITON_INTERPRET
-python -m pytest tests/dataplane tests/plugins -q 2>&1 | tee "$OUT/dataplane-tests.txt"
-python scripts/bench_kernels.py 2>&1 | tee "$OUT/bench-kernels.txt"
-python scripts/bench_row_format.py 2>&1 | tee "$OUT/bench-row-format.txt"
-python scripts/bench_host_tier.py --device cuda 2>&1 | tee "$OUT/bench-host-tier.txt"
-python builders/build_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/build-kernels.txt"
-TARGET=$(python -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'sm_{M}{m}a')")
-python builders/build_abi_kernels.py --out "$OUT/abi-kernels" --targets "$TARGET" 2>&1 \
-    | tee "$OUT/build-abi-kernels.txt"
-python builders/build_abi_kernels.py --out "$OUT/abi-kernels" --targets "$TARGET" \
-    --dtypes bf16,fp16 --num-kv-heads 3 --head-dim 40 >/dev/null
-python scripts/gpu_check_aot.py --kernel-dir "$OUT/abi-kernels" 2>&1 | tee "$OUT/gpu-check-aot.txt"
-if python -c "import tensorrt.plugin" 2>/dev/null; then
-    python builders/build_engine.py --kernel-dir "$OUT/abi-kernels" --target "$TARGET" \
-        --out "$OUT/carry.engine" 2>&1 | tee "$OUT/build-engine.txt"
-    python scripts/run_trt_engine.py "$OUT/carry.engine" 2>&1 | tee "$OUT/run-trt-engine.txt"
-else
-    echo "skipped: TensorRT engine build/run (tensorrt.plugin does not import here)" \
-        | tee "$OUT/run-trt-engine.txt"
+ROOT=$PWD
+
+if ! command -v python3 >/dev/null 2>&1; then
+    echo "gpu_smoke: error: python3 not found" >&2
+    exit 2
 fi
-trtllm-mtp-carry bench --device cuda --history 8192 --new-span 256 --sessions 3 --turns 4 \
-    --no-progress --json "$OUT/bench-8k.json" 2>&1 | tee "$OUT/bench-8k.txt"
-echo "gpu smoke: all steps passed; results in $OUT/"
+if ! DEVICE_LINE=$(python3 - 2>/dev/null <<'PY'
+import torch
+if not torch.cuda.is_available():
+    raise SystemExit(1)
+p = torch.cuda.get_device_properties(0)
+try:
+    import triton
+    tv = triton.__version__
+except ImportError:
+    tv = "absent"
+print(f"device: {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB; "
+      f"torch {torch.__version__} (CUDA {torch.version.cuda}); triton {tv}")
+PY
+); then
+    echo "gpu_smoke: error: no CUDA device (torch.cuda.is_available() is False in python3): this check needs an NVIDIA GPU" >&2
+    exit 2
+fi
+
+OUT=${1:-gpu-smoke-$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+: > "$OUT/steps.tsv"
+echo "$DEVICE_LINE" | tee "$OUT/device.txt"
+echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); out: $OUT"
+
+export TRITON_DEFAULT_FP_FUSION=1
+unset TRITON_INTERPRET
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package, installed or not
+CORES=$(nproc 2>/dev/null || echo 4)
+TABLE="python3 $ROOT/scripts/gpu_smoke_table.py"
+CARRY="python3 -m trtllm_mtp_carry.cli"  # the `trtllm-mtp-carry` command, installed or not
+
+# step NAME KIND LIMIT_S CMD...: run CMD under `timeout`, output to OUT/NAME.log, one steps.tsv row.
+step() {
+    local name=$1 kind=$2 limit=$3
+    shift 3
+    local log="$OUT/$name.log" t0=$SECONDS rc
+    echo "== $name (limit ${limit} s): $*"
+    timeout --kill-after=15 "$limit" "$@" > "$log" 2>&1
+    rc=$?
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$kind" "$rc" "$((SECONDS - t0))" "$name.log" >> "$OUT/steps.tsv"
+    echo "   exit $rc after $((SECONDS - t0)) s; log $log:"
+    tail -n 4 "$log" | sed 's/^/   | /'
+    return 0
+}
+
+# skip NAME KIND REASON: a step that cannot run here (recorded as skip, not a failure).
+skip() {
+    echo "SKIP: $3" > "$OUT/$1.log"
+    printf '%s\t%s\tskip\t0\t%s\n' "$1" "$2" "$1.log" >> "$OUT/steps.tsv"
+    echo "== $1: SKIP ($3)"
+}
+
+# 1. the whole suite on CUDA, in parallel where pytest-xdist is importable
+if python3 -c "import xdist" 2>/dev/null; then
+    step tests correctness 240 python3 -m pytest tests -q -n "$CORES" -p no:cacheprovider
+else
+    step tests correctness 300 python3 -m pytest tests -q -p no:cacheprovider
+fi
+$TABLE step-check "test suite on CUDA" "$(tail -n 1 "$OUT/steps.tsv" | cut -f3)" "$OUT/tests.log"
+
+# 2. the plugins' kernels ahead of time, then their PTX through the CUDA driver
+TARGET=$(python3 -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'sm_{M}{m}a')")
+step aot-build correctness 120 bash -c "python3 builders/build_abi_kernels.py --out '$OUT/abi-kernels' \
+    --targets $TARGET && python3 builders/build_abi_kernels.py --out '$OUT/abi-kernels' \
+    --targets $TARGET --dtypes bf16,fp16 --num-kv-heads 3 --head-dim 40"
+if python3 -c "from cuda.bindings import driver" 2>/dev/null || python3 -c "from cuda import cuda" 2>/dev/null; then
+    step aot-check correctness 150 python3 scripts/gpu_check_aot.py --kernel-dir "$OUT/abi-kernels"
+else
+    skip aot-check correctness "cuda-python is not installed (pip install 'trtllm-mtp-carry[cuda]')"
+fi
+
+# 3. speed: the kernels, the FP8 codec, the host tier
+step kernels speed 150 python3 scripts/bench_kernels.py --rows 512 4096 65536 262144
+step fp8-codec correctness 90 python3 scripts/bench_row_format.py
+step host-tier correctness 90 python3 scripts/bench_host_tier.py --device cuda
+
+# 4. the session bench (outputs must be identical across policies)
+step session-28k correctness 200 $CARRY bench --device cuda --history 28000 --new-span 512 \
+    --policies carry,carry-fp8,rebuild,blind --no-progress --json "$OUT/session-28k.json"
+$TABLE json-check "session bench 28k outputs identical" "$OUT/session-28k.json" "$OUT/session-28k.log"
+step sessions-64 correctness 120 $CARRY bench --device cuda --concurrency 32 --sessions 64 \
+    --history 1024 --no-progress --json "$OUT/sessions-64.json"
+$TABLE json-check "64 sessions at concurrency 32 outputs identical" "$OUT/sessions-64.json" \
+    "$OUT/sessions-64.log"
+
+# 5. the TensorRT-LLM adapter's data path with CUDA pages (the stand-in executor)
+# (exit 1 when the policies' outputs differ)
+step standin-cuda correctness 150 python3 scripts/trtllm_standin_bench.py --device cuda
+$TABLE step-check "stand-in with CUDA pages outputs identical" \
+    "$(tail -n 1 "$OUT/steps.tsv" | cut -f3)" "$OUT/standin-cuda.log"
+
+# 6. TensorRT, where it imports
+if python3 -c "import tensorrt.plugin" 2>/dev/null; then
+    step trt-engine correctness 240 bash -c "python3 builders/build_engine.py --kernel-dir \
+        '$OUT/abi-kernels' --target $TARGET --out '$OUT/carry.engine' \
+        && python3 scripts/run_trt_engine.py '$OUT/carry.engine'"
+else
+    skip trt-engine correctness "tensorrt.plugin does not import here"
+fi
+
+echo
+$TABLE "$OUT" | tee "$OUT/summary.txt"
+exit "${PIPESTATUS[0]}"

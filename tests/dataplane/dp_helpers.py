@@ -9,20 +9,27 @@ from trtllm_mtp_carry.dataplane.reference import (
     hidden_row_copy_reference,
 )
 
-IMPLS = ["reference", "triton", "op"]
-"""Every implementation of a kernel: the torch reference, the Triton kernel, the custom op."""
+IMPLS = ["reference", "triton", "op", "direct"]
+"""Every implementation of a kernel: the torch reference, the Triton kernel, the custom op,
+and what the op runs called without the dispatcher (`ops.*_direct`, the pools' and store's path)."""
 
 
 def copy_impl(name: str, tk):  # tk: the triton_kernels module (fixture)
     """The `hidden_row_copy` implementation called `name`."""
+    from trtllm_mtp_carry.dataplane import ops
+
     return {"reference": hidden_row_copy_reference, "triton": tk.hidden_row_copy_triton,
-            "op": torch.ops.trtllm_mtp_carry.hidden_row_copy}[name]
+            "op": torch.ops.trtllm_mtp_carry.hidden_row_copy,
+            "direct": ops.hidden_row_copy_direct}[name]
 
 
 def append_impl(name: str, tk):
     """The `drafter_row_append` implementation called `name`."""
+    from trtllm_mtp_carry.dataplane import ops
+
     return {"reference": drafter_row_append_reference, "triton": tk.drafter_row_append_triton,
-            "op": torch.ops.trtllm_mtp_carry.drafter_row_append}[name]
+            "op": torch.ops.trtllm_mtp_carry.drafter_row_append,
+            "direct": ops.drafter_row_append_direct}[name]
 
 
 def rand(gen: torch.Generator, *shape: int, dtype=torch.bfloat16, device: str = "cpu") -> torch.Tensor:

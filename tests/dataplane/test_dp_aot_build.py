@@ -51,5 +51,9 @@ def test_manifest_matches_files(build_dir):
         assert a["num_ptx_params"] == len(a["signature"]) + 2
         assert a["grid"] and a["block"][0] == 32 * a["num_warps"]
     append = next(a for a in arts if a["kernel"] == "drafter_row_append")
-    assert append["constants"] == {"k_s2": 1, "v_s2": 1, "BLOCK_H": 2, "BLOCK_D": 256}
+    assert append["constants"] == {"k_s2": 1, "v_s2": 1, "ROWS": 8, "BLOCK_H": 2, "BLOCK_D": 256,
+                                   "BLOCK_HALF": 32}
+    assert append["grid"] == "(cdiv(n, ROWS), 1, 1)"
+    copy = next(a for a in arts if a["kernel"] == "hidden_row_copy")
+    assert copy["constants"] == {"ROWS": 4, "BLOCK": 1024}
     assert [n for n, _ in append["signature"]][:3] == ["k_ptr", "v_ptr", "keys_ptr"]

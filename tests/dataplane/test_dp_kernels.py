@@ -171,3 +171,30 @@ def test_ops_are_registered():
     assert hasattr(torch.ops.trtllm_mtp_carry, "hidden_row_copy")
     assert hasattr(torch.ops.trtllm_mtp_carry, "drafter_row_append")
     assert ops.hidden_row_copy is not None
+
+
+def test_triton_append_without_data_checks_skips_rows_of_out_of_range_blocks(tk, gen, device):
+    """check_data=False reads no block ids on the host: the kernel itself skips a row whose
+    block id is outside [0, num_blocks), so a bad table never becomes a stray write."""
+    case = (6, 4, 2, 32, 8, 3, 7, [4, 9, 3, -2])  # rows 3..9: block ids 4 | 9 (bad) | 3 (row 9)
+    k, v, keys, kc, vc, bt = _append_inputs(gen, case, torch.bfloat16, device)
+    kb, vb = kc.clone().cpu(), vc.clone().cpu()
+    tk.drafter_row_append_triton(k, v, keys, kc, vc, bt, 3, 8, 1e7, False)
+    kf, vf = kc.cpu().view(-1, 2, 32), vc.cpu().view(-1, 2, 32)
+    good_rows = [3, 8, 9]  # row 3 -> block 4 slot 3; rows 8, 9 -> block 3 slots 0, 1
+    slots = [4 * 4 + 3, 3 * 4 + 0, 3 * 4 + 1]
+    written = torch.zeros(6 * 4, dtype=torch.bool)
+    written[slots] = True
+    assert torch.equal(bits(vf[slots]), bits(v.cpu()[[r - 3 for r in good_rows]]))
+    assert torch.equal(bits(vf[~written]), bits(vb.view(-1, 2, 32)[~written]))
+    assert torch.equal(bits(kf[~written]), bits(kb.view(-1, 2, 32)[~written]))
+
+
+def test_rope_table_is_cached_per_device_not_rebuilt_per_call(device):
+    from trtllm_mtp_carry.dataplane.rope import rope_inv_freq, rope_kernel_table
+
+    a = rope_inv_freq(64, 1e7, device)
+    assert rope_inv_freq(64, 1e7, device) is a
+    assert rope_kernel_table(64, 1e7, device) is a
+    z = rope_kernel_table(0, 1e7, device)
+    assert z is rope_kernel_table(0, 1e7, device) and z.tolist() == [0.0]

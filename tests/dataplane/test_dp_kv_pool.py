@@ -123,6 +123,45 @@ def test_bad_append_leaves_pool_unchanged(gen):
     pool.check()
 
 
+def test_range_keys_write_what_the_same_keys_as_a_tensor_write(gen):
+    """The runtime's consecutive keys as a `range` (checked on the host, no copy, no sync)
+    give the same blocks, rows, runs and bytes as the same keys in a tensor."""
+    k0, v0 = kv(gen, 1)
+    k, v = kv(gen, 6)
+    pools = []
+    for keys in (range(7, 13), torch.arange(7, 13)):
+        pool = make_pool()
+        pool.allocate_sequence(1)
+        pool.append_rows(1, [5], k0, v0)
+        assert pool.append_rows(1, keys, k, v) == CarriedBlocks((0, 1), 7, 12)
+        pool.append_rows(1, range(13, 15), *kv(torch.Generator().manual_seed(3), 2))  # joins the run
+        pool.check()
+        pools.append(pool)
+    a, b = pools
+    assert a.gather(1)[2].tolist() == b.gather(1)[2].tolist() == [5, *range(7, 15)]
+    assert a._live(1).runs == b._live(1).runs == [[5, 1], [7, 8]]
+    assert torch.equal(bits(a.k_cache), bits(b.k_cache)) and torch.equal(bits(a.v_cache), bits(b.v_cache))
+
+
+def test_bad_range_append_leaves_pool_unchanged(gen):
+    pool = make_pool()
+    pool.allocate_sequence(1)
+    pool.append_rows(1, range(5, 6), *kv(gen, 1))
+    stats, kb, vb = pool.stats(), bits(pool.k_cache), bits(pool.v_cache)
+    k, v = kv(gen, 4)
+    for keys, kk, msg in [(range(5, 9), k, "first key 5 must exceed sequence 1's last_pair_key 5"),
+                          (range(6, 10), k[:3], "k must have shape"),
+                          (range(6, 10), k.half(), "k dtype")]:
+        with pytest.raises(ValueError, match=msg):
+            pool.append_rows(1, keys, kk, v)
+    pool.allocate_sequence(2)
+    with pytest.raises(ValueError, match="keys must be >= 0, got min key -1"):
+        pool.append_rows(2, range(-1, 3), k, v)
+    assert pool.stats().num_free_blocks == stats.num_free_blocks
+    assert torch.equal(bits(pool.k_cache), kb) and torch.equal(bits(pool.v_cache), vb)
+    pool.check()
+
+
 def test_truncate_frees_whole_blocks_only(gen):
     pool = make_pool(block_size=4)
     pool.allocate_sequence(1)

@@ -21,7 +21,7 @@ import torch
 from ..core._checks import check_u64
 from ..core.plan import hidden_row_offset
 from ..core.store_range import StoreRange, stamped_merge
-from .ops import hidden_row_copy
+from .ops import hidden_row_copy_direct as hidden_row_copy
 
 __all__ = ["HiddenRowsNotVisible", "HiddenStore"]
 

@@ -68,12 +68,25 @@ import numpy as np
 import torch
 
 from .checks import CACHE_DTYPES
-from .ops import drafter_row_append
+from .ops import drafter_row_append_direct as drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
 
 __all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "HostRows", "PoolExhaustedError", "PoolStats",
-           "ShareStats"]
+           "ShareStats", "device_tensor"]
+
+
+def device_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host ints as a tensor on `device` without a stream sync.
+
+    On CUDA the values are staged in pinned memory and copied with `non_blocking=True`
+    (torch's host allocator keeps the staging block until the copy is done); a plain
+    `torch.tensor(values, device=cuda)` copies from pageable memory and synchronizes the
+    stream. Stream-ordered readers see the same values either way.
+    """
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class PoolExhaustedError(RuntimeError):
@@ -287,8 +300,8 @@ class DrafterKVPool:
         return self._live(seq_id).snapshot()
 
     def block_table_tensor(self, seq_id: int) -> torch.Tensor:  # [num_seq_blocks] int32
-        """The sequence's block table on the pool's device, for attention kernels."""
-        return torch.tensor(self._live(seq_id).block_table, dtype=torch.int32, device=self.device)
+        """The sequence's block table on the pool's device, for attention kernels (no stream sync)."""
+        return device_tensor(self._live(seq_id).block_table, torch.int32, self.device)
 
     def num_blocks_needed(self, seq_id: int, num_new_rows: int) -> int:
         """Blocks a grow by `num_new_rows` rows would allocate (0 when capacity suffices).
@@ -504,22 +517,23 @@ class DrafterKVPool:
         Keys must exceed the sequence's `last_pair_key`. Refusals (ValueError, RuntimeError,
         PoolExhaustedError) leave the pool and caches unchanged. The rows are written
         only into blocks this sequence alone holds (`grow` copies a shared tail first).
+
+        The keys are checked on the host, where the caller made them; the kernel then runs
+        without its data checks. A `range` (step 1: the runtime's consecutive keys) costs no
+        copy and no device sync (the kernel's keys are an `arange` on the device); a host
+        tensor or list costs one pinned, non-blocking copy; a device tensor costs one
+        device-to-host copy (a sync) to be checked.
         """
         state = self._live(seq_id)
+        if isinstance(keys, range) and keys.step == 1:
+            return self._append_range(seq_id, state, keys, k, v)
         keys_cpu = (keys.detach().to("cpu") if isinstance(keys, torch.Tensor)
                     else torch.tensor(list(keys), dtype=torch.int64))
         if keys_cpu.is_floating_point() or keys_cpu.dim() != 1:
             raise ValueError(f"keys must be a 1-D integer sequence, got {keys_cpu.dtype} {tuple(keys_cpu.shape)}")
         keys_cpu = keys_cpu.long()
         n = keys_cpu.shape[0]
-        expect = (n, self.num_kv_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expect:
-                raise ValueError(f"{name} must have shape {list(expect)}, got {tuple(t.shape)}")
-            if t.dtype != self.k_cache.dtype:
-                raise ValueError(f"{name} dtype {t.dtype} differs from cache dtype {self.k_cache.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name} device {t.device} differs from pool device {self.device}")
+        self._check_rows(k, v, n)
         if n == 0:
             return state.snapshot()
         if int(keys_cpu.min()) < 0:
@@ -532,20 +546,9 @@ class DrafterKVPool:
             raise ValueError(
                 f"first key {int(keys_cpu[0])} must exceed sequence {seq_id}'s last_pair_key {last}"
             )
-        new_blocks = self.grow(seq_id, n)
-        try:
-            drafter_row_append(
-                k, v, keys_cpu.to(self.device), self.k_cache, self.v_cache,
-                self.block_table_tensor(seq_id), state.rows,
-                self.rope.rotary_dim, self.rope.rope_theta,
-                False,  # keys checked above on the host; block ids are the pool's own
-            )
-        except BaseException:
-            del state.block_table[len(state.block_table) - len(new_blocks):]
-            self._refs[new_blocks] -= 1
-            self._live_refs[new_blocks] -= 1
-            self._free.extendleft(reversed(new_blocks))
-            raise
+        keys_dev = (keys_cpu.pin_memory().to(self.device, non_blocking=True)
+                    if self.device.type == "cuda" else keys_cpu.to(self.device))
+        self._write_rows(seq_id, state, keys_dev, k, v)
         # Runs of consecutive keys, found with tensor ops (loop over runs only).
         starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
         ends = starts[1:] + [n]
@@ -556,6 +559,57 @@ class DrafterKVPool:
         state.runs.extend(runs)
         state.rows += n
         return state.snapshot()
+
+    def _append_range(self, seq_id: int, state: _Rows, keys: range, k: torch.Tensor,
+                      v: torch.Tensor) -> CarriedBlocks:
+        """`append_rows` for consecutive keys: checked in O(1) on the host, no copy, no sync."""
+        n = len(keys)
+        self._check_rows(k, v, n)
+        if n == 0:
+            return state.snapshot()
+        if keys.start < 0:
+            raise ValueError(f"keys must be >= 0, got min key {keys.start}")
+        last = state.last_pair_key
+        if last is not None and keys.start <= last:
+            raise ValueError(
+                f"first key {keys.start} must exceed sequence {seq_id}'s last_pair_key {last}"
+            )
+        keys_dev = torch.arange(keys.start, keys.stop, dtype=torch.int64, device=self.device)
+        self._write_rows(seq_id, state, keys_dev, k, v)
+        if state.runs and keys.start == last + 1:  # type: ignore[operator]
+            state.runs[-1][1] += n
+        else:
+            state.runs.append([keys.start, n])
+        state.rows += n
+        return state.snapshot()
+
+    def _check_rows(self, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+        expect = (n, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expect:
+                raise ValueError(f"{name} must have shape {list(expect)}, got {tuple(t.shape)}")
+            if t.dtype != self.k_cache.dtype:
+                raise ValueError(f"{name} dtype {t.dtype} differs from cache dtype {self.k_cache.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} device {t.device} differs from pool device {self.device}")
+
+    def _write_rows(self, seq_id: int, state: _Rows, keys_dev: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """Grow by the rows and write them; a refused write gives the new blocks back."""
+        new_blocks = self.grow(seq_id, keys_dev.shape[0])
+        try:
+            drafter_row_append(
+                k, v, keys_dev, self.k_cache, self.v_cache,
+                self.block_table_tensor(seq_id), state.rows,
+                self.rope.rotary_dim, self.rope.rope_theta,
+                False,  # keys checked on the host; block ids are the pool's own
+            )
+        except BaseException:
+            del state.block_table[len(state.block_table) - len(new_blocks):]
+            self._refs[new_blocks] -= 1
+            self._live_refs[new_blocks] -= 1
+            self._free.extendleft(reversed(new_blocks))
+            raise
 
     def gather(self, seq_id: int, start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(k [R', Hkv, D], v [R', Hkv, D], keys [R'] int64)` of rows `start_row ..`, in row order."""

@@ -16,6 +16,8 @@ The convention (HF rotate-half, partial; fixed, other code depends on it)::
 Invariants: the frequency table is computed once in float64 on the host and
 rounded to float32 (`rope_inv_freq`); the reference and the Triton kernel both
 read that table, and both compute in float32 and store in the tensor's dtype.
+The table is cached per (rotary_dim, rope_theta, device), so a kernel call
+neither allocates nor copies it; the cached tensor is shared and read-only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["RopeConfig", "apply_rope_reference", "rope_inv_freq"]
+__all__ = ["RopeConfig", "apply_rope_reference", "rope_inv_freq", "rope_kernel_table"]
 
 #: Qwen3-Next: partial rotary factor 0.25, theta 1e7.
 QWEN3_NEXT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -71,13 +73,53 @@ def _inv_freq_cpu(rotary_dim: int, rope_theta: float) -> torch.Tensor:
     return torch.pow(torch.tensor(rope_theta, dtype=torch.float64), -(2.0 * i) / rotary_dim).float()
 
 
+def _device_key(device: torch.device | str) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+@lru_cache(maxsize=128)
+def _inv_freq_on(rotary_dim: int, rope_theta: float, device: torch.device) -> torch.Tensor:
+    return _inv_freq_cpu(rotary_dim, rope_theta).to(device)
+
+
 def rope_inv_freq(rotary_dim: int, rope_theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The float32 frequency table `[rotary_dim // 2]` on `device`.
+    """The float32 frequency table `[rotary_dim // 2]` on `device`: shared, read-only.
 
     Computed in float64 and rounded once, so every device and kernel gets the same bits.
+    One table is kept per (rotary_dim, rope_theta, device) and returned on every call
+    (no allocation, no host-to-device copy after the first): callers must not modify it.
     """
     check_rope_args(max(rotary_dim, 1), rotary_dim, rope_theta)
-    return _inv_freq_cpu(int(rotary_dim), float(rope_theta)).to(device)
+    return _inv_freq_on(int(rotary_dim), float(rope_theta), _device_key(device))
+
+
+_KERNEL_TABLES: dict[tuple[int, float, torch.device | str], torch.Tensor] = {}
+
+
+def rope_kernel_table(rotary_dim: int, rope_theta: float, device: torch.device | str) -> torch.Tensor:
+    """`rope_inv_freq`, or one float32 zero when `rotary_dim == 0`: a kernel's valid pointer.
+
+    Shared and read-only like `rope_inv_freq` (the kernels never read it at rotary_dim 0).
+    A warm call is one dict lookup (the kernels' launchers call it on every launch).
+    """
+    key = (rotary_dim, rope_theta, device)
+    table = _KERNEL_TABLES.get(key)
+    if table is None:
+        if rotary_dim == 0:
+            table = _zero_table(_device_key(device))
+        else:
+            table = rope_inv_freq(rotary_dim, rope_theta, device)
+        if len(_KERNEL_TABLES) < 256:
+            _KERNEL_TABLES[key] = table
+    return table
+
+
+@lru_cache(maxsize=16)
+def _zero_table(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 def apply_rope_reference(

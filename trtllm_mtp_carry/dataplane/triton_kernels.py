@@ -12,9 +12,14 @@ Invariants:
   on CPU tensors (Triton reads the knob when `@triton.jit` decorates).
   The interpreter rounds float32 -> bf16 toward zero; GPUs round to nearest.
 
-Launch-grid rules (also written to the AOT manifest):
-- `hidden_row_copy_kernel`: grid `(n, cdiv(hidden_size, BLOCK))`.
-- `drafter_row_append_kernel`: grid `(n,)`; one program writes one row (all heads).
+Launch-grid rules (also written to `builders/build_kernels.py`'s manifest):
+- `hidden_row_copy_kernel`: grid `(cdiv(n, ROWS), cdiv(hidden_size, BLOCK))`; a program
+  copies a ROWS x BLOCK tile (`copy_rows_for`, `copy_block_for`).
+- `drafter_row_append_kernel`: grid `(cdiv(n, ROWS),)`; a program writes ROWS rows, all
+  heads and columns (`append_blocks_for`); the RoPE angle is computed once per
+  (row, frequency), not per element, and a row whose block id is outside
+  `[0, num_blocks)` is skipped (no stray write even with `check_data=False`).
+(The TensorRT plugins' kernels are `kernels/abi_kernels.py`, with their own rules in `kernels/abi.py`.)
 
 The FP8 row-format kernels (`row_format.py` defines the format; JIT only, not in
 the AOT manifest) address each `head_dim` vector through an int64 element offset
@@ -34,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_drafter_row_append, check_hidden_row_copy
-from .rope import rope_inv_freq
+from .rope import rope_kernel_table
 
 __all__ = [
     "drafter_row_append_kernel",
@@ -49,78 +54,116 @@ __all__ = [
 
 #: Columns per program of the copy kernel (upper bound; small rows use next_pow2).
 COPY_BLOCK = 1024
+#: Elements one program of the copy / append kernel moves per tensor (rows x columns tile):
+#: several rows per program, so big copies run as few, fat programs (bandwidth), small ones
+#: as one program per row group (latency).
+TILE_ELEMS = 4096
 
 
-@triton.jit(do_not_specialize=["src_row", "dst_row"])
+@triton.jit(do_not_specialize=["src_row", "dst_row", "n"])
 def hidden_row_copy_kernel(
     src_ptr,  # [S, H] row-major, row stride src_stride
     dst_ptr,  # [D, H] row-major, row stride dst_stride
     src_row,  # i32 first source row
     dst_row,  # i32 first destination row
+    n,  # i32 rows to copy
     src_stride,  # i32 elements between source rows
     dst_stride,  # i32 elements between destination rows
     hidden_size,  # i32 columns per row
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < hidden_size
-    s = (src_row + r) * src_stride
-    d = (dst_row + r) * dst_stride
-    x = tl.load(src_ptr + s + cols, mask=mask)
-    tl.store(dst_ptr + d + cols, x, mask=mask)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (r < n) & (cols < hidden_size)
+    x = tl.load(src_ptr + (src_row + r) * src_stride + cols, mask=mask)
+    tl.store(dst_ptr + (dst_row + r) * dst_stride + cols, x, mask=mask)
 
 
-@triton.jit(do_not_specialize=["start_row"])
+@triton.jit(do_not_specialize=["start_row", "n"])
 def drafter_row_append_kernel(
     k_ptr,  # [n, Hkv, D] strides (k_s0, k_s1, k_s2)
     v_ptr,  # [n, Hkv, D] strides (v_s0, v_s1, v_s2)
-    keys_ptr,  # [n] i64 pair keys; RoPE position is key + 1
+    keys_ptr,  # [n] i32/i64 pair keys; RoPE position is key + 1
     k_cache_ptr,  # [num_blocks, page_size, Hkv, D] contiguous
     v_cache_ptr,  # [num_blocks, page_size, Hkv, D] contiguous
     block_table_ptr,  # [max_blocks] i32
-    inv_freq_ptr,  # [rotary_dim // 2] f32 (rope.rope_inv_freq)
+    inv_freq_ptr,  # [rotary_dim // 2] f32 (rope.rope_inv_freq; one element when rotary_dim is 0)
+    n,  # i32 rows
     start_row,  # i32 compacted row of k_new[0]
+    num_blocks,  # i32 cache blocks: a row whose block id is outside [0, num_blocks) is skipped
     num_kv_heads,  # i32
     head_dim,  # i32
     page_size,  # i32 rows per block
     rotary_dim,  # i32 even, <= head_dim
     k_s0, k_s1, k_s2,  # i32 element strides of k
     v_s0, v_s1, v_s2,  # i32 element strides of v
+    ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
-    i = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    m = (h < num_kv_heads) & (d < head_dim)
-
-    row = start_row + i
-    blk = tl.load(block_table_ptr + row // page_size).to(tl.int64)
+    # A [ROWS, BLOCK_H, BLOCK_D] tile: ROWS rows, every head and column of each.
+    i1 = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R]
+    in_n = i1 < n
+    row = start_row + i1
+    blk = tl.load(block_table_ptr + row // page_size, mask=in_n, other=-1).to(tl.int64)
+    ok1 = in_n & (blk >= 0) & (blk < num_blocks)
     slot = blk * page_size + row % page_size
-    dst = slot * (num_kv_heads * head_dim) + h * head_dim + d
+    i = i1[:, None, None]
+    ok = ok1[:, None, None]
+    base = slot[:, None, None] * (num_kv_heads * head_dim)
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_D)[None, None, :]
+    m = ok & (h < num_kv_heads) & (d < head_dim)
+    dst = base + h * head_dim + d
 
     v = tl.load(v_ptr + i * v_s0 + h * v_s1 + d * v_s2, mask=m)
     tl.store(v_cache_ptr + dst, v, mask=m)
 
+    # K's pass-through columns [rotary_dim, head_dim): copied as they are.
     k_row = k_ptr + i * k_s0 + h * k_s1
-    x = tl.load(k_row + d * k_s2, mask=m, other=0.0)
+    mp = m & (d >= rotary_dim)
+    x = tl.load(k_row + d * k_s2, mask=mp)
+    tl.store(k_cache_ptr + dst, x, mask=mp)
+
+    # K's rotary columns: the angle once per (row, frequency), shared by the heads and both
+    # halves (rotate-half: out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, float32).
     half = rotary_dim // 2
-    is_rot = d < rotary_dim
-    first = d < half
-    partner = tl.where(first, d + half, d - half)
-    xp = tl.load(k_row + partner * k_s2, mask=m & is_rot, other=0.0).to(tl.float32)
-    inv = tl.load(inv_freq_ptr + tl.where(first, d, d - half), mask=is_rot, other=0.0)
-    pos = (tl.load(keys_ptr + i) + 1).to(tl.float32)
-    angle = pos * inv
-    rotated = x.to(tl.float32) * tl.cos(angle) + tl.where(first, -xp, xp) * tl.sin(angle)
-    out = tl.where(is_rot, rotated.to(k_cache_ptr.dtype.element_ty), x)
-    tl.store(k_cache_ptr + dst, out, mask=m)
+    j1 = tl.arange(0, BLOCK_HALF)
+    j = j1[None, None, :]
+    mr = ok & (h < num_kv_heads) & (j < half)
+    x1 = tl.load(k_row + j * k_s2, mask=mr, other=0.0).to(tl.float32)
+    x2 = tl.load(k_row + (j + half) * k_s2, mask=mr, other=0.0).to(tl.float32)
+    inv = tl.load(inv_freq_ptr + j1, mask=j1 < half, other=0.0)
+    pos = (tl.load(keys_ptr + i1, mask=in_n, other=0).to(tl.int64) + 1).to(tl.float32)
+    angle = pos[:, None, None] * inv[None, None, :]  # [R, 1, BLOCK_HALF]
+    c = tl.cos(angle)
+    s = tl.sin(angle)
+    o1 = x1 * c + (-x2) * s
+    o2 = x2 * c + x1 * s
+    k_dst = k_cache_ptr + base + h * head_dim
+    tl.store(k_dst + j, o1.to(k_cache_ptr.dtype.element_ty), mask=mr)
+    tl.store(k_dst + j + half, o2.to(k_cache_ptr.dtype.element_ty), mask=mr)
 
 
 def copy_block_for(hidden_size: int) -> int:
     """BLOCK constexpr the launcher uses for rows of `hidden_size` columns."""
     return min(COPY_BLOCK, triton.next_power_of_2(max(hidden_size, 1)))
+
+
+def copy_rows_for(n: int, block: int) -> int:
+    """ROWS constexpr of the copy kernel: rows per program (a power of two, <= next_pow2(n))."""
+    return max(1, min(TILE_ELEMS // block, triton.next_power_of_2(max(n, 1))))
+
+
+def append_blocks_for(n: int, num_kv_heads: int, head_dim: int, rotary_dim: int) -> dict[str, int]:
+    """The append kernel's constexprs (ROWS, BLOCK_H, BLOCK_D, BLOCK_HALF) for these shapes."""
+    bh = triton.next_power_of_2(num_kv_heads)
+    bd = triton.next_power_of_2(head_dim)
+    rows = max(1, min(TILE_ELEMS // (bh * bd), triton.next_power_of_2(max(n, 1))))
+    return {"ROWS": rows, "BLOCK_H": bh, "BLOCK_D": bd,
+            "BLOCK_HALF": triton.next_power_of_2(max(rotary_dim // 2, 1))}
 
 
 def hidden_row_copy_triton(
@@ -130,15 +173,21 @@ def hidden_row_copy_triton(
     dst_row: int,
     n: int,
 ) -> None:
-    """Triton twin of `hidden_row_copy_reference`: same checks, same bits written."""
+    """Triton twin of `hidden_row_copy_reference`: same checks, same bits written.
+
+    Grid `(cdiv(n, ROWS), cdiv(hidden_size, BLOCK))`; program (p, c) copies rows
+    `[p*ROWS, (p+1)*ROWS) & < n`, columns `[c*BLOCK, (c+1)*BLOCK) & < hidden_size`.
+    """
     check_hidden_row_copy(src, src_row, dst, dst_row, n)
     hidden_size = src.shape[1]
     if n == 0 or hidden_size == 0:
         return
     block = copy_block_for(hidden_size)
-    grid = (n, triton.cdiv(hidden_size, block))
+    rows = copy_rows_for(n, block)
+    grid = (triton.cdiv(n, rows), triton.cdiv(hidden_size, block))
     hidden_row_copy_kernel[grid](
-        src, dst, src_row, dst_row, src.stride(0), dst.stride(0), hidden_size, BLOCK=block
+        src, dst, src_row, dst_row, n, src.stride(0), dst.stride(0), hidden_size,
+        ROWS=rows, BLOCK=block,
     )
 
 
@@ -156,7 +205,11 @@ def drafter_row_append_triton(
 ) -> None:
     """Triton twin of `drafter_row_append_reference`, one launch for all rows and heads.
 
-    `check_data=False` skips the content checks, which cost a device sync on CUDA.
+    `check_data=False` skips the content checks, which cost one device sync on CUDA;
+    the call then neither syncs nor allocates (keys are read as they are, int32 or
+    int64; the frequency table is cached), and a row whose block id is outside
+    `[0, num_blocks)` is skipped by the kernel rather than written out of bounds.
+    Grid `(cdiv(n, ROWS),)`; program p writes rows `[p*ROWS, (p+1)*ROWS) & < n`.
     """
     check_drafter_row_append(
         k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
@@ -165,15 +218,13 @@ def drafter_row_append_triton(
     n = k_new.shape[0]
     if n == 0:
         return
-    _, page_size, hkv, head_dim = k_cache.shape
-    inv_freq = rope_inv_freq(rotary_dim, rope_theta, k_cache.device)
-    if rotary_dim == 0:
-        inv_freq = torch.zeros(1, dtype=torch.float32, device=k_cache.device)
-    drafter_row_append_kernel[(n,)](
-        k_new, v_new, keys.to(torch.int64), k_cache, v_cache, block_table, inv_freq,
-        start_row, hkv, head_dim, page_size, rotary_dim,
-        *k_new.stride(), *v_new.stride(),
-        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(head_dim),
+    num_blocks, page_size, hkv, head_dim = k_cache.shape
+    inv_freq = rope_kernel_table(rotary_dim, rope_theta, k_cache.device)
+    blocks = append_blocks_for(n, hkv, head_dim, rotary_dim)
+    drafter_row_append_kernel[(triton.cdiv(n, blocks["ROWS"]),)](
+        k_new, v_new, keys, k_cache, v_cache, block_table, inv_freq,
+        n, start_row, num_blocks, hkv, head_dim, page_size, rotary_dim,
+        *k_new.stride(), *v_new.stride(), **blocks,
     )
 
 

@@ -569,7 +569,8 @@ class ReferenceEngine:
             last = self._rows_of(s).sequence(s.request_id).last_pair_key
             if last is None or last < len(s.tokens) - 2:  # first step: key0's row (later
                 try:  # steps got it from the previous verify)
-                    self._rows_of(s).append_rows(s.request_id, key0[b:b + 1], k16[b:b + 1], v16[b:b + 1])
+                    self._rows_of(s).append_rows(s.request_id, range(len(s.tokens) - 2, len(s.tokens) - 1),
+                                                 k16[b:b + 1], v16[b:b + 1])  # key0[b], known on the host
                 except PoolExhaustedError as exc:
                     self._drop_drafter(s, exc)
                     continue
@@ -668,9 +669,9 @@ class ReferenceEngine:
                            dtype=torch.int64, device=dev)
         k, v = self.drafter_kv(nxt, h.to(torch.bfloat16), keys)
         at = 0
-        for s, _, _, m in row_seqs:
+        for s, _, k0, m in row_seqs:
             try:
-                self._rows_of(s).append_rows(s.request_id, keys[at:at + m], k[at:at + m], v[at:at + m])
+                self._rows_of(s).append_rows(s.request_id, range(k0, k0 + m), k[at:at + m], v[at:at + m])
             except PoolExhaustedError as exc:
                 self._drop_drafter(s, exc)
             at += m
@@ -696,7 +697,7 @@ class ReferenceEngine:
         next_tokens = torch.tensor(seq.tokens[first_key + 1:first_key + 1 + m], dtype=torch.int64,
                                    device=self.device)
         k, v = self.drafter_kv(next_tokens, hidden.to(torch.bfloat16), keys)
-        self._rows_of(seq).append_rows(seq.request_id, keys, k, v)
+        self._rows_of(seq).append_rows(seq.request_id, range(first_key, first_key + m), k, v)
 
     # ---- finish --------------------------------------------------------------------
 

@@ -76,8 +76,8 @@ import torch
 from ..core import plan_append
 from ..core.plan import chunk_keys
 from ..dataplane.hidden_store import HiddenStore
-from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
-from ..dataplane.ops import drafter_row_append
+from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError, device_tensor
+from ..dataplane.ops import drafter_row_append_direct as drafter_row_append
 from ..dataplane.reference import slots_for_rows
 from ..dataplane.rope import RopeConfig
 from .block_manager import RefCountedBlocks
@@ -292,21 +292,36 @@ class PairedDraftPool(RefCountedBlocks):
         """Register `seq_id` with no rows; RuntimeError if it is already live."""
         self.adopt(seq_id, DraftMatch.empty(), 0)
 
-    def append_rows(self, seq_id: int, keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> CarriedBlocks:
+    def append_rows(self, seq_id: int, keys: torch.Tensor | range, k: torch.Tensor,
+                    v: torch.Tensor) -> CarriedBlocks:
         """Append rows after the sequence's last (keys `[n]` int64 increasing, past its last key;
-        k, v `[n, Hkv, D]` bf16 pre-RoPE); the rows land in private blocks only."""
-        # keys: [n] int64; k, v: [n, Hkv, D] bf16 on the pool's device
+        k, v `[n, Hkv, D]` bf16 pre-RoPE); the rows land in private blocks only.
+
+        A `range` of keys (step 1) is checked on the host in O(1) and costs no copy and no
+        device sync; a tensor is copied to the host to be checked (a sync if on the device)."""
+        # keys: [n] int64 or range; k, v: [n, Hkv, D] bf16 on the pool's device
         s = self._live(seq_id)
-        n = int(keys.shape[0])
+        consecutive = isinstance(keys, range) and keys.step == 1
+        n = len(keys) if isinstance(keys, range) else int(keys.shape[0])
         if n == 0:
             return self.sequence(seq_id)
-        keys_cpu = keys.detach().to("cpu").long()
         last = s.last_pair_key
-        if last is not None and int(keys_cpu[0]) <= last:
-            raise ValueError(f"first key {int(keys_cpu[0])} must exceed sequence {seq_id}'s last key {last}")
-        diffs = keys_cpu[1:] - keys_cpu[:-1]
-        if n > 1 and int(diffs.min()) <= 0:
-            raise ValueError(f"keys must be strictly increasing, got {keys_cpu.tolist()[:16]}")
+        if isinstance(keys, range) and consecutive:
+            if last is not None and keys.start <= last:
+                raise ValueError(f"first key {keys.start} must exceed sequence {seq_id}'s last key {last}")
+            keys_dev = torch.arange(keys.start, keys.stop, dtype=torch.int64, device=self.device)
+            runs = [[keys.start, n]]
+        else:
+            keys_cpu = (torch.tensor(list(keys), dtype=torch.int64) if isinstance(keys, range)
+                        else keys.detach().to("cpu").long())
+            if last is not None and int(keys_cpu[0]) <= last:
+                raise ValueError(f"first key {int(keys_cpu[0])} must exceed sequence {seq_id}'s last key {last}")
+            diffs = keys_cpu[1:] - keys_cpu[:-1]
+            if n > 1 and int(diffs.min()) <= 0:
+                raise ValueError(f"keys must be strictly increasing, got {keys_cpu.tolist()[:16]}")
+            keys_dev = device_tensor(keys_cpu.tolist(), torch.int64, self.device)
+            starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
+            runs = [[int(keys_cpu[a]), b - a] for a, b in zip(starts, [*starts[1:], n], strict=True)]
         need = -(-(s.rows + n) // self.block_size) - len(s.table)
         if need > len(self._free) + len(self._lru):
             raise PairedPoolExhausted(
@@ -316,11 +331,9 @@ class PairedDraftPool(RefCountedBlocks):
             b = self._draw()
             self._ref[b] = 1
             s.table.append(b)
-        table = torch.tensor(s.table, dtype=torch.int32, device=self.device)
-        drafter_row_append(k, v, keys_cpu.to(self.device), self.k_cache, self.v_cache, table, s.rows,
+        table = device_tensor(s.table, torch.int32, self.device)
+        drafter_row_append(k, v, keys_dev, self.k_cache, self.v_cache, table, s.rows,
                            self.rope.rotary_dim, self.rope.rope_theta, False)
-        starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
-        runs = [[int(keys_cpu[a]), b - a] for a, b in zip(starts, [*starts[1:], n], strict=True)]
         if s.runs and last is not None and runs[0][0] == last + 1:
             s.runs[-1][1] += runs.pop(0)[1]
         s.runs.extend(runs)
@@ -577,7 +590,7 @@ class PairedDrafts:
         keys = torch.arange(a, b + 1, dtype=torch.int64, device=dev)
         nxt = torch.tensor(prompt[a + 1: b + 2], dtype=torch.int64, device=dev)
         k, v = self.builder.drafter_kv(nxt, hidden, keys)
-        self.pool.append_rows(seq_id, keys, k, v)
+        self.pool.append_rows(seq_id, range(a, b + 1), k, v)  # host-known keys: no sync
         rows = b - a + 1
         build.next_key = None if b >= len(prompt) - 2 else b + 1
         build.rows_computed += rows

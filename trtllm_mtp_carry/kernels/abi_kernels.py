@@ -10,7 +10,9 @@ Each kernel computes the same function as its plain-torch twin in
 `dataplane/reference.py` and its JIT twin in `dataplane/triton_kernels.py`
 (same RoPE formula, float32 math, one rounding to the cache dtype); row
 offsets come from one-element device tensors, and out-of-range destinations
-are skipped (see `abi.py`). Under `TRITON_INTERPRET=1` they run on CPU tensors,
+are skipped (see `abi.py`). The append computes each RoPE angle once per
+(row, frequency) and shares it across heads and both rotate-half halves (the
+trigonometry, not the bytes, used to bound it: an angle per element). Under `TRITON_INTERPRET=1` they run on CPU tensors,
 which is how the CPU tests check their math.
 """
 
@@ -81,16 +83,27 @@ def drafter_row_append_abi(
     v = tl.load(v_new + i * v_s0 + h * v_s1 + d, mask=m)
     tl.store(v_cache + dst, v, mask=m)
 
+    # K's pass-through columns [rotary_dim, head_dim): copied as they are.
     k_row = k_new + i * k_s0 + h * k_s1
-    x = tl.load(k_row + d, mask=m, other=0.0)
+    mp = m & (d >= rotary_dim)
+    x = tl.load(k_row + d, mask=mp)
+    tl.store(k_cache + dst, x, mask=mp)
+
+    # K's rotary columns, as halves: the angle once per frequency (lanes j < rotary_dim / 2 of
+    # a [1, BLOCK_D] vector, shared by the heads and both halves), not once per element;
+    # out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin in float32 (rotate-half).
     half = rotary_dim // 2
-    is_rot = d < rotary_dim
-    lo = d < half
-    partner = tl.where(lo, d + half, d - half)
-    xp = tl.load(k_row + partner, mask=m & is_rot, other=0.0).to(tl.float32)
-    inv = tl.load(inv_freq + tl.where(lo, d, d - half), mask=is_rot & ok, other=0.0)
+    j = tl.arange(0, BLOCK_D)[None, :]
+    mr = m & (j < half)
+    x1 = tl.load(k_row + j, mask=mr, other=0.0).to(tl.float32)
+    x2 = tl.load(k_row + j + half, mask=mr, other=0.0).to(tl.float32)
+    inv = tl.load(inv_freq + j, mask=j < half, other=0.0)
     pos = (tl.load(keys + i).to(tl.int64) + 1).to(tl.float32)
-    angle = pos * inv
-    rotated = x.to(tl.float32) * tl.cos(angle) + tl.where(lo, -xp, xp) * tl.sin(angle)
-    out = tl.where(is_rot, rotated.to(k_cache.dtype.element_ty), x)
-    tl.store(k_cache + dst, out, mask=m)
+    angle = pos * inv  # [1, BLOCK_D]
+    c = tl.cos(angle)
+    sn = tl.sin(angle)
+    o1 = x1 * c + (-x2) * sn
+    o2 = x2 * c + x1 * sn
+    k_dst = k_cache + slot * (num_kv_heads * head_dim) + h * head_dim
+    tl.store(k_dst + j, o1.to(k_cache.dtype.element_ty), mask=mr)
+    tl.store(k_dst + j + half, o2.to(k_cache.dtype.element_ty), mask=mr)

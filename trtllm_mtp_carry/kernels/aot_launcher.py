@@ -16,7 +16,10 @@ Invariants: every call runs `dataplane.checks` first (a refused call writes
 nothing); row offsets reach the kernel as device int32 values without a host
 copy (the destination / block-table pointer is advanced on the host and the
 remainder read from a per-device `arange` table); modules are loaded once per
-(device, file) into the device's primary context, the one torch uses.
+(device, file) into the device's primary context, the one torch uses; a warm
+call looks its kernel up in one dict and allocates nothing but the int32 copy of
+int64 keys. With `check_data=True` the append's content checks cost one device
+sync (`dataplane.checks`); the pools call with `check_data=False`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 
 from ..dataplane.checks import check_drafter_row_append, check_hidden_row_copy
-from ..dataplane.rope import rope_inv_freq
+from ..dataplane.rope import rope_kernel_table
 from . import abi
 
 __all__ = [
@@ -62,7 +65,12 @@ def _check(result: Any, what: str) -> Any:
 
 def target_of(device: torch.device) -> str:
     """`sm_XYa` of a CUDA device (`sm_121a` on GB10); ValueError below sm_90."""
-    major, minor = torch.cuda.get_device_capability(device)
+    return _target_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=16)
+def _target_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         raise ValueError(f"AOT kernels are built for sm_90a and newer, device is sm_{major}{minor}")
     return f"sm_{major}{minor}a"
@@ -144,6 +152,19 @@ def _load_module(drv: Any, directory: Path, e: dict) -> tuple[Any, str]:
 
 
 _STORE = _Store()
+_KERNELS: dict[tuple, tuple[Any, dict]] = {}
+
+
+def _kernel(kernel: str, dtype: str, variant: str, device: torch.device,
+            shape: tuple[int, int] | None) -> tuple[Any, dict]:
+    """`(CUfunction, manifest entry)`, looked up once per (kernel dir, kernel, dtype, variant,
+    device, shape): a warm call pays a dict lookup, not a manifest search."""
+    key = (os.environ.get(KERNEL_DIR_ENV), kernel, dtype, variant, device.index, shape)
+    found = _KERNELS.get(key)
+    if found is None:
+        directory, e = _STORE.entry(kernel, dtype, variant, target_of(device), shape)
+        found = _KERNELS[key] = (_STORE.function(device, directory, e), e)
+    return found
 
 
 def loaded_images() -> dict[str, str]:
@@ -157,22 +178,19 @@ def _row_table(device: torch.device, size: int) -> torch.Tensor:  # [size] i32: 
     return torch.arange(max(size, 1), dtype=torch.int32, device=device)
 
 
-@lru_cache(maxsize=64)
-def _inv_freq(rotary_dim: int, rope_theta: float, device: torch.device) -> torch.Tensor:
-    if rotary_dim == 0:
-        return torch.zeros(1, dtype=torch.float32, device=device)
-    return rope_inv_freq(rotary_dim, rope_theta, device)
-
-
 def _aligned(ptrs: list[int], ints: list[int]) -> bool:
     return all(p % 16 == 0 for p in ptrs) and all(v % 16 == 0 for v in ints)
+
+
+@lru_cache(maxsize=8)
+def _param_types(kabi: abi.KernelABI) -> tuple[Any, ...]:
+    return tuple(ctypes.c_void_p if p.ptx_type() == ".u64" else ctypes.c_int32 for p in kabi.params)
 
 
 def _launch(fn: Any, launch: abi.Launch, args: list[int], kabi: abi.KernelABI,
             device: torch.device) -> None:
     drv = _driver()
-    types = tuple(ctypes.c_void_p if p.ptx_type() == ".u64" else ctypes.c_int32
-                  for p in kabi.params)
+    types = _param_types(kabi)
     if len(args) != len(types):
         raise RuntimeError(f"{kabi.name}: {len(args)} arguments for {len(types)} parameters")
     stream = drv.CUstream(torch.cuda.current_stream(device).cuda_stream)
@@ -202,8 +220,7 @@ def hidden_row_copy_aot(
     d_ptr = dst.data_ptr() + dst_row * dst.stride(0) * es
     ints = [src.stride(0), dst.stride(0), hidden]
     variant = "a16" if _aligned([s_ptr, d_ptr], ints) else "any"
-    directory, e = _STORE.entry("hidden_row_copy", dtype, variant, target_of(src.device), None)
-    fn = _STORE.function(src.device, directory, e)
+    fn, e = _kernel("hidden_row_copy", dtype, variant, src.device, None)
     zero = _row_table(src.device, 1)  # dst_row already folded into d_ptr
     args = [s_ptr, zero.data_ptr(), d_ptr, src.stride(0), dst.stride(0), hidden,
             dst.shape[0] - dst_row, d_ptr]
@@ -228,29 +245,26 @@ def drafter_row_append_aot(
     a key >= 2**31 is refused.
     """
     check_drafter_row_append(k_new, v_new, keys, k_cache, v_cache, block_table, start_row,
-                             rotary_dim, rope_theta, check_data)
+                             rotary_dim, rope_theta, check_data, key_limit=2**31,
+                             key_limit_why="the AOT kernel (int32 keys)")
     n = k_new.shape[0]
     if n == 0:
         return
-    if check_data and int(keys.max()) >= 2**31:
-        raise ValueError(f"keys must be < 2**31 for the AOT kernel, got max key {int(keys.max())}")
     num_blocks, page, hkv, hd = k_cache.shape
     device = k_cache.device
     if k_new.stride(2) != 1:
         k_new = k_new.contiguous()
     if v_new.stride(2) != 1:
         v_new = v_new.contiguous()
-    keys32 = keys.to(torch.int32)
-    inv = _inv_freq(rotary_dim, float(rope_theta), device)
+    keys32 = keys if keys.dtype == torch.int32 else keys.to(torch.int32)
+    inv = rope_kernel_table(rotary_dim, rope_theta, device)
     first_block, in_block = divmod(start_row, page)
     rows = _row_table(device, page)
     bt_ptr = block_table.data_ptr() + first_block * 4
     ptr_args = [k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()]
     ints = [hd, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1)]
     variant = "a16" if _aligned(ptr_args, ints) else "any"
-    directory, e = _STORE.entry("drafter_row_append", _DTYPE[k_cache.dtype], variant,
-                                target_of(device), (hkv, hd))
-    fn = _STORE.function(device, directory, e)
+    fn, e = _kernel("drafter_row_append", _DTYPE[k_cache.dtype], variant, device, (hkv, hd))
     args = [k_new.data_ptr(), v_new.data_ptr(), keys32.data_ptr(), bt_ptr, inv.data_ptr(),
             rows.data_ptr() + in_block * 4, k_cache.data_ptr(), v_cache.data_ptr(),
             hkv, hd, page, rotary_dim, k_new.stride(0), k_new.stride(1),
