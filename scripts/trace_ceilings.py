@@ -28,7 +28,7 @@ An estimate's worth is its chance per share of the budget, ranked and admitted
 by the store's own rules, as `returns` is. Rows: the learned policy, then each
 hindsight estimate; the clairvoyant bound last.
 
-    python scripts/trace_ceilings.py mooncake-conversation.jsonl --workers 8 --carry-memory 1GiB   # the trace: README, trace-replay
+    python scripts/trace_ceilings.py mooncake-conversation.jsonl --workers 8 --carry-memory 1GiB   # the trace: docs/TRACE-REPLAY.md
 
 Invariants:
 - The stores, the replay and the counting are the package's; only the

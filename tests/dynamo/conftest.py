@@ -1,4 +1,4 @@
-"""The Dynamo deployment of the tests: the README's own `serve --dynamo` command, in a private
+"""The Dynamo deployment of the tests: docs/DYNAMO.md's own `serve --dynamo` command, in a private
 network namespace, started once per module and always stopped.
 
 Without Dynamo installed, or where no private network namespace can be made

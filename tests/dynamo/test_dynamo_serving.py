@@ -1,11 +1,11 @@
-"""Serving behind Dynamo, end to end: the README's deployment (frontend + 2 workers), real requests.
+"""Serving behind Dynamo, end to end: docs/DYNAMO.md's deployment (frontend + 2 workers), real requests.
 
 Pins: outputs through the OpenAI API equal in-process greedy decoding; a
 session's turns stay on one worker and its warm turns adopt the carry; a chat
 without a session id still lands on the worker holding its prefix (the KV
 events are real); bad requests get OpenAI-style errors and the workers keep
 serving; each worker's carry counters are on its metrics endpoint; the
-README's Dynamo blocks run as written.
+Dynamo blocks of docs/DYNAMO.md and docs/BENCH.md run as written.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def _requests_succeeded(metrics_url: str) -> float:
 
 
 def test_bench_through_the_server_sends_each_turn_and_one_warm_up_turn_per_policy(served, capsys):
-    """The README's arithmetic: sessions x turns x policies x replays, plus one warm-up turn per
+    """docs/BENCH.md's arithmetic: sessions x turns x policies x replays, plus one warm-up turn per
     policy before replay 0 (its own session, START and END in one request)."""
     before = _requests_succeeded(served.endpoints.metrics)
     assert main(["bench", "--server", served.endpoints.grpc, *SMALL, "--repeat", "2"]) == 0

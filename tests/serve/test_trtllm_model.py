@@ -7,7 +7,7 @@ statistics read from TensorRT-LLM's outputs and the adapter's turn record),
 the generated repository, the command line's errors, and, against the real
 tritonserver, that the model fails to load with one line naming the `trtllm`
 extra. Serving turns with real TensorRT-LLM needs a GPU: `scripts/trtllm_smoke.py`
-and the README say what was and was not run (test_trtllm_model_standin.py and
+and docs/TENSORRT-LLM.md say what was and was not run (test_trtllm_model_standin.py and
 test_trtllm_model_carry.py serve turns in process on stand-ins).
 """
 

@@ -1,4 +1,6 @@
-"""What the carry does per TensorRT-LLM version and pairing marker, on the STAND-IN (README table).
+"""What the carry does per TensorRT-LLM version and pairing marker, on the STAND-IN.
+
+The table of docs/TENSORRT-LLM.md, "TensorRT-LLM versions", says the same per version.
 
 Each `standin.VERSIONS` row sets what that release gives a hybrid one-model MTP
 model with block reuse (the target manager's class, the pairing markers); the

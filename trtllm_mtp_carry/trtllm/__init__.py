@@ -154,7 +154,7 @@ class CarryAttachment:
             ("carry memory (carry_memory)", str(self.options.carry_memory), "bytes"),
             ("MTP layer", where, f"tokens_per_block={self.tokens_per_block}"),
             ("carry reserved", self._reserved(),
-             "bytes held at attach, after TensorRT-LLM sized its KV cache (README: Memory)"),
+             "bytes held at attach, after TensorRT-LLM sized its KV cache (docs/MEMORY.md)"),
         ]
 
     def _reserved(self) -> str:

@@ -1,7 +1,7 @@
 """The carry's options (an `mtp_carry:` section), parsed strictly.
 
 What it is for: a user turns the carry on and sizes it. Where the section lives
-depends on the front end (README, "Configuration"): for the worker-process
+depends on the front end (docs/CONFIGURATION.md): for the worker-process
 install (the default `LLM(...)`, `trtllm-serve`, Dynamo) it is a file of its
 own (`carry.yaml`, named by `TRTLLM_MTP_CARRY_WORKER`), never TensorRT-LLM's
 options file; for `attach(llm, options)` a dict; for the Triton model
