@@ -472,3 +472,139 @@ def test_packed_gather_and_scatter_follow_a_permuted_page_view(kernel, fp8_tk, g
     plain = pack_rows(gather_rows(buf, [6, 1, 3], 2, 8), kernel="torch")
     assert torch.equal(bits(again.payload), bits(plain.payload))
     assert torch.equal(bits(again.scales), bits(plain.scales))
+
+
+# ---- division as CUDA computes it: the scale is `amax / 448` correctly rounded everywhere ----
+#
+# aten's CUDA true division, when the divisor is a CPU scalar (a Python number or a 0-dim CPU
+# tensor; `TensorIterator::is_cpu_scalar`), computes `a * (1 / b)` with the reciprocal rounded
+# first (`div_true_kernel_cuda` in aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu); by any
+# other tensor it is IEEE division, one rounding. CPU always divides. So a CPU run cannot see a
+# `t.div_(448.0)` that is an ulp off on a GPU; `CudaScalarDivision` makes a CPU run compute
+# every division by a scalar the way CUDA's kernel does, and `ScalarDivisions` lists them.
+
+_DIVISIONS = {"div", "div_", "true_divide", "true_divide_", "__truediv__", "__itruediv__"}
+
+
+def _scalar_divisor(func, args, kwargs) -> float | None:
+    """The divisor of a true division by a CPU scalar (CUDA's reciprocal path), else None."""
+    if getattr(func, "__name__", "") not in _DIVISIONS or kwargs.get("rounding_mode") is not None:
+        return None
+    a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
+    if not isinstance(a, torch.Tensor) or not a.is_floating_point():
+        return None
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        return float(b)
+    if isinstance(b, torch.Tensor) and b.dim() == 0 and b.device.type == "cpu":
+        return float(b)
+    return None
+
+
+class CudaScalarDivision(torch.overrides.TorchFunctionMode):
+    """On CPU tensors, divide by a CPU scalar as CUDA does: `a * inv_b`, `inv_b = opmath(1) / opmath(b)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emulated = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        b = _scalar_divisor(func, args, kwargs)
+        if b is None:
+            return func(*args, **kwargs)
+        a = args[0]
+        opmath = torch.float64 if a.dtype == torch.float64 else torch.float32
+        inv_b = torch.ones((), dtype=opmath) / torch.tensor(b, dtype=opmath)  # rounded once, as on the host
+        out = (a.to(opmath) * inv_b).to(a.dtype)
+        self.emulated += 1
+        if getattr(func, "__name__", "").endswith("_"):
+            return a.copy_(out)
+        return out
+
+
+class ScalarDivisions(torch.overrides.TorchFunctionMode):
+    """Records every true division of a floating tensor by a CPU scalar (what CUDA computes as a product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        b = _scalar_divisor(func, args, kwargs)
+        if b is not None:
+            self.seen.append(f"{func.__name__}(..., {b})")
+        return func(*args, **kwargs)
+
+
+def reciprocal_trap_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 rows `[n, 2, 1, 4]` whose amax `a` has `a * fl(1/448) != fl(a / 448)`, and those
+    exact scales (float64 quotient rounded once to float32: exact, 53 >= 2 * 24 + 2 bits)."""
+    a = (1.0 + torch.arange(1, 4097, dtype=torch.float64) * 2.0**-12).float()  # 4,096 mantissas
+    a = torch.cat([a * 2.0**e for e in (-40, -3, 0, 7, 60)])
+    inv = torch.ones((), dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32)
+    exact = (a.double() / FP8_MAX).float()
+    trap = (a * inv) != exact
+    assert int(trap.sum()) > 1000, "the reciprocal product must differ from the quotient for many amaxes"
+    a = a[trap][:512]
+    rows = torch.zeros(a.numel(), 2, 1, 4)
+    rows[:, 0, 0, 1] = -a  # amax on a negative value
+    rows[:, 0, 0, 2] = a / 3
+    rows[:, 1, 0, 0] = a
+    rows[:, 1, 0, 3] = -a / 7
+    return rows, (a.double() / FP8_MAX).float().unsqueeze(-1).expand(-1, 2).reshape(-1, 2, 1)
+
+
+def test_cuda_scalar_division_stand_in_differs_from_the_quotient_on_the_trap_rows() -> None:
+    # guards the stand-in itself: without a difference here the next test could not fail
+    rows, exact = reciprocal_trap_rows()
+    amax = rows.abs().amax(-1)
+    with CudaScalarDivision() as mode:
+        product = amax / FP8_MAX
+    assert mode.emulated == 1
+    assert bool((product != exact).all())
+    assert torch.equal(amax / FP8_MAX, exact)  # CPU divides: the quotient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_pack_scales_are_the_correctly_rounded_quotient_under_cuda_division(dtype) -> None:
+    # guards issue 36's trap: `scales.div_(448.0)` is `amax * fl(1/448)` on CUDA; the torch path
+    # must divide by a tensor on the rows' device so its scales are the header's on a GPU too
+    rows, _ = reciprocal_trap_rows()
+    rows = rows.to(dtype)  # bf16: amaxes of 8 mantissa bits, half of which hit the trap too
+    exact = (rows.double().abs().amax(-1) / FP8_MAX).float()
+    assert int(((rows.float().abs().amax(-1) * (1 / torch.tensor(FP8_MAX))) != exact).sum()) > 0
+    with CudaScalarDivision():
+        packed = pack_rows(rows, kernel="torch")
+    assert torch.equal(bits(packed.scales), bits(exact))
+    assert torch.equal(bits(packed.payload), bits(pack_rows(rows, kernel="torch").payload))
+
+
+def test_triton_pack_scales_are_the_correctly_rounded_quotient(fp8_tk, device) -> None:
+    # the same rows through the Triton kernel (div_rn): the exact quotient, as the torch path gives
+    rows, exact = reciprocal_trap_rows()
+    a, b = pack_rows(rows.to(device), kernel="torch"), pack_rows(rows.to(device), kernel="triton")
+    assert torch.equal(bits(b.scales.cpu()), bits(exact)) and torch.equal(bits(a.scales.cpu()), bits(exact))
+    assert torch.equal(bits(a.payload), bits(b.payload))
+
+
+def test_the_fp8_paths_never_divide_by_a_cpu_scalar(gen) -> None:
+    # guards every torch path of the row format (and the pages and blocks around it) against a
+    # new `t / float` or `div_(scalar)`: each would be one rounding off on CUDA
+    rows = mixed_rows(gen, 9, 2, 2, 16, dtype=torch.bfloat16)
+    buf = hnd_buf(gen)
+    pool = filled_pool(gen, 10)
+    entry = pool.carried(99)
+    with ScalarDivisions() as mode:
+        packed = pack_rows(rows, kernel="torch")
+        unpack_rows(packed, kernel="torch")
+        unpack_rows(packed, out=torch.empty_like(rows), kernel="torch")
+        scatter_packed_rows(buf, [7, 5, 2, 0], 3, packed, kernel="torch")
+        gather_packed_rows(buf, [7, 5, 2, 0], 3, 12, kernel="torch")
+        blocks = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows, kernel="torch")
+        unpack_blocks(blocks, pool.block_size, kernel="torch")
+    assert mode.seen == []
+    with ScalarDivisions() as mode:  # the recorder sees what the trap looks like
+        _ = rows.float() / FP8_MAX
+        rows.float().div_(torch.tensor(FP8_MAX))
+    assert mode.seen == [f"div(..., {FP8_MAX})", f"div_(..., {FP8_MAX})"]

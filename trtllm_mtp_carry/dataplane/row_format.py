@@ -17,6 +17,9 @@ Format (what `pack_rows` writes, bit for bit):
   largest finite value and 2**-126 float32's smallest normal: the floor keeps
   the scale normal (no subnormal-scale precision loss, no division by zero),
   so a zero vector gets scale 2**-126 and packs to exact zeros (signs kept).
+  `amax / 448` is the correctly rounded quotient on every device (never
+  `amax * (1/448)`, which CUDA's `tensor / python_float` computes: the torch
+  path divides by a tensor on the rows' device, the Triton kernel by `div_rn`).
 - `payload = v / scale` (float32) cast to float8_e4m3fn (torch's cast: round
   to nearest even). No clamp is needed: `scale` is `amax / 448` correctly
   rounded, so `|v| / scale <= 448 * (1 + 2**-23)`, below 464, the midpoint to
@@ -180,6 +183,20 @@ def _payload_float(payload: torch.Tensor) -> torch.Tensor:
     return _E4M3_VALUES.index_select(0, codes).view(payload.shape)
 
 
+@functools.cache
+def _fp8_max(device: torch.device) -> torch.Tensor:
+    """`FP8_MAX` as a 1-element float32 tensor on `device` (made once per device, read only).
+
+    The torch path divides by this, not by the Python float: aten's CUDA division
+    computes `t / b` as `t * (1 / b)` (the reciprocal rounded first) whenever `b`
+    is a CPU scalar (a Python number or a 0-dim CPU tensor), which differs from
+    the correctly rounded `amax / 448` in the last bit for about half of all
+    values; by a tensor on the same device it is IEEE division, `a / b` rounded
+    once, on CPU and CUDA alike (what the Triton kernel's `div_rn` gives).
+    """
+    return torch.full((1,), FP8_MAX, dtype=torch.float32, device=device)
+
+
 def _check_rows(rows: torch.Tensor) -> None:
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -250,7 +267,10 @@ def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
     if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
         scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
     else:  # |v| and max are exact in the rows' own dtype: half the bytes of doing it on x
-        scales = rows.abs().amax(dim=-1).float().div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
+        # divided by a tensor on the rows' device, never by a Python float: CUDA computes
+        # `t / python_float` as `t * (1 / b)`, off by an ulp from `amax / 448` (see `_fp8_max`)
+        amax = rows.abs().amax(dim=-1, keepdim=True).float()  # [..., 1]: divides in place by [1]
+        scales = amax.div_(_fp8_max(rows.device)).clamp_(min=SCALE_FLOOR).squeeze(-1)
         scales += scales - scales  # inf - inf: an inf vector's scale becomes NaN, as a NaN vector's is
     x.div_(scales.unsqueeze(-1))  # |x| <= 448 (1 + 2**-23): rounds to at most 448 (see the header)
     return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
