@@ -25,10 +25,13 @@ from trtllm_mtp_carry.dataplane.row_format import (
     FP8_TRITON_MIN_CAPABILITY,
     SCALE_FLOOR,
     PackedRows,
+    VectorLayout,
     pack_blocks,
     pack_rows,
     packed_nbytes,
+    plain_layout,
     unpack_blocks,
+    unpack_into_blocks,
     unpack_rows,
 )
 from trtllm_mtp_carry.trtllm.layout import (
@@ -407,18 +410,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from trtllm_mtp_carry.dataplane import triton_kernels as tk
-common = {"num_vectors": "i32", "head_dim": "i32", "d_stride": "i32",
-          "BLOCK_V": "constexpr", "BLOCK_D": "constexpr"}
+common = {name: "i32" for name in ("num_vectors", "head_dim", "heads", "groups", "first_key", "rows_per_block",
+                                    "s_row", "s_slot", "s_group", "s_head", "s_d")}
+common |= {"PAGED": "constexpr", "SPLIT": "constexpr", "BLOCK_V": "constexpr", "BLOCK_D": "constexpr"}
 kernels = {
-    "pack": (tk.fp8_pack_kernel, {"src_ptr": "*bf16", "bases_ptr": "*i64", "payload_ptr": "*fp8e4nv",
-                                  "scales_ptr": "*fp32", **common}),
-    "unpack": (tk.fp8_unpack_kernel, {"payload_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "dst_ptr": "*bf16",
-                                      "bases_ptr": "*i64", **common}),
+    "pack": (tk.fp8_pack_kernel, {"src0_ptr": "*bf16", "src1_ptr": "*bf16", "table_ptr": "*i64",
+                                  "payload_ptr": "*fp8e4nv", "scales_ptr": "*fp32", **common}),
+    "unpack": (tk.fp8_unpack_kernel, {"payload_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "dst0_ptr": "*bf16",
+                                      "dst1_ptr": "*bf16", "table_ptr": "*i64", **common}),
 }
 out = {}
 for cap in (90, 121):
     for name, (fn, sig) in kernels.items():
-        src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_V": 32, "BLOCK_D": 128})
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={"PAGED": True, "SPLIT": True, "BLOCK_V": 32, "BLOCK_D": 128})
         ptx = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4}).asm["ptx"]
         out[f"{name}.sm_{cap}"] = sorted(set(re.findall(r"^\\s*((?:div|cvt|add|sub)\\.[\\w.]+)", ptx, re.M)))
 json.dump(out, sys.stdout)
@@ -608,3 +613,118 @@ def test_the_fp8_paths_never_divide_by_a_cpu_scalar(gen) -> None:
         _ = rows.float() / FP8_MAX
         rows.float().div_(torch.tensor(FP8_MAX))
     assert mode.seen == [f"div(..., {FP8_MAX})", f"div_(..., {FP8_MAX})"]
+
+
+# ---- one launch a call: K and V together, addresses computed in the kernel ---------------
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_unpack_into_blocks_writes_the_rows_into_the_named_blocks_only(kernel, fp8_tk, gen, device) -> None:
+    k_cache = poison(gen, 8, 4, 2, 16, device=device)
+    v_cache = poison(gen, 8, 4, 2, 16, device=device)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    packed = pack_rows(mixed_rows(gen, 10, 2, 2, 16, dtype=torch.bfloat16), kernel="torch").to(device)
+    blocks = torch.tensor([5, 2, 7], device=device)  # rows 0-3, 4-7, 8-9 (block 7's slots 2-3 untouched)
+    unpack_into_blocks(packed, k_cache, v_cache, blocks, kernel=kernel)
+    rows = unpack_rows(packed, kernel="torch")
+    expect_k, expect_v = before_k.clone(), before_v.clone()
+    for i, b in enumerate([5, 2, 7]):
+        n = min(4, 10 - 4 * i)
+        expect_k[b, :n], expect_v[b, :n] = rows[4 * i:4 * i + n, 0], rows[4 * i:4 * i + n, 1]
+    assert torch.equal(bits(k_cache), bits(expect_k)) and torch.equal(bits(v_cache), bits(expect_v))
+
+
+def test_import_packed_carries_what_unpack_blocks_then_import_carried_would(gen) -> None:
+    pool = filled_pool(gen, 10)
+    entry = pool.carried(99)
+    packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
+    runs = pool.carried_runs(99)
+    pool.free_carried(99)
+    pool.import_carried(7, HostRows(*unpack_blocks(packed, pool.block_size), 10, runs))
+    want = pool.gather_carried(7)
+    pool.free_carried(7)
+    held = pool.import_packed(8, packed, runs)
+    got = pool.gather_carried(8)
+    assert held.rows == 10 and len(held.block_table) == 3 and pool.carried_runs(8) == runs
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[:2], want[:2], strict=True))
+    assert torch.equal(got[2], want[2])
+    pool.check()
+
+
+def test_import_packed_refuses_rows_that_do_not_fit_and_leaves_the_pool_unchanged(gen) -> None:
+    pool = filled_pool(gen, 10)
+    free = pool.num_free_blocks
+    packed = pack_rows(torch.zeros(6, 2, 2, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"do not fit this pool's rows \[rows, 2, 2, 16\]"):
+        pool.import_packed(5, pack_rows(torch.zeros(6, 2, 3, 16, dtype=torch.bfloat16)), ((0, 6),))
+    with pytest.raises(ValueError, match=r"key runs \[\(0, 5\)\] do not count the 6 packed rows"):
+        pool.import_packed(5, packed, ((0, 5),))
+    with pytest.raises(RuntimeError, match="carried entry 99 exists already"):
+        pool.import_packed(99, packed, ((0, 6),))
+    assert pool.num_free_blocks == free and pool.carried(5) is None
+    pool.check()
+
+
+def test_triton_packs_a_view_whose_leading_dims_do_not_merge_as_torch(fp8_tk, gen, device) -> None:
+    wide = mixed_rows(gen, 3, 4, 3, 5, 24, dtype=torch.bfloat16).to(device)
+    rows = wide[:, 1:, 1:, ::2, 4:20]  # four leading dims no two of which merge: a compact copy packs
+    assert plain_layout(rows) is None
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    assert torch.equal(bits(a.payload), bits(b.payload)) and torch.equal(bits(a.scales), bits(b.scales))
+    out = poison(gen, 3, 4, 3, 5, 24, device=device)
+    expect = out.clone()
+    unpack_rows(b, out=out[:, 1:, 1:, ::2, 4:20], kernel="triton")
+    expect[:, 1:, 1:, ::2, 4:20] = unpack_rows(a, kernel="torch")
+    assert torch.equal(bits(out), bits(expect))
+
+
+def test_plain_layout_merges_contiguous_leading_dims() -> None:
+    t = torch.empty(5, 2, 3, 64)
+    assert plain_layout(t) == VectorLayout(30, 1, 1, 64, 64, 0, 0, 1)
+    assert plain_layout(t[:, 1]) == VectorLayout(5, 3, 1, 64, 384, 64, 0, 1)  # [5, 3] at (384, 64)
+    assert plain_layout(torch.empty(64)) == VectorLayout(1, 1, 1, 64, 0, 0, 0, 1)
+
+
+class _Launches:
+    """Counts launches of a Triton kernel (`kernel[grid](...)`), delegating to it."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_each_packed_move_is_one_launch_with_no_offsets_built_on_the_host(fp8_tk, gen, device,
+                                                                          monkeypatch) -> None:
+    # guards the per-call overhead issue 36 measured: K and V in one launch, no per-vector offset
+    # tensors (arange/index/stack on the host side) built for the kernels
+    pack, unpack = _Launches(fp8_tk.fp8_pack_kernel), _Launches(fp8_tk.fp8_unpack_kernel)
+    monkeypatch.setattr(fp8_tk, "fp8_pack_kernel", pack)
+    monkeypatch.setattr(fp8_tk, "fp8_unpack_kernel", unpack)
+    pool = filled_pool(gen, 10, device)
+    entry = pool.carried(99)
+    buf = hnd_buf(gen).to(device)
+    with ScalarDivisions(), _TorchCalls() as calls:
+        packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows, kernel="triton")
+        unpack_blocks(packed, pool.block_size, kernel="triton")
+        unpack_into_blocks(packed, pool.k_cache, pool.v_cache, torch.tensor([0, 1, 2], device=device),
+                           kernel="triton")
+        scatter_packed_rows(buf, [7, 5, 2, 0], 3, packed, kernel="triton")
+        gather_packed_rows(buf, [7, 5, 2, 0], 3, 13, kernel="triton")
+        pack_rows(packed.payload.float(), kernel="triton")
+    assert len(pack.grids) == 3 and len(unpack.grids) == 3
+    assert not {"arange", "index_select", "stack", "cat", "repeat_interleave"} & set(calls.names)
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    """Names of the torch functions called (host-side work around the kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
