@@ -6,6 +6,7 @@ own (see `row_format`'s header), computed in float64.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -449,15 +450,37 @@ def test_fp8_kernels_compile_for_hopper_and_gb10_with_ieee_division_and_rounding
 def test_bench_row_format_prints_every_operation_against_the_copy() -> None:
     script = Path(__file__).resolve().parents[2] / "scripts" / "bench_row_format.py"
     proc = subprocess.run([sys.executable, str(script), "--keys", "40", "--reps", "3", "--warmup", "1",
-                           "--tokens-per-block", "8", "--pool-block-size", "16"],
+                           "--tokens-per-block", "8", "--pool-block-size", "16", "--entry-rows", "512"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "rows [40, 2, 2, 256] bf16 = 0.08 MiB; packed 0.04 MiB (0.508x)" in lines[1]
-    ops = [line.split()[0] for line in lines[3:]]
+    table = lines[3:lines.index("")]
+    ops = [line.split()[0] for line in table]
     assert ops == ["copy", "pack_rows", "unpack_rows", "gather_rows", "gather_packed", "scatter_rows",
                    "scatter_packed", "select_blocks", "pack_blocks", "unpack_blocks"]
     assert lines[3].endswith("1.00 [1.00, 1.00]")  # the copy against itself
+    entry = lines[lines.index("") + 1:]
+    assert entry[0].startswith("reference runtime fp8 entry of 512 rows (1.00 MiB bf16)")
+    assert [line.split()[0] for line in entry[2:5]] == ["copy", "deposit", "adoption"]
+    figures = [line.split("\t") for line in lines if line.startswith("FIGURE\t")]
+    assert [f[1] for f in figures] == [f"fp8 {op}/copy at 40 keys" for op in (
+        "pack_rows", "unpack_rows", "gather_packed", "scatter_packed", "pack_blocks", "unpack_blocks")] + [
+        "fp8 deposit at 512 rows", "fp8 adoption at 512 rows"]
+    assert all(len(f) == 5 and f[4] == "INFO" for f in figures)  # CPU: the targets are a GPU's
+    assert [f[3] for f in figures] == ["<= 2.0x copy"] * 6 + ["<= 0.1 ms"] * 2
+    assert not [line for line in lines if line.startswith("CHECK\t")]  # no Triton FP8 kernels on a CPU
+
+
+def test_bench_row_format_checks_pass_for_the_triton_kernels_against_torch(fp8_tk, device) -> None:
+    # the CHECK lines the script prints on a GPU, run here under the interpreter
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_row_format.py"
+    spec = importlib.util.spec_from_file_location("bench_row_format", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = bench.bit_checks(torch.device(device), 2, 16)
+    assert len(lines) == 9
+    assert all(line.split("\t")[0] == "CHECK" and line.split("\t")[2] == "PASS" for line in lines), lines
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])

@@ -115,7 +115,11 @@ class PackedCarry:
 
     def restore(self, entry: CarriedDrafter) -> None:
         packed = self._host.pop(entry.session_hash)
-        self._device[entry.session_hash] = PackedEntry(packed.packed.to(self.pool.device), packed.runs)
+        # from pinned memory on the current stream, without the CPU waiting: the unpack that
+        # reads it (`unpack`, on the same stream) is ordered after it; the caching host
+        # allocator keeps the pinned source until the copy is done
+        self._device[entry.session_hash] = PackedEntry(packed.packed.to(self.pool.device, non_blocking=True),
+                                                       packed.runs)
 
     def drop(self, entry: CarriedDrafter) -> None:
         self._host.pop(entry.session_hash, None)
