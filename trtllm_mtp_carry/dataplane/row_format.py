@@ -49,10 +49,17 @@ unless `$TRTLLM_MTP_CARRY_KERNELS=aot` (the plugins' AOT kernels have no FP8
 twin), and torch elsewhere (CPU, an A100: Triton cannot convert to float8
 below 8.9). Both give the same bits for finite vectors.
 
+The Triton kernels address every vector themselves (`VectorLayout`: plain
+rows, pages or blocks through a block table, the pool's K and V caches
+together), so each call is one launch and builds no per-vector offsets on the
+host; block ids reach the device without a stream sync (`device_ids`).
+
 The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
-rows from them into the same `[rows, 2, Hkv, D]` packed form, and
-`unpack_blocks` rebuilds whole blocks for `DrafterKVPool.import_carried`.
+rows from them into the same `[rows, 2, Hkv, D]` packed form,
+`unpack_into_blocks` writes them back into fresh blocks
+(`DrafterKVPool.import_packed`), and `unpack_blocks` rebuilds whole blocks
+(`HostRows`' shape).
 """
 
 from __future__ import annotations
