@@ -26,7 +26,21 @@ Operations (`kernel`: Triton on CUDA, plain torch on CPU, as `row_format` picks)
 - `pack_blocks`     the pool's blocks -> packed rows (the reference runtime's fp8 deposit);
 - `unpack_blocks`   packed rows -> whole K and V blocks (its fp8 adoption, before the copy in).
 
+Then the reference runtime's fp8 deposit and adoption of one entry of `--entry-rows` rows
+(default 8,192; `runtime/packed_rows.PackedCarry`, what the session bench's `pack_ms`/`unpack_ms`
+time): `deposit` packs the entry out of the pool's blocks and frees them, `adoption` unpacks it
+into fresh blocks (`DrafterKVPool.import_packed`), each paired with a copy of the same bf16 rows.
+
+Headline lines (scripts/gpu_smoke.sh collects them), tab-separated:
+  FIGURE <op>/copy at <keys> keys: the median ratio, target <= 2.0x (pack, unpack, gather_packed,
+         scatter_packed, pack_blocks, unpack_blocks); deposit and adoption at <entry-rows> rows:
+         median ms, target <= 0.1 ms. PASS/MISS on CUDA; INFO on the CPU (the targets are a GPU's).
+  CHECK  the Triton kernels against the torch path, bit for bit, on this device (every packed
+         move, and scales `amax / 448` correctly rounded where `amax * (1/448)` is not): only
+         where the Triton FP8 kernels run (CUDA, compute capability 8.9+); else none.
+
 Usage: python scripts/bench_row_format.py [--keys N] [--kv-heads H] [--head-dim D] [--reps R]
+                                          [--entry-rows N]
 """
 
 from __future__ import annotations
@@ -42,13 +56,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool  # noqa: E402
+from trtllm_mtp_carry.dataplane.rope import RopeConfig  # noqa: E402
 from trtllm_mtp_carry.dataplane.row_format import (  # noqa: E402
+    FP8_MAX,
+    PackedRows,
     pack_blocks,
     pack_rows,
     row_kernel,
     unpack_blocks,
+    unpack_into_blocks,
     unpack_rows,
 )
+from trtllm_mtp_carry.runtime.packed_rows import PackedCarry  # noqa: E402
 from trtllm_mtp_carry.trtllm.layout import (  # noqa: E402
     gather_packed_rows,
     gather_rows,
@@ -84,6 +104,125 @@ def run_pairs(ops: dict[str, Callable[[], object]], reps: int, warmup: int,
     return times
 
 
+#: The targets (issue 36): each packed move <= 2x a plain copy of the same bf16 rows; a deposit
+#: and an adoption of an 8k-row entry <= 0.1 ms each.
+RATIO_TARGET = 2.0
+ENTRY_MS_TARGET = 0.1
+RATIO_OPS = ("pack_rows", "unpack_rows", "gather_packed", "scatter_packed", "pack_blocks", "unpack_blocks")
+
+
+def figure(name: str, value: str, target: str, ok: bool | None) -> str:
+    """One FIGURE line (tab-separated); `ok` None: INFO (no GPU target applies here)."""
+    return "\t".join(("FIGURE", name, value, target, "INFO" if ok is None else "PASS" if ok else "MISS"))
+
+
+def check(name: str, ok: bool, detail: str) -> str:
+    """One CHECK line (tab-separated)."""
+    return "\t".join(("CHECK", name, "PASS" if ok else "FAIL", detail))
+
+
+def _same(a: torch.Tensor | PackedRows, b: torch.Tensor | PackedRows) -> bool:
+    """Bit for bit (NaN payloads included)."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+    if isinstance(a, PackedRows) and isinstance(b, PackedRows):
+        return bool(torch.equal(raw(a.payload), raw(b.payload)) and torch.equal(raw(a.scales), raw(b.scales)))
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return bool(torch.equal(raw(a), raw(b)))
+
+
+def bit_checks(device: torch.device, hkv: int, d: int) -> list[str]:
+    """CHECK lines: every packed move, Triton against torch, bit for bit on `device`."""
+    g = torch.Generator().manual_seed(1)
+    rows = (torch.randn(300, 2, hkv, d, generator=g) * 10.0 ** torch.randint(-20, 20, (300, 2, hkv, 1),
+                                                                             generator=g)).to(torch.bfloat16)
+    rows = rows.to(device)
+    out = []
+    a, b = pack_rows(rows, kernel="torch"), pack_rows(rows, kernel="triton")
+    out.append(check("fp8 pack_rows triton == torch", _same(a, b), f"{rows.shape[0]} rows, payload and scales"))
+    out.append(check("fp8 unpack_rows triton == torch",
+                     _same(unpack_rows(a, kernel="torch"), unpack_rows(a, kernel="triton")), "bf16 bits"))
+    # amaxes whose reciprocal product differs from the quotient: the scales must be the quotient
+    amax = (1.0 + torch.arange(1, 4097, dtype=torch.float64) * 2.0**-12).float()
+    exact = (amax.double() / FP8_MAX).float()
+    trap = amax[(amax * (1 / torch.tensor(FP8_MAX))) != exact][:256]
+    vec = torch.zeros(trap.numel(), 4)
+    vec[:, 1] = -trap
+    vec[:, 2] = trap / 3
+    want = (trap.double() / FP8_MAX).float()
+    for kernel in ("torch", "triton"):
+        got = pack_rows(vec.to(device), kernel=kernel).scales.cpu()
+        out.append(check(f"fp8 scales are amax / 448 correctly rounded ({kernel})", _same(got, want),
+                         f"{trap.numel()} amaxes where amax * fl(1/448) differs"))
+    tpb, lo = 32, 7
+    npages = -(-(lo + 300) // tpb)
+    buf = torch.randn(2 * npages, 2, hkv, tpb, d, generator=g).to(torch.bfloat16).to(device)
+    pages = torch.randperm(2 * npages, generator=g)[:npages].tolist()
+    out.append(check("fp8 gather_packed triton == torch",
+                     _same(gather_packed_rows(buf, pages, lo, lo + 300, kernel="torch"),
+                           gather_packed_rows(buf, pages, lo, lo + 300, kernel="triton")), "HND pages, shuffled"))
+    x, y = buf.clone(), buf.clone()
+    scatter_packed_rows(x, pages, lo, a, kernel="torch")
+    scatter_packed_rows(y, pages, lo, a, kernel="triton")
+    out.append(check("fp8 scatter_packed triton == torch", _same(x, y), "whole pages compared"))
+    bs = 16
+    nb = -(-300 // bs)
+    kc = torch.randn(2 * nb, bs, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    vc = torch.randn(2 * nb, bs, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    ids = torch.randperm(2 * nb, generator=g)[:nb].tolist()
+    pb = pack_blocks(kc, vc, ids, 300, kernel="torch")
+    out.append(check("fp8 pack_blocks triton == torch", _same(pb, pack_blocks(kc, vc, ids, 300, kernel="triton")),
+                     "K and V caches, shuffled blocks"))
+    ub_t, ub_g = unpack_blocks(pb, bs, kernel="torch"), unpack_blocks(pb, bs, kernel="triton")
+    out.append(check("fp8 unpack_blocks triton == torch", _same(ub_t[0], ub_g[0]) and _same(ub_t[1], ub_g[1]),
+                     "whole blocks"))
+    idx = torch.tensor(ids, device=device)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    unpack_into_blocks(pb, k1, v1, idx, kernel="torch")
+    unpack_into_blocks(pb, k2, v2, idx, kernel="triton")
+    out.append(check("fp8 unpack_into_blocks triton == torch", _same(k1, k2) and _same(v1, v2),
+                     "whole caches compared"))
+    return out
+
+
+def entry_round_trips(rows: int, hkv: int, d: int, reps: int, warmup: int,
+                      device: torch.device) -> dict[str, list[float]]:
+    """Seconds of each deposit (pack out of the pool) and adoption (unpack into fresh blocks) of one
+    `rows`-row entry, and of a copy of its bf16 rows, paired per repetition (synchronized)."""
+    bs = 16
+    nblocks = -(-rows // bs)
+    pool = DrafterKVPool(nblocks + 1, bs, hkv, d, RopeConfig(d, d // 4, 1e7), device=device)
+    g = torch.Generator().manual_seed(2)
+    pool.allocate_sequence(1)
+    k = torch.randn(rows, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    v = torch.randn(rows, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    pool.append_rows(1, torch.arange(rows), k, v)
+    pool.move_to_carried(1, 7)
+    carry = PackedCarry(pool)
+    src = torch.randn(rows, 2, hkv, d, generator=g).to(torch.bfloat16).to(device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {"copy": [], "deposit": [], "adoption": []}
+    for i in range(warmup + reps):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        t1 = time.perf_counter()
+        carry.pack(7)
+        sync()
+        t2 = time.perf_counter()
+        carry.unpack(7)
+        sync()
+        t3 = time.perf_counter()
+        if i >= warmup:
+            times["copy"].append(t1 - t0)
+            times["deposit"].append(t2 - t1)
+            times["adoption"].append(t3 - t2)
+    pool.check()
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--keys", type=int, default=4096, help="carried keys (rows) per call (default 4096)")
@@ -95,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: on a shared CPU, OpenMP waits dominate)")
+    p.add_argument("--entry-rows", type=int, default=8192,
+                   help="rows of the entry the deposit and adoption move (default 8192)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -149,6 +290,33 @@ def main(argv: list[str] | None = None) -> int:
         r1, rm, r3 = quartiles(ratios)
         print(f"{op:16s} {med * 1e6:10.1f} {q1 * 1e6:8.1f}-{q3 * 1e6:<8.1f} {nbytes / med / 1e9:8.2f}   "
               f"{rm:6.2f} [{r1:.2f}, {r3:.2f}]")
+    lines = []
+    for op in RATIO_OPS:
+        rm = quartiles([t / b for t, b in zip(times[op], base, strict=True)])[1]
+        lines.append(figure(f"fp8 {op}/copy at {n} keys", f"{rm:.2f}x", f"<= {RATIO_TARGET:.1f}x copy",
+                            rm <= RATIO_TARGET if cuda else None))
+
+    er = args.entry_rows
+    entry = entry_round_trips(er, hkv, d, reps, args.warmup, device)
+    print()
+    print(f"reference runtime fp8 entry of {er} rows ({er * 2 * hkv * d * 2 / 2**20:.2f} MiB bf16): "
+          f"deposit = PackedCarry.pack, adoption = PackedCarry.unpack (synchronized); reps={reps}")
+    print(f"{'operation':16s} {'median ms':>10s} {'IQR ms':>17s}   {'/copy time: median [p25, p75]':s}")
+    for op, ts in entry.items():
+        q1, med, q3 = quartiles(ts)
+        r1, rm, r3 = quartiles([t / b for t, b in zip(ts, entry["copy"], strict=True)])
+        print(f"{op:16s} {med * 1e3:10.4f} {q1 * 1e3:8.4f}-{q3 * 1e3:<8.4f}   {rm:6.2f} [{r1:.2f}, {r3:.2f}]")
+    for op in ("deposit", "adoption"):
+        med_ms = quartiles(entry[op])[1] * 1e3
+        lines.append(figure(f"fp8 {op} at {er} rows", f"{med_ms:.3f} ms", f"<= {ENTRY_MS_TARGET} ms",
+                            med_ms <= ENTRY_MS_TARGET if cuda else None))
+    print()
+    if row_kernel(rows) == "triton":
+        lines += bit_checks(device, hkv, d)
+    else:
+        print("no CHECK lines: the Triton FP8 kernels run on CUDA from compute capability 8.9 only")
+    for line in lines:
+        print(line)
     return 0
 
 

@@ -19,7 +19,7 @@ def test_bench_policies_name_a_row_format_variant_of_carry():
     with pytest.raises(ValueError) as exc:
         BenchPolicy.parse("blind-fp8")
     assert str(exc.value) == ("unknown drafter policy 'blind-fp8'; expected one of carry, carry-bf16, "
-                              "carry-fp8, rebuild, blind, paired, off")
+                              "carry-fp8, carry-host, rebuild, blind, paired, off")
 
 
 def turn(session, n, acceptance, ttft, kind="adopted", accepted=4, steps=4):

@@ -91,3 +91,21 @@ def test_an_import_that_even_every_carried_block_cannot_serve_is_refused_and_cha
     pool.free_sequence(9)
     assert pool.import_carried(1, rows).rows == 32  # the same host rows import once there is room
     pool.check()
+
+
+def test_bench_host_tier_prints_each_move_against_the_same_run_pinned_copy() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_host_tier.py"
+    proc = subprocess.run([sys.executable, str(script), "--rows", "64", "--repeat", "3", "--warmup", "1",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line.split() for line in proc.stdout.splitlines() if line.startswith("     64")]
+    assert [row[2] for row in table] == ["d2h", "demote", "a_demote", "h2d", "restore", "a_restore"]
+    assert table[0][-1] == table[3][-1] == "1.00"  # each ceiling against itself
+    figures = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("FIGURE\t")]
+    assert [f[1] for f in figures] == [f"host tier {m} at 0.1 MiB / pinned {c} copy" for m, c in (
+        ("demote", "d2h"), ("a_demote", "d2h"), ("restore", "h2d"), ("a_restore", "h2d"))]
+    assert all(f[3] == ">= 0.85x copy" and f[4] == "INFO" for f in figures)  # the CPU crosses no host link

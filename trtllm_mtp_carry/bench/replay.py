@@ -15,7 +15,10 @@ but the summaries leave it out.
 
 A bench policy is a drafter policy, or `carry-<row dtype>` (`carry-fp8`): the
 carry with its entries stored in that row format (`carry_row_dtype`), so the
-formats run side by side in one lockstep run (`BenchPolicy`).
+formats run side by side in one lockstep run (`BenchPolicy`); or `carry-host`:
+the carry with one device slot and a host tier holding every session
+(`EngineConfig.carry_host_only`), so with two or more sessions interleaved every
+warm turn adopts rows restored from host memory, paired with `carry`'s device hits.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from ..runtime.policy import DrafterPolicy
 from .driver import PolicyRun, TurnRecord, check_counts
 from .sessions import BenchSession
 
+HOST_VARIANT = "carry-host"
+"""The bench policy whose warm turns adopt from the carry store's host tier (see the header)."""
+
 
 @dataclass(frozen=True)
 class BenchPolicy:
@@ -42,6 +48,7 @@ class BenchPolicy:
     name: str
     policy: DrafterPolicy
     row_dtype: str | None = None
+    host_only: bool = False  # `carry-host`: one device slot, every other entry in the host tier
 
     @classmethod
     def parse(cls, value: BenchPolicy | DrafterPolicy | str) -> BenchPolicy:
@@ -51,14 +58,22 @@ class BenchPolicy:
         if isinstance(value, DrafterPolicy):
             return cls(value.value, value)
         base, sep, dtype = str(value).partition("-")
+        if str(value) == HOST_VARIANT:
+            return cls(HOST_VARIANT, DrafterPolicy.CARRY, host_only=True)
         if sep and base == DrafterPolicy.CARRY.value and dtype in ROW_DTYPES:
             return cls(str(value), DrafterPolicy.CARRY, dtype)
         try:
             return cls(str(value), DrafterPolicy.parse(str(value)))
         except ValueError:
             names = [p.value for p in DrafterPolicy]
-            names[1:1] = [f"carry-{d}" for d in ROW_DTYPES]
+            names[1:1] = [f"carry-{d}" for d in ROW_DTYPES] + [HOST_VARIANT]
             raise ValueError(f"unknown drafter policy {value!r}; expected one of {', '.join(names)}") from None
+
+
+def _engine_config(bench: BenchPolicy, config: EngineConfig) -> EngineConfig:
+    """`config` for `bench`'s engine: its drafter policy, row format and host-only carry."""
+    return replace(config, policy=bench.policy, carry_row_dtype=bench.row_dtype or config.carry_row_dtype,
+                   carry_host_only=bench.host_only)
 
 
 def replay(
@@ -76,8 +91,7 @@ def replay(
     """
     bench = BenchPolicy.parse(policy)
     policy = bench.policy
-    engine = ReferenceEngine(model, tokenizer, replace(
-        config, policy=policy, carry_row_dtype=bench.row_dtype or config.carry_row_dtype))
+    engine = ReferenceEngine(model, tokenizer, _engine_config(bench, config))
     engine.generate(None, tokenizer.render_chat([{"role": "user", "content": "warm up"}]),
                     max_new_tokens=4, policy=policy)  # first-call costs stay out of the figures
     prompts = {s.name: tokenizer.render_chat(s.history) for s in sessions}

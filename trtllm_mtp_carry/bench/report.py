@@ -301,7 +301,7 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
                 f"more entries at the end {sh['shared_blocks']}, sharing took {sh['share_ms']:.1f} ms "
                 f"over {sh['deposits']} deposits (--carry-share off: one copy each)")
         h = s.get("host_tier")
-        if h and policy == "carry":
+        if h and policy.startswith("carry"):  # carry-host (and any carry variant with a host tier)
             restores = h["hits_host"]
             notes.append(
                 f"{policy}: host tier of {h['carry_host_memory_bytes'] >> 20} MiB: adopted from device "

@@ -71,6 +71,7 @@ from .checks import CACHE_DTYPES
 from .ops import drafter_row_append_direct as drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
+from .row_format import PackedRows, device_ids, unpack_into_blocks
 
 __all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "HostRows", "PoolExhaustedError", "PoolStats",
            "ShareStats", "device_tensor"]
@@ -642,7 +643,7 @@ class DrafterKVPool:
         if state is None:
             raise RuntimeError(f"nothing carried under {key}: nothing to export")
         pin = self.device.type == "cuda"
-        idx = torch.tensor(state.block_table, dtype=torch.int64, device=self.device)
+        idx = device_ids(state.block_table, self.device)  # no sync (torch.tensor(device=) would wait)
         shape = (len(state.block_table), *self.k_cache.shape[1:])
         k = torch.empty(shape, dtype=self.k_cache.dtype, pin_memory=pin)
         v = torch.empty(shape, dtype=self.v_cache.dtype, pin_memory=pin)
@@ -674,29 +675,58 @@ class DrafterKVPool:
             if tuple(t.shape) != (nblocks, *self.k_cache.shape[1:]) or t.dtype != self.k_cache.dtype:
                 raise ValueError(f"host rows' {name} {t.dtype} {tuple(t.shape)} do not fit {rows.rows} rows "
                                  f"of this pool's blocks {tuple(self.k_cache.shape[1:])} {self.k_cache.dtype}")
+        return self._import(key, rows.rows, rows.runs, lambda idx: self._copy_blocks_in(idx, rows), stream)
+
+    def import_packed(self, key: int, packed: PackedRows, runs: tuple[tuple[int, int], ...],
+                      stream: torch.cuda.Stream | None = None) -> CarriedBlocks:
+        """Carry `pack_blocks`' rows `[rows, 2, Hkv, D]` (keys `runs`) under `key`, unpacked straight
+        into fresh blocks: `import_carried(key, HostRows(*unpack_blocks(packed), rows, runs))` row for
+        row, in one pass (on CUDA one launch; no whole-block temporaries, no block copy).
+
+        Blocks, eviction, `stream` and refusals as `import_carried`; the last block's tail past
+        the rows keeps whatever bytes the fresh block held (no owner reads past its rows).
+        """
+        if key in self._carried:
+            raise RuntimeError(f"carried entry {key} exists already: free_carried({key}) before importing")
+        if not isinstance(packed, PackedRows):
+            raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
+        if (packed.payload.dim() != 4 or tuple(packed.shape[1:]) != (2, self.num_kv_heads, self.head_dim)
+                or packed.dtype != self.k_cache.dtype):
+            raise ValueError(f"packed rows {packed.dtype} {tuple(packed.shape)} do not fit this pool's rows "
+                             f"[rows, 2, {self.num_kv_heads}, {self.head_dim}] {self.k_cache.dtype}")
+        rows = int(packed.shape[0])
+        if sum(c for _, c in runs) != rows:
+            raise ValueError(f"key runs {list(runs)} do not count the {rows} packed rows")
+        return self._import(key, rows, runs,
+                            lambda idx: unpack_into_blocks(packed, self.k_cache, self.v_cache, idx), stream)
+
+    def _import(self, key: int, rows: int, runs: tuple[tuple[int, int], ...],
+                write: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None) -> CarriedBlocks:
+        """Fresh blocks for `rows` rows under `_IMPORTING`, `write(block ids)` into them (on `stream`
+        after the current stream's work, when given), then carried under `key`."""
         if _IMPORTING in self._seqs:
             raise RuntimeError("an import is in progress already")
         self.allocate_sequence(_IMPORTING)
         try:
-            self.grow(_IMPORTING, rows.rows)
+            self.grow(_IMPORTING, rows)
         except BaseException:
             del self._seqs[_IMPORTING]
             raise
         state = self._seqs[_IMPORTING]
-        idx = torch.tensor(state.block_table, dtype=torch.int64, device=self.device)
+        idx = device_ids(state.block_table, self.device)  # no sync: ordered on the current stream
         try:
             if stream is None:
-                self._copy_blocks_in(idx, rows)
+                write(idx)
             else:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 idx.record_stream(stream)  # made on the current stream, read on `stream`
                 with torch.cuda.stream(stream):
-                    self._copy_blocks_in(idx, rows)
+                    write(idx)
         except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted
             self.free_sequence(_IMPORTING)
             raise
-        state.rows = rows.rows
-        state.runs = [[k0, c] for k0, c in rows.runs]
+        state.rows = rows
+        state.runs = [[k0, c] for k0, c in runs]
         return self.move_to_carried(_IMPORTING, key)
 
     def _copy_blocks_in(self, idx: torch.Tensor, rows: HostRows) -> None:

@@ -17,6 +17,9 @@ Format (what `pack_rows` writes, bit for bit):
   largest finite value and 2**-126 float32's smallest normal: the floor keeps
   the scale normal (no subnormal-scale precision loss, no division by zero),
   so a zero vector gets scale 2**-126 and packs to exact zeros (signs kept).
+  `amax / 448` is the correctly rounded quotient on every device (never
+  `amax * (1/448)`, which CUDA's `tensor / python_float` computes: the torch
+  path divides by a tensor on the rows' device, the Triton kernel by `div_rn`).
 - `payload = v / scale` (float32) cast to float8_e4m3fn (torch's cast: round
   to nearest even). No clamp is needed: `scale` is `amax / 448` correctly
   rounded, so `|v| / scale <= 448 * (1 + 2**-23)`, below 464, the midpoint to
@@ -46,10 +49,17 @@ unless `$TRTLLM_MTP_CARRY_KERNELS=aot` (the plugins' AOT kernels have no FP8
 twin), and torch elsewhere (CPU, an A100: Triton cannot convert to float8
 below 8.9). Both give the same bits for finite vectors.
 
+The Triton kernels address every vector themselves (`VectorLayout`: plain
+rows, pages or blocks through a block table, the pool's K and V caches
+together), so each call is one launch and builds no per-vector offsets on the
+host; block ids reach the device without a stream sync (`device_ids`).
+
 The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
-rows from them into the same `[rows, 2, Hkv, D]` packed form, and
-`unpack_blocks` rebuilds whole blocks for `DrafterKVPool.import_carried`.
+rows from them into the same `[rows, 2, Hkv, D]` packed form,
+`unpack_into_blocks` writes them back into fresh blocks
+(`DrafterKVPool.import_packed`), and `unpack_blocks` rebuilds whole blocks
+(`HostRows`' shape).
 """
 
 from __future__ import annotations
@@ -61,23 +71,28 @@ from dataclasses import dataclass
 import torch
 
 from .ops import cuda_kernels
+from .reference import slots_for_rows
 
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "FP8_TRITON_MIN_CAPABILITY",
     "PACKABLE_DTYPES",
-    "SCALE_FLOOR",
     "PackedRows",
+    "SCALE_FLOOR",
+    "VectorLayout",
+    "block_layout",
+    "device_ids",
     "pack_blocks",
+    "pack_layout_triton",
     "pack_rows",
-    "pack_vectors_triton",
     "packed_nbytes",
+    "plain_layout",
     "row_kernel",
     "unpack_blocks",
+    "unpack_into_blocks",
+    "unpack_layout_triton",
     "unpack_rows",
-    "unpack_vectors_triton",
-    "vector_bases",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -180,6 +195,20 @@ def _payload_float(payload: torch.Tensor) -> torch.Tensor:
     return _E4M3_VALUES.index_select(0, codes).view(payload.shape)
 
 
+@functools.cache
+def _fp8_max(device: torch.device) -> torch.Tensor:
+    """`FP8_MAX` as a 1-element float32 tensor on `device` (made once per device, read only).
+
+    The torch path divides by this, not by the Python float: aten's CUDA division
+    computes `t / b` as `t * (1 / b)` (the reciprocal rounded first) whenever `b`
+    is a CPU scalar (a Python number or a 0-dim CPU tensor), which differs from
+    the correctly rounded `amax / 448` in the last bit for about half of all
+    values; by a tensor on the same device it is IEEE division, `a / b` rounded
+    once, on CPU and CUDA alike (what the Triton kernel's `div_rn` gives).
+    """
+    return torch.full((1,), FP8_MAX, dtype=torch.float32, device=device)
+
+
 def _check_rows(rows: torch.Tensor) -> None:
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -208,34 +237,94 @@ def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
     return kernel
 
 
-def vector_bases(t: torch.Tensor) -> torch.Tensor:
-    """Element offsets `[V]` int64 (on t's device) of `t`'s last-dim vectors, row-major order."""
-    bases = torch.zeros((), dtype=torch.int64, device=t.device)
-    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
-        bases = bases.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device=t.device) * stride
-    return bases.reshape(-1)
+def device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`ids` as an int64 tensor `[len(ids)]` on `device`, without a device sync.
+
+    `torch.tensor(ids, device=cuda)` copies with `non_blocking=False`, which waits for
+    the stream's queued work (aten's `memcpy_and_sync`); a non-blocking copy from
+    pageable memory is staged at once (the source may be freed on return) and
+    ordered on the current stream like any kernel.
+    """
+    host = torch.tensor(ids if isinstance(ids, list) else list(ids), dtype=torch.int64)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
-def pack_vectors_triton(src: torch.Tensor, bases: torch.Tensor, shape: Sequence[int]) -> PackedRows:
-    """Pack the `head_dim = shape[-1]` vectors of `src` at element offsets `bases` (Triton), as `shape`.
+@dataclass(frozen=True)
+class VectorLayout:
+    """Where `rows * groups * heads` vectors of `head_dim` values lie: the FP8 kernels' addressing.
 
-    `src`'s last dimension is the vectors' (its stride is theirs); `bases` lists
-    `prod(shape[:-1])` offsets, each a vector inside `src` (the caller's duty).
+    Vector `(r, g, h)` (index `(r * groups + g) * heads + h`, the packed form's
+    order) starts at element `row(r) + g * s_group + h * s_head` of its tensor, its
+    values `s_d` apart; `row(r)` is `r * s_row`, or, with a `table` (paged), key
+    `k = first_key + r` at block `table[k // rows_per_block]`, slot
+    `k % rows_per_block`: `block * s_row + slot * s_slot`. With `split` (the
+    pool's separate K and V caches, `groups == 2`), group `g` is tensor `g` and
+    `s_group` is unused. The kernels compute these addresses per vector, so a
+    call builds no per-vector offsets on the host.
+    """
+
+    rows: int
+    groups: int
+    heads: int
+    head_dim: int
+    s_row: int
+    s_group: int
+    s_head: int
+    s_d: int
+    table: torch.Tensor | None = None  # [blocks] int64 on the tensors' device
+    first_key: int = 0
+    rows_per_block: int = 1
+    s_slot: int = 0
+    split: bool = False
+
+    @property
+    def num_vectors(self) -> int:
+        return self.rows * self.groups * self.heads
+
+
+def plain_layout(t: torch.Tensor) -> VectorLayout | None:
+    """`t` `[..., D]`'s vectors as a `VectorLayout`, row-major; None when its leading
+    dimensions do not merge into three strided ones (the caller copies such a tensor)."""
+    dims = [(n, st) for n, st in zip(t.shape[:-1], t.stride()[:-1], strict=True) if n != 1]
+    merged: list[tuple[int, int]] = []
+    for n, st in dims:  # merge a dimension into the one before when it continues it
+        if merged and merged[-1][1] == n * st:
+            merged[-1] = (merged[-1][0] * n, st)
+        else:
+            merged.append((n, st))
+    if len(merged) > 3:
+        return None
+    (rows, s_row), (groups, s_group), (heads, s_head) = merged + [(1, 0)] * (3 - len(merged))
+    return VectorLayout(rows, groups, heads, t.shape[-1], s_row, s_group, s_head, t.stride(-1))
+
+
+def pack_layout_triton(src0: torch.Tensor, src1: torch.Tensor | None, layout: VectorLayout,
+                       shape: Sequence[int]) -> PackedRows:
+    """Pack `layout`'s vectors of `src0` (and `src1`, split) with the Triton kernel, as `shape`.
+
+    `prod(shape) == layout.num_vectors * layout.head_dim`; every vector must lie
+    inside its tensor (the caller's duty). One launch; payload and scales fresh.
     """
     from . import triton_kernels as tk
 
-    _check_rows(src)
-    payload, scales = tk.fp8_pack_triton(src, bases, shape[-1], src.stride(-1))
-    return PackedRows(payload.view(*shape), scales.view(*shape[:-1]), src.dtype)
+    _check_rows(src0)
+    payload = torch.empty((layout.num_vectors, layout.head_dim), dtype=FP8_DTYPE, device=src0.device)
+    scales = torch.empty(layout.num_vectors, dtype=torch.float32, device=src0.device)
+    tk.fp8_pack_triton(src0, src1, layout, payload, scales)
+    return PackedRows(payload.view(*shape), scales.view(*shape[:-1]), src0.dtype)
 
 
-def unpack_vectors_triton(packed: PackedRows, dst: torch.Tensor, bases: torch.Tensor) -> None:
-    """Write `packed`'s vectors into `dst` at element offsets `bases` (Triton), cast to dst's dtype."""
+def unpack_layout_triton(packed: PackedRows, dst0: torch.Tensor, dst1: torch.Tensor | None,
+                         layout: VectorLayout) -> None:
+    """Write `packed`'s vectors where `layout` places them in `dst0` (and `dst1`), cast to their dtype.
+
+    `packed` holds `layout.num_vectors` vectors of `layout.head_dim` (row-major). One launch.
+    """
     from . import triton_kernels as tk
 
-    d = packed.shape[-1]
+    d = layout.head_dim
     tk.fp8_unpack_triton(packed.payload.reshape(-1, d).contiguous(), packed.scales.reshape(-1).contiguous(),
-                         dst, bases, dst.stride(-1))
+                         dst0, dst1, layout)
 
 
 def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
@@ -245,12 +334,20 @@ def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
     """
     _check_rows(rows)
     if row_kernel(rows, kernel) == "triton":
-        return pack_vectors_triton(rows, vector_bases(rows), rows.shape)
+        layout = plain_layout(rows)
+        if layout is None:  # more than three unmergeable leading dims: read a compact copy
+            rows = rows.contiguous()
+            layout = plain_layout(rows)
+            assert layout is not None
+        return pack_layout_triton(rows, None, layout, rows.shape)
     x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place
     if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
         scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
     else:  # |v| and max are exact in the rows' own dtype: half the bytes of doing it on x
-        scales = rows.abs().amax(dim=-1).float().div_(FP8_MAX).clamp_(min=SCALE_FLOOR)
+        # divided by a tensor on the rows' device, never by a Python float: CUDA computes
+        # `t / python_float` as `t * (1 / b)`, off by an ulp from `amax / 448` (see `_fp8_max`)
+        amax = rows.abs().amax(dim=-1, keepdim=True).float()  # [..., 1]: divides in place by [1]
+        scales = amax.div_(_fp8_max(rows.device)).clamp_(min=SCALE_FLOOR).squeeze(-1)
         scales += scales - scales  # inf - inf: an inf vector's scale becomes NaN, as a NaN vector's is
     x.div_(scales.unsqueeze(-1))  # |x| <= 448 (1 + 2**-23): rounds to at most 448 (see the header)
     return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
@@ -268,9 +365,13 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the packed rows "
                          f"{packed.dtype} {tuple(packed.shape)}")
     if row_kernel(packed.payload, kernel) == "triton":
-        dst = out if out is not None and out.device == packed.device else torch.empty(
-            packed.shape, dtype=packed.dtype, device=packed.device)
-        unpack_vectors_triton(packed, dst, vector_bases(dst))
+        dst = out if out is not None and out.device == packed.device else None
+        layout = plain_layout(dst) if dst is not None else None
+        if dst is None or layout is None:  # a fresh compact tensor, copied into `out` after
+            dst = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+            layout = plain_layout(dst)
+            assert layout is not None
+        unpack_layout_triton(packed, dst, None, layout)
         if out is None or out is dst:
             return dst
         out.copy_(dst)
@@ -285,44 +386,55 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str
 # ---- the reference runtime's pool: whole blocks of separate K and V caches ----------------
 
 
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
+                         f"{tuple(v_cache.shape)} must both be [num_blocks, block_size, Hkv, D], one dtype")
+    if k_cache.device != v_cache.device or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache must share device and strides, got {k_cache.device} "
+                         f"{k_cache.stride()} and {v_cache.device} {v_cache.stride()}")
+
+
+def block_layout(cache: torch.Tensor, table: torch.Tensor, rows: int) -> VectorLayout:
+    """The first `rows` rows of blocks `table` of a pool cache `[num_blocks, block_size, Hkv, D]`
+    and of its twin (split: K, then V), as `[rows, 2, Hkv, D]` vectors."""
+    s0, s1, s2, s3 = cache.stride()
+    return VectorLayout(rows, 2, cache.shape[2], cache.shape[3], s0, 0, s2, s3, table=table,
+                        rows_per_block=cache.shape[1], s_slot=s1, split=True)
+
+
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                 rows: int, kernel: str | None = None) -> PackedRows:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed as `[rows, 2, Hkv, D]`.
 
     `k_cache`, `v_cache`: `[num_blocks, block_size, Hkv, D]` (a `DrafterKVPool`'s
-    caches, or a `HostRows`' `k`/`v` with `block_ids = range(len)`); row `r` is
-    slot `r % block_size` of block `block_ids[r // block_size]`. Only live rows
-    are packed (the tail of the last block is not), so `nbytes` charges rows.
-    Bit for bit `pack_rows` of those rows stacked `[rows, 2, Hkv, D]`; the Triton
-    path reads them in place (no bf16 copy), the torch path gathers them first.
+    caches, or a `HostRows`' `k`/`v` with `block_ids = range(len)`), one dtype,
+    device and strides; row `r` is slot `r % block_size` of block
+    `block_ids[r // block_size]`. Only live rows are packed (the tail of the last
+    block is not), so `nbytes` charges rows. Bit for bit `pack_rows` of those rows
+    stacked `[rows, 2, Hkv, D]`; the Triton path reads K and V in place in one
+    launch (no bf16 copy, no device sync), the torch path gathers them first.
     """
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
-                         f"{tuple(v_cache.shape)} must both be [num_blocks, block_size, Hkv, D], one dtype")
+    _check_caches(k_cache, v_cache)
     block_size = k_cache.shape[1]
     if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
         raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
                          f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
     need = -(-rows // block_size)
-    idx = torch.tensor(list(block_ids[:need]), dtype=torch.int64, device=k_cache.device)
-    shape = (rows, *k_cache.shape[2:])  # [rows, Hkv, D] of K, then of V
+    idx = device_ids(block_ids[:need], k_cache.device)
     if row_kernel(k_cache, kernel) == "triton":
-        r = torch.arange(rows, dtype=torch.int64, device=k_cache.device)
-        halves = [pack_vectors_triton(c, _block_row_bases(c, idx[r // block_size], r % block_size), shape)
-                  for c in (k_cache, v_cache)]
-    else:
-        halves = [pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch")
-                  for c in (k_cache, v_cache)]
+        return pack_layout_triton(k_cache, v_cache, block_layout(k_cache, idx, rows), (rows, 2, *k_cache.shape[2:]))
+    halves = [pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch") for c in (k_cache, v_cache)]
     k, v = halves  # K and V vectors pack independently: stacking the packed halves is exact
     return PackedRows(torch.stack((k.payload, v.payload), dim=1), torch.stack((k.scales, v.scales), dim=1),
                       k_cache.dtype)
 
 
-def _block_row_bases(cache: torch.Tensor, block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """Element offsets `[rows * Hkv]` of the head vectors of rows at (block, slot) of `cache`."""
-    s0, s1, s2, _ = cache.stride()
-    heads = torch.arange(cache.shape[2], dtype=torch.int64, device=cache.device) * s2
-    return ((block * s0 + slot * s1).unsqueeze(-1) + heads).reshape(-1)
+def _check_packed_blocks(packed: PackedRows) -> None:
+    if not isinstance(packed, PackedRows):
+        raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
+    if packed.payload.dim() != 4 or packed.shape[1] != 2:
+        raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
 
 
 def unpack_blocks(packed: PackedRows, block_size: int,
@@ -330,22 +442,51 @@ def unpack_blocks(packed: PackedRows, block_size: int,
     """Whole blocks `(k, v)`, each `[cdiv(rows, block_size), block_size, Hkv, D]`, from `pack_blocks`' rows.
 
     Row `r` lands at block `r // block_size`, slot `r % block_size`; the last
-    block's tail past the rows is zeros. Shapes fit `HostRows`, so
-    `DrafterKVPool.import_carried` copies them into fresh blocks. K and V are
-    unpacked straight into their blocks (no stacked bf16 copy).
+    block's tail past the rows is zeros. Shapes fit `HostRows`. K and V are
+    unpacked straight into their blocks (no stacked bf16 copy; Triton: one launch).
     """
-    if packed.payload.dim() != 4 or packed.shape[1] != 2:
-        raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
+    _check_packed_blocks(packed)
     if type(block_size) is not int or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     rows, _, hkv, d = packed.shape
     nblocks = -(-rows // block_size)
-    out = []
-    for i in range(2):  # K, then V
-        blocks = torch.empty((nblocks, block_size, hkv, d), dtype=packed.dtype, device=packed.device)
-        flat = blocks.view(-1, hkv, d)
-        flat[rows:].zero_()
-        unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype), out=flat[:rows],
-                    kernel=kernel)
-        out.append(blocks)
-    return out[0], out[1]
+    k, v = (torch.empty((nblocks, block_size, hkv, d), dtype=packed.dtype, device=packed.device)
+            for _ in range(2))
+    if rows % block_size:
+        for blocks in (k, v):
+            blocks.view(-1, hkv, d)[rows:].zero_()
+    if row_kernel(packed.payload, kernel) == "triton":
+        unpack_layout_triton(packed, k, v, VectorLayout(rows, 2, hkv, d, hkv * d, 0, d, 1, split=True))
+    else:
+        for i, blocks in enumerate((k, v)):  # K, then V
+            unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype),
+                        out=blocks.view(-1, hkv, d)[:rows], kernel="torch")
+    return k, v
+
+
+def unpack_into_blocks(packed: PackedRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor, kernel: str | None = None) -> None:
+    """Write `pack_blocks`' rows `[rows, 2, Hkv, D]` into blocks `block_ids` of the pool's caches.
+
+    `block_ids`: `[cdiv(rows, block_size)]` int64 on the caches' device (blocks the
+    caller alone holds). Row `r` goes to slot `r % block_size` of block
+    `block_ids[r // block_size]`; nothing else is written (the last block's tail
+    keeps its bytes). Bit for bit `unpack_blocks` copied into those blocks, but
+    one pass (Triton: one launch), no whole-block temporaries.
+    """
+    _check_caches(k_cache, v_cache)
+    _check_packed_blocks(packed)
+    rows, _, hkv, d = packed.shape
+    if packed.dtype != k_cache.dtype or (hkv, d) != tuple(k_cache.shape[2:]):
+        raise ValueError(f"packed rows {packed.dtype} {tuple(packed.shape)} do not fit blocks "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)}")
+    if block_ids.shape != (-(-rows // k_cache.shape[1]),):
+        raise ValueError(f"{rows} rows need {-(-rows // k_cache.shape[1])} blocks, got {tuple(block_ids.shape)}")
+    packed = packed.to(k_cache.device)
+    if row_kernel(k_cache, kernel) == "triton":
+        unpack_layout_triton(packed, k_cache, v_cache, block_layout(k_cache, block_ids, rows))
+        return
+    slots = slots_for_rows(block_ids, torch.arange(rows, device=block_ids.device), k_cache.shape[1])
+    for i, cache in enumerate((k_cache, v_cache)):
+        values = unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype), kernel="torch")
+        cache.view(-1, hkv, d).index_copy_(0, slots, values)

@@ -22,9 +22,10 @@ Launch-grid rules (also written to `builders/build_kernels.py`'s manifest):
 (The TensorRT plugins' kernels are `kernels/abi_kernels.py`, with their own rules in `kernels/abi.py`.)
 
 The FP8 row-format kernels (`row_format.py` defines the format; JIT only, not in
-the AOT manifest) address each `head_dim` vector through an int64 element offset
-per vector (`bases`), so one kernel serves plain rows, TensorRT-LLM's HND pages
-and any other layout whose vectors have a common element stride:
+the AOT manifest) compute each `head_dim` vector's address in the kernel from a
+few strides (`row_format.VectorLayout`: plain rows, TensorRT-LLM's HND pages
+through a page table, the pool's separate K and V caches through a block table),
+so a call is one launch with no per-vector offsets built on the host:
 - `fp8_pack_kernel` / `fp8_unpack_kernel`: grid `(cdiv(num_vectors, BLOCK_V),)`.
 - They round to e4m3 (and bf16) in float32 arithmetic, round to nearest even,
   before the cast, so the cast only meets representable values: the bits equal
@@ -33,6 +34,8 @@ and any other layout whose vectors have a common element stride:
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import triton
@@ -228,13 +231,14 @@ def drafter_row_append_triton(
     )
 
 
-# ---- FP8 row format (row_format.py): pack and unpack `head_dim` vectors at element offsets ----
+# ---- FP8 row format (row_format.py): pack and unpack `head_dim` vectors, addressed in-kernel ----
 
 #: e4m3fn's largest finite value and the least scale (float32's smallest normal); row_format's.
 #: (`tl.constexpr` so the compiled kernels may read them; the interpreter would take plain floats.)
 FP8_MAX = tl.constexpr(448.0)
 FP8_SCALE_FLOOR = tl.constexpr(2.0**-126)
-#: Values per program of the FP8 kernels (BLOCK_V vectors of BLOCK_D values).
+#: Values per program of the FP8 kernels (BLOCK_V vectors of BLOCK_D values): 8 KiB of bf16
+#: read (pack) or written (unpack) per program, so per-program overhead stays small next to it.
 FP8_BLOCK = 4096
 
 
@@ -264,14 +268,48 @@ def _round_to_bf16(x):
 
 
 @triton.jit
+def _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
+                        s_row, s_slot, s_group, s_head, PAGED: tl.constexpr, SPLIT: tl.constexpr):
+    """`(offset, g)` of vectors `v` (int64, row-major over `[rows, groups, heads]`): the element
+    offset of each one's first value and its group (with SPLIT, the tensor it is in: 0 or 1).
+
+    Row `r` starts at `r * s_row`, or PAGED at `table[key // rows_per_block] * s_row +
+    (key % rows_per_block) * s_slot` for key `first_key + r`; then `+ g * s_group + h * s_head`
+    (SPLIT: `+ h * s_head` in tensor `g`).
+    """
+    h = v % heads
+    t = v // heads
+    g = t % groups
+    r = t // groups
+    if PAGED:
+        key = r + first_key
+        blk = tl.load(table_ptr + key // rows_per_block, mask=mv, other=0).to(tl.int64)
+        off = blk * s_row + (key % rows_per_block) * s_slot
+    else:
+        off = r * s_row
+    if SPLIT:
+        off = off + h * s_head
+    else:
+        off = off + g * s_group + h * s_head
+    return off, g
+
+
+@triton.jit(do_not_specialize=["num_vectors", "first_key"])
 def fp8_pack_kernel(
-    src_ptr,  # rows (bf16/f16/f32); vector v's values at bases[v] + d * d_stride
-    bases_ptr,  # [num_vectors] i64 element offsets
+    src0_ptr,  # rows (bf16/f16/f32); the vectors as `_fp8_vector_offsets` places them
+    src1_ptr,  # SPLIT: the second tensor (V of the pool's K and V caches); else src0 again
+    table_ptr,  # PAGED: [blocks] i64 block (page) ids; else unused
     payload_ptr,  # [num_vectors, head_dim] float8_e4m3fn contiguous
     scales_ptr,  # [num_vectors] f32
-    num_vectors,  # i32
+    num_vectors,  # i32/i64 rows * groups * heads
     head_dim,  # i32
-    d_stride,  # i32 elements between a vector's values
+    heads,  # i32 vectors per group
+    groups,  # i32 groups per row (SPLIT: 2)
+    first_key,  # i32 PAGED: the key of row 0
+    rows_per_block,  # i32 PAGED: keys per block
+    s_row, s_slot, s_group, s_head, s_d,  # element strides (see `_fp8_vector_offsets`)
+    PAGED: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -279,8 +317,16 @@ def fp8_pack_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     mv = v < num_vectors
     m = mv[:, None] & (d < head_dim)
-    base = tl.load(bases_ptr + v, mask=mv, other=0)[:, None]
-    x = tl.load(src_ptr + base + d * d_stride, mask=m, other=0.0).to(tl.float32)
+    off, g = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
+                                 s_row, s_slot, s_group, s_head, PAGED, SPLIT)
+    at = off[:, None] + d * s_d
+    if SPLIT:  # each lane reads one of the two tensors (the other load is masked off)
+        first = (g == 0)[:, None]
+        x0 = tl.load(src0_ptr + at, mask=m & first, other=0.0)
+        x1 = tl.load(src1_ptr + at, mask=m & (g != 0)[:, None], other=0.0)
+        x = tl.where(first, x0, x1).to(tl.float32)
+    else:
+        x = tl.load(src0_ptr + at, mask=m, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_SCALE_FLOOR)
     # NaN for a vector holding a NaN or inf (x * 0 is NaN there, 0 elsewhere), as torch's path gives
@@ -290,15 +336,22 @@ def fp8_pack_kernel(
     tl.store(scales_ptr + v, scale, mask=mv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_vectors", "first_key"])
 def fp8_unpack_kernel(
     payload_ptr,  # [num_vectors, head_dim] float8_e4m3fn contiguous
     scales_ptr,  # [num_vectors] f32
-    dst_ptr,  # rows (bf16/f16/f32); vector v's values at bases[v] + d * d_stride
-    bases_ptr,  # [num_vectors] i64 element offsets
-    num_vectors,  # i32
+    dst0_ptr,  # rows (bf16/f16/f32); the vectors as `_fp8_vector_offsets` places them
+    dst1_ptr,  # SPLIT: the second tensor; else dst0 again
+    table_ptr,  # PAGED: [blocks] i64 block (page) ids; else unused
+    num_vectors,  # i32/i64
     head_dim,  # i32
-    d_stride,  # i32
+    heads,  # i32
+    groups,  # i32
+    first_key,  # i32
+    rows_per_block,  # i32
+    s_row, s_slot, s_group, s_head, s_d,
+    PAGED: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -309,10 +362,17 @@ def fp8_unpack_kernel(
     q = tl.load(payload_ptr + v[:, None] * head_dim + d, mask=m, other=0.0).to(tl.float32)
     scale = tl.load(scales_ptr + v, mask=mv, other=1.0)
     x = q * scale[:, None]
-    if dst_ptr.dtype.element_ty == tl.bfloat16:
+    if dst0_ptr.dtype.element_ty == tl.bfloat16:
         x = _round_to_bf16(x)
-    base = tl.load(bases_ptr + v, mask=mv, other=0)[:, None]
-    tl.store(dst_ptr + base + d * d_stride, x.to(dst_ptr.dtype.element_ty), mask=m)
+    x = x.to(dst0_ptr.dtype.element_ty)
+    off, g = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
+                                 s_row, s_slot, s_group, s_head, PAGED, SPLIT)
+    at = off[:, None] + d * s_d
+    if SPLIT:
+        tl.store(dst0_ptr + at, x, mask=m & (g == 0)[:, None])
+        tl.store(dst1_ptr + at, x, mask=m & (g != 0)[:, None])
+    else:
+        tl.store(dst0_ptr + at, x, mask=m)
 
 
 def _fp8_blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
@@ -321,39 +381,78 @@ def _fp8_blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
     return block_v, block_d, (triton.cdiv(num_vectors, block_v),)
 
 
+class VectorLayout(Protocol):
+    """What the FP8 launchers read of `row_format.VectorLayout` (defined there; see it)."""
+
+    @property
+    def num_vectors(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def groups(self) -> int: ...
+    @property
+    def first_key(self) -> int: ...
+    @property
+    def rows_per_block(self) -> int: ...
+    @property
+    def s_row(self) -> int: ...
+    @property
+    def s_slot(self) -> int: ...
+    @property
+    def s_group(self) -> int: ...
+    @property
+    def s_head(self) -> int: ...
+    @property
+    def s_d(self) -> int: ...
+    @property
+    def table(self) -> torch.Tensor | None: ...
+    @property
+    def split(self) -> bool: ...
+
+
+def _layout_args(layout: VectorLayout) -> tuple[int, ...]:
+    return (layout.num_vectors, layout.head_dim, layout.heads, layout.groups, layout.first_key,
+            layout.rows_per_block, layout.s_row, layout.s_slot, layout.s_group, layout.s_head, layout.s_d)
+
+
 def fp8_pack_triton(
-    src: torch.Tensor,  # any layout; the vectors at `bases`
-    bases: torch.Tensor,  # [V] int64 element offsets from src's first element
-    head_dim: int,
-    d_stride: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `row_format.pack_rows` over `V` vectors: `(payload [V, D], scales [V])`.
+    src0: torch.Tensor,  # the vectors as `layout` places them
+    src1: torch.Tensor | None,  # layout.split: the second tensor (same dtype), else None
+    layout: VectorLayout,
+    payload: torch.Tensor,  # [V, D] float8_e4m3fn contiguous, V = layout.num_vectors
+    scales: torch.Tensor,  # [V] float32 contiguous
+) -> None:
+    """Triton twin of `row_format.pack_rows` over `layout`'s vectors, into `payload` and `scales`.
 
     Finite vectors give torch's bits exactly; a vector holding a NaN or inf gets a
-    NaN scale. The caller guarantees every offset is inside `src`.
+    NaN scale. One launch; the caller guarantees every vector is inside its tensor.
     """
-    n = bases.numel()
-    payload = torch.empty((n, head_dim), dtype=torch.float8_e4m3fn, device=src.device)
-    scales = torch.empty(n, dtype=torch.float32, device=src.device)
-    if n and head_dim:
-        block_v, block_d, grid = _fp8_blocks(n, head_dim)
-        fp8_pack_kernel[grid](src, bases, payload, scales, n, head_dim, d_stride,
+    n, d = layout.num_vectors, layout.head_dim
+    if n and d:
+        block_v, block_d, grid = _fp8_blocks(n, d)
+        table = layout.table if layout.table is not None else scales
+        fp8_pack_kernel[grid](src0, src0 if src1 is None else src1, table, payload, scales,
+                              *_layout_args(layout), PAGED=layout.table is not None, SPLIT=layout.split,
                               BLOCK_V=block_v, BLOCK_D=block_d)
     elif n:
         scales.fill_(FP8_SCALE_FLOOR.value)
-    return payload, scales
 
 
 def fp8_unpack_triton(
     payload: torch.Tensor,  # [V, D] float8_e4m3fn contiguous
-    scales: torch.Tensor,  # [V] float32
-    dst: torch.Tensor,  # any layout; the vectors at `bases`
-    bases: torch.Tensor,  # [V] int64 element offsets from dst's first element
-    d_stride: int,
+    scales: torch.Tensor,  # [V] float32 contiguous
+    dst0: torch.Tensor,  # the vectors as `layout` places them
+    dst1: torch.Tensor | None,  # layout.split: the second tensor (same dtype), else None
+    layout: VectorLayout,
 ) -> None:
-    """Triton twin of `row_format.unpack_rows`: `payload * scale`, cast to dst's dtype, written at `bases`."""
-    n, head_dim = payload.shape
-    if n and head_dim:
-        block_v, block_d, grid = _fp8_blocks(n, head_dim)
-        fp8_unpack_kernel[grid](payload, scales, dst, bases, n, head_dim, d_stride,
+    """Triton twin of `row_format.unpack_rows`: `payload * scale`, cast to dst's dtype, written where
+    `layout` places each vector. One launch; writes nothing else."""
+    n, d = layout.num_vectors, layout.head_dim
+    if n and d:
+        block_v, block_d, grid = _fp8_blocks(n, d)
+        table = layout.table if layout.table is not None else scales
+        fp8_unpack_kernel[grid](payload, scales, dst0, dst0 if dst1 is None else dst1, table,
+                                *_layout_args(layout), PAGED=layout.table is not None, SPLIT=layout.split,
                                 BLOCK_V=block_v, BLOCK_D=block_d)

@@ -31,6 +31,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     carry_row_dtype: str | None = None  # carried rows' format (bf16, fp8); None: `carry_row_dtype()`
+    # the carry store with one device slot and a host tier as large as the drafter pool: every
+    # entry but the newest waits in host memory (the bench's `carry-host`: host-tier hits)
+    carry_host_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_target_blocks", "drafter_block_size",

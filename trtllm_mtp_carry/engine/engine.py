@@ -182,7 +182,11 @@ class ReferenceEngine:
             config.num_drafter_blocks, config.drafter_block_size, cfg.num_kv_heads, cfg.head_dim,
             RopeConfig(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta), device=self.device,
         )
-        self.runtime = CarryRuntime(self, config.policy, row_dtype=config.carry_row_dtype)
+        if config.carry_host_only:  # one device slot; the host tier holds what the pool could
+            self.runtime = CarryRuntime(self, config.policy, slots=1, host_memory=self._pool.nbytes,
+                                        row_dtype=config.carry_row_dtype)
+        else:
+            self.runtime = CarryRuntime(self, config.policy, row_dtype=config.carry_row_dtype)
         self._paired: PairedDrafts | None = None  # built on the first `paired` request
         self.drafter_blocks_peak = 0  # most drafter blocks held after any step, every pool
         self._waiting: list[_Request] = []

@@ -4,12 +4,12 @@ What it is for: an fp8 entry costs its rows in the FP8 row format
 (`dataplane/row_format.py`: e4m3 payload, one float32 scale per row, K/V and
 head), about half its bf16 blocks, so it cannot stay in the drafter pool's
 blocks. At deposit its live rows are packed out of its blocks and the blocks
-are freed; on adoption they are unpacked into whole blocks and copied into
-fresh pool blocks (`DrafterKVPool.import_carried`), which the adopter then
+are freed; on adoption they are unpacked straight into fresh pool blocks
+(`DrafterKVPool.import_packed`, one launch on CUDA), which the adopter then
 takes as a carried entry's (zero copy)::
 
     finish:  pool blocks --pack_blocks--> PackedEntry (device)   blocks freed
-    adopt:   PackedEntry --unpack_blocks--> fresh pool blocks --adopt_carried--> sequence
+    adopt:   PackedEntry --import_packed (unpacked into them)--> fresh pool blocks --adopt_carried--> sequence
     host tier (HostMoves): PackedEntry device <--> host memory (pinned on CUDA), still packed
 
 Invariants:
@@ -19,7 +19,7 @@ Invariants:
   store charges (`RowFormat.nbytes(rows)`).
 - Unpacked rows and keys are the packed ones: `unpack(pack(rows))` is within
   FP8's rounding of the rows, and deterministic.
-- No block another owner holds is written: `import_carried` writes fresh blocks only.
+- No block another owner holds is written: `import_packed` writes fresh blocks only.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 
 from ..core import CarriedDrafter
-from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool, HostRows
-from ..dataplane.row_format import PackedRows, pack_blocks, unpack_blocks
+from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool
+from ..dataplane.row_format import PackedRows, pack_blocks
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,7 @@ class PackedCarry:
         is freed); PoolExhaustedError leaves the copy in place."""
         t0 = time.perf_counter()
         entry = self._device[key]
-        k, v = unpack_blocks(entry.packed, self.pool.block_size)
-        held = self.pool.import_carried(key, HostRows(k, v, entry.rows, entry.runs))
+        held = self.pool.import_packed(key, entry.packed, entry.runs)  # unpacked into the fresh blocks
         del self._device[key]
         self.unpack_ms_each.append((time.perf_counter() - t0) * 1e3)
         return held
@@ -116,7 +115,11 @@ class PackedCarry:
 
     def restore(self, entry: CarriedDrafter) -> None:
         packed = self._host.pop(entry.session_hash)
-        self._device[entry.session_hash] = PackedEntry(packed.packed.to(self.pool.device), packed.runs)
+        # from pinned memory on the current stream, without the CPU waiting: the unpack that
+        # reads it (`unpack`, on the same stream) is ordered after it; the caching host
+        # allocator keeps the pinned source until the copy is done
+        self._device[entry.session_hash] = PackedEntry(packed.packed.to(self.pool.device, non_blocking=True),
+                                                       packed.runs)
 
     def drop(self, entry: CarriedDrafter) -> None:
         self._host.pop(entry.session_hash, None)

@@ -28,9 +28,15 @@ Invariants:
   leaving the device budget has its rows copied to host memory (pinned when they
   are on a GPU: on GB10's unified memory that is system memory outside
   TensorRT-LLM's KV pool) and its device tensor dropped; a take copies them back
-  to the device they came from before `take` returns (a blocking copy on the
-  current stream, so the draft stream's scatter reads finished rows; the store
-  counts it as `restore_ms`). Each entry's rows are in exactly one tier.
+  to the device they came from. On CUDA that copy is asynchronous, as the
+  reference runtime's (`runtime/host_moves.py`): issued on a side stream, with an
+  event recorded after it, so it overlaps whatever the GPU is doing; the taken
+  rows carry the event and `TakenRows.ready()` (which `head` calls) makes the
+  reading stream wait for it on the GPU before the rows are read (the CPU never
+  blocks). A later host-arena write first waits for the copies back still
+  reading host rows. On the CPU the copy is a plain synchronous one. The store
+  counts the copy's issue time as `restore_ms`. Each entry's rows are in exactly
+  one tier.
 - Row format (`row_dtype`, `carry_row_dtype()`): `bf16` entries hold the rows as
   gathered, `fp8` entries their `PackedRows` (`dataplane/row_format.py`: the
   manager gathers packed and scatters unpacked, fused with the page copy); the
@@ -50,6 +56,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +72,36 @@ from .arena import HeldRows, RowArena, Rows
 logger = logging.getLogger("trtllm_mtp_carry")
 
 
+# ---- the CUDA calls of the copy back (one seam: CPU tests put a recorder in their place) ----
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _new_event() -> torch.cuda.Event:
+    return torch.cuda.Event()
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.current_stream(device)
+
+
+def _on_stream(stream: torch.cuda.Stream) -> AbstractContextManager[object]:
+    return torch.cuda.stream(stream)
+
+
+def _copy_to(rows: Rows, device: torch.device) -> Rows:
+    """`rows` (pinned host memory) copied to `device` without the CPU waiting."""
+    return rows.to(device, non_blocking=True)
+
+
+def _record_stream(rows: Rows, stream: torch.cuda.Stream) -> None:
+    """Tell the caching allocator `stream` reads `rows` (not freed for reuse before it did)."""
+    for t in (rows.payload, rows.scales) if isinstance(rows, PackedRows) else (rows,):
+        t.record_stream(stream)
+
+
 def _host_copy(rows: Rows) -> Rows:
     """`rows` copied to host memory (pinned when they are on a GPU), blocking."""
     if isinstance(rows, PackedRows):
@@ -76,13 +113,30 @@ def _host_copy(rows: Rows) -> Rows:
 
 @dataclass(frozen=True, slots=True)
 class TakenRows:
-    """An adopted entry: its bookkeeping and its rows `[n, 2, Hkv, D]` (packed with fp8)."""
+    """An adopted entry: its bookkeeping and its rows `[n, 2, Hkv, D]` (packed with fp8).
+
+    `copied`: for rows just copied back from the host tier on CUDA, the event recorded
+    after that copy (on a side stream); None for rows served from the device, or on the CPU.
+    Read the rows only after `ready()` on the reading stream (`head` calls it).
+    """
 
     entry: CarriedDrafter
     rows: Rows
+    copied: torch.cuda.Event | None = None
+
+    def ready(self) -> None:
+        """Order the current stream after the rows' copy back (a GPU-side wait: the CPU never
+        blocks), and mark the rows as read there; nothing to do when `copied` is None."""
+        if self.copied is None:
+            return
+        stream = _current_stream(self.rows.device)
+        stream.wait_event(self.copied)
+        _record_stream(self.rows, stream)
 
     def head(self, n: int) -> Rows:
-        """The first `n` rows, in the form they are held (a view, no copy)."""
+        """The first `n` rows, in the form they are held (a view, no copy), once the current
+        stream waits for their copy back (`ready`)."""
+        self.ready()
         if isinstance(self.rows, PackedRows):
             return PackedRows(self.rows.payload[:n], self.rows.scales[:n], self.rows.dtype)
         return self.rows[:n]
@@ -102,6 +156,9 @@ class CarriedRows:
         self._rows = HeldRows(arena)  # device rows: in the arena when one is reserved
         self._host = HeldRows(host_arena)  # host tier rows: in the pinned arena when one is reserved
         self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # CUDA: the side stream copies back run on
+        self._copied: dict[int, torch.cuda.Event] = {}  # restored key -> its copy's event, until taken
+        self._reading_host: list[torch.cuda.Event] = []  # copies back that may still read host rows
         self._oom_logged = False
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
         if host:
@@ -132,10 +189,10 @@ class CarriedRows:
     def take(self, key: int) -> TakenRows:
         """Remove `key`'s entry for adoption; RuntimeError if it has none."""
         with self._lock:
-            entry = self._store.take(key)
+            entry = self._store.take(key)  # a host entry is copied back here (`restore`)
             rows = self._rows.pop(key)
             assert rows is not None
-            return TakenRows(entry, rows)
+            return TakenRows(entry, rows, self._copied.pop(key, None))
 
     def end_lease(self, key: int, reason: str = "not_deposited") -> None:
         """The request that adopted `key`'s rows ended without depositing them."""
@@ -260,6 +317,7 @@ class CarriedRows:
         rows = self._rows[key] if key in self._rows else None
         if rows is None:
             return False
+        self._settle_copies_back()  # host rows popped by a restore may be overwritten from here
         try:
             if self._host.arena is not None:
                 self._host.put(key, rows)  # a blocking copy into the pinned arena
@@ -272,17 +330,40 @@ class CarriedRows:
         return True
 
     def restore(self, entry: CarriedDrafter) -> None:
-        """Copy `entry`'s rows back to their device (blocking, so any stream reads finished rows)."""
+        """Copy `entry`'s rows back to their device: on CUDA asynchronously on a side stream, an
+        event recorded after the copy (the take hands it on: `TakenRows.ready`); on the CPU a
+        plain copy. The device rows are a transient copy the take hands to the scatter (not in
+        the arena: the entry is leaving the store)."""
         key = entry.session_hash
         host = self._host.pop(key)
         assert host is not None
-        # a transient device copy the take hands to the scatter (not in the arena: the
-        # entry is leaving the store); the host view is read before the next host put
-        self._rows.keep(key, host.to(self._host_device.pop(key)))
+        device = self._host_device.pop(key)
+        if device.type != "cuda":
+            self._rows.keep(key, host.to(device))
+            return
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = _side_stream(device)
+        # allocated and written on the side stream: the pinned source is complete (the demote's
+        # copy was blocking) and the fresh memory is the side stream's, so no wait before it
+        with _on_stream(stream):
+            rows = _copy_to(host, device)
+            done = _new_event()
+            done.record(stream)
+        self._copied[key] = done
+        self._reading_host = [e for e in self._reading_host if not e.query()] + [done]
+        self._rows.keep(key, rows)
+
+    def _settle_copies_back(self) -> None:
+        """Wait (CPU) for copies back that may still read host rows about to be overwritten."""
+        for done in self._reading_host:
+            done.synchronize()
+        self._reading_host.clear()
 
     def drop(self, entry: CarriedDrafter) -> None:
         """Free `entry`'s host rows (it left the store from the host tier)."""
         self._host_device.pop(entry.session_hash, None)
+        self._copied.pop(entry.session_hash, None)
         if self._host.pop(entry.session_hash, None) is not None:
             self._host_rows_dropped += entry.rows
 

@@ -22,7 +22,7 @@ Invariants:
 - `gather_packed_rows` / `scatter_packed_rows` are `pack_rows(gather_rows(...))`
   and `scatter_rows(..., unpack_rows(...))` bit for bit, in one call each; on
   CUDA one Triton launch each, addressing the (key, K/V, head) vectors in the
-  pages directly (`hnd_vector_bases`).
+  pages directly through the page table (`hnd_layout`).
 - A key whose page is missing or `BAD_PAGE_INDEX` is a `RuntimeError` naming
   the key and the page (a caller bug: the draft manager sized the request).
 """
@@ -35,29 +35,40 @@ import torch
 
 from ..dataplane.row_format import (
     PackedRows,
+    VectorLayout,
+    device_ids,
+    pack_layout_triton,
     pack_rows,
-    pack_vectors_triton,
     row_kernel,
+    unpack_layout_triton,
     unpack_rows,
-    unpack_vectors_triton,
 )
+
+
+def page_table(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int) -> tuple[list[int], int]:
+    """`(pages[first:last + 1], first)`: the pages holding keys `[lo, hi)`, checked (a key past the
+    pages held or on a `BAD_PAGE_INDEX` page is a RuntimeError naming it)."""
+    if not 0 <= lo <= hi:
+        raise ValueError(f"key range needs 0 <= lo <= hi, got [{lo}, {hi})")
+    if hi == lo:
+        return [], 0
+    first, last = lo // tokens_per_block, (hi - 1) // tokens_per_block
+    if last >= len(pages):
+        raise RuntimeError(f"keys [{lo}, {hi}) need page {last}, the request holds "
+                           f"{len(pages)} pages of {tokens_per_block}")
+    table = [int(p) for p in pages[first:last + 1]]
+    if min(table) < 0:
+        bad = next(i for i, p in enumerate(table) if p < 0) + first
+        raise RuntimeError(f"keys [{lo}, {hi}): page {bad} is BAD_PAGE_INDEX ({pages[bad]})")
+    return table, first
 
 
 def key_slots(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`(page index, slot)` int64 tensors `[hi - lo]` for keys `[lo, hi)`."""
-    if not 0 <= lo <= hi:
-        raise ValueError(f"key range needs 0 <= lo <= hi, got [{lo}, {hi})")
-    first, last = lo // tokens_per_block, (hi - 1) // tokens_per_block
-    if hi > lo and last >= len(pages):
-        raise RuntimeError(f"keys [{lo}, {hi}) need page {last}, the request holds "
-                           f"{len(pages)} pages of {tokens_per_block}")
-    table = torch.tensor(list(pages[first:last + 1]) if hi > lo else [], dtype=torch.int64)
-    if bool((table < 0).any()):
-        bad = int((table < 0).nonzero()[0, 0]) + first
-        raise RuntimeError(f"keys [{lo}, {hi}): page {bad} is BAD_PAGE_INDEX ({pages[bad]})")
+    table, first = page_table(pages, lo, hi, tokens_per_block)
     keys = torch.arange(lo, hi, dtype=torch.int64)
-    page = table[keys // tokens_per_block - first]
+    page = torch.tensor(table, dtype=torch.int64)[keys // tokens_per_block - first]
     return page.to(device), (keys % tokens_per_block).to(device)
 
 
@@ -80,14 +91,16 @@ def scatter_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, rows: torch.T
     buf[page, :, :, slot] = rows.to(buf.device)
 
 
-def hnd_vector_bases(buf: torch.Tensor, page: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """Element offsets `[n * 2 * Hkv]` int64 of the (key, K/V, head) vectors at `(page, slot)`, row-major."""
-    s0, s1, s2, s3, _ = buf.stride()
-    dev = buf.device
-    key = (page * s0 + slot * s3).view(-1, 1, 1)
-    kv = (torch.arange(buf.shape[1], dtype=torch.int64, device=dev) * s1).view(1, -1, 1)
-    head = (torch.arange(buf.shape[2], dtype=torch.int64, device=dev) * s2).view(1, 1, -1)
-    return (key + kv + head).reshape(-1)
+def hnd_layout(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> VectorLayout:
+    """The (key, K/V, head) vectors of keys `[lo, hi)` in the HND pages `buf`, as the FP8 kernels
+    address them: through the request's page table (one small host-to-device copy, no sync)."""
+    # buf: [num_pages, 2, Hkv, tpb, D] (HND), any strides
+    tpb = buf.shape[3]
+    table, first = page_table(pages, lo, hi, tpb)
+    s0, s1, s2, s3, s4 = buf.stride()
+    return VectorLayout(hi - lo, buf.shape[1], buf.shape[2], buf.shape[4], s0, s1, s2, s4,
+                        table=device_ids(table, buf.device), first_key=lo - first * tpb,
+                        rows_per_block=tpb, s_slot=s3)
 
 
 def gather_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
@@ -95,13 +108,14 @@ def gather_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int
     """Rows of keys `[lo, hi)` packed in the FP8 row format (`dataplane.row_format`), `[hi - lo, 2, Hkv, D]`.
 
     Bit for bit `pack_rows(gather_rows(buf, pages, lo, hi))` (finite rows), in one
-    pass: the Triton kernel reads the pages and writes the packed form, no bf16
-    copy; the torch path packs the indexed read. `kernel` as `row_format.row_kernel`.
+    pass: the Triton kernel reads the pages and writes the packed form in one
+    launch, no bf16 copy, no per-key offsets built on the host; the torch path
+    packs the indexed read. `kernel` as `row_format.row_kernel`.
     """
-    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
     shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
     if row_kernel(buf, kernel) == "triton":
-        return pack_vectors_triton(buf, hnd_vector_bases(buf, page, slot), shape)
+        return pack_layout_triton(buf, None, hnd_layout(buf, pages, lo, hi), shape)
+    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
     return pack_rows(buf[page, :, :, slot], kernel="torch")  # the index makes a fresh tensor
 
 
@@ -111,16 +125,16 @@ def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed
 
     Bit for bit `scatter_rows(buf, pages, lo, unpack_rows(packed))`; the same checks
     (shape, dtype: the packed rows' original dtype must be the pages') before any
-    write. The Triton kernel writes the pages from the packed form in one pass.
+    write. The Triton kernel writes the pages from the packed form in one launch.
     """
     shape = packed.shape
     if len(shape) != 4 or shape[1:] != (buf.shape[1], buf.shape[2], buf.shape[4]):
         raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
     if packed.dtype != buf.dtype:
         raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
-    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
-    packed = packed.to(buf.device)
     if row_kernel(buf, kernel) == "triton":
-        unpack_vectors_triton(packed, buf, hnd_vector_bases(buf, page, slot))
+        layout = hnd_layout(buf, pages, lo, lo + shape[0])  # checks the pages before any write
+        unpack_layout_triton(packed.to(buf.device), buf, None, layout)
         return
-    buf[page, :, :, slot] = unpack_rows(packed, kernel="torch")
+    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
+    buf[page, :, :, slot] = unpack_rows(packed.to(buf.device), kernel="torch")

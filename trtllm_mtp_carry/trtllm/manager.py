@@ -481,6 +481,7 @@ class CarryManagerCore:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
             buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
             with self._draft_stream():
+                taken.ready()  # host-tier rows: the draft stream waits for their copy back (GPU side)
                 scatter = scatter_packed_rows if self.carried.packed else scatter_rows  # fp8: unpacked as scattered
                 scatter(buf, pages, 0, taken.head(n))  # type: ignore[arg-type]  # head's form is scatter's
                 self._sync()
