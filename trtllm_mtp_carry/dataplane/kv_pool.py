@@ -68,26 +68,14 @@ import numpy as np
 import torch
 
 from .checks import CACHE_DTYPES
+from .device_ints import device_tensor
 from .ops import drafter_row_append_direct as drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
-from .row_format import PackedRows, device_ids, unpack_into_blocks
+from .row_format import PackedRows, unpack_into_blocks
 
 __all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "HostRows", "PoolExhaustedError", "PoolStats",
-           "ShareStats", "device_tensor"]
-
-
-def device_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host ints as a tensor on `device` without a stream sync.
-
-    On CUDA the values are staged in pinned memory and copied with `non_blocking=True`
-    (torch's host allocator keeps the staging block until the copy is done); a plain
-    `torch.tensor(values, device=cuda)` copies from pageable memory and synchronizes the
-    stream. Stream-ordered readers see the same values either way.
-    """
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+           "ShareStats"]
 
 
 class PoolExhaustedError(RuntimeError):
@@ -643,7 +631,7 @@ class DrafterKVPool:
         if state is None:
             raise RuntimeError(f"nothing carried under {key}: nothing to export")
         pin = self.device.type == "cuda"
-        idx = device_ids(state.block_table, self.device)  # no sync (torch.tensor(device=) would wait)
+        idx = device_tensor(state.block_table, torch.int64, self.device)  # no sync (torch.tensor(device=) would wait)
         shape = (len(state.block_table), *self.k_cache.shape[1:])
         k = torch.empty(shape, dtype=self.k_cache.dtype, pin_memory=pin)
         v = torch.empty(shape, dtype=self.v_cache.dtype, pin_memory=pin)
@@ -713,7 +701,7 @@ class DrafterKVPool:
             del self._seqs[_IMPORTING]
             raise
         state = self._seqs[_IMPORTING]
-        idx = device_ids(state.block_table, self.device)  # no sync: ordered on the current stream
+        idx = device_tensor(state.block_table, torch.int64, self.device)  # no sync: ordered on the current stream
         try:
             if stream is None:
                 write(idx)

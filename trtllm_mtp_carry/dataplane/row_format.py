@@ -52,7 +52,7 @@ below 8.9). Both give the same bits for finite vectors.
 The Triton kernels address every vector themselves (`VectorLayout`: plain
 rows, pages or blocks through a block table, the pool's K and V caches
 together), so each call is one launch and builds no per-vector offsets on the
-host; block ids reach the device without a stream sync (`device_ids`).
+host; block ids reach the device without a stream sync (`device_ints.device_tensor`).
 
 The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .device_ints import device_tensor
 from .ops import cuda_kernels
 from .reference import slots_for_rows
 
@@ -82,7 +83,6 @@ __all__ = [
     "SCALE_FLOOR",
     "VectorLayout",
     "block_layout",
-    "device_ids",
     "pack_blocks",
     "pack_layout_triton",
     "pack_rows",
@@ -235,18 +235,6 @@ def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
     if kernel not in ("torch", "triton"):
         raise ValueError(f"kernel must be 'torch', 'triton' or None, got {kernel!r}")
     return kernel
-
-
-def device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """`ids` as an int64 tensor `[len(ids)]` on `device`, without a device sync.
-
-    `torch.tensor(ids, device=cuda)` copies with `non_blocking=False`, which waits for
-    the stream's queued work (aten's `memcpy_and_sync`); a non-blocking copy from
-    pageable memory is staged at once (the source may be freed on return) and
-    ordered on the current stream like any kernel.
-    """
-    host = torch.tensor(ids if isinstance(ids, list) else list(ids), dtype=torch.int64)
-    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -421,7 +409,7 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequenc
         raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
                          f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
     need = -(-rows // block_size)
-    idx = device_ids(block_ids[:need], k_cache.device)
+    idx = device_tensor(block_ids[:need], torch.int64, k_cache.device)
     if row_kernel(k_cache, kernel) == "triton":
         return pack_layout_triton(k_cache, v_cache, block_layout(k_cache, idx, rows), (rows, 2, *k_cache.shape[2:]))
     halves = [pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch") for c in (k_cache, v_cache)]

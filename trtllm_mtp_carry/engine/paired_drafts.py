@@ -75,8 +75,9 @@ import torch
 
 from ..core import plan_append
 from ..core.plan import chunk_keys
+from ..dataplane.device_ints import device_tensor
 from ..dataplane.hidden_store import HiddenStore
-from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError, device_tensor
+from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
 from ..dataplane.ops import drafter_row_append_direct as drafter_row_append
 from ..dataplane.reference import slots_for_rows
 from ..dataplane.rope import RopeConfig

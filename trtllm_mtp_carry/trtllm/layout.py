@@ -33,10 +33,10 @@ from collections.abc import Sequence
 
 import torch
 
+from ..dataplane.device_ints import device_tensor
 from ..dataplane.row_format import (
     PackedRows,
     VectorLayout,
-    device_ids,
     pack_layout_triton,
     pack_rows,
     row_kernel,
@@ -99,7 +99,7 @@ def hnd_layout(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Vec
     table, first = page_table(pages, lo, hi, tpb)
     s0, s1, s2, s3, s4 = buf.stride()
     return VectorLayout(hi - lo, buf.shape[1], buf.shape[2], buf.shape[4], s0, s1, s2, s4,
-                        table=device_ids(table, buf.device), first_key=lo - first * tpb,
+                        table=device_tensor(table, torch.int64, buf.device), first_key=lo - first * tpb,
                         rows_per_block=tpb, s_slot=s3)
 
 
