@@ -113,6 +113,8 @@ def test_worker_install_adopts_every_warm_turn_at_8k_history_bit_equal_to_a_rebu
 @pytest.mark.parametrize(("options", "line"), [
     ({"version": "main+19303"},
      "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
+    ({"version": "main"},  # the hybrid inherits _supports_reuse_match_backoff = True: paired natively
+     "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
     ({"version": "1.2.1"},
      "mtp carry: stands aside: the target KV cache manager is CppMambaHybridCacheManager (KV "
      "cache manager V1"),
