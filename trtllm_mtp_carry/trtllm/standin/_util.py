@@ -137,7 +137,6 @@ class StandinLlmArgs:
     stop_token_ids: tuple[int, ...] = ()
     extra_resource_managers: dict[str, Any] = field(default_factory=dict)
     kv_cache_compression_config: Any = None  # `TorchLlmArgs.kv_cache_compression_config` (None: off)
-    disable_overlap_scheduler: bool = True  # `TorchLlmArgs.disable_overlap_scheduler` (max_num_sequences)
     pool: PagedRows | None = None  # the one stand-in page pool (draft or folded MTP pages)
     device_memory: StandinDeviceMemory | None = None  # the modelled device (None: not modelled)
 
@@ -368,7 +367,8 @@ def create_py_executor_instance(
     if lora_config is not None or cache_transceiver_config is not None:
         raise NotImplementedError("the stand-in models neither LoRA nor disaggregated serving")
     if max_num_sequences is None:
-        max_num_sequences = compute_max_num_sequences(mapping, max_batch_size, args.disable_overlap_scheduler)
+        # llm_args.disable_overlap_scheduler is the stand-in's `not overlap_scheduler`
+        max_num_sequences = compute_max_num_sequences(mapping, max_batch_size, not args.overlap_scheduler)
     for key, value in args.extra_resource_managers.items():
         if key in resources:
             raise ValueError(f"Cannot overwrite existing resource manager {key}.")
