@@ -199,7 +199,10 @@ def llm_config_report(path: str) -> dict[str, object]:
         "llm_config": path,
         "llm_config_block_reuse": kv["enable_block_reuse"],
         "llm_config_snapshot_placement": ", ".join(f"{k}={v}" for k, v in sorted(state.items())) or "none",
-        "llm_config_stands_aside": aside or reuse_stand_aside(kv["enable_block_reuse"], True, state),
+        # judged on what the worker's executor holds: TensorRT-LLM's validators applied (kv)
+        "llm_config_stands_aside": aside or reuse_stand_aside(
+            kv["enable_block_reuse"], True, {**state, **kv["ignored"]},
+            policy=kv["block_reuse_config"]["policy"]),
     }
 
 

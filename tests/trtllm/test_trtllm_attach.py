@@ -95,7 +95,9 @@ def test_unpaired_arms_and_installs_after_the_draft_manager() -> None:
     carry = attach(llm)
     assert (carry.topology, carry.armed) == ("unpaired", True)
     names = [getattr(k, "name", k) for k in llm.executor.resource_manager.resource_managers]
-    assert names == ["DRAFT_KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER", CARRY_MANAGER_KEY]
+    # CROSS_KV_CACHE_MANAGER: build_managers always sets it (None for a decoder-only model, _util.py @ 0004396)
+    assert names == ["DRAFT_KV_CACHE_MANAGER", "CROSS_KV_CACHE_MANAGER", "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER",
+                     CARRY_MANAGER_KEY]
     assert carry.info()[3] == ("carry armed", "yes", carry.reason)
     assert carry.info()[4] == ("carry slots (carry_slots)", "1", "carry_slots()")  # pinned by conftest
     assert carry.stats()["carry_slots"] == 1

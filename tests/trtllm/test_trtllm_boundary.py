@@ -241,7 +241,40 @@ def test_a_fault_at_deposit_or_free_keeps_nothing_and_later_sessions_adopt(
     assert [carry.turn(r.py_request_id)["outcome"] for r in (d2, e2, e3, f2)] == \
         ["no_carry", "adopted", "no_carry", "adopted"]
     assert stats["deposits"] == 3 and stats["live_requests"] == 0  # e1, f1, f2
-    assert len(_fault_lines(caplog)) == 1  # one kind, one line
+    # one kind at two steps: two failures, one line each
+    assert [line.split(" raised ")[0] for line in _fault_lines(caplog)] == \
+        ["mtp carry: deposit", "mtp carry: free"]
+    llm.executor.check()
+
+
+def test_a_second_step_faulting_with_the_same_kind_is_logged_too(caplog: pytest.LogCaptureFixture) -> None:
+    """A KeyError at prepare, then a KeyError at free (another step, another cause): an operator
+    reading the log sees both; a third KeyError at free is counted, not logged again."""
+    caplog.set_level(logging.WARNING, logger="trtllm_mtp_carry")
+    llm, carry = make_llm("carry")
+
+    def turn(name: str, prev: LlmRequest | None, offset: int) -> LlmRequest:
+        prompt = user_tokens(offset, 2 * CHUNK) if prev is None else padded(prev.get_tokens(0), offset)
+        return llm.generate_async(prompt, MAX_NEW, conversation_params=ConversationParams(conversation_id=name))
+
+    g1 = turn("g", None, 0)
+    llm.run_until_done()
+    g2 = turn("g", g1, 5)
+    undo = at_prepare_identity(llm, carry, g2, KeyError)  # at prepare: reading the session
+    llm.run_until_done()
+    undo()
+    store = carry.manager.carried
+    turn("h", None, 200), turn("k", None, 300)
+    store.deposit = lambda *a, **k: _raise(KeyError)  # at free, twice: the store raises
+    llm.run_until_done()
+    del store.deposit
+    stats = carry.stats()
+    assert stats["faults"] == {"KeyError": 3}
+    assert stats["errors"] == {"prepare": 1, "scatter": 0, "deposit": 0, "free": 2, "other": 0}
+    lines = _fault_lines(caplog)
+    assert [line.split(" (")[0] for line in lines] == \
+        ["mtp carry: prepare raised KeyError", "mtp carry: free raised KeyError"]
+    assert lines[1].endswith("later KeyError faults at free are counted, not logged")
     llm.executor.check()
 
 

@@ -117,24 +117,39 @@ def test_package_code_reading_a_name_tensorrt_llm_lacks_gets_attribute_error() -
 
 
 def test_the_version_table_is_the_stand_ins_profiles() -> None:
-    """One row per `VERSIONS` profile, with its target class, markers, capability, topology and
-    snapshot options exactly as the stand-in plays that version."""
+    """One row per `VERSIONS` profile, with its target class, markers, the capability its creator
+    reads and the hybrid class's value of it, the topology that gives, snapshot options and the
+    source it was read at, exactly as the stand-in plays that version."""
     text = (ROOT / "docs" / "TRTLLM-CONFORMANCE.md").read_text()
     section = text[text.index("### Versions"):text.index("## 4. The LLM API")]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[0] in VERSIONS:
+        if len(cells) == 9 and cells[0] in VERSIONS:
             rows[cells[0]] = cells
     assert set(rows) == set(VERSIONS)
     for version, profile in VERSIONS.items():
-        _, target, markers, backoff, topology, options, _ = rows[version]
+        _, target, markers, reads, value, topology, options, read_at, _ = rows[version]
         assert target.split()[0] == f"`{profile['target_class']}`", version
         assert markers == ("present" if profile["markers"] else "absent"), version
-        assert backoff == str(profile["draft_reuse_match_backoff"]), version
+        assert reads == ("(no pairing)" if profile["pairing_reads"] is None else f"`{profile['pairing_reads']}`")
+        assert value == str(profile["supports"]), version
         assert topology == profile["topology"], version
         want = "not read" if profile["snapshot_options"] is None else ", ".join(profile["snapshot_options"])
         assert options == want, version
+        assert read_at, version
+    assert "0004396720054fd8e205cbf616f21f0b57c6b412" in rows["main"][7]
+    assert "28295084972c5ab61ef010a050a18f53f5d72810" in rows["main"][7]
+
+
+def test_the_commits_table_says_what_llm_request_passes_at_002f3cc3() -> None:
+    """`llm_request.py` @ 002f3cc3 passes only `cache_salt=executor_request.cache_salt`; no row
+    of the document says it passes `cache_salt_id` (issue 37)."""
+    text = (ROOT / "docs" / "TRTLLM-CONFORMANCE.md").read_text()
+    (row,) = [line for line in text.splitlines()
+              if line.startswith("| `tensorrt_llm/_torch/pyexecutor/llm_request.py` | 002f3cc3 |")]
+    assert "only `cache_salt=executor_request.cache_salt`" in row
+    assert "cache_salt_id=executor_request" not in text
 
 
 def test_the_doc_cites_the_commits_it_read() -> None:

@@ -22,6 +22,7 @@ from trtllm_mtp_carry.trtllm.standin import (
     LlmRequestState,
     StandinLLM,
 )
+from trtllm_mtp_carry.trtllm.standin.kv_cache_manager_v2 import poison_page
 
 S = LlmRequestState
 EXPECTED_VALUES = {  # llmRequest.h: enum class LlmRequestState : int32_t
@@ -124,8 +125,11 @@ def test_a_finished_turn_deposits_keys_below_n_minus_1_and_is_context_finished_i
     assert taken.entry.rows == n - 1
     assert torch.equal(taken.rows, _rows(seen[0], llm.executor.paged.tpb, n - 1))
     if case == "overlap_lag":  # the extra step wrote rows past the last token: not kept
-        late = _rows(seen[0], llm.executor.paged.tpb, n + 3)[n - 1:]
-        assert bool(late.abs().sum() > 0)
+        tpb = llm.executor.paged.tpb
+        late = _rows(seen[0], tpb, n + 3)[n - 1:]  # [4, 2, Hkv, D]
+        # those fresh pages held the pool's poison rows (never cleared); every late key was overwritten
+        poison = poison_page(late.shape[2], tpb, late.shape[3], late.dtype).permute(2, 0, 1, 3)
+        assert bool((late != poison[torch.arange(n - 1, n + 3) % tpb]).flatten(1).any(1).all())
     assert carry.stats()["skipped"] == dict.fromkeys(carry.stats()["skipped"], 0)
     llm.executor.check()
 

@@ -26,6 +26,7 @@ from trtllm_mtp_carry.trtllm.standin import (
     LlmRequest,
     StandinLLM,
 )
+from trtllm_mtp_carry.trtllm.standin.kv_cache_manager_v2 import poison_page
 
 SESSIONS = quote_sessions(4)  # the user shows code, then asks to repeat it exactly
 TURNS, MAX_NEW = 2, 48
@@ -98,7 +99,14 @@ def test_warm_turn_draft_pages_hold_exactly_the_rows_a_rebuild_computes() -> Non
     assert torch.equal(rows["carry"][0], rows["rebuild"][0])  # bf16 rows, bit for bit
     assert torch.equal(rows["carry"][1], rows["rebuild"][1])
     assert rows["carry"][0].dtype == torch.bfloat16 and bool(rows["carry"][0].abs().sum() > 0)
-    assert int(rows["blind"][0].abs().sum()) == 0  # TensorRT-LLM's fresh, unwritten pages
+    # TensorRT-LLM's fresh pages are never cleared: these were never used, so they hold the
+    # pool's poison rows (key k at slot k % tpb), not one row of what the prefill computes
+    tpb = llm.executor.paged.tpb
+    poison = poison_page(rows["blind"][0].shape[1], tpb, rows["blind"][0].shape[2], torch.bfloat16)
+    slots = torch.arange(reused) % tpb
+    assert torch.equal(rows["blind"][0], poison[0].transpose(0, 1)[slots])
+    assert torch.equal(rows["blind"][1], poison[1].transpose(0, 1)[slots])
+    assert bool((rows["blind"][0] != rows["rebuild"][0]).flatten(1).any(1).all())
 
 
 def test_paired_topology_never_writes_into_tree_matched_pages() -> None:
@@ -289,7 +297,10 @@ def test_a_deposit_keeps_keys_below_n_minus_1_never_the_later_draft_steps_rows()
     tpb = executor.paged.tpb
     rows = seen["buf"][table[keys // tpb], :, :, keys % tpb]  # [n + 2, 2, Hkv, D]
     assert torch.equal(taken.rows, rows[: n - 1])
-    assert bool(rows[n - 1:].abs().sum() > 0)  # later draft steps wrote past the accepted tokens
+    # later draft steps wrote past the accepted tokens: key n - 1 (the first one not kept) no
+    # longer holds the poison row its fresh page started with (pages are never cleared)
+    poison = poison_page(rows.shape[2], tpb, rows.shape[3], rows.dtype).permute(2, 0, 1, 3)
+    assert not torch.equal(rows[n - 1], poison[(n - 1) % tpb])
 
 
 def test_the_scatter_writes_only_the_warm_requests_own_pages_for_keys_below_r() -> None:

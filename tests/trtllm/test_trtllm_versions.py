@@ -22,8 +22,11 @@ from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import VERSIONS, ConversationParams, StandinLLM
 
 MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
-               "False; target MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=False, "
-               "_supports_reuse_match_backoff=True")
+               "False; target MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=missing, "
+               "_supports_reuse_match_backoff=False")
+PAIRED = "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager." \
+    "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target MambaHybridCacheManagerV2."
+ASIDE = "); TensorRT-LLM restores the drafter's prefix itself, the carry stands aside"
 ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reason or refusal)
     "1.2.1": ("refused", False,
               "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as "
@@ -35,12 +38,12 @@ ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reaso
     "1.4.0rc1": ("unpaired", True,
                  f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
                  "drafter's rows over the reused prefix"),
+    # main: the hybrid class inherits _supports_reuse_match_backoff = True, which is all
+    # _joint_reuse_supported reads there (_util.py @ 0004396): paired natively
+    "main": ("paired", False,
+             f"{PAIRED}_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True{ASIDE}"),
     "main+19303": ("paired", False,
-                   "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager."
-                   "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target "
-                   "MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=True, "
-                   "_supports_reuse_match_backoff=True); TensorRT-LLM "
-                   "restores the drafter's prefix itself, the carry stands aside"),
+                   f"{PAIRED}_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=True{ASIDE}"),
 }
 
 
@@ -102,18 +105,48 @@ def test_a_missing_pairing_marker_is_refused_naming_what_was_found(drop: tuple[s
         attach(llm)
     assert str(exc.value) == (
         f"cannot prove the draft pool shares no blocks (draft DraftKVManager.{found}; target "
-        "MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=False, "
-        "_supports_reuse_match_backoff=True): a pairing marker is "
+        "MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=missing, "
+        "_supports_reuse_match_backoff=False): a pairing marker is "
         "missing, so the carry stands aside")
 
 
-def test_markers_that_disagree_are_refused() -> None:
-    """#19303's target class claims the pairing capability but the draft pool shows no pairing:
+@pytest.mark.parametrize(("version", "claimed"), [
+    ("main+19303", "_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=True"),
+    ("main", "_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True"),
+])
+def test_markers_that_disagree_are_refused(version: str, claimed: str) -> None:
+    """The target class claims the capability its version's creator pairs on (#19303's name on
+    the PR head, `_supports_reuse_match_backoff` on main) but the draft pool shows no pairing:
     refused, not armed."""
-    llm = _llm(version="main+19303", topology="unpaired")
+    llm = _llm(version=version, topology="unpaired")
     with pytest.raises(TrtllmAdapterError) as exc:
         attach(llm)
     assert str(exc.value).startswith("the pairing markers disagree (draft DraftKVManager."
                                      "enable_joint_kv_cache_reuse=False, _can_publish_block_reuse=False; "
-                                     "target MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=True, "
-                                     "_supports_reuse_match_backoff=True)")
+                                     f"target MambaHybridCacheManagerV2.{claimed})")
+
+
+@pytest.mark.parametrize("version", ["1.3.0rc29", "1.4.0rc1", "main", "main+19303"])
+@pytest.mark.parametrize("reuse", [True, False])
+def test_each_version_pairs_on_the_name_its_creator_reads(version: str, reuse: bool) -> None:
+    """The stand-in's creator decides pairing as that version's `build_managers` does:
+    `has_separate_one_model_draft and enable_block_reuse and _joint_reuse_supported()`, reading
+    `_supports_reuse_match_backoff` (main, `_util.py` @ 0004396, and the releases with #18093) or
+    `_supports_draft_reuse_match_backoff` (the head of PR #19303 only). On main the hybrid class
+    sets neither: it inherits True, so a hybrid's MTP draft pool is paired whenever block reuse
+    is on, and unpaired (the carry stands aside for reuse off) when it is off."""
+    llm = _llm(version=version, enable_block_reuse=reuse)
+    profile = VERSIONS[version]
+    target = type(llm.executor.target)
+    reads = profile["pairing_reads"]
+    assert getattr(target, reads) is profile["supports"]
+    assert hasattr(target, "_supports_draft_reuse_match_backoff") == (version == "main+19303")
+    paired = reuse and profile["supports"]
+    draft = llm.executor.draft
+    assert (draft.enable_joint_kv_cache_reuse, draft._can_publish_block_reuse) == (paired, paired)
+    assert llm.executor.topology == ("paired" if paired else "unpaired")
+    assert (profile["topology"] == "paired") == bool(profile["supports"])  # the table's column
+    carry = attach(llm)
+    assert (carry.topology, carry.armed) == ("paired" if paired else "unpaired", reuse and not paired)
+    if not reuse:
+        assert carry.reason.startswith("block reuse is off")

@@ -113,6 +113,8 @@ def test_worker_install_adopts_every_warm_turn_at_8k_history_bit_equal_to_a_rebu
 @pytest.mark.parametrize(("options", "line"), [
     ({"version": "main+19303"},
      "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
+    ({"version": "main"},  # the hybrid inherits _supports_reuse_match_backoff = True: paired natively
+     "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
     ({"version": "1.2.1"},
      "mtp carry: stands aside: the target KV cache manager is CppMambaHybridCacheManager (KV "
      "cache manager V1"),
@@ -130,7 +132,9 @@ def test_the_worker_install_runs_after_the_draft_manager_in_prepare_and_before_i
         carry_env) -> None:
     llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64)
     names = [getattr(k, "name", k) for k in llm.executor.resource_manager.resource_managers]
-    assert names == ["DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "SEQ_SLOT_MANAGER", "KV_CACHE_MANAGER"]
+    # CROSS_KV_CACHE_MANAGER: always set by build_managers (None: decoder-only; _util.py @ 0004396)
+    assert names == ["DRAFT_KV_CACHE_MANAGER", "CROSS_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "SEQ_SLOT_MANAGER",
+                     "KV_CACHE_MANAGER"]
     req = llm.generate_async(user_tokens(0, 64), 4,
                              conversation_params=ConversationParams(conversation_id="o"))
     llm.run_until_done()
@@ -152,7 +156,8 @@ def test_with_kv_cache_estimation_the_served_executor_gets_a_carry_bound_to_its_
     # teardown_managers deleted the KV managers and the second build appended them after the
     # sequence slot manager the first build left: what is guaranteed is the carry after the
     # draft manager (prepare) and before it (free)
-    assert names == ["SEQ_SLOT_MANAGER", "DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY, "KV_CACHE_MANAGER"]
+    assert names == ["SEQ_SLOT_MANAGER", "DRAFT_KV_CACHE_MANAGER", "CROSS_KV_CACHE_MANAGER", CARRY_MANAGER_KEY,
+                     "KV_CACHE_MANAGER"]
     assert sum(m.startswith("mtp carry: installed") for m in worker.messages()[-2:]) == 2
 
 

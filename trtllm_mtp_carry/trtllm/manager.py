@@ -54,7 +54,7 @@ Invariants:
   a name a build lacks, ...) runs that turn blind, drops that request's carry
   state (skipped `fault`: it adopts and deposits nothing more), is counted by
   kind (`faults`, the exception's class name) and step (`errors`), and is
-  logged once per kind; the other requests and the executor go on, and
+  logged once per (step, kind); the other requests and the executor go on, and
   outputs never depend on the drafter's rows.
 - A request's state follows its chunks (`_Live.schedule`): a chunk counts as
   run only once the next one starts past it, so a chunk undone by
@@ -201,7 +201,7 @@ class CarryManagerCore:
         self._turns: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()  # faults by step (ERROR_STEPS)
         self._faults: Counter[str] = Counter()  # faults by kind: the exception's class name
-        self._logged: set[str] = set()  # fault kinds already logged (each once)
+        self._logged: set[tuple[str, str]] = set()  # (step, kind) already logged (each once)
         self._paused: OrderedDict[int, None] = OrderedDict()  # freed unfinished: may come back
         self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_request_id
         self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
@@ -494,14 +494,17 @@ class CarryManagerCore:
             live.record["rows_scattered"] = n
 
     def _fault(self, step: str, exc: Exception, rid: int | None) -> None:
-        """An exception inside the carry: counted by kind and step, logged once per kind, and
-        request `rid`'s carry state dropped (it adopts and deposits nothing more); never raised."""
+        """An exception inside the carry: counted by kind and step, logged once per (step, kind),
+        and request `rid`'s carry state dropped (it adopts and deposits nothing more); never raised.
+
+        The log key is the pair, not the kind alone: a `KeyError` at prepare and one at free are
+        two different failures, and an operator must see both."""
         kind = type(exc).__name__
         with self._lock:
             self._faults[kind] += 1
             self._errors[step] += 1
-            first = kind not in self._logged
-            self._logged.add(kind)
+            first = (step, kind) not in self._logged
+            self._logged.add((step, kind))
             live = None if rid is None else self._live.get(rid)
             if live is None and rid is not None and step == "prepare":
                 # seen now and dropped: a later chunk of it must not be judged as a first sight
@@ -512,8 +515,8 @@ class CarryManagerCore:
                 live.record["error"] = f"{step}: {kind}: {exc}"
         if first:
             logger.warning("mtp carry: %s raised %s (%s): that turn runs without the carry and "
-                           "the executor goes on; later %s faults are counted, not logged",
-                           step, kind, exc, kind)
+                           "the executor goes on; later %s faults at %s are counted, not logged",
+                           step, kind, exc, kind, step)
 
     def _skip_reason(self, request: Any, live: _Live | None, num_tokens: int) -> str | None:
         if request.is_dummy_request:

@@ -133,13 +133,17 @@ RECOMMENDED_KV_CACHE_CONFIG: dict[str, Any] = {
 model default is off) and the recommended snapshot placement. Every example configuration
 the package writes or shows carries them."""
 
+BLOCK_REUSE_POLICIES = ("all_reusable", "per_request", "per_conversation")
+"""`kv_cache_config.block_reuse_config.policy`'s values (TensorRT-LLM's `BlockReuseConfig`,
+`llm_args.py` @ 0004396; default `all_reusable`)."""
+
 SNAPSHOT_FIX = ("set kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end: [0] "
                 "(a snapshot at each prompt's end)")
 REUSE_FIX = "set kv_cache_config.enable_block_reuse: true"
 
 
 def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str, Any] | None,
-                      offsets_supported: bool = True) -> str | None:
+                      offsets_supported: bool = True, policy: str = "all_reusable") -> str | None:
     """Why a target with this reuse configuration can never reuse a prefix (one line naming what to
     set), or None when it can.
 
@@ -147,7 +151,11 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
     TensorRT-LLM's defaults: interval 0, no offsets, no branch snapshot); `hybrid`: the
     target is a hybrid (recurrent-state) manager, which reuses only at snapshot points;
     `offsets_supported`: the manager class honours the start/end offsets
-    (`_supports_additional_snapshot_offsets`, True on the V2 hybrid manager).
+    (`_supports_additional_snapshot_offsets`, True on the V2 hybrid manager); `policy`:
+    `kv_cache_config.block_reuse_config.policy`. TensorRT-LLM's validator
+    `disable_periodic_mamba_snapshots_for_conversations` (`llm_args.py` @ 0004396) sets the
+    periodic interval to 0 under `per_conversation`, so the interval counts only under the
+    other policies, and the line says why when it was the only placement.
     """
     if not enable_block_reuse:
         fix = REUSE_FIX + (f" and {SNAPSHOT_FIX[4:]}" if hybrid else "")
@@ -157,25 +165,49 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
         return None
     state = state or {}
     interval = state.get("periodic_snapshot_interval") or 0
+    dropped = interval if policy == "per_conversation" and interval else 0  # the source's validator
+    interval -= dropped
     offsets = bool(state.get("additional_snapshot_offsets_from_start")) or bool(
         state.get("additional_snapshot_offsets_from_end"))
     if interval > 0 or (offsets and offsets_supported) or state.get("enable_branch_snapshot"):
         return None
-    return ("the hybrid target keeps no snapshot point (kv_cache_config.mamba_state_config sets none): "
+    why = ("kv_cache_config.mamba_state_config sets none" if not dropped else
+           f"kv_cache_config.block_reuse_config.policy per_conversation turns "
+           f"mamba_state_config.periodic_snapshot_interval {dropped} off, and nothing else is set")
+    return (f"the hybrid target keeps no snapshot point ({why}): "
             f"no prefix is ever reused, so there is nothing to carry; {SNAPSHOT_FIX}")
 
 
 def kv_cache_config_of(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The `kv_cache_config` an `llm.yaml` gives a Qwen3-Next model: its keys over the model's
-    defaults (`get_model_defaults`: `enable_block_reuse` False; values the user sets win).
-    TrtllmAdapterError when it is not a mapping."""
+    """The `kv_cache_config` an `llm.yaml` gives a Qwen3-Next model, as the worker's executor will
+    hold it: its keys over the model's defaults (`get_model_defaults`: `enable_block_reuse` False;
+    values the user sets win), `block_reuse_config` with TensorRT-LLM's defaults (`policy`
+    `all_reusable`, `max_num_turns` 1), and the validator `disable_periodic_mamba_snapshots_for_
+    conversations` applied (`llm_args.py` @ 0004396: under `per_conversation` the periodic
+    interval is 0). TrtllmAdapterError (one line naming the value) when a section is not a
+    mapping or the policy is not one of `BLOCK_REUSE_POLICIES`. `ignored` holds the
+    `mamba_state_config` fields the validator reset, with the values the user set."""
     kv = options.get("kv_cache_config") or {}
     if not isinstance(kv, Mapping):
         raise TrtllmAdapterError(f"kv_cache_config must be a mapping, got {kv!r}")
     state = kv.get("mamba_state_config") or {}
     if not isinstance(state, Mapping):
         raise TrtllmAdapterError(f"kv_cache_config.mamba_state_config must be a mapping, got {state!r}")
-    return {"enable_block_reuse": bool(kv.get("enable_block_reuse", False)), "mamba_state_config": dict(state)}
+    reuse = kv.get("block_reuse_config") or {}
+    if not isinstance(reuse, Mapping):
+        raise TrtllmAdapterError(f"kv_cache_config.block_reuse_config must be a mapping, got {reuse!r}")
+    policy = reuse.get("policy", "all_reusable")
+    if policy not in BLOCK_REUSE_POLICIES:
+        raise TrtllmAdapterError(f"kv_cache_config.block_reuse_config.policy must be one of "
+                                 f"{', '.join(BLOCK_REUSE_POLICIES)}, got {policy!r}")
+    state = dict(state)
+    ignored: dict[str, Any] = {}  # what the validator reset, as the user set it
+    if policy == "per_conversation" and state.get("periodic_snapshot_interval"):
+        ignored["periodic_snapshot_interval"] = state["periodic_snapshot_interval"]
+        state["periodic_snapshot_interval"] = 0  # the validator: periodic snapshots off
+    return {"enable_block_reuse": bool(kv.get("enable_block_reuse", False)), "mamba_state_config": state,
+            "block_reuse_config": {"policy": policy, "max_num_turns": reuse.get("max_num_turns", 1)},
+            "ignored": ignored}
 
 
 def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:

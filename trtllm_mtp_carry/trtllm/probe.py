@@ -16,7 +16,8 @@ what is missing, never guessed around.
   layer_idx, ...)`, `_stream`, `_fresh_page_fill`, and the pairing markers
   `enable_joint_kv_cache_reuse`, `_can_publish_block_reuse` (#18093); the target
   manager: `enable_block_reuse`, its class (V1 hybrid managers are refused), the
-  class marker `_supports_draft_reuse_match_backoff` (what `KvCacheCreator` pairs on), and
+  class attribute `KvCacheCreator._joint_reuse_supported` pairs on (`_supports_reuse_match_backoff`,
+  `_util.py` @ 0004396; `_supports_draft_reuse_match_backoff` on the head of PR #19303 only), and
   for a hybrid target its reuse configuration (`kv_cache_config.mamba_state_config`,
   `_supports_additional_snapshot_offsets`).
 
@@ -32,6 +33,9 @@ Topologies:
 - `paired`: the draft pool publishes or reuses its own blocks: every key below
   the reused depth may be a tree-matched (shared) page: nothing may be written.
   The carry stands aside. Markers missing or disagreeing: refused (fail closed).
+  On TensorRT-LLM main (`_util.py` @ 0004396, `mamba_cache_manager_v2.py` @ 28295084) a
+  hybrid target inherits `_supports_reuse_match_backoff = True`, so its separate MTP draft
+  pool is paired whenever block reuse is on: the carry stands aside there.
 - `folded`: no separate draft pool (the `DRAFT_KV_CACHE_MANAGER` entry absent or None):
   the MTP layer's KV lives in the target pool and is reused with it. Stands aside.
 """
@@ -206,10 +210,12 @@ def _pairing(draft: Any, target: Any) -> tuple[bool, str]:
 
     Paired (stand aside) when the draft pool publishes (`_can_publish_block_reuse`) or
     reuses (`enable_joint_kv_cache_reuse`) blocks. Unpaired only when both markers are
-    present and false and the target's class does not claim the capability
-    `KvCacheCreator._joint_reuse_supported` pairs on (`_supports_draft_reuse_match_backoff`,
-    with `_supports_reuse_match_backoff`; absent or false); anything else (a marker
-    missing, or the target class claiming pairing the draft does not show) is refused.
+    present and false and the target's class does not claim the capability its version's
+    `KvCacheCreator._joint_reuse_supported` pairs on: `_supports_draft_reuse_match_backoff`
+    where the class has it (the head of PR #19303), else `_supports_reuse_match_backoff`
+    (`_util.py` @ 0004396; absent or false). Called with block reuse on (the creator pairs
+    only then), so anything else (a marker missing, or the target class claiming pairing the
+    draft does not show) is refused.
     """
     joint = getattr(draft, "enable_joint_kv_cache_reuse", _MISSING)
     publish = getattr(draft, "_can_publish_block_reuse", _MISSING)
@@ -229,7 +235,8 @@ def _pairing(draft: Any, target: Any) -> tuple[bool, str]:
         raise TrtllmAdapterError(
             f"cannot prove the draft pool shares no blocks ({found}): a pairing marker is "
             "missing, so the carry stands aside")
-    if joint is not False or publish is not False or draft_backoff not in (_MISSING, False):
+    capability = draft_backoff if draft_backoff is not _MISSING else backoff  # what the creator reads
+    if joint is not False or publish is not False or capability not in (_MISSING, False):
         raise TrtllmAdapterError(
             f"the pairing markers disagree ({found}): the carry cannot tell whether the draft "
             "pool shares blocks, so it stands aside")

@@ -21,8 +21,8 @@ its name and cites the file and commit it was read from (diff one against the ot
 | `conversation_params`, `mapping` | `tensorrt_llm/conversation_params.py`, `tensorrt_llm/mapping.py` |
 | `conformant` | (the stand-in's guard: `TRTLLM_NAMES`, `Conformant`) |
 
-Topologies: `unpaired` (draft pages fresh and unwritten over the reused prefix: the
-blind drafter), `paired` (the draft pool commits its context pages to its own tree and
+Topologies: `unpaired` (draft pages fresh over the reused prefix, holding what an earlier
+request left there or the pool's poison rows, never cleared: the blind drafter), `paired` (the draft pool commits its context pages to its own tree and
 the target's reuse is capped at the draft's matched depth), `folded` (no draft
 manager, `DRAFT_KV_CACHE_MANAGER: None`: the MTP layer's pages belong to the target
 manager and are restored with its prefix).
@@ -40,12 +40,18 @@ Invariants:
 
 from __future__ import annotations
 
-from ._util import VERSIONS, StandinLlmArgs, create_py_executor_instance
+from ._util import VERSIONS, StandinLlmArgs, create_py_executor_instance, joint_reuse
 from .conformant import TRTLLM_NAMES, Conformant
 from .conversation_params import ConversationParams
-from .kv_cache_manager_v2 import BAD_PAGE_INDEX, DraftKVManager, KVCacheManagerV2, PagedRows
+from .kv_cache_manager_v2 import (
+    BAD_PAGE_INDEX,
+    DraftKVManager,
+    KVCacheManagerV2,
+    PagedRows,
+    poison_page,
+)
 from .llm import StandinLLM
-from .llm_args import QWEN3_NEXT_MODEL_DEFAULTS, KvCacheConfig, MambaStateConfig
+from .llm_args import QWEN3_NEXT_MODEL_DEFAULTS, BlockReuseConfig, KvCacheConfig, MambaStateConfig
 from .llm_request import (
     FinishReason,
     LlmRequest,
@@ -75,6 +81,7 @@ TargetKVManager = MambaHybridCacheManagerV2
 
 __all__ = [
     "BAD_PAGE_INDEX", "QWEN3_NEXT_MODEL_DEFAULTS", "TRTLLM_NAMES", "VERSIONS", "BaseResourceManager",
+    "BlockReuseConfig", "joint_reuse", "poison_page",
     "Conformant", "ConversationParams", "DataType", "DraftKVManager", "FinishReason",
     "KVCacheManagerV2", "KvCacheConfig", "LlmRequest", "LlmRequestState", "MambaHybridCacheManagerV2",
     "MambaStateConfig", "Mapping", "PagedRows", "ResourceManager", "ResourceManagerType",

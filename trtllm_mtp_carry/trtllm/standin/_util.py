@@ -1,25 +1,48 @@
 """Stand-in for `tensorrt_llm/_torch/pyexecutor/_util.py`: `create_py_executor_instance` and the KV managers' build.
 
-Read (nothing ran): `_util.py` @ 00043967 and the index version of
-`create_py_executor_instance` (docs/TRTLLM-CONFORMANCE.md): keyword arguments
-(`dist`, `resources`, `mapping`, `pytorch_backend_config` or, newer, `llm_args`,
-`ctx_chunk_config`, `model_engine`, `start_worker`, `sampler`, `drafter`,
-`guided_decoder`, `lora_config`, `garbage_collection_gen0_threshold`,
-`kv_connector_manager`, `max_seq_len`, `max_batch_size`, `max_beam_width`,
-`max_num_tokens`, `peft_cache_config`, `scheduler_config`,
-`cache_transceiver_config`; newer: `virtual_memory_pools`, `execution_stream`); each
-`extra_resource_managers` entry is added to `resources` ("Cannot overwrite existing
-resource manager"), then the sequence slot manager, `ResourceManager(resources)`, and
-the KV cache manager moved last ("always invoked last"). `KvCacheCreator.build_managers`
-puts the target manager (`KV_CACHE_MANAGER`) and, for a one-model drafter with its own
-pool, the draft manager (`DRAFT_KV_CACHE_MANAGER`, `_mirror_draft_kv_cache`) into
-`resources`; without a separate draft pool the entry is None (notes section 0b);
-`teardown_managers` removes them before the second build under KV cache estimation.
-`KvCacheCreator` models the estimation's memory order on a modelled device (its docstring
-cites the rows).
+Read (nothing ran): `_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412, the newest version
+read; each name below is as that commit has it:
+
+- `create_py_executor_instance(*, dist, resources, mapping, llm_args, ctx_chunk_config,
+  model_engine, start_worker, sampler, drafter, guided_decoder=None, lora_config=None,
+  garbage_collection_gen0_threshold=None, kv_connector_manager=None,
+  resource_governor_queue=None, max_seq_len=None, max_batch_size=None, max_beam_width=None,
+  max_num_tokens=None, peft_cache_config=None, scheduler_config=None,
+  cache_transceiver_config=None, virtual_memory_pools=None, execution_stream=None,
+  dwdp_manager=None, max_num_sequences=None)`, keyword-only (older builds passed
+  `pytorch_backend_config=`; this one has no such parameter). `max_num_sequences` None is
+  `compute_max_num_sequences(mapping, max_batch_size, disable_overlap_scheduler)`: `max_batch_size`
+  without pipeline parallelism. Each `llm_args.extra_resource_managers` entry is added to
+  `resources` ("Cannot overwrite existing resource manager"), then
+  `resources[SEQ_SLOT_MANAGER] = SeqSlotManager(max_num_sequences)`, the KV-cache compression
+  manager (when `resources` has one) bound to the KV managers, `ResourceManager(resources)`, and
+  the KV cache manager moved last, then the cross KV cache manager (when not None), then the
+  compression manager ("the final reconciler").
+- `KvCacheCreator.__init__(*, model_engine, draft_model_engine, mapping, net_max_seq_len,
+  kv_connector_manager, max_num_tokens, max_beam_width, tokens_per_block, max_seq_len,
+  max_batch_size, kv_cache_config, llm_args, speculative_config, sparse_attention_config,
+  profiling_stage_data, is_disagg, execution_stream=None, draft_config=None, skip_est=False)`:
+  `is_disagg` is required.
+- `KvCacheCreator.build_managers(resources, estimating_kv_cache=False)`: the pairing decision
+  `_joint_kv_cache_reuse = has_separate_one_model_draft and enable_block_reuse and
+  _joint_reuse_supported()`, where `_joint_reuse_supported()` is V2, `getattr(
+  self._kv_cache_manager_cls, "_supports_reuse_match_backoff", False)` and a known draft
+  lookahead (one for MTP), passed as `joint_kv_cache_reuse=` to both managers; the
+  KV-cache compression manager from `llm_args.kv_cache_compression_config`
+  (`create_kv_cache_compression_manager`: None without a config); then
+  `resources[KV_CACHE_MANAGER]`, `resources[DRAFT_KV_CACHE_MANAGER]` (None without a separate
+  draft pool), `resources[CROSS_KV_CACHE_MANAGER]` (always set: None for a decoder-only model)
+  and, when it runs per iteration, `resources[KV_CACHE_COMPRESSION_MANAGER]`.
+- `KvCacheCreator.teardown_managers(resources)`: pops and shuts down the compression manager,
+  shuts down and deletes the KV, draft (when not None) and cross entries.
+
+`VERSIONS` plays what each TensorRT-LLM version's creator reads to pair a hybrid target's draft
+pool (docs/TRTLLM-CONFORMANCE.md, "Versions"). `KvCacheCreator` models the estimation's memory
+order on a modelled device (its docstring cites the rows).
 
 Invariant: the executor exists only through `create_py_executor_instance`, called with
-keywords only (a positional argument is a TypeError, as it is on TensorRT-LLM's).
+keywords only (a positional argument, or a keyword the source lacks, is a TypeError, as it
+is on TensorRT-LLM's).
 """
 
 from __future__ import annotations
@@ -46,25 +69,50 @@ from .resource_manager import (
 )
 from .torch_cuda import StandinDeviceMemory
 
+PAIRING_READ_MAIN = "_supports_reuse_match_backoff"
+"""The class attribute `KvCacheCreator._joint_reuse_supported` reads (`_util.py` @ 0004396)."""
+PAIRING_READ_19303 = "_supports_draft_reuse_match_backoff"
+"""What the head of PR #19303 reads instead (notes section 0, @ 38198e34); on no other version."""
+
 VERSIONS: dict[str, dict[str, Any]] = {
-    # what a hybrid one-model MTP model with block reuse gets, per TensorRT-LLM version (README
-    # "TensorRT-LLM versions", docs/TRTLLM-CONFORMANCE.md section 3): the target manager's class,
-    # whether the pairing markers exist (#18093), the target class's
-    # `_supports_draft_reuse_match_backoff` (#19303 sets it on the hybrid), the topology, and
-    # the `mamba_state_config` snapshot options the version's API reference lists (None: not read)
-    "1.2.1": {"target_class": "CppMambaHybridCacheManager", "markers": False,
-              "draft_reuse_match_backoff": False, "topology": "unpaired", "snapshot_options": None},
+    # what a hybrid one-model MTP model gets per TensorRT-LLM version (docs/TRTLLM-CONFORMANCE.md
+    # "Versions"): the target manager's class; whether the draft pool has the pairing markers
+    # (#18093); the class attribute that version's `_joint_reuse_supported` reads (None: no
+    # pairing) and the hybrid class's value of it; the topology with block reuse on (what
+    # `joint_reuse` gives, pinned by tests/trtllm/test_trtllm_versions.py); the
+    # `mamba_state_config` snapshot options the version's API reference lists (None: not read).
+    # The release rows are inferred from merge dates: #18093 (2026-09-07) is in 1.3.0rc29 and
+    # 1.4.0rc1, whose hybrid class opted out (`_supports_reuse_match_backoff = False` at an older
+    # commit, issue 37's reading; that commit was not found again in the index).
+    "1.2.1": {"target_class": "CppMambaHybridCacheManager", "markers": False, "pairing_reads": None,
+              "supports": False, "topology": "unpaired", "snapshot_options": None},
     "1.3.0rc29": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
-                  "draft_reuse_match_backoff": False, "topology": "unpaired",
+                  "pairing_reads": PAIRING_READ_MAIN, "supports": False, "topology": "unpaired",
                   "snapshot_options": MAMBA_STATE_FIELDS},
     "1.4.0rc1": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
-                 "draft_reuse_match_backoff": False, "topology": "unpaired",
+                 "pairing_reads": PAIRING_READ_MAIN, "supports": False, "topology": "unpaired",
                  "snapshot_options": MAMBA_STATE_FIELDS},
+    # main: `_util.py` and `kv_cache_manager_v2.py` @ 0004396, `mamba_cache_manager_v2.py` @
+    # 28295084 (the hybrid class inherits the base's True): paired whenever block reuse is on
+    "main": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
+             "pairing_reads": PAIRING_READ_MAIN, "supports": True, "topology": "paired",
+             "snapshot_options": MAMBA_STATE_FIELDS},
     "main+19303": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
-                   "draft_reuse_match_backoff": True, "topology": "paired",
+                   "pairing_reads": PAIRING_READ_19303, "supports": True, "topology": "paired",
                    "snapshot_options": MAMBA_STATE_FIELDS},
 }
 """The stand-in's TensorRT-LLM version profiles (`create_py_executor(version=...)`)."""
+
+
+def joint_reuse(profile: dict[str, Any], has_separate_one_model_draft: bool, enable_block_reuse: bool) -> bool:
+    """`KvCacheCreator.build_managers`'s pairing decision (`_util.py` @ 0004396) on `profile`:
+    `has_separate_one_model_draft and enable_block_reuse and _joint_reuse_supported()`, the last
+    the target class's value of the attribute the version reads (V2 and MTP's known lookahead
+    hold on every profile that reads one)."""
+    reads = profile["pairing_reads"]
+    cls = target_class(profile["target_class"], reads, profile["supports"])
+    supported = reads is not None and bool(getattr(cls, reads, False))
+    return has_separate_one_model_draft and enable_block_reuse and supported
 
 
 @dataclass
@@ -74,7 +122,7 @@ class StandinLlmArgs:
 
     model: HybridLM
     kv_cache_config: KvCacheConfig
-    topology: str = "unpaired"
+    topology: str | None = None  # None: as the version's creator decides; set by build_managers
     version: str = "1.3.0rc29"
     max_draft_len: int = 3
     chunk_size: int = 64
@@ -88,36 +136,50 @@ class StandinLlmArgs:
     overlap_scheduler: bool = False
     stop_token_ids: tuple[int, ...] = ()
     extra_resource_managers: dict[str, Any] = field(default_factory=dict)
+    kv_cache_compression_config: Any = None  # `TorchLlmArgs.kv_cache_compression_config` (None: off)
     pool: PagedRows | None = None  # the one stand-in page pool (draft or folded MTP pages)
     device_memory: StandinDeviceMemory | None = None  # the modelled device (None: not modelled)
 
 
 def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -> None:
-    """`KvCacheCreator.build_managers`: the draft manager (or None) and the target manager."""
+    """`KvCacheCreator.build_managers` (`_util.py` @ 0004396): the pairing decision, then the
+    target manager, the draft manager (or None), the cross manager (None: decoder-only) into
+    `resources`, in that order. `llm_args.topology`, when None, becomes what the version's
+    creator decides (`joint_reuse`); a topology given is played as given (a test's override)."""
     a = llm_args
     cfg = a.model.cfg
     profile = VERSIONS[a.version]
     mapping = Mapping(a.tp_size, a.enable_attention_dp)
+    if a.kv_cache_compression_config is not None:
+        # create_kv_cache_compression_manager: the stand-in models no compression algorithm
+        raise NotImplementedError("the stand-in models no KV-cache compression "
+                                  f"(kv_cache_compression_config={a.kv_cache_compression_config!r})")
     if a.pool is None:
         a.pool = PagedRows(a.num_pages, cfg.num_kv_heads, a.tokens_per_block, cfg.head_dim,
                            _TORCH_DTYPES[a.kv_dtype])
     mtp_layer = cfg.num_layers  # the MTP layer's global index is num_hidden_layers
+    has_separate = a.max_draft_len > 0 and a.topology != "folded"
+    if a.topology is None:
+        a.topology = "paired" if joint_reuse(profile, has_separate, a.kv_cache_config.enable_block_reuse) \
+            else "unpaired"
     draft: DraftKVManager | None = None
-    if a.max_draft_len > 0 and a.topology != "folded":
+    if has_separate:
         draft = DraftKVManager(a.pool, mtp_layer=mtp_layer, paired=a.topology == "paired",
                                entries=a.prefix_entries, draft_len=a.max_draft_len,
                                dtype=a.kv_dtype, mapping=mapping, kv_cache_config=a.kv_cache_config)
         if not profile["markers"]:  # a build from before #18093: no pairing markers at all
             del draft.enable_joint_kv_cache_reuse
             del draft._can_publish_block_reuse
-    cls = target_class(profile["target_class"], profile["draft_reuse_match_backoff"])
+    cls = target_class(profile["target_class"], profile["pairing_reads"], profile["supports"])
     target: MambaHybridCacheManagerV2 = cls(
         a.model, kv_cache_config=a.kv_cache_config, entries=a.prefix_entries,
         folded_paged=a.pool if a.topology == "folded" and a.max_draft_len > 0 else None,
         mtp_layer=mtp_layer, dtype=a.kv_dtype, mapping=mapping)
-    # as build_managers: the target's entry first, then the draft's (None: no separate pool)
+    # as build_managers: the target's entry first, then the draft's (None: no separate pool),
+    # then the cross pool's (None: not an encoder-decoder model); no compression manager
     resources[ResourceManagerType.KV_CACHE_MANAGER] = target
     resources[ResourceManagerType.DRAFT_KV_CACHE_MANAGER] = draft
+    resources[ResourceManagerType.CROSS_KV_CACHE_MANAGER] = None
 
 
 def page_nbytes(llm_args: StandinLlmArgs) -> int:
@@ -160,13 +222,23 @@ def size_kv_pool(llm_args: StandinLlmArgs, budget: int | None) -> int | None:
 
 
 def teardown_managers(resources: OrderedDict[Any, Any]) -> None:
-    """`KvCacheCreator.teardown_managers`: the KV managers are shut down and deleted from
-    `resources` (`_util.py`, index versions read in this pass), so the second build appends
-    them after whatever the first build added (the sequence slot manager)."""
-    for key in (ResourceManagerType.KV_CACHE_MANAGER, ResourceManagerType.DRAFT_KV_CACHE_MANAGER):
-        manager = resources.pop(key, None)
-        if manager is not None:
-            manager.shutdown()
+    """`KvCacheCreator.teardown_managers` (`_util.py` @ 0004396): the compression manager popped
+    and shut down; the KV manager shut down and deleted; the draft one shut down when not None
+    and deleted; the cross one shut down when not None and deleted when present. The second
+    build then appends them after whatever the first build added (the sequence slot manager)."""
+    compression = resources.pop(ResourceManagerType.KV_CACHE_COMPRESSION_MANAGER, None)
+    if compression is not None:
+        compression.shutdown()
+    resources[ResourceManagerType.KV_CACHE_MANAGER].shutdown()
+    del resources[ResourceManagerType.KV_CACHE_MANAGER]
+    draft = resources[ResourceManagerType.DRAFT_KV_CACHE_MANAGER]
+    if draft:
+        draft.shutdown()
+    del resources[ResourceManagerType.DRAFT_KV_CACHE_MANAGER]
+    cross = resources.get(ResourceManagerType.CROSS_KV_CACHE_MANAGER)
+    if cross is not None:
+        cross.shutdown()
+    resources.pop(ResourceManagerType.CROSS_KV_CACHE_MANAGER, None)
 
 
 class KvCacheCreator(Conformant):
@@ -191,7 +263,31 @@ class KvCacheCreator(Conformant):
 
     TRTLLM_CLASS = "KvCacheCreator"
 
-    def __init__(self, *, llm_args: StandinLlmArgs, skip_est: bool = False) -> None:
+    def __init__(self, *, model_engine: Any, draft_model_engine: Any, mapping: Any, net_max_seq_len: int,
+                 kv_connector_manager: Any, max_num_tokens: int, max_beam_width: int, tokens_per_block: int,
+                 max_seq_len: int, max_batch_size: int, kv_cache_config: KvCacheConfig,
+                 llm_args: StandinLlmArgs, speculative_config: Any, sparse_attention_config: Any,
+                 profiling_stage_data: dict[str, Any] | None, is_disagg: bool, execution_stream: Any = None,
+                 draft_config: Any = None, skip_est: bool = False) -> None:
+        # the source's keywords (`_util.py` @ 0004396), `is_disagg` required; kept, and read only
+        # where the stand-in models what they do (llm_args, kv_cache_config, skip_est)
+        self._model_engine = model_engine
+        self._draft_model_engine = draft_model_engine
+        self._mapping = mapping
+        self._net_max_seq_len = net_max_seq_len
+        self._kv_connector_manager = kv_connector_manager
+        self._max_num_tokens = max_num_tokens
+        self._max_beam_width = max_beam_width
+        self._tokens_per_block = tokens_per_block
+        self._max_seq_len = max_seq_len
+        self._max_batch_size = max_batch_size
+        self._kv_cache_config = kv_cache_config
+        self._speculative_config = speculative_config
+        self._sparse_attention_config = sparse_attention_config
+        self._profiling_stage_data = profiling_stage_data
+        self._is_disagg = is_disagg
+        self._execution_stream = execution_stream
+        self._draft_config = draft_config
         self._llm_args = llm_args
         self._max_gpu_total_bytes_in = llm_args.kv_cache_config.max_gpu_total_bytes
         self._skip_est = skip_est
@@ -236,36 +332,59 @@ class KvCacheCreator(Conformant):
             self._llm_args.device_memory.release(self._llm_args.device_memory.charged["kv"], "kv")
 
 
+def compute_max_num_sequences(mapping: Any, max_batch_size: int, disable_overlap_scheduler: bool,
+                              enable_overlap_headroom: bool = False) -> int:
+    """`_util.compute_max_num_sequences` (@ 0004396) without pipeline parallelism (the stand-in
+    has none): `max_batch_size`, twice that only with the opt-in overlap headroom."""
+    return max_batch_size * (2 if enable_overlap_headroom and not disable_overlap_scheduler else 1)
+
+
 def create_py_executor_instance(
-        *, dist: Any, resources: OrderedDict[Any, Any], mapping: Any, pytorch_backend_config: Any = None,
+        *, dist: Any, resources: OrderedDict[Any, Any], mapping: Any, llm_args: StandinLlmArgs,
         ctx_chunk_config: Any, model_engine: Any, start_worker: bool, sampler: Any, drafter: Any,
-        guided_decoder: Any, lora_config: Any, garbage_collection_gen0_threshold: Any,
-        kv_connector_manager: Any, max_seq_len: int, max_batch_size: int, max_beam_width: int,
-        max_num_tokens: int, peft_cache_config: Any, scheduler_config: Any,
-        cache_transceiver_config: Any, llm_args: StandinLlmArgs | None = None,
-        virtual_memory_pools: Any = None, execution_stream: Any = None) -> Any:
-    """Stand-in for `_util.create_py_executor_instance`: assemble the resource managers, build
-    the PyExecutor (started only with `start_worker=True`).
+        guided_decoder: Any = None, lora_config: Any = None, garbage_collection_gen0_threshold: Any = None,
+        kv_connector_manager: Any = None, resource_governor_queue: Any = None, max_seq_len: int | None = None,
+        max_batch_size: int | None = None, max_beam_width: int | None = None, max_num_tokens: int | None = None,
+        peft_cache_config: Any = None, scheduler_config: Any = None, cache_transceiver_config: Any = None,
+        virtual_memory_pools: Any = None, execution_stream: Any = None, dwdp_manager: Any = None,
+        max_num_sequences: int | None = None) -> Any:
+    """Stand-in for `_util.create_py_executor_instance` (@ 0004396): assemble the resource
+    managers, build the PyExecutor (started only with `start_worker=True`).
 
     As TensorRT-LLM: each `extra_resource_managers` entry is added to `resources`
-    (ValueError on an existing key), then the sequence slot manager, then
-    `ResourceManager(resources)` with the KV cache manager moved to the end. The worker
-    hook (`trtllm.worker`) wraps this function, as it wraps TensorRT-LLM's, to add the
-    carry before the executor exists.
+    (ValueError on an existing key), then the sequence slot manager (sized `max_num_sequences`),
+    the compression manager bound to the KV managers (when present), `ResourceManager(resources)`
+    with the KV cache manager moved to the end, then the cross manager (when not None), then the
+    compression manager. The worker hook (`trtllm.worker`) wraps this function, as it wraps
+    TensorRT-LLM's, to add the carry before the executor exists. The stand-in models no LoRA
+    (`lora_config` must be None) and no disaggregation (`cache_transceiver_config` None).
     """
     from .py_executor import StandinPyExecutor
 
-    args = llm_args if llm_args is not None else pytorch_backend_config
+    args = llm_args
     assert isinstance(args, StandinLlmArgs)
+    assert max_batch_size is not None
+    if lora_config is not None or cache_transceiver_config is not None:
+        raise NotImplementedError("the stand-in models neither LoRA nor disaggregated serving")
+    if max_num_sequences is None:
+        # llm_args.disable_overlap_scheduler is the stand-in's `not overlap_scheduler`
+        max_num_sequences = compute_max_num_sequences(mapping, max_batch_size, not args.overlap_scheduler)
     for key, value in args.extra_resource_managers.items():
         if key in resources:
             raise ValueError(f"Cannot overwrite existing resource manager {key}.")
         resources[key] = value
-    if ResourceManagerType.SEQ_SLOT_MANAGER not in resources:  # added after the extras
-        resources[ResourceManagerType.SEQ_SLOT_MANAGER] = SeqSlotManager()
+    resources[ResourceManagerType.SEQ_SLOT_MANAGER] = SeqSlotManager(max_num_sequences)
+    compression = resources.get(ResourceManagerType.KV_CACHE_COMPRESSION_MANAGER)
+    if compression is not None:
+        compression.bind_kv_cache_managers(resources[ResourceManagerType.KV_CACHE_MANAGER],
+                                           resources.get(ResourceManagerType.DRAFT_KV_CACHE_MANAGER))
     rm = ResourceManager(resources)
-    if ResourceManagerType.KV_CACHE_MANAGER in resources:
-        resources.move_to_end(ResourceManagerType.KV_CACHE_MANAGER)
+    if resources.get(ResourceManagerType.KV_CACHE_MANAGER) is not None:
+        rm.resource_managers.move_to_end(ResourceManagerType.KV_CACHE_MANAGER, last=True)
+    if resources.get(ResourceManagerType.CROSS_KV_CACHE_MANAGER) is not None:
+        rm.resource_managers.move_to_end(ResourceManagerType.CROSS_KV_CACHE_MANAGER, last=True)
+    if ResourceManagerType.KV_CACHE_COMPRESSION_MANAGER in rm.resource_managers:
+        rm.resource_managers.move_to_end(ResourceManagerType.KV_CACHE_COMPRESSION_MANAGER, last=True)
     executor = StandinPyExecutor(rm, model_engine, args, max_batch_size=max_batch_size)
     if start_worker:
         executor.start_worker()

@@ -1,15 +1,21 @@
 """Stand-in for `tensorrt_llm/_torch/pyexecutor/kv_cache/kv_cache_manager_v2.py`: `KVCacheManagerV2`.
 
-Read (nothing ran): `kv_cache_manager_v2.py` @ 00043967 and 38198e34 (notes sections 0, 0b):
+Read (nothing ran): `kv_cache_manager_v2.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412
+and 38198e34 (notes sections 0, 0b):
 `get_buffers(layer_idx, kv_layout="NHD")` (HND `[pages, kv_factor, kv_heads, tpb,
 head_dim]`), `get_batch_cache_indices(request_ids, layer_idx=None,
-num_blocks_per_seq=None)`, `free_resources(request)`, `layer_offsets` (global layer ->
+num_blocks_per_seq=None)` (@ 0004396: each request's cache is `self.kv_cache_map[req_id]`,
+a `KeyError` for a request the manager does not hold; its `num_blocks` entries, capped by
+`num_blocks_per_seq`, `BAD_PAGE_INDEX` kept as is, e.g. "evicted out-of-window SWA
+blocks"; no `raw_indices` parameter at that commit, so passing one is a TypeError here),
+`free_resources(request)`, `layer_offsets` (global layer ->
 local; the draft pool's one layer is the MTP layer, `num_hidden_layers`), the pairing
 markers of #18093 (`enable_joint_kv_cache_reuse`: built with `joint_kv_cache_reuse=`;
 `_can_publish_block_reuse = joint_kv_cache_reuse or not is_draft`), `kv_cache_config`
-(the manager keeps its config), `_fresh_page_fill` (None: off). The class markers
-`_supports_draft_reuse_match_backoff` / `_supports_reuse_match_backoff` are what
-`KvCacheCreator._joint_reuse_supported` reads (`_util.py` @ 00043967, notes section 0b).
+(the manager keeps its config), `_fresh_page_fill` (None: off). The class attribute
+`_supports_reuse_match_backoff = True` is what `KvCacheCreator._joint_reuse_supported` reads
+(`_util.py` @ 0004396); `_supports_draft_reuse_match_backoff` exists only on the head of PR
+#19303 (notes section 0, 38198e34), so this class has no such name.
 
 The draft pool (`DraftKVManager`, `is_draft`) is a `KVCacheManagerV2` built by
 `_mirror_draft_kv_cache`: unpaired, it has fresh pages and no lookup (the blind
@@ -36,14 +42,26 @@ from .resource_manager import BaseResourceManager, DataType
 from .scheduler import ScheduledRequests
 
 BAD_PAGE_INDEX = -1
+"""`tensorrt_llm.runtime.kv_cache_manager_v2.BAD_PAGE_INDEX`: a block the request's cache does not
+hold in the pool (kv_cache_manager_v2.py @ 0004396 passes such entries through untouched)."""
+
+POISON_SEED = 0x5EED
+"""Seed of the pattern a page holds before any request wrote it (see `PagedRows`)."""
 
 
 class PagedRows:
-    """One layer's paged HND KV `[pages, 2, kv_heads, tpb, head_dim]`, pages reference-counted."""
+    """One layer's paged HND KV `[pages, 2, kv_heads, tpb, head_dim]`, pages reference-counted.
+
+    A fresh page is never cleared, as TensorRT-LLM never clears one (`_fresh_page_fill` off): it
+    holds what the request that last used it left there, or, never used, a poison pattern (random
+    rows of the scale of real ones, seeded by `POISON_SEED`). A restore that is short or missed
+    therefore leaves wrong rows a test can see, never convenient zeros.
+    """
 
     def __init__(self, num_pages: int, num_kv_heads: int, tpb: int, head_dim: int,
                  dtype: torch.dtype) -> None:
-        self.buf = torch.zeros(num_pages, 2, num_kv_heads, tpb, head_dim, dtype=dtype)
+        self.buf = torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim, dtype=dtype)
+        self.buf.copy_(poison_page(num_kv_heads, tpb, head_dim, dtype).expand_as(self.buf))
         self.tpb = tpb
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
@@ -59,9 +77,7 @@ class PagedRows:
             raise RuntimeError("stand-in draft pool: out of pages")
         page = self._free.popleft()
         self._refs[page] = 1
-        # zeroed at allocation, before any manager's prepare, so a blind drafter reads zeros
-        # (as trtllm_smoke.py's blind run does); TensorRT-LLM leaves fresh pages unwritten
-        self.buf[page].zero_()
+        # not cleared: TensorRT-LLM leaves a fresh page as its last user left it (the class doc)
         return page
 
     def share(self, page: int) -> int:
@@ -75,25 +91,49 @@ class PagedRows:
 
     def release(self, rid: int) -> None:
         for page in self.tables.pop(rid, []):
-            self.unref(page)
+            if page != BAD_PAGE_INDEX:  # a dropped block holds no page any more
+                self.unref(page)
+
+    def drop_blocks(self, rid: int, blocks: Sequence[int]) -> None:
+        """Give back the pages of request `rid`'s blocks `blocks`, leaving `BAD_PAGE_INDEX` in
+        their table entries: what V2 does to out-of-window SWA blocks (kv_cache_manager_v2.py @
+        0004396, `get_batch_cache_indices_flat`: "BAD_PAGE_INDEX entries (e.g. evicted
+        out-of-window SWA blocks)"). The stand-in's way to produce such entries."""
+        table = self.tables[rid]
+        for block in blocks:
+            if table[block] != BAD_PAGE_INDEX:
+                self.unref(table[block])
+                table[block] = BAD_PAGE_INDEX
+
+    def _pages(self, rid: int, keys: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(self.tables[rid], dtype=torch.int64)
+        page = table[keys // self.tpb]
+        if bool((page == BAD_PAGE_INDEX).any()):  # never index the pool with -1 (its last page)
+            raise RuntimeError(f"request {rid}: keys on a BAD_PAGE_INDEX block (dropped)")
+        return page
 
     def write(self, rid: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys `[lo, lo + n)` get `k` (roped), `v` `[n, Hkv, D]` (the attention kernel's write)."""
         keys = torch.arange(lo, lo + k.shape[0])
-        table = torch.tensor(self.tables[rid], dtype=torch.int64)
-        page, slot = table[keys // self.tpb], keys % self.tpb
+        page, slot = self._pages(rid, keys), keys % self.tpb
         self.buf[page, 0, :, slot] = k.to(self.buf.dtype)
         self.buf[page, 1, :, slot] = v.to(self.buf.dtype)
 
     def read(self, rid: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(k, v)` `[hi - lo, Hkv, D]` of keys `[lo, hi)` (what the attention kernel reads)."""
         keys = torch.arange(lo, hi)
-        table = torch.tensor(self.tables[rid], dtype=torch.int64)
-        page, slot = table[keys // self.tpb], keys % self.tpb
+        page, slot = self._pages(rid, keys), keys % self.tpb
         return self.buf[page, 0, :, slot], self.buf[page, 1, :, slot]
 
     def pages_in_use(self) -> int:
         return sum(1 for r in self._refs if r)
+
+
+def poison_page(num_kv_heads: int, tpb: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rows `[2, kv_heads, tpb, head_dim]` every never-written page holds: standard normal
+    (the scale of real K/V rows), from `POISON_SEED`, so the same in every pool and run."""
+    gen = torch.Generator().manual_seed(POISON_SEED)
+    return torch.randn(2, num_kv_heads, tpb, head_dim, generator=gen).to(dtype)
 
 
 class KVCacheManagerV2(Conformant, BaseResourceManager):
@@ -106,10 +146,10 @@ class KVCacheManagerV2(Conformant, BaseResourceManager):
     """
 
     TRTLLM_CLASS = "KVCacheManagerV2"
-    # the pairing capability markers KvCacheCreator._joint_reuse_supported reads on the manager
-    # classes (notes section 0b, `_util.py` @ 00043967); a hybrid class of a release without
-    # #19303 opts out (MambaHybridCacheManagerV2 below)
-    _supports_draft_reuse_match_backoff = True
+    # "Read by KvCacheCreator: a subclass that overrides the context commit/history protocol opts
+    # out of generic reuse-match backoff" (kv_cache_manager_v2.py @ 0004396): the one pairing
+    # capability `KvCacheCreator._joint_reuse_supported` reads there (`_util.py` @ 0004396).
+    # `_supports_draft_reuse_match_backoff` exists only on the head of PR #19303: not here.
     _supports_reuse_match_backoff = True
 
     def __init__(self, *, is_draft: bool, mtp_layer: int, paged: PagedRows | None,
@@ -144,11 +184,21 @@ class KVCacheManagerV2(Conformant, BaseResourceManager):
 
     def get_batch_cache_indices(self, request_ids: list[int], layer_idx: int | None = None,
                                 num_blocks_per_seq: Sequence[int] | None = None) -> list[list[int]]:
+        """As `KVCacheManagerV2.get_batch_cache_indices` @ 0004396: per request, its cache
+        (`kv_cache_map[req_id]`: KeyError for a request this manager does not hold, e.g. one a
+        full draft IndexMapper skipped), its `num_blocks` page indices, capped at
+        `num_blocks_per_seq[i]`, `BAD_PAGE_INDEX` entries kept. The pool's page index needs no
+        scaling here (one layer, HND pages `[pages, 2, ...]`: `index * scale // kv_factor` is the
+        page)."""
         assert self.paged is not None
-        rows = [list(self.paged.tables.get(rid, [])) for rid in request_ids]
-        if num_blocks_per_seq is not None:
-            rows = [r[:n] for r, n in zip(rows, num_blocks_per_seq, strict=True)]
-        return rows
+        res = []
+        for i, rid in enumerate(request_ids):
+            table = self.paged.tables[rid]  # kv_cache_map[req_id]: KeyError when not held
+            num_blocks = len(table)
+            if num_blocks_per_seq is not None:
+                num_blocks = min(num_blocks, num_blocks_per_seq[i])
+            res.append(list(table[:num_blocks]))
+        return res
 
 
 @dataclass

@@ -12,16 +12,32 @@ configured"; `_torch/models/modeling_qwen3_next.py` @ 00022b04); values the user
 docs/source/features/kvcache.md @ 0076e939: periodic snapshots are "disabled by default";
 an end offset of `0` "selects the final prompt boundary".
 
+`llm_args.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412: `BlockReuseConfig` (`policy`:
+`Literal["all_reusable", "per_request", "per_conversation"] = "all_reusable"`, `max_num_turns:
+PositiveInt = 1`; the old key `block_reuse_policy` refused as renamed), `KvCacheConfig.
+block_reuse_config`, and the validator `disable_periodic_mamba_snapshots_for_conversations`
+(mode "after"): with policy `per_conversation` and `mamba_state_config.periodic_snapshot_interval
+!= 0`, a warning and the interval set to 0 on a copy of the state config. At that commit
+`MambaStateConfig.enable_branch_snapshot` is a field of its own (no alias).
+
 Only the fields the hybrid manager's reuse reads are modelled.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .conformant import Conformant
+
+logger = logging.getLogger("tensorrt_llm")  # the stand-in's TensorRT-LLM logger
+
+BLOCK_REUSE_POLICIES = ("all_reusable", "per_request", "per_conversation")
+"""`BlockReuseConfig.policy`'s values (llm_args.py @ 0004396; `BlockReusePolicy` in
+kv_cache_manager_v2.py @ 0004396)."""
 
 
 @dataclass
@@ -47,9 +63,45 @@ class MambaStateConfig(Conformant):
 
 
 @dataclass
+class BlockReuseConfig:
+    """`kv_cache_config.block_reuse_config` (llm_args.py @ 0004396): KV cache manager V2's reuse policy.
+
+    `per_request` commits reusable blocks only after the final context chunk; `per_conversation`
+    does so too and keeps a conversation's last `max_num_turns` turns, with periodic Mamba
+    snapshots off (`KvCacheConfig`'s validator). A bad value is a ValueError naming it."""
+
+    policy: str = "all_reusable"
+    max_num_turns: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in BLOCK_REUSE_POLICIES:
+            raise ValueError(f"block_reuse_config.policy must be one of {', '.join(BLOCK_REUSE_POLICIES)}, "
+                             f"got {self.policy!r}")
+        if isinstance(self.max_num_turns, bool) or not isinstance(self.max_num_turns, int) \
+                or self.max_num_turns < 1:
+            raise ValueError(f"block_reuse_config.max_num_turns must be an int >= 1, got {self.max_num_turns!r}")
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any] | BlockReuseConfig | None) -> BlockReuseConfig:
+        """The section a user's `kv_cache_config` gives (None: the defaults); the key renamed at
+        0004396 (`block_reuse_policy`) is refused as the source refuses it."""
+        if isinstance(value, BlockReuseConfig):
+            return value
+        value = dict(value or {})
+        if "block_reuse_policy" in value:
+            raise ValueError("'kv_cache_config.block_reuse_config.block_reuse_policy' was renamed to "
+                             "'kv_cache_config.block_reuse_config.policy'.")
+        return cls(**value)
+
+
+@dataclass
 class KvCacheConfig(Conformant):
-    """`kv_cache_config`: the fields the stand-in reads (block reuse, snapshot placement, and the
-    capacity knobs of KV cache estimation)."""
+    """`kv_cache_config`: the fields the stand-in reads (block reuse, its policy, snapshot placement,
+    and the capacity knobs of KV cache estimation).
+
+    Built, it has passed the source's validator `disable_periodic_mamba_snapshots_for_conversations`
+    (llm_args.py @ 0004396): policy `per_conversation` sets `periodic_snapshot_interval` to 0 (a
+    warning), so such a configuration reuses only at its offsets or branch points."""
 
     TRTLLM_CLASS = "KvCacheConfig"
 
@@ -59,6 +111,17 @@ class KvCacheConfig(Conformant):
     # `free_gpu_memory_fraction` default 0.9, `max_gpu_total_bytes` default 0: not set)
     free_gpu_memory_fraction: float = 0.9
     max_gpu_total_bytes: int = 0
+    block_reuse_config: BlockReuseConfig = field(default_factory=BlockReuseConfig)
+
+    def __post_init__(self) -> None:
+        # disable_periodic_mamba_snapshots_for_conversations (llm_args.py @ 0004396)
+        state = self.mamba_state_config
+        if self.block_reuse_config.policy == "per_conversation" and state.periodic_snapshot_interval != 0:
+            interval = state.periodic_snapshot_interval
+            logger.warning("'kv_cache_config.mamba_state_config.periodic_snapshot_interval=%s' is ignored "
+                           "because 'kv_cache_config.block_reuse_config.policy=per_conversation' disables "
+                           "periodic Mamba snapshots; setting it to 0.", interval)
+            self.mamba_state_config = dataclasses.replace(state, periodic_snapshot_interval=0)
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any] | KvCacheConfig | None) -> KvCacheConfig:
@@ -76,7 +139,8 @@ class KvCacheConfig(Conformant):
             state = MambaStateConfig(**state)
         fraction = merged.get("free_gpu_memory_fraction")
         return cls(bool(merged["enable_block_reuse"]), state,
-                   0.9 if fraction is None else float(fraction), int(merged.get("max_gpu_total_bytes") or 0))
+                   0.9 if fraction is None else float(fraction), int(merged.get("max_gpu_total_bytes") or 0),
+                   BlockReuseConfig.from_dict(merged.get("block_reuse_config")))
 
 
 QWEN3_NEXT_MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"kv_cache_config": {"enable_block_reuse": False}}

@@ -2,7 +2,9 @@
 
 Read (nothing ran): `llm_request.py` @ 002f3cc3 (`LlmRequestState =
 tensorrt_llm.bindings.LlmRequestState`, `FinishReason`, `executor_request_to_llm_request`:
-`cache_salt_id=executor_request.cache_salt_id`, the client id else the request id);
+only `cache_salt=executor_request.cache_salt` (no `cache_salt_id`; older builds passed that
+id, which this stand-in's requests also carry for the package's fallback), the client id
+else the request id);
 `cpp/include/tensorrt_llm/batch_manager/llmRequest.h` @ 00e9b8a7 (the state values,
 every `is*State` predicate, `finishByReason`, `isLastContextChunk`); the nanobind names
 @ cc8cd5af. `expect_snapshot_points` is the list `prepare_expect_snapshot_points`

@@ -29,6 +29,14 @@ stand-in follows, row by row:
   `prepopulated_prompt_len` are set to R.
 - With `enable_block_reuse` and no placement at all, nothing is ever committed: every
   turn reuses 0 tokens.
+- `__init__` keeps `kv_cache_config.model_copy(deep=True)` as `self.kv_cache_config` and, when
+  the manager has Mamba layers and block reuse is on, rewrites that copy's
+  `block_reuse_config.policy` `all_reusable` to `per_request` ("SSM reuse is valid only at
+  explicit snapshot boundaries"); the caller's config is untouched. The class sets no
+  `_supports_reuse_match_backoff` (an older commit set it False): it inherits
+  `KVCacheManagerV2`'s True, so `KvCacheCreator` @ 0004396 pairs a hybrid's separate one-model
+  draft pool whenever block reuse is on (`standin._util.VERSIONS`: `main`). Earlier release
+  profiles get a class that opts out (`target_class`).
 
 Invariant: every committed entry holds exactly the rows and state a prefill of its
 tokens computes (the stand-in clones them at the commit); entries are evicted oldest
@@ -37,6 +45,8 @@ first past `entries`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +78,13 @@ class MambaHybridCacheManagerV2(KVCacheManagerV2):
     def __init__(self, model: HybridLM, *, kv_cache_config: KvCacheConfig, entries: int,
                  folded_paged: PagedRows | None, mtp_layer: int, dtype: DataType,
                  mapping: Mapping) -> None:
+        # as mamba_cache_manager_v2.py @ 28295084: a deep copy, its policy rewritten for SSM reuse
+        kv_cache_config = copy.deepcopy(kv_cache_config)
+        has_mamba_layers = any(kind != "full" for kind in model.cfg.layer_types)
+        if has_mamba_layers and kv_cache_config.enable_block_reuse \
+                and kv_cache_config.block_reuse_config.policy == "all_reusable":
+            kv_cache_config.block_reuse_config = dataclasses.replace(
+                kv_cache_config.block_reuse_config, policy="per_request")
         super().__init__(is_draft=False, mtp_layer=mtp_layer, paged=folded_paged, dtype=dtype,
                          mapping=mapping, kv_cache_config=kv_cache_config)
         self.model = model
@@ -169,15 +186,22 @@ class MambaHybridCacheManagerV2(KVCacheManagerV2):
             self.paged.release(request.py_request_id)
 
 
-_TARGET_CLASSES: dict[tuple[str, bool], type[MambaHybridCacheManagerV2]] = {}
+_TARGET_CLASSES: dict[tuple[str, str | None, bool], type[MambaHybridCacheManagerV2]] = {}
 
 
-def target_class(name: str, supports_draft_backoff: bool) -> type[MambaHybridCacheManagerV2]:
-    """The target manager's class as a release names it, with its pairing capability marker
-    (`_supports_draft_reuse_match_backoff`: False on hybrids before #19303)."""
-    key = (name, supports_draft_backoff)
+def target_class(name: str, capability: str | None, supports: bool) -> type[MambaHybridCacheManagerV2]:
+    """The target manager's class as a version names it, with the pairing capability that
+    version's `KvCacheCreator._joint_reuse_supported` reads on it.
+
+    `capability` is the class attribute's name: `_supports_reuse_match_backoff` (`_util.py` @
+    0004396; `main` leaves it to `KVCacheManagerV2`'s True, the release profiles set False as the
+    older hybrid class did), `_supports_draft_reuse_match_backoff` (the head of PR #19303 only,
+    notes section 0 @ 38198e34), None (a version without pairing). An attribute is set only where
+    it differs from what the class inherits, so a name the version lacks stays absent."""
+    key = (name, capability, supports)
     if key not in _TARGET_CLASSES:
-        body: dict[str, Any] = {"__doc__": f"Stand-in for TensorRT-LLM's {name} (target pool).",
-                                "_supports_draft_reuse_match_backoff": supports_draft_backoff}
+        body: dict[str, Any] = {"__doc__": f"Stand-in for TensorRT-LLM's {name} (target pool)."}
+        if capability is not None and getattr(MambaHybridCacheManagerV2, capability, None) is not supports:
+            body[capability] = supports
         _TARGET_CLASSES[key] = type(name, (MambaHybridCacheManagerV2,), body)
     return _TARGET_CLASSES[key]

@@ -8,7 +8,11 @@ estimation twice (the KV managers torn down and built again in between, over one
 `kv_cache_creator.build_managers(resources, False)`); then `py_executor.start_worker()`.
 Newer versions pass `llm_args=` instead of `pytorch_backend_config=` and add
 `virtual_memory_pools=` and `execution_stream=` (notes section 0b); the stand-in passes
-the newer set. The KV managers come from `KvCacheCreator`, imported by name from
+the set 000429d5 passes (the `_util.py` @ 0004396 it calls has no `pytorch_backend_config`).
+`py_executor_creator.py` @ 000429d5 is the only version of this file the index holds and it
+builds `KvCacheCreator(...)` without `is_disagg`, which `_util.py` @ 0004396 requires: the
+stand-in passes `is_disagg=False` (no cache transceiver, as `_util` derives it) with the
+other keywords 000429d5 passes. The KV managers come from `KvCacheCreator`, imported by name from
 `._util` and built through this module's global name (@ 000429d57d42ecc8d481e5cdf653fff238be5974):
 `kv_cache_creator = KvCacheCreator(...)`, `estimating_kv_cache =
 kv_cache_creator.try_prepare_estimation()`, `kv_cache_creator.build_managers(resources,
@@ -57,7 +61,8 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
     `KvCacheConfig`) over Qwen3-Next's model defaults: None gets block reuse off;
     `enable_block_reuse` (the stand-in's shorthand) overrides its `enable_block_reuse`
     (False: the rebuild baseline, every turn prefills from 0). `topology` is `unpaired`,
-    `paired` or `folded` (default: the `version` profile's); `max_draft_len=0` runs
+    `paired` or `folded` (default None: what the `version`'s creator decides, `_util.joint_reuse`:
+    paired on `main` and `main+19303` with block reuse on, else unpaired); `max_draft_len=0` runs
     without speculation (no draft pool). `estimate_kv_cache=True` builds the executor
     twice over one `resources` dict (an `extra_resource_managers` entry then raises on
     the second build, as on TensorRT-LLM).
@@ -79,19 +84,27 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
         config = dataclasses.replace(config, enable_block_reuse=enable_block_reuse)
     args = StandinLlmArgs(
         model=model.eval(), kv_cache_config=config,
-        topology=VERSIONS[version]["topology"] if topology is None else topology, version=version,
+        topology=topology, version=version,
         max_draft_len=max_draft_len, chunk_size=chunk_size, tokens_per_block=tokens_per_block,
         num_pages=num_pages, prefix_entries=prefix_entries, max_batch=max_batch, kv_dtype=kv_dtype,
         tp_size=tp_size, enable_attention_dp=enable_attention_dp, overlap_scheduler=overlap_scheduler,
         stop_token_ids=tuple(stop_token_ids), extra_resource_managers=dict(extra_resource_managers or {}),
         device_memory=device_memory)
-    if args.topology not in ("unpaired", "paired", "folded"):
+    if args.topology not in (None, "unpaired", "paired", "folded"):
         raise ValueError(f"topology must be unpaired, paired or folded, got {args.topology!r}")
     model_engine = SimpleNamespace(model=args.model)  # PyTorchModelEngine (.model)
     resources: OrderedDict[Any, Any] = OrderedDict()
+    mapping = TrtllmMapping(args.tp_size, args.enable_attention_dp)
     # as create_py_executor: the creator through this module's global name, then
     # try_prepare_estimation (the worker hook reserves the carry's memory first, in its wrap)
-    kv_cache_creator = KvCacheCreator(llm_args=args, skip_est=not estimate_kv_cache)
+    kv_cache_creator = KvCacheCreator(
+        model_engine=model_engine, draft_model_engine=None, mapping=mapping, net_max_seq_len=1 << 20,
+        kv_connector_manager=None, max_num_tokens=args.chunk_size, max_beam_width=1,
+        tokens_per_block=args.tokens_per_block, max_seq_len=1 << 20, max_batch_size=args.max_batch,
+        kv_cache_config=args.kv_cache_config, llm_args=args,
+        speculative_config=SimpleNamespace(max_draft_len=args.max_draft_len) if args.max_draft_len else None,
+        sparse_attention_config=None, profiling_stage_data=None, is_disagg=False, execution_stream=None,
+        skip_est=not estimate_kv_cache)
     estimating_kv_cache = kv_cache_creator.try_prepare_estimation()
     kv_cache_creator.build_managers(resources, estimating_kv_cache)
     py_executor = _instance(resources, args, model_engine)

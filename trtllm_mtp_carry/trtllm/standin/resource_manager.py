@@ -40,10 +40,14 @@ _TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
 
 
 class ResourceManagerType(enum.Enum):
-    """Stand-in for TensorRT-LLM's `ResourceManagerType` (the keys of `resource_managers`)."""
+    """Stand-in for TensorRT-LLM's `ResourceManagerType` (the keys of `resource_managers`): the
+    keys `_util.py` @ 0004396 sets on every build (`build_managers`: KV, DRAFT_KV, CROSS_KV;
+    `create_py_executor_instance`: SEQ_SLOT) or may set (KV_CACHE_COMPRESSION)."""
 
     KV_CACHE_MANAGER = "KV_CACHE_MANAGER"
     DRAFT_KV_CACHE_MANAGER = "DRAFT_KV_CACHE_MANAGER"
+    CROSS_KV_CACHE_MANAGER = "CROSS_KV_CACHE_MANAGER"
+    KV_CACHE_COMPRESSION_MANAGER = "KV_CACHE_COMPRESSION_MANAGER"
     SEQ_SLOT_MANAGER = "SEQ_SLOT_MANAGER"
 
 
@@ -114,7 +118,11 @@ def _name(key: object) -> str:
 
 
 class SeqSlotManager(BaseResourceManager):
-    """Stand-in for the sequence slot manager (holds nothing the carry reads)."""
+    """Stand-in for the sequence slot manager (holds nothing the carry reads), built as
+    `SeqSlotManager(max_num_sequences)` (`_util.py` @ 0004396)."""
+
+    def __init__(self, max_num_sequences: int) -> None:
+        self.max_num_sequences = max_num_sequences
 
     def get_max_resource_count(self) -> int:
         return 1
