@@ -142,3 +142,51 @@ def test_a_cpu_restore_is_a_plain_copy_with_no_stream_and_no_event(monkeypatch):
     taken.ready()
     assert torch.equal(taken.head(10), rows_of(1))
     assert carried.stats()["hits"] == {"device": 0, "host": 1}
+
+
+def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the_cpu_waiting(monkeypatch):
+    """prepare_resources scatters a warm turn's rows on the draft manager's stream and returns:
+    the executor's stream (where the forward that reads the pages is queued) waits for the draft
+    stream on the GPU. Only a deposit's gather, whose pages go back to the pool at free, makes
+    the CPU wait. (Before: a `synchronize` after the scatter too, so a host-tier copy back could
+    never overlap the prefill.) The CUDA calls are the manager's seam, recorded."""
+    from standin_helpers import make_llm, user_tokens
+
+    from trtllm_mtp_carry.trtllm import manager as manager_module
+
+    log: list[str] = []
+
+    class DraftStream:
+        device = CUDA0
+
+        def synchronize(self) -> None:
+            log.append("cpu waits for the draft stream")
+
+    class ExecutorStream:
+        def wait_stream(self, stream: object) -> None:
+            assert stream is draft_stream
+            log.append("executor stream waits for the draft stream")
+
+    @contextmanager
+    def on_stream(stream: object):
+        assert stream is draft_stream
+        log.append("on the draft stream")
+        yield
+
+    draft_stream = DraftStream()
+    monkeypatch.setattr(manager_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(manager_module, "_on_stream", on_stream)
+    monkeypatch.setattr(manager_module, "_current_stream", lambda device: ExecutorStream())
+    llm, carry = make_llm("carry")
+    assert carry is not None and carry.manager is not None
+    carry.manager.draft._stream = draft_stream
+    prompt = user_tokens(0, 70)
+    cold = llm.executor.submit(prompt, 6, conversation_id="c", client_id=901)
+    llm.run_until_done()
+    assert log == ["on the draft stream", "cpu waits for the draft stream"]  # the deposit's gather
+    log.clear()
+    llm.executor.submit(cold.get_tokens(0) + user_tokens(100, 20), 6, conversation_id="c", client_id=902)
+    llm.run_until_done()
+    assert carry.pop_turn(902)["outcome"] == "adopted"  # type: ignore[index]
+    assert log == ["on the draft stream", "executor stream waits for the draft stream",  # the scatter
+                   "on the draft stream", "cpu waits for the draft stream"]  # the deposit's gather

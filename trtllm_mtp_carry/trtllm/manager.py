@@ -484,7 +484,7 @@ class CarryManagerCore:
                 taken.ready()  # host-tier rows: the draft stream waits for their copy back (GPU side)
                 scatter = scatter_packed_rows if self.carried.packed else scatter_rows  # fp8: unpacked as scattered
                 scatter(buf, pages, 0, taken.head(n))  # type: ignore[arg-type]  # head's form is scatter's
-                self._sync()
+            self._forward_waits_for_draft_stream()
         except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
             self._fault("scatter", exc, rid)
             return
@@ -539,18 +539,45 @@ class CarryManagerCore:
             return "session_end"
         return None
 
+    def _cuda_draft_stream(self) -> Any | None:
+        """KVCacheManagerV2._stream (a torch stream) where CUDA runs, else None."""
+        stream = getattr(self.draft, "_stream", None)
+        return stream if stream is not None and _cuda_available() else None
+
     def _draft_stream(self) -> AbstractContextManager[Any]:
-        stream = getattr(self.draft, "_stream", None)  # KVCacheManagerV2._stream (torch stream)
-        if stream is None or not torch.cuda.is_available():
-            return nullcontext()
-        return torch.cuda.stream(stream)
+        stream = self._cuda_draft_stream()
+        return nullcontext() if stream is None else _on_stream(stream)
 
     def _sync(self) -> None:
-        # The copy must land before the next forward reads the pages (scatter) or the pool
-        # hands them to another request (gather).
-        stream = getattr(self.draft, "_stream", None)
-        if stream is not None and torch.cuda.is_available():
+        # A gather's rows must be complete before free_resources hands the pages back to the
+        # pool (another request may then write them): the CPU waits here, at the end of a turn.
+        stream = self._cuda_draft_stream()
+        if stream is not None:
             stream.synchronize()
+
+    def _forward_waits_for_draft_stream(self) -> None:
+        # The scattered pages are first read by the next forward, queued on the executor's
+        # stream (current here, in prepare_resources): that stream waits for the draft stream
+        # on the GPU and the CPU goes on, so a host-tier copy back and the scatter overlap what
+        # the executor queues next (the prefill) instead of blocking prepare_resources.
+        stream = self._cuda_draft_stream()
+        if stream is not None:
+            _current_stream(stream.device).wait_stream(stream)
+
+
+# ---- the draft stream's CUDA calls (one seam: CPU tests put a recorder in their place) ----
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _on_stream(stream: Any) -> AbstractContextManager[Any]:
+    return torch.cuda.stream(stream)
+
+
+def _current_stream(device: torch.device) -> Any:
+    return torch.cuda.current_stream(device)
 
 
 def _turn_record(reused: int, outcome: str, rows_computed: int) -> dict[str, object]:
