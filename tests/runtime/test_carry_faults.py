@@ -19,7 +19,6 @@ import pytest
 import torch
 from engine_factories import engine, greedy_oracle, random_prompt, tiny_model
 
-from trtllm_mtp_carry.core.carry_store import CarryStore
 from trtllm_mtp_carry.core.outcome import Fault
 from trtllm_mtp_carry.dataplane.kv_pool import PoolExhaustedError
 from trtllm_mtp_carry.runtime import CarryRuntime
@@ -33,11 +32,12 @@ def model():
     return tiny_model(seed=13)
 
 
-def carry_engine(model, blocks=6, pool_blocks=256, host_memory=None, eviction="lrd", **config):
+def carry_engine(model, blocks=6, pool_blocks=256, host_memory=None, eviction="lrd", row_dtype="bf16",
+                 **config):
     """A carry engine whose store holds `blocks` drafter blocks (two 40-token first turns)."""
     eng = engine(model, num_drafter_blocks=pool_blocks, **config)
     eng.runtime = CarryRuntime(eng, "carry", slots=None, memory=blocks * eng.drafter_pool.block_nbytes,
-                               eviction=eviction, share=False, host_memory=host_memory)
+                               eviction=eviction, share=False, host_memory=host_memory, row_dtype=row_dtype)
     return eng
 
 
@@ -272,6 +272,23 @@ def test_a_fault_freeing_a_dropped_drafter_is_retried_once_and_nothing_leaks(mod
         r = turns.run("a", Both(), in_decode=True)
     assert_one_fault(eng, r, "release", "TypeError", caplog)
     assert r.stats.outcome == "carry (fault at release: TypeError)"
+    then_served(turns)
+
+
+@pytest.mark.parametrize(("site", "error", "step"), [("pack", RuntimeError, "deposit"),
+                                                     ("unpack", KeyError, "prepare")])
+def test_fp8_a_fault_packing_or_unpacking_frees_the_rows_once(model, monkeypatch, caplog, site, error, step):
+    eng = carry_engine(model, row_dtype="fp8")
+    turns = Turns(eng, model)
+    turns.run("b")
+    turns.run("a")
+    inject = Inject(monkeypatch, eng.runtime._packed, site, error(site))
+    with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
+        r = turns.run("a", inject)
+    assert_one_fault(eng, r, step, error.__name__, caplog)
+    assert eng.drafter_pool.carried_keys() == ()  # fp8 entries never stay in the pool
+    stats = eng.runtime.stats()
+    assert (stats.entries_held, stats.leases) == (1, 0)  # b's; a's rows are gone, once
     then_served(turns)
 
 

@@ -80,7 +80,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -128,6 +128,8 @@ FAULT_STEPS: tuple[str, ...] = (
     "release",  # a dropped drafter's rows freed and its lease ended
 )
 """Where the runtime caught a fault, in the order `CarryStats.fault_steps` lists them."""
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 FAULT_LOG = 4096
 """How many ended turns' faults `take_fault` keeps until the engine reads them (oldest dropped first)."""
@@ -290,13 +292,13 @@ class _Counters:
 
 
 def _guarded(step: str, recover: str, ends: bool = False,
-             passthrough: tuple[type[Exception], ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+             passthrough: tuple[type[Exception], ...] = ()) -> Callable[[F], F]:
     """Wrap a runtime method called per sequence (`seq_id` first) so no fault leaves it: an
     exception (other than `passthrough`) is counted and logged as `step` (`_fault`) and
     the method named `recover`, called with the same arguments, answers instead. With `ends` (the turn's end:
     finish, release), a turn that faulted earlier goes straight to `recover` (it deposits
     nothing), and its fault is kept for `take_fault` afterwards."""
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(method: F) -> F:
         @functools.wraps(method)
         def guarded(self: CarryRuntime, seq_id: int, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -311,7 +313,7 @@ def _guarded(step: str, recover: str, ends: bool = False,
             finally:
                 if ends:
                     self._end_turn(seq_id)
-        return guarded
+        return cast(F, guarded)
     return wrap
 
 
