@@ -189,3 +189,14 @@ def test_the_host_tier_line_sums_hits_bytes_and_copy_time_over_measured_replays(
     for r in range(3):
         carry.runtime[r]["carry_host_memory_bytes"] = 0  # no host tier: no line
     assert "host_tier" not in policy_summary(carry, 1)
+
+
+def test_a_faulted_turn_is_counted_as_a_fault_not_a_refusal():
+    carry, _ = carry_and_blind()
+    for r in range(3):
+        carry.turns.append(turn(r, "s1", 1, 40.0, kind="fault"))
+    s = policy_summary(carry, first_measured=1)
+    assert s["outcomes"] == {"adopted": 2, "fault": 2, "foreign_session": 2}
+    assert (s["faults"], s["refusals"]) == (2, {"foreign_session": 2})
+    table = summary_table({"carry": s})
+    assert "carry: faults 2 (turns a fault inside the carry ran without it)" in table.splitlines()

@@ -222,7 +222,7 @@ def test_stats_count_every_outcome(model):
     stats = eng.runtime.stats()
     assert stats.outcomes == {
         "adopted": 0, "no_carry": 1, "prefix_mismatch": 0, "foreign_session": 2,
-        "foreign_hiddens": 0, "no_hiddens": 0,
+        "foreign_hiddens": 0, "no_hiddens": 0, "fault": 0,
     }
     assert (stats.armed, stats.deposits, stats.rows_adopted) == (True, 3, 0)
 

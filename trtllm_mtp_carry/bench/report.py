@@ -22,8 +22,9 @@ from ..core.outcome import OUTCOME_KINDS
 from .driver import PolicyRun, TurnRecord
 from .stats import Spread, paired_ratio
 
-REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k != "adopted")
-"""Carry decisions that kept a warm turn from adopting rows (the runtime's counter names)."""
+REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k not in ("adopted", "fault"))
+"""Carry decisions that kept a warm turn from adopting rows (the runtime's counter names); a
+`fault` (an exception inside the carry cost the turn its carry) is no refusal: `faults`."""
 
 PAIRED_FIGURES = {"ttft": "ttft_ms", "acceptance": "acceptance", "accepted_per_step": "accepted_per_step",
                   "drafter_prep": "drafter_prep_ms"}
@@ -75,6 +76,7 @@ def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any
     out["outcomes"] = dict(sorted(kinds.items()))
     out["adoption_rate"] = kinds.get("adopted", 0) / len(s) if s else None
     out["refusals"] = {k: kinds[k] for k in REFUSAL_KINDS if kinds.get(k)}
+    out["faults"] = kinds.get("fault", 0)  # turns a fault inside the carry cost their carry
     misses = Counter(x.get("no_carry_reason") or "never_carried" for x in s
                      if x["outcome_kind"] == "no_carry")
     out["no_carry_reasons"] = dict(sorted(misses.items()))  # why no_carry: the session's entry was absent
@@ -266,6 +268,8 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
                          "its warm turns ran without carried rows")
         if s["refusals"]:
             notes.append(f"{policy}: refusals " + " ".join(f"{k}={v}" for k, v in s["refusals"].items()))
+        if s.get("faults"):
+            notes.append(f"{policy}: faults {s['faults']} (turns a fault inside the carry ran without it)")
         if s.get("no_carry_reasons"):
             notes.append(f"{policy}: no_carry by reason "
                          + " ".join(f"{k}={v}" for k, v in s["no_carry_reasons"].items()))

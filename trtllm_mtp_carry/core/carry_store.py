@@ -109,6 +109,7 @@ EVICTION_CAUSES: tuple[str, ...] = (
     "session_end",  # the session ended (`evict_session`)
     "replaced",  # the same key deposited newer rows
     "cleared",  # the runtime dropped every entry (`clear`)
+    "fault",  # an exception inside the carry lost its rows (`discard`: the executor no longer holds them)
 )
 """Why an entry left the store without being adopted, in the order counters list them."""
 
@@ -501,6 +502,29 @@ class CarryStore:
             self._drop_host(session_hash, cause)
             return None
         return self._leave_device(session_hash, cause)
+
+    def discard(self, key: int, cause: str = "fault") -> str | None:
+        """Forget `key`'s entry, in whichever tier holds it, without any host move: the executor
+        no longer holds its rows (a fault lost them) or frees them itself. Counted under
+        `cause` (an `EVICTION_CAUSES` name) and remembered as the key's miss reason; returns
+        the tier it left (`TIERS`), or None (nothing held, nothing counted)."""
+        if cause not in self._evictions:
+            raise ValueError(f"cause must be one of {EVICTION_CAUSES}, got {cause!r}")
+        if key in self._entries:
+            self._remove(key, cause)
+            return "device"
+        host = self._host
+        if host is None or key not in host.entries:
+            return None
+        host.pop(key)
+        self._evictions[cause] += 1
+        self._counts.host_evictions[cause] += 1
+        self._remember(key, cause)
+        return "host"
+
+    def leased(self, key: int) -> bool:
+        """Whether `key`'s entry is out on a lease (taken, not yet deposited again nor ended)."""
+        return key in self._leases
 
     def evict_session(self, session: int, cause: str = "session_end") -> list[CarriedDrafter]:
         """Evict every entry of `session` (under any salt) for `cause`; drop its leases too."""

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 
 class CarryOutcome:
-    """Base of the six outcome variants; never instantiated itself."""
+    """Base of the seven outcome variants; never instantiated itself."""
 
     __slots__ = ()
     kind: ClassVar[str]
@@ -22,6 +22,7 @@ class CarryOutcome:
     ForeignSession: ClassVar[type[ForeignSession]]
     ForeignHiddens: ClassVar[type[ForeignHiddens]]
     NoHiddens: ClassVar[type[NoHiddens]]
+    Fault: ClassVar[type[Fault]]
 
     @property
     def adopted(self) -> bool:
@@ -60,6 +61,7 @@ NO_CARRY_REASONS: tuple[str, ...] = (
     "too_large",  # the last deposit was refused: its rows exceed the whole budget
     "oom",  # the last deposit was refused: its rows could not be allocated (the executor said so)
     "not_deposited",  # the last turn adopted the rows and ended without depositing them
+    "fault",  # an exception inside the carry (store, data plane, host moves) lost the rows
 )
 """Why a session's own carried entry was absent, in the order counters list them."""
 
@@ -132,14 +134,30 @@ class NoHiddens(CarryOutcome):
         return "hidden store does not cover the append span"
 
 
+@dataclass(frozen=True, slots=True)
+class Fault(CarryOutcome):
+    """An exception inside the carry (its store, the data plane, the host moves) at `step` cost
+    this turn its carry: the turn runs without it (blind) and deposits nothing; `error` is the
+    exception's class name (`kind` is `fault`, as every variant's kind is its own). Not a miss and not an ownership conflict: the runtime that caught it
+    names the step (its own vocabulary) and counts it by step and kind."""
+
+    step: str
+    error: str
+    kind: ClassVar[str] = "fault"
+
+    def __str__(self) -> str:
+        return f"fault at {self.step}: {self.error}"
+
+
 CarryOutcome.Adopted = Adopted
 CarryOutcome.NoCarry = NoCarry
 CarryOutcome.PrefixMismatch = PrefixMismatch
 CarryOutcome.ForeignSession = ForeignSession
 CarryOutcome.ForeignHiddens = ForeignHiddens
 CarryOutcome.NoHiddens = NoHiddens
+CarryOutcome.Fault = Fault
 
 OUTCOME_KINDS: tuple[str, ...] = tuple(
-    v.kind for v in (Adopted, NoCarry, PrefixMismatch, ForeignSession, ForeignHiddens, NoHiddens)
+    v.kind for v in (Adopted, NoCarry, PrefixMismatch, ForeignSession, ForeignHiddens, NoHiddens, Fault)
 )
-"""Every variant's `kind`, in SPEC order (for counters that list zeros too)."""
+"""Every variant's `kind`, in SPEC order, `fault` last (for counters that list zeros too)."""

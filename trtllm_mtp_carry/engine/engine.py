@@ -569,15 +569,16 @@ class ReferenceEngine:
         k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
         live: list[int] = []
         for b, s in enumerate(seqs):  # bookkeeping per sequence: its own pool rows
-            self.runtime.wait_restored(s.request_id)  # rows copied back from the host tier
-            last = self._rows_of(s).sequence(s.request_id).last_pair_key
-            if last is None or last < len(s.tokens) - 2:  # first step: key0's row (later
-                try:  # steps got it from the previous verify)
+            try:
+                self.runtime.wait_restored(s.request_id)  # rows copied back from the host tier
+                last = self._rows_of(s).sequence(s.request_id).last_pair_key
+                if last is None or last < len(s.tokens) - 2:  # first step: key0's row (later
+                    # steps got it from the previous verify)
                     self._rows_of(s).append_rows(s.request_id, range(len(s.tokens) - 2, len(s.tokens) - 1),
                                                  k16[b:b + 1], v16[b:b + 1])  # key0[b], known on the host
-                except PoolExhaustedError as exc:
-                    self._drop_drafter(s, exc)
-                    continue
+            except Exception as exc:  # the pool ran out, or a fault inside the carry
+                self._drop_drafter(s, exc)
+                continue
             live.append(b)
         if not live:
             return {}
@@ -676,18 +677,28 @@ class ReferenceEngine:
         for s, _, k0, m in row_seqs:
             try:
                 self._rows_of(s).append_rows(s.request_id, range(k0, k0 + m), k[at:at + m], v[at:at + m])
-            except PoolExhaustedError as exc:
+            except Exception as exc:  # the pool ran out, or a fault inside the carry
                 self._drop_drafter(s, exc)
             at += m
 
     def _drop_drafter(self, seq: _Sequence, why: Exception) -> None:
-        """The drafter pool ran out: free this sequence's rows and decode on without drafts.
+        """The drafter pool ran out, or a drafter-row append faulted inside the carry (the store's
+        eviction ranking, the data plane, the host moves): free this sequence's rows and decode
+        on without drafts.
 
         Drafts only ever cost acceptance, so output is unchanged; the turn
         deposits nothing, and the pool is left consistent (a refused grow
-        changes nothing).
+        changes nothing; after a fault the runtime's `_repair` frees what no one
+        holds). A fault is the turn's (`CarryRuntime.note_fault`: counted by step
+        and class, logged once per kind), never the step's; the paired pool's is raised.
         """
-        logger.warning("request %d: drafter off for the rest of the turn: %s", seq.request_id, why)
+        exhausted = isinstance(why, PoolExhaustedError)
+        if not exhausted:
+            if seq.policy is DrafterPolicy.PAIRED:
+                raise why
+            self.runtime.note_fault(seq.request_id, "append", why)
+        else:
+            logger.warning("request %d: drafter off for the rest of the turn: %s", seq.request_id, why)
         if seq.policy is DrafterPolicy.PAIRED:
             self.paired.release(seq.request_id)
         else:
@@ -714,7 +725,7 @@ class ReferenceEngine:
             if rows.last_pair_key is None or rows.last_pair_key < last_key:
                 try:
                     self._append_real_rows(seq, last_key, seq.last_hidden[None])
-                except PoolExhaustedError as exc:
+                except Exception as exc:  # the pool ran out, or a fault inside the carry
                     self._drop_drafter(seq, exc)
         if seq.policy is DrafterPolicy.PAIRED:  # publish the rows to the drafter tree
             self.paired.finish(seq.request_id, seq.tokens, seq.keys.root)
@@ -733,6 +744,11 @@ class ReferenceEngine:
         return PrefixKeys(seq.tokens, self.config.drafter_block_size, seq.keys.root)
 
     def _result(self, seq: _Sequence, reason: str) -> TurnResult:
+        fault = self.runtime.take_fault(seq.request_id) if seq.policy is not DrafterPolicy.PAIRED else None
+        if fault is not None:  # a fault cost the turn its carry, at whatever step
+            seq.stats.outcome = f"{seq.build.mode} ({fault})"
+            seq.stats.outcome_kind, seq.stats.no_carry_reason = fault.kind, ""
+            seq.stats.fault_step = fault.step
         output = seq.tokens[len(seq.prompt):]
         seq.stats.output_tokens = len(output)
         text_ids = output[:-1] if output and output[-1] == self.tokenizer.eos_id else output

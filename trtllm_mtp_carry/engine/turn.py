@@ -36,6 +36,7 @@ class TurnStats(DraftRates):
     outcome: str = ""  # the drafter preparation, as a log line
     outcome_kind: str = ""  # the CarryOutcome's kind when one was decided, else the mode
     no_carry_reason: str = ""  # a no_carry outcome's reason (NO_CARRY_REASONS), else ""
+    fault_step: str = ""  # where a fault cost the turn its carry (outcome_kind `fault`), else ""
     drafter_rows_kept: int = 0
     drafter_rows_computed: int = 0
     keys_skipped: int = 0

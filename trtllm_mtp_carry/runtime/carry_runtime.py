@@ -59,18 +59,28 @@ Invariants:
   write, so it never depends on timing.
 - Any refusal falls back to the no-carry path. Output never depends on the
   carry, because the target verifies every draft.
+- No exception leaves `prepare`, `build_chunk`, `finish`, `cancel` or `release`
+  (`_guarded`; a pool-exhaustion `PoolExhaustedError` from `build_chunk` aside, the
+  engine's own fallback): a fault inside the carry store, the data plane or the host
+  moves costs that turn its carry (`Fault(step, error)`: it adopts and deposits
+  nothing more, a prepare fault runs the turn blind), is counted by exception class
+  (`faults`) and step (`fault_steps`, `FAULT_STEPS`), logged once per (step, class),
+  and `_repair` makes the store, the pool and the host or packed copies agree again,
+  freeing what no one holds any more exactly once; the engine serves the next step.
 - The carry is armed whenever configured, at any MTP dispatch cap: per-chunk
   rows make the model-level hidden store safe under interleaved prefills.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -97,16 +107,32 @@ from ..core import (
     parse_carry_memory,
     plan_append,
 )
-from ..core.outcome import Adopted, NoCarry
+from ..core.outcome import Adopted, Fault, NoCarry
 from ..core.plan import chunk_keys
 from ..core.row_format import RowFormat, check_row_dtype
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from ..dataplane.kv_pool import BlockKeys, CarriedBlocks
+from ..dataplane.kv_pool import BlockKeys, CarriedBlocks, PoolExhaustedError
 from .backend import CarryBackend
 from .host_moves import PoolHostMoves
 from .packed_rows import PackedCarry
 from .policy import DrafterPolicy
+
+logger = logging.getLogger("trtllm_mtp_carry")
+
+FAULT_STEPS: tuple[str, ...] = (
+    "prepare",  # admission: expiry, the adopt decision, the take (host restore, fp8 unpack), the adoption
+    "build",  # a prefill chunk's drafter rows: the hidden-row read, the rows, their append (and pressure evictions)
+    "append",  # the engine's decode-step drafter-row appends (`note_fault`), and their pressure evictions
+    "deposit",  # finish/cancel: sharing, admission (eviction ranking), host demotion, the move, the put
+    "release",  # a dropped drafter's rows freed and its lease ended
+)
+"""Where the runtime caught a fault, in the order `CarryStats.fault_steps` lists them."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+FAULT_LOG = 4096
+"""How many ended turns' faults `take_fault` keeps until the engine reads them (oldest dropped first)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +209,12 @@ class CarryStats:
     `row_dtype` is the carried rows' format (`carry_row_dtype`); with `fp8`, `packs`/
     `pack_ms` are the deposits packed out of the pool and `unpacks`/`unpack_ms` the
     adoptions unpacked into fresh blocks (`packed_rows.PackedCarry`).
+    Faults (exceptions inside the carry store, the data plane or the host moves, each
+    costing one turn its carry): `faults` by exception class name (as the TensorRT-LLM
+    adapter's `stats()["faults"]`), `fault_steps` by where they were caught (`FAULT_STEPS`),
+    `turns_faulted` the turns they cost their carry (each once: what a front end's
+    `mtp_carry_outcomes_total{kind="fault"}` counts); `outcomes["fault"]` are the admissions
+    whose carry decision faulted before it was carried out (instead of its kind).
     """
 
     armed: bool
@@ -236,6 +268,9 @@ class CarryStats:
     unpacks: int = 0
     pack_ms: float = 0.0
     unpack_ms: float = 0.0
+    faults: dict[str, int] = field(default_factory=dict)
+    fault_steps: dict[str, int] = field(default_factory=dict)
+    turns_faulted: int = 0
 
 
 @dataclass
@@ -251,6 +286,35 @@ class _Counters:
     no_carry: Counter[str] = field(default_factory=Counter)
     cancelled_kept: int = 0
     share_ms: float = 0.0
+    faults: Counter[str] = field(default_factory=Counter)  # by exception class name
+    fault_steps: Counter[str] = field(default_factory=Counter)  # by FAULT_STEPS
+    turns_faulted: int = 0
+
+
+def _guarded(step: str, recover: str, ends: bool = False,
+             passthrough: tuple[type[Exception], ...] = ()) -> Callable[[F], F]:
+    """Wrap a runtime method called per sequence (`seq_id` first) so no fault leaves it: an
+    exception (other than `passthrough`) is counted and logged as `step` (`_fault`) and
+    the method named `recover`, called with the same arguments, answers instead. With `ends` (the turn's end:
+    finish, release), a turn that faulted earlier goes straight to `recover` (it deposits
+    nothing), and its fault is kept for `take_fault` afterwards."""
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def guarded(self: CarryRuntime, seq_id: int, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if ends and seq_id in self._faulted:
+                    return getattr(self, recover)(seq_id, *args, **kwargs)
+                return method(self, seq_id, *args, **kwargs)
+            except passthrough:
+                raise
+            except Exception as exc:
+                self._fault(step, exc, seq_id)
+                return getattr(self, recover)(seq_id, *args, **kwargs)
+            finally:
+                if ends:
+                    self._end_turn(seq_id)
+        return cast(F, guarded)
+    return wrap
 
 
 class CarryRuntime:
@@ -322,6 +386,9 @@ class CarryRuntime:
         self._counters = _Counters()
         self._adopted: dict[int, int] = {}  # seq_id -> carry key whose rows it adopted (a lease)
         self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
+        self._faulted: dict[int, Fault] = {}  # seq_id -> its turn's first fault (live turns)
+        self._turn_faults: OrderedDict[int, Fault] = OrderedDict()  # ended turns' faults, for take_fault
+        self._logged: set[tuple[str, str]] = set()  # (step, exception class) already logged
         pool.on_evict = self._on_pool_evict
         pool.victim = self._pressure_victim
 
@@ -331,6 +398,7 @@ class CarryRuntime:
         """A fresh non-zero ticket for an admitted sequence (the runtime's own counter)."""
         return self._tickets.draw()
 
+    @_guarded("prepare", "_prepare_fault")
     def prepare(
         self,
         seq_id: int,
@@ -369,12 +437,14 @@ class CarryRuntime:
                 self._expire()
                 self._unreachable_host_entry(session_hash)
                 outcome = self._store.judge(session_hash, tokens, ticket, projected, session)
+            log_adopt(outcome, session_hash, ticket, len(tokens))
+            adopted = self._adopt(seq_id, session_hash, outcome, start) if isinstance(outcome, Adopted) else None
+            with self._lock:  # counted once carried out (a fault before counts as `fault`)
                 self._counters.outcomes[outcome.kind] += 1
                 if isinstance(outcome, NoCarry):
                     self._counters.no_carry[outcome.reason] += 1
-            log_adopt(outcome, session_hash, ticket, len(tokens))
-            if isinstance(outcome, Adopted):
-                return self._adopt(seq_id, session_hash, outcome, start)
+            if adopted is not None:
+                return adopted
         pool.allocate_sequence(seq_id)
         plan = plan_append(None, len(tokens), prefill_from, hi)
         first = None if plan is None else plan.first_key
@@ -387,6 +457,7 @@ class CarryRuntime:
             self._counters.turns_blind += 1
         return DrafterBuild("blind", outcome, 0, first, 0, 0, _ms(start))
 
+    @_guarded("build", "_build_fault", passthrough=(PoolExhaustedError,))
     def build_chunk(
         self, seq_id: int, ticket: int, build: DrafterBuild, prompt: Sequence[int],
         start: int, end: int,
@@ -417,6 +488,7 @@ class CarryRuntime:
                 self._counters.rows_prefilled += rows
         return rows
 
+    @_guarded("deposit", "_finish_fault", ends=True)
     def finish(
         self,
         seq_id: int,
@@ -505,15 +577,175 @@ class CarryRuntime:
         """Free a sequence's drafter rows without depositing them (its drafter was dropped).
 
         If it had adopted a carried entry, the store remembers `reason`
-        (a `NO_CARRY_REASONS` name) as why that key's next turn finds nothing.
+        (a `NO_CARRY_REASONS` name) as why that key's next turn finds nothing
+        (`fault` when a fault cost the turn its carry).
         """
         if reason not in NO_CARRY_REASONS:
             raise ValueError(f"reason must be one of {NO_CARRY_REASONS}, got {reason!r}")
+        self._release(seq_id, reason)
+
+    @_guarded("release", "_release_fault", ends=True)
+    def _release(self, seq_id: int, reason: str) -> None:
         self.wait_restored(seq_id)
         self._end_lease(self._adopted.pop(seq_id, None), reason)
         pool = self.backend.drafter_pool
         if pool.has_sequence(seq_id):
             pool.free_sequence(seq_id)
+
+    # ---- faults ------------------------------------------------------------------
+
+    def note_fault(self, seq_id: int, step: str, exc: Exception) -> None:
+        """The engine's own call into the data plane for `seq_id`'s drafter rows (a decode
+        step's append, and the pressure evictions it runs) raised `exc`: count it as the
+        turn's fault at `step` (`FAULT_STEPS`) and make the store and the pool agree again.
+        The engine then drops the drafter (`release`): the turn deposits nothing."""
+        self._fault(step, exc, seq_id)
+        with self._lock:
+            self._repair()
+
+    def take_fault(self, seq_id: int) -> Fault | None:
+        """The fault that cost `seq_id`'s turn its carry (None: none), removed: each is read once.
+        Kept from the fault until read, for the last `FAULT_LOG` ended turns."""
+        with self._lock:
+            fault = self._turn_faults.pop(seq_id, None)
+            return self._faulted.get(seq_id) if fault is None else fault
+
+    def _fault(self, step: str, exc: Exception, seq_id: int | None) -> None:
+        """An exception inside the carry at `step`: counted by class and step, logged once per
+        (step, class), and `seq_id`'s turn marked (it adopts and deposits nothing more)."""
+        error = type(exc).__name__
+        with self._lock:
+            c = self._counters
+            c.faults[error] += 1
+            c.fault_steps[step] += 1
+            first = (step, error) not in self._logged
+            self._logged.add((step, error))
+            if seq_id is not None and seq_id not in self._faulted:
+                self._faulted[seq_id] = Fault(step, error)
+                c.turns_faulted += 1
+        if first:
+            logger.warning("mtp carry: %s raised %s (%s): that turn runs without the carry and the "
+                           "engine goes on; later %s faults at %s are counted, not logged",
+                           step, error, exc, error, step)
+
+    def _end_turn(self, seq_id: int) -> None:
+        """`seq_id`'s turn ended: its fault, if any, waits for `take_fault`."""
+        with self._lock:
+            fault = self._faulted.pop(seq_id, None)
+            if fault is not None:
+                self._turn_faults[seq_id] = fault
+                while len(self._turn_faults) > FAULT_LOG:
+                    self._turn_faults.popitem(last=False)
+
+    def _prepare_fault(self, seq_id: int, ticket: int, session_hash: int, prompt: Sequence[int],
+                       prefill_from: int, policy: DrafterPolicy | str | None = None,
+                       warm: bool | None = None, session: int | None = None) -> DrafterBuild:
+        """`prepare` faulted: what it took is dropped (the rows it adopted are lost, the lease ends
+        as `fault`) and the turn runs blind, in a fresh drafter sequence: rows for the span its
+        prefill computes, as TensorRT-LLM's blind turn (none at all if even that faults)."""
+        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
+        fault = self._faulted.get(seq_id, Fault("prepare", "Exception"))
+        pool = self.backend.drafter_pool
+        with self._lock:
+            if policy is DrafterPolicy.CARRY and self.armed:
+                self._counters.outcomes[fault.kind] += 1  # the decision, never carried out
+            self._drop(seq_id, session_hash, "prepare")
+            try:
+                pool.allocate_sequence(seq_id)
+            except Exception as exc:  # the drafter is off: the engine's first append drops it
+                self._fault("prepare", exc, seq_id)
+                return DrafterBuild("off", fault, 0, None, 0, 0, 0.0)
+        hi = max(prefill_from, min(len(prompt), self.backend.hidden_store.capacity))
+        plan = plan_append(None, len(prompt), prefill_from, hi)
+        first = None if plan is None else plan.first_key
+        if prefill_from == 0 and first is not None:
+            warm = prefill_from > 0 if warm is None else warm
+            mode = "rebuild" if policy is DrafterPolicy.REBUILD and warm else "prefill"
+            return DrafterBuild(mode, fault, 0, first, 0, 0, 0.0)
+        with self._lock:
+            self._counters.turns_blind += 1
+        return DrafterBuild("blind", fault, 0, first, 0, 0, 0.0)
+
+    def _build_fault(self, seq_id: int, ticket: int, build: DrafterBuild, prompt: Sequence[int],
+                     start: int, end: int) -> int:
+        """`build_chunk` faulted: the chunk's keys get no rows (a gap the drafter reads around),
+        the next chunk's are built as planned, and the turn deposits nothing."""
+        with self._lock:
+            self._repair()
+            build.outcome = self._faulted.get(seq_id, build.outcome)
+        try:
+            span = chunk_keys(seq_id, build.next_key, start, end, len(prompt))
+        except Exception:  # the plan itself is broken: build nothing more
+            build.next_key = None
+            return 0
+        if span is not None:
+            build.next_key = None if span[1] >= len(prompt) - 2 else span[1] + 1
+        return 0
+
+    def _finish_fault(self, seq_id: int, session_hash: int, tokens: Sequence[int],
+                      policy: DrafterPolicy | str | None = None, ticket: int = 0,
+                      session: int | None = None, share: BlockKeys | None = None) -> bool:
+        """`finish` faulted, or the turn had: nothing is deposited, the rows are freed."""
+        with self._lock:
+            self._drop(seq_id, session_hash, "deposit")
+        return False
+
+    def _release_fault(self, seq_id: int, reason: str = "not_deposited") -> None:
+        """`release` faulted, or the turn had: its rows are freed, its lease ends as `fault`."""
+        with self._lock:
+            self._drop(seq_id, None, "release")
+
+    def _drop(self, seq_id: int, key: int | None, step: str) -> None:
+        """A faulted turn's carry state goes (caller holds the lock): its lease ends as `fault`
+        (the one it holds, or `key`'s if no live turn holds it: taken just before the fault),
+        its drafter rows are freed, and `_repair` frees what no one holds any more."""
+        lease = self._adopted.pop(seq_id, None)
+        if lease is None and key and self._store.leased(key) and key not in self._adopted.values():
+            lease = key
+        if lease is not None:
+            self._store.end_lease(lease, "fault")
+        pool = self.backend.drafter_pool
+        try:
+            if pool.has_sequence(seq_id):
+                pool.free_sequence(seq_id)
+        except Exception as exc:  # counted; the rows stay with the sequence (a later release frees them)
+            self._fault(step, exc, seq_id)
+        self._repair()
+
+    def _repair(self) -> None:
+        """Make the store, the pool's carried entries and the host (or packed) copies agree after a
+        fault (caller holds the lock): an entry whose rows are gone or differ leaves the store
+        (`discard`, counted as evicted for `fault`); rows no entry holds are freed, each once."""
+        store, pool = self._store, self.backend.drafter_pool
+        if self._packed is not None:
+            packed = self._packed
+            for tier, tier_entries, copies in (("device", store.entries(), packed.keys()),
+                                               ("host", store.host_entries, packed.host_keys())):
+                keys = {e.session_hash for e in tier_entries}
+                for k in keys.difference(copies):
+                    store.discard(k, "fault")
+                for k in set(copies).difference(keys):
+                    packed.forget(k, tier)
+            for k in pool.carried_keys():  # fp8 carries nothing in the pool
+                pool.free_carried(k)
+            return
+        entries = {e.session_hash: e for e in store.entries()}
+        for k, e in entries.items():
+            held = pool.carried(k)
+            if held is None or (held.block_table, held.rows, held.last_pair_key) != (
+                    e.block_table, e.rows, e.last_pair_key):
+                store.discard(k, "fault")
+                if held is not None:
+                    pool.free_carried(k)
+        for k in set(pool.carried_keys()).difference(entries):
+            pool.free_carried(k)
+        if self._host is not None:
+            host = {e.session_hash for e in store.host_entries}
+            host_copies = set(self._host.keys())
+            for k in host.difference(host_copies):
+                store.discard(k, "fault")
+            for k in host_copies.difference(host) | set(self._host.staged_keys()):
+                self._host.forget(k)
 
     def clear_slot(self) -> None:
         """Drop every carried entry and free its blocks (counted as `cleared`)."""
@@ -633,6 +865,9 @@ class CarryRuntime:
                 turns_cancelled_kept=c.cancelled_kept,
                 eviction_policy=self._store.policy,
                 idle_s=int(self._store.idle_s or 0),
+                faults=dict(sorted(c.faults.items())),
+                fault_steps={step: c.fault_steps.get(step, 0) for step in FAULT_STEPS},
+                turns_faulted=c.turns_faulted,
                 **self._tier_fields(),
             )
 
@@ -773,11 +1008,16 @@ class CarryRuntime:
         return held
 
     def _on_pool_evict(self, session_hash: int) -> None:
-        """The pool evicted `session_hash`'s rows for a live sequence: drop the entry too."""
+        """The pool evicted `session_hash`'s rows for a live sequence: drop the entry too (a fault
+        meanwhile: the store forgets it, `_repair`, and the grow's caller hears the fault)."""
         with self._lock:
-            self._store.evict(session_hash, "pool_pressure")  # with a host tier: demoted
-            if self._host is not None:
-                self._host.unstage(session_hash)
+            try:
+                self._store.evict(session_hash, "pool_pressure")  # with a host tier: demoted
+                if self._host is not None:
+                    self._host.unstage(session_hash)
+            except Exception:
+                self._repair()
+                raise
 
     def _pressure_victim(self) -> int | None:
         """The carried key a pool grow evicts next: the store policy's first victim (with a host

@@ -110,6 +110,15 @@ class PoolHostMoves:
         """Forget a staged copy the store did not demote (it evicted the entry instead)."""
         self._staged.pop(key, None)
 
+    def forget(self, key: int) -> None:
+        """Free `key`'s host copy and any staged copy (a fault: the store no longer holds the entry)."""
+        self._host.pop(key, None)
+        self._staged.pop(key, None)
+
+    def staged_keys(self) -> list[int]:
+        """Keys of the staged copies, sorted (empty between pool grows)."""
+        return sorted(self._staged)
+
     def ready(self, key: int) -> None:
         """The adopter of `key`'s restored rows is about to use them: order the current stream
         after their copy back (a GPU-side wait; nothing to do on the CPU or when none is in flight)."""

@@ -102,6 +102,10 @@ class PackedCarry:
         """Free `key`'s device copy (it left the store from the device tier)."""
         self._device.pop(key, None)
 
+    def forget(self, key: int, tier: str) -> None:
+        """Free `key`'s copy in `tier` (`device` or `host`): a fault left it without a store entry."""
+        (self._device if tier == "device" else self._host).pop(key, None)
+
     # ---- HostMoves: the packed form between the device and host memory ------------------
 
     def demote(self, entry: CarriedDrafter) -> bool:
