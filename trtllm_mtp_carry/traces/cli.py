@@ -220,12 +220,10 @@ def measure_copy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 
 def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "unbounded"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f}".rstrip("0").rstrip(".") + unit
-    return f"{n}B"
+    """A byte figure by the one rule (`core.settings.format_bytes`); None: no budget."""
+    from ..core.settings import format_bytes
+
+    return "unbounded" if n is None else format_bytes(n)
 
 
 def _pct(a: int, b: int) -> str:

@@ -462,9 +462,8 @@ def reserve_for(draft: Any, mtp_layer: int, options: Any, allocate: Allocate = t
     """The carry's arenas for draft KV manager `draft`'s MTP layer `mtp_layer` under `options`
     (`CarryOptions`: `carry_memory`, `carry_host_memory`, `carry_row_dtype`; None fields take the
     process settings). Raises `torch.OutOfMemoryError` when the memory is not there."""
-    from ..core import carry_host_memory, carry_row_dtype
+    from ..core import carry_row_dtype
 
     buf = draft.get_buffers(mtp_layer, kv_layout="HND")
     row_dtype = options.carry_row_dtype or carry_row_dtype()
-    host = carry_host_memory() if options.carry_host_memory is None else options.carry_host_memory
-    return reserve_arenas(buf, row_dtype, options.carry_memory, host, allocate)
+    return reserve_arenas(buf, row_dtype, options.device_bytes(), options.host_bytes(), allocate)
