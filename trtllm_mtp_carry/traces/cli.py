@@ -272,11 +272,15 @@ def run(args: argparse.Namespace) -> int:
     t_read = time.perf_counter() - t0
     from ..progress import progress
 
-    with progress(1 + len(policies), "trace-replay", "replay") as bar:  # the bound, then each policy
+    # one step for the clairvoyant bound (a pass over the whole trace of its own, as long as a
+    # policy's), then one per policy; the bar names the step it is on
+    with progress(1 + len(policies), "trace-replay", "step") as bar:
+        bar.set_postfix_str("clairvoyant bound")
         bound = clairvoyant_bound(trace, config)
         bar.update()
         results = []
         for name in policies:
+            bar.set_postfix_str(name)
             results.append(replay(trace, name, config))
             bar.update()
     t_all = time.perf_counter() - t0
