@@ -46,3 +46,48 @@ def _executor_placement_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in EXECUTOR_PLACEMENT_ENV:
         monkeypatch.setenv(name, "")  # records the value before the test, restored at teardown
         monkeypatch.delenv(name)
+
+
+# ---- parallel runs (pytest-xdist: scripts/test.sh runs `-n auto --dist loadgroup`) ----------
+
+SHARED_SERVER_FIXTURES = {"served": "triton-server"}
+"""Session-scoped fixtures that start a real server, by the xdist group of every test using
+them: those tests share one worker, so the server starts once (tests/serve/conftest.py's
+Triton server). A file's own `served` (function or module scope) does not count."""
+
+FIRST = ("tests/trtllm/test_trtllm_worker_install.py", "tests/test_readme_blocks.py", "dynamo",
+         "triton-server", "tests/serve/test_serve_cli.py", "tests/test_progress.py",
+         "tests/trtllm/test_trtllm_memory.py", "tests/trtllm/test_trtllm_fp8.py")
+"""The longest groups (scripts/test.sh's `--durations`), handed out first so none is the tail."""
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    """The worker group of `item`: its file, so module-scoped engines and servers start once;
+    the Dynamo tests one group (one deployment at a time: their failover checks time
+    hand-overs); the users of a shared server's session fixture that server's group."""
+    path = item.nodeid.split("::", 1)[0]
+    if path.startswith("tests/dynamo/"):
+        return "dynamo"
+    defs = getattr(item, "_fixtureinfo", None)
+    for name, group in SHARED_SERVER_FIXTURES.items():
+        chain = defs.name2fixturedefs.get(name, ()) if defs is not None else ()
+        if chain and chain[-1].scope == "session":
+            return group
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, group every test (`_xdist_group`) and put the longest groups first; a run
+    without workers keeps its order and ignores the marks."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+
+    def rank(item: pytest.Item) -> int:
+        group = _xdist_group(item)
+        return FIRST.index(group) if group in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: each group keeps its own order

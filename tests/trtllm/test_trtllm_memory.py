@@ -77,8 +77,8 @@ def test_the_kv_budget_shrinks_by_the_arena_reserved_before_estimation_measures(
     assert with_carry.charged["carry"] == CARRY
     assert _manager(llm).reserved.device.nbytes == CARRY and _manager(llm).reserved.host is None
     assert llm.executor.paged.buf.shape[0] == _budget(llm) // (32 * ROW)  # tokens_per_block rows a page
-    assert f"carried rows hold {CARRY} bytes of cpu memory, reserved before TensorRT-LLM's KV cache " \
-           "estimation measures free memory" in line
+    assert "carried rows hold 4MiB of cpu memory, reserved before TensorRT-LLM's KV cache " \
+           "estimation measures free memory" in line and "and 0B of host memory (one block = one " in line
     stats = _manager(llm).stats()
     assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (CARRY, 0)
 
@@ -91,7 +91,7 @@ def test_a_fixed_max_gpu_total_bytes_keeps_the_kv_cache_and_the_start_line_says_
     assert memory.charged == {"weights": WEIGHTS, "kv": 8 * MiB, "carry": CARRY}
     line = worker.messages()[-1]
     assert line.startswith(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY}")
-    assert f"carried rows hold {CARRY} bytes" in line and "max_gpu_total_bytes" in line
+    assert "carried rows hold 4MiB of cpu memory" in line and "max_gpu_total_bytes" in line
 
 
 def test_a_skipped_estimation_sizes_the_kv_cache_around_the_arena_reserved_at_try_prepare_estimation(

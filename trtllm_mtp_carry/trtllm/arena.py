@@ -97,9 +97,11 @@ class Reserved:
                 "you fixed leaves them on top of the KV cache)" if self.early else
                 "(a fixed kv_cache_config.max_gpu_total_bytes or max_tokens, or a skipped estimation, "
                 "leaves them on top of the KV cache)")
-        return (f"carried rows hold {self.device.nbytes} bytes of {self.device.device.type} memory, reserved "
-                f"before TensorRT-LLM's KV cache estimation measures free memory {when}, and {host} bytes of "
-                f"{kind}host memory (one block = one {self.device.block_nbytes}-byte row)")
+        from ..core.settings import format_bytes  # the one unit rule of every byte figure
+
+        return (f"carried rows hold {format_bytes(self.device.nbytes)} of {self.device.device.type} memory, "
+                f"reserved before TensorRT-LLM's KV cache estimation measures free memory {when}, and "
+                f"{format_bytes(host)} of {kind}host memory (one block = one {self.device.block_nbytes}-byte row)")
 
     def release_entries(self) -> None:
         """Free every extent (both arenas stay reserved): a new carry manager takes them over."""
