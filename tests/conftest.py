@@ -48,46 +48,27 @@ def _executor_placement_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
-# ---- parallel runs (pytest-xdist: scripts/test.sh runs `-n auto --dist loadgroup`) ----------
+# ---- parallel runs (pytest-xdist: scripts/test.sh runs `-n auto --dist loadfile`) -----------
+# Each test file runs whole on one worker, so its module-scoped engines and servers start once
+# (`--dist loadgroup` would also group files, but pytest-xdist 3.8 cannot mark a node id under
+# pytest 9.2, whose `nodeid` no longer reads `_nodeid`: its groups are silently ignored).
 
-SHARED_SERVER_FIXTURES = {"served": "triton-server"}
-"""Session-scoped fixtures that start a real server, by the xdist group of every test using
-them: those tests share one worker, so the server starts once (tests/serve/conftest.py's
-Triton server). A file's own `served` (function or module scope) does not count."""
-
-FIRST = ("tests/trtllm/test_trtllm_worker_install.py", "tests/test_readme_blocks.py", "dynamo",
-         "triton-server", "tests/serve/test_serve_cli.py", "tests/test_progress.py",
-         "tests/trtllm/test_trtllm_memory.py", "tests/trtllm/test_trtllm_fp8.py")
-"""The longest groups (scripts/test.sh's `--durations`), handed out first so none is the tail."""
-
-
-def _xdist_group(item: pytest.Item) -> str:
-    """The worker group of `item`: its file, so module-scoped engines and servers start once;
-    the Dynamo tests one group (one deployment at a time: their failover checks time
-    hand-overs); the users of a shared server's session fixture that server's group."""
-    path = item.nodeid.split("::", 1)[0]
-    if path.startswith("tests/dynamo/"):
-        return "dynamo"
-    defs = getattr(item, "_fixtureinfo", None)
-    for name, group in SHARED_SERVER_FIXTURES.items():
-        chain = defs.name2fixturedefs.get(name, ()) if defs is not None else ()
-        if chain and chain[-1].scope == "session":
-            return group
-    return path
+FIRST = ("tests/trtllm/test_trtllm_worker_install.py", "tests/test_readme_blocks.py",
+         "tests/dynamo/test_dynamo_failover.py", "tests/dynamo/test_dynamo_serving.py",
+         "tests/serve/test_serve_cli.py", "tests/serve/test_triton_server.py",
+         "tests/serve/test_bench_client.py", "tests/serve/test_triton_faults.py",
+         "tests/test_progress.py", "tests/trtllm/test_trtllm_standin_carry.py",
+         "tests/engine/test_batched.py", "tests/core/test_cli.py", "tests/trtllm/test_trtllm_memory.py")
+"""The longest files (`--durations`), handed out first so that none of them is the tail."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, group every test (`_xdist_group`) and put the longest groups first; a run
-    without workers keeps its order and ignores the marks."""
+    """Under xdist workers, the longest files first (`FIRST`); a run without workers keeps its order."""
     if not hasattr(config, "workerinput"):
         return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
 
     def rank(item: pytest.Item) -> int:
-        group = _xdist_group(item)
-        return FIRST.index(group) if group in FIRST else len(FIRST)
+        path = item.nodeid.split("::", 1)[0]
+        return FIRST.index(path) if path in FIRST else len(FIRST)
 
-    items.sort(key=rank)  # stable: each group keeps its own order
+    items.sort(key=rank)  # stable: each file keeps its own order
