@@ -46,3 +46,29 @@ def _executor_placement_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in EXECUTOR_PLACEMENT_ENV:
         monkeypatch.setenv(name, "")  # records the value before the test, restored at teardown
         monkeypatch.delenv(name)
+
+
+# ---- parallel runs (pytest-xdist: scripts/test.sh runs `-n auto --dist loadfile`) -----------
+# Each test file runs whole on one worker, so its module-scoped engines and servers start once
+# (`--dist loadgroup` would also group files, but pytest-xdist 3.8 cannot mark a node id under
+# pytest 9.2, whose `nodeid` no longer reads `_nodeid`: its groups are silently ignored).
+
+FIRST = ("tests/trtllm/test_trtllm_worker_install.py", "tests/test_readme_blocks.py",
+         "tests/dynamo/test_dynamo_failover.py", "tests/dynamo/test_dynamo_serving.py",
+         "tests/serve/test_serve_cli.py", "tests/serve/test_triton_server.py",
+         "tests/serve/test_bench_client.py", "tests/serve/test_triton_faults.py",
+         "tests/test_progress.py", "tests/trtllm/test_trtllm_standin_carry.py",
+         "tests/engine/test_batched.py", "tests/core/test_cli.py", "tests/trtllm/test_trtllm_memory.py")
+"""The longest files (`--durations`), handed out first so that none of them is the tail."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist workers, the longest files first (`FIRST`); a run without workers keeps its order."""
+    if not hasattr(config, "workerinput"):
+        return
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return FIRST.index(path) if path in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: each file keeps its own order

@@ -19,6 +19,7 @@ import pytest
 
 from trtllm_mtp_carry.core import settings
 from trtllm_mtp_carry.traces.cli import DEFAULT_REPLAY_MEMORY
+from trtllm_mtp_carry.trtllm.options import DEFAULT_CARRY_MEMORY as ADAPTER_DEFAULT_CARRY_MEMORY
 from trtllm_mtp_carry.trtllm.options import CarryOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def _switch(on: bool) -> str:
 def code_defaults() -> dict[str, str]:
     """Each option's default as the code has it, written as the table writes it."""
     options = CarryOptions()
-    adapter_memory = settings.format_bytes(options.carry_memory)
+    adapter_memory = settings.format_bytes(ADAPTER_DEFAULT_CARRY_MEMORY)  # options.carry_memory None: this
     assert settings.format_bytes(settings.parse_carry_memory(DEFAULT_REPLAY_MEMORY).nbytes or 0) == adapter_memory
     return {
         "marconi_min_tokens": str(settings.DEFAULT_MARCONI_MIN_TOKENS),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,11 @@ def test_trace_replay_draws_its_bar_on_a_terminal_and_none_into_a_file(tmp_path)
     code, stderr = _stderr_on_a_terminal(_cli("trace-replay", str(trace), "--carry-eviction", "returns,lrd"),
                                          tmp_path)
     assert code == 0
+    # one step for the clairvoyant bound, then one per policy, each named while it runs
     assert "trace-replay: 100%" in stderr and "3/3" in stderr
+    frames = [f for f in stderr.replace("\r", "\n").splitlines() if f.startswith("trace-replay:")]
+    steps = [(re.search(r" (\d/3) \[", f).group(1), f.rsplit(", ", 1)[1].rstrip("]")) for f in frames if "/s, " in f]
+    assert steps == [("0/3", "clairvoyant bound"), ("1/3", "returns"), ("2/3", "lrd"), ("3/3", "lrd")], frames
 
 
 def test_a_refused_bench_prints_its_one_line_and_nothing_before_it(tmp_path):

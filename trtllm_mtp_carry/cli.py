@@ -99,7 +99,7 @@ def apply_settings_flags(args: argparse.Namespace) -> list[str]:
     pins: list[tuple[str, Callable[[Any, str], bool], Callable[[], object]]] = [
         ("--marconi-min-tokens", settings.MARCONI_MIN_TOKENS.set, settings.marconi_min_tokens),
         ("--mtp-max-seqs", settings.MTP_MAX_SEQS.set, settings.mtp_max_seqs),
-        ("--carry-slots", settings.CARRY_SLOTS.set, settings.carry_slots),
+        ("--carry-slots", settings.CARRY_SLOTS.set, lambda: settings.carry_slots() or "no cap"),
         ("--carry-memory", settings.set_carry_memory, settings.carry_memory),
         ("--carry-host-memory", settings.set_carry_host_memory, settings.carry_host_memory),
         ("--carry-row-dtype", settings.set_carry_row_dtype, settings.carry_row_dtype),
@@ -146,9 +146,9 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "carry_host_memory": settings.carry_host_memory(),
         "carry_host_memory_source": settings.CARRY_HOST_MEMORY.source,
         "carry_row_dtype": settings.carry_row_dtype(),
-        # what the TensorRT-LLM adapter reserves at install (trtllm/arena.py; rounded down to whole rows)
-        "trtllm_reserved_device_bytes": _trtllm_default_carry_memory(),
-        "trtllm_reserved_host_bytes": settings.carry_host_memory(),
+        # what the TensorRT-LLM adapter reserves at install (trtllm/arena.py; rounded down to whole rows),
+        # by one rule for both arenas (trtllm.options.RESERVE_RULE); None: a pool fraction, refused there
+        **_trtllm_reserve(),
         "trtllm_kv_cache_size": "estimated: free_gpu_memory_fraction (default 0.9) of the memory free "
                                 "after the carry's arena",
         "carry_row_dtype_source": settings.CARRY_ROW_DTYPE.source,
@@ -167,10 +167,20 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
     }
 
 
-def _trtllm_default_carry_memory() -> int:
-    from .trtllm.options import DEFAULT_CARRY_MEMORY
+def _trtllm_reserve(options: Any = None) -> dict[str, object]:
+    """The bytes the carry inside TensorRT-LLM reserves under `options` (a `CarryOptions`; None:
+    a carry file without sizes) and the process settings: `trtllm_reserved_device_bytes` (None
+    where the device size is refused, `trtllm_reserved_refused` saying why) and `..._host_bytes`."""
+    from .trtllm.options import CarryOptions, TrtllmAdapterError
 
-    return DEFAULT_CARRY_MEMORY
+    options = CarryOptions() if options is None else options
+    try:
+        device: int | None = options.device_bytes()
+        refused = None
+    except TrtllmAdapterError as exc:
+        device, refused = None, str(exc)
+    return {"trtllm_reserved_device_bytes": device, "trtllm_reserved_host_bytes": options.host_bytes(),
+            "trtllm_reserved_refused": refused}
 
 
 def llm_config_report(path: str) -> dict[str, object]:
@@ -190,10 +200,10 @@ def llm_config_report(path: str) -> dict[str, object]:
     fraction = raw.get("free_gpu_memory_fraction", 0.9)
     size = (f"fixed ({', '.join(fixed)}): the carry's reservation is on top of it" if fixed else
             f"estimated: free_gpu_memory_fraction={fraction} of the memory free after the carry's arena")
-    host = settings.carry_host_memory() if options.carry_host_memory is None else options.carry_host_memory
+    reserve = _trtllm_reserve(options) if options.enable else {
+        "trtllm_reserved_device_bytes": 0, "trtllm_reserved_host_bytes": 0, "trtllm_reserved_refused": None}
     return {
-        "trtllm_reserved_device_bytes": options.carry_memory if options.enable else 0,
-        "trtllm_reserved_host_bytes": host if options.enable else 0,
+        **reserve,
         "trtllm_kv_cache_size": size,
         "trtllm_metrics_port": options.metrics_port if options.enable else None,
         "llm_config": path,
@@ -206,7 +216,18 @@ def llm_config_report(path: str) -> dict[str, object]:
     }
 
 
+def _reserve_value(report: dict[str, object]) -> str:
+    """The reservation line's value: both arenas in `format_bytes`'s one unit rule."""
+    device, host = report["trtllm_reserved_device_bytes"], report["trtllm_reserved_host_bytes"]
+    assert isinstance(host, int)
+    shown = (f"refused ({report['trtllm_reserved_refused']})" if device is None
+             else settings.format_bytes(device) if isinstance(device, int) else str(device))
+    return f"{shown} device, " + (f"{settings.format_bytes(host)} host" if host else "no host tier")
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    from .trtllm.options import RESERVE_RULE
+
     cfg = settings.DrafterContext(prefill=not args.no_prefill, carry=not args.no_carry)
     report = info_report(cfg)
     if args.llm_config is not None:
@@ -241,9 +262,9 @@ def cmd_info(args: argparse.Namespace) -> int:
          settings.format_bytes(host_bytes) if (host_bytes := settings.carry_host_memory()) else "none",
          report["carry_host_memory_source"]),
         ("carry row format (carry_row_dtype)", report["carry_row_dtype"], report["carry_row_dtype_source"]),
-        ("TensorRT-LLM worker reserves", f"{report['trtllm_reserved_device_bytes']} B device, "
-         f"{report['trtllm_reserved_host_bytes']} B host",
-         "before KV cache estimation measures free memory; KV cache size: " + str(report["trtllm_kv_cache_size"])),
+        ("TensorRT-LLM worker reserves", _reserve_value(report),
+         f"{RESERVE_RULE}; reserved before KV cache estimation measures free memory; KV cache size: "
+         + str(report["trtllm_kv_cache_size"])),
         ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
         ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",
          report["carry_idle_s_source"]),

@@ -8,7 +8,10 @@ backend's `MetricFamily` interface; `MetricRegistry` offers that interface in me
 renders every family in Prometheus's text exposition format (0.0.4) for the front ends
 that serve their own endpoint.
 
-    mtp_carry_outcomes_total{kind}            turns by carry outcome kind
+    mtp_carry_outcomes_total{kind}            turns by carry outcome kind, each counted once with
+                                              the outcome decided at its admission, whether
+                                              it then finished or was stopped (a cancelled
+                                              turn counts as the runtime's `outcomes` does)
     mtp_carry_no_carry_total{reason}          no_carry turns by why the session's entry was
                                               absent (never_carried, memory, idle, ...)
     mtp_carry_drafter_rows_total{source}      rows adopted (kept) / computed
@@ -74,8 +77,11 @@ class CarryMetrics:
         return metric
 
     def record_turn(self, stats: Any) -> None:
-        """Count one finished turn from its TurnStats."""
-        self.metric("outcomes", "kind", stats.outcome_kind or "none").increment(1)
+        """Count one turn that left the engine (finished or stopped) from its TurnStats: its
+        outcome as decided at admission (`outcome_kind`; none before admission: not counted),
+        the rows and drafts it got to."""
+        if stats.outcome_kind:
+            self.metric("outcomes", "kind", stats.outcome_kind).increment(1)
         if stats.outcome_kind == "no_carry":
             reason = getattr(stats, "no_carry_reason", "") or "never_carried"
             self.metric("no_carry", "reason", reason).increment(1)

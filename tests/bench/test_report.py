@@ -182,10 +182,10 @@ def test_the_host_tier_line_sums_hits_bytes_and_copy_time_over_measured_replays(
                               "demotions": 6, "host_deposits": 2, "bytes_demoted": 6 << 10, "bytes_restored": 4 << 10,
                               "peak_device_bytes": 4 << 10, "peak_host_bytes": 3 << 10, "demote_ms": 1.0,
                               "restore_ms": 0.5, "restore_wait_ms": 0.0}
-    assert ("carry: host tier of 8 MiB: adopted from device 2, from host 4; demoted 6, refused deposits kept "
-            "there 2 (6 KiB, 1.0 ms), "
-            "restored 4 KiB in 0.5 ms (0.12 ms per restored turn), GPU wait 0.0 ms; peak device 4 KiB, "
-            "host 3 KiB") in reuse_table({"carry": s})
+    assert ("carry: host tier of 8MiB: adopted from device 2, from host 4; demoted 6, refused deposits kept "
+            "there 2 (6KiB, 1.0 ms), "
+            "restored 4KiB in 0.5 ms (0.12 ms per restored turn), GPU wait 0.0 ms; peak device 4KiB, "
+            "host 3KiB") in reuse_table({"carry": s})
     for r in range(3):
         carry.runtime[r]["carry_host_memory_bytes"] = 0  # no host tier: no line
     assert "host_tier" not in policy_summary(carry, 1)

@@ -8,7 +8,7 @@ from test_settings import run_py
 
 def test_carry_slots_default_is_no_cap_and_env_pins_it():
     code = "import trtllm_mtp_carry as t\nprint(t.carry_slots(), t.set_carry_slots(3), t.carry_slots())"
-    assert run_py(code).stdout.split() == ["0", "False", "0"]
+    assert run_py(code).stdout.split() == ["None", "False", "None"]
     assert run_py(code, TRTLLM_MTP_CARRY_SLOTS="4").stdout.split() == ["4", "False", "4"]
 
 
@@ -30,7 +30,7 @@ def test_carry_slots_zero_or_malformed_is_a_clear_error():
 
 def test_info_reports_slots_and_their_source():
     report = json.loads(run_cli("info", "--json").stdout)
-    assert (report["carry_slots"], report["carry_slots_source"]) == (0, "default")
+    assert (report["carry_slots"], report["carry_slots_source"]) == (None, "default")  # null: no cap
     report = json.loads(run_cli("info", "--json", "--carry-slots", "1").stdout)
     assert (report["carry_slots"], report["carry_slots_source"]) == (1, "--carry-slots")
     report = json.loads(run_cli("info", "--json", TRTLLM_MTP_CARRY_SLOTS="5").stdout)

@@ -133,12 +133,17 @@ def test_readme_dynamo_blocks_run_as_written(served: Served, tmp_path) -> None:
 
 
 
-def _outcomes(served: Served) -> int:
-    total = 0
+def _outcomes(served: Served) -> tuple[int, int]:
+    """Turns in `mtp_carry_outcomes_total`, and carry decisions in the runtime's own
+    `mtp_carry_runtime{field="outcomes.*"}`, summed over the workers."""
+    total, runtime = 0, 0
     for page in served.netns.client({"op": "get", "urls": served.metrics_urls}):
-        total += sum(int(ln.rsplit(" ", 1)[1]) for ln in page["body"].splitlines()
-                     if ln.startswith("mtp_carry_outcomes_total{"))
-    return total
+        for ln in page["body"].splitlines():
+            if ln.startswith("mtp_carry_outcomes_total{"):
+                total += int(ln.rsplit(" ", 1)[1])
+            elif ln.startswith("mtp_carry_runtime{") and 'field="outcomes.' in ln:
+                runtime += int(ln.rsplit(" ", 1)[1])
+    return total, runtime
 
 
 def test_a_client_that_hangs_up_cancels_its_turn_in_the_engine(served: Served) -> None:
@@ -151,5 +156,7 @@ def test_a_client_that_hangs_up_cancels_its_turn_in_the_engine(served: Served) -
                                     "sessions": [{"id": "hang-up", "messages": chat, "max_tokens": 4}]})
     assert turns[0]["error"] is None
     # a session's turns run one at a time: had the 3000-token turn run on, it would have finished
-    # (and been counted) before this one; cancelled, it never finishes
-    assert _outcomes(served) == before + 1
+    # before this one. Cancelled, it never finishes, yet its outcome was decided at admission:
+    # both families count it, once
+    after = _outcomes(served)
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2)

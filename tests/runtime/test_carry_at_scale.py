@@ -119,7 +119,19 @@ def test_the_default_budget_is_the_whole_drafter_pool(model):
     rt = CarryRuntime(eng, "carry", slots=None)
     stats = rt.stats()
     assert stats.carry_memory_bytes == eng.drafter_pool.nbytes == 256 * 1024
-    assert (stats.carry_slots, stats.eviction_policy, stats.idle_s) == (0, "returns", 600)
+    assert (stats.carry_slots, stats.eviction_policy, stats.idle_s) == (None, "returns", 600)
+
+
+def test_no_slot_cap_is_none_in_the_stats_and_no_carry_slots_gauge_in_the_metrics(model):
+    from trtllm_mtp_carry.metrics import CarryMetrics, MetricRegistry
+
+    pages = {}
+    for slots in (None, 3):
+        registry = MetricRegistry()
+        CarryMetrics(registry, "m", "0").refresh(CarryRuntime(engine(model), "carry", slots=slots).stats())
+        pages[slots] = registry.exposition()
+    assert 'mtp_carry_runtime{model="m",instance="0",field="carry_slots"} 3\n' in pages[3]
+    assert 'field="carry_slots"' not in pages[None]  # no cap: no gauge (a gauge holds a number)
 
 
 def test_incumbent_pool_pressure_takes_the_newest_entry_and_the_live_sequence_keeps_drafting(model):

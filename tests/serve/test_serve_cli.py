@@ -22,6 +22,7 @@ import pytest
 from serve_helpers import free_ports, metric, tritonserver_or_skip, wait_for
 from terminal import Terminal
 
+from trtllm_mtp_carry import OUTCOME_KINDS
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.serve.triton.client import StreamClient
@@ -145,6 +146,11 @@ def test_serve_survives_a_client_dying_mid_stream_and_stops_in_seconds_leaving_n
         with StreamClient(f"127.0.0.1:{serve.grpc}") as client:
             reply = client.turn(1, start=True, end=True, input_ids=TOK.render_chat([{"role": "user", "content": "hi"}]))
         assert reply.error is None and len(reply.output) == 6
+        # the cancelled turn was admitted: its outcome counts once, in both families alike
+        page = serve.metrics()
+        assert metric(page, "mtp_carry_outcomes_total") == 2
+        assert {k: metric(page, "mtp_carry_outcomes_total", kind=k) for k in OUTCOME_KINDS} == {
+            k: metric(page, "mtp_carry_runtime", field=f"outcomes.{k}") for k in OUTCOME_KINDS}
         regions = stub_regions(serve.grpc)
         assert len(regions) == 1 and os.path.exists(f"/dev/shm/{regions[0]}")
         t0 = time.monotonic()

@@ -183,6 +183,22 @@ def test_a_cancelled_request_is_aborted_with_one_error(served):
     assert llm.results[0].aborted() and sender.error() == "request cancelled by the client"
 
 
+def test_a_cancelled_admitted_request_counts_the_outcome_decided_at_its_admission(served):
+    model, llm, record = served
+    turn = {"outcome": "no_carry", "no_carry_reason": "never_carried", "reused": 0, "rows_scattered": 0,
+            "rows_computed": 3}  # the adapter's turn record: it decided this turn's outcome at admission
+    model._engine.attachment.pop_turn = lambda rid: record["popped"].append(rid) or turn
+    before = [standin.metric("mtp_carry_outcomes_total", kind="no_carry"),
+              standin.metric("mtp_carry_no_carry_total", reason="never_carried")]
+    request = standin.Request(6, start=True, input_ids=[1, 2, 3])
+    request.cancel = True
+    sender = send(model, request)
+    assert llm.results[0].aborted() and sender.error() == "request cancelled by the client"
+    assert record["popped"] == [llm.results[0].request_id]
+    assert [standin.metric("mtp_carry_outcomes_total", kind="no_carry"),
+            standin.metric("mtp_carry_no_carry_total", reason="never_carried")] == [before[0] + 1, before[1] + 1]
+
+
 def test_finalize_detaches_the_carry_and_shuts_the_llm_down(served):
     model, llm, record = served
     model.finalize()

@@ -153,6 +153,10 @@ def test_the_slice_replays_every_policy_with_the_figures_it_gave(tmp_path, capsy
     text = capsys.readouterr().out
     assert "trace " in text and "(mooncake): 400 requests, 357 conversations, 43 follow-up turns" in text
     assert "clairvoyant bound: 32 of 43 follow-ups adopted (74.4%)" in text
+    # byte figures by the one unit rule (core.settings.format_bytes)
+    assert "2 worker(s), each: carry memory 256MiB, host 0B, idle TTL 600 s; 2048 B a row (bf16)" in text
+    assert "returns    adopted 12 (27.9%; device 12, host 0), 20 below the bound; peak device 255.94MiB, host 0B" in text
+    assert "lrd        adopted 1 (2.3%; device 1, host 0), 31 below the bound; peak device 255.91MiB, host 0B" in text
     figures = json.loads(out.read_text())
     assert figures["bound"]["follow_ups"] == 43 and figures["bound"]["adopted"] == 32
     adopted = {name: p["adopted"] for name, p in figures["policies"].items()}

@@ -93,7 +93,7 @@ def test_standin_sessions_with_fp8_rows_keep_outputs_and_adopt_every_warm_turn()
 
 def test_the_mtp_carry_option_takes_a_row_dtype():
     assert parse_carry_options({"carry_row_dtype": "fp8"}).carry_row_dtype == "fp8"
-    assert parse_carry_options(None) == CarryOptions(True, None, 1 << 30, None, 0, None)
+    assert parse_carry_options(None) == CarryOptions(True, None, None, None, 0, None)
     with pytest.raises(TrtllmAdapterError) as exc:
         parse_carry_options({"carry_row_dtype": "int8"})
     assert str(exc.value) == "mtp_carry.carry_row_dtype must be one of bf16, fp8, got 'int8'"

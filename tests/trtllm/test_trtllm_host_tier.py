@@ -63,7 +63,7 @@ def test_without_a_host_tier_the_same_deposits_evict():
 def test_the_mtp_carry_option_takes_a_host_memory_size():
     assert parse_carry_options({"carry_host_memory": "8GiB"}).carry_host_memory == 8 << 30
     assert parse_carry_options({"carry_host_memory": None}).carry_host_memory is None
-    assert parse_carry_options(None) == CarryOptions(True, None, 1 << 30, None)
+    assert parse_carry_options(None) == CarryOptions(True, None, None, None)
     for bad, message in (("lots", "mtp_carry.carry_host_memory: 'lots' is not a size"),
                          (-1, "mtp_carry.carry_host_memory must be >= 0, got -1")):
         try:

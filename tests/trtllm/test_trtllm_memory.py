@@ -77,8 +77,8 @@ def test_the_kv_budget_shrinks_by_the_arena_reserved_before_estimation_measures(
     assert with_carry.charged["carry"] == CARRY
     assert _manager(llm).reserved.device.nbytes == CARRY and _manager(llm).reserved.host is None
     assert llm.executor.paged.buf.shape[0] == _budget(llm) // (32 * ROW)  # tokens_per_block rows a page
-    assert f"carried rows hold {CARRY} bytes of cpu memory, reserved before TensorRT-LLM's KV cache " \
-           "estimation measures free memory" in line
+    assert "carried rows hold 4MiB of cpu memory, reserved before TensorRT-LLM's KV cache " \
+           "estimation measures free memory" in line and "and 0B of host memory (one block = one " in line
     stats = _manager(llm).stats()
     assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (CARRY, 0)
 
@@ -91,7 +91,7 @@ def test_a_fixed_max_gpu_total_bytes_keeps_the_kv_cache_and_the_start_line_says_
     assert memory.charged == {"weights": WEIGHTS, "kv": 8 * MiB, "carry": CARRY}
     line = worker.messages()[-1]
     assert line.startswith(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY}")
-    assert f"carried rows hold {CARRY} bytes" in line and "max_gpu_total_bytes" in line
+    assert "carried rows hold 4MiB of cpu memory" in line and "max_gpu_total_bytes" in line
 
 
 def test_a_skipped_estimation_sizes_the_kv_cache_around_the_arena_reserved_at_try_prepare_estimation(
@@ -347,7 +347,36 @@ def test_info_reports_what_the_worker_reserves_and_how_the_kv_cache_is_sized(
     assert report["trtllm_kv_cache_size"] == size
     assert main(["info", "--llm-config", str(path)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TensorRT-LLM worker reserves"))
-    assert f"{1 << 30} B device, {2 << 30} B host" in line and size in line
+    assert "1GiB device, 2GiB host" in line and size in line
+
+
+def test_info_s_reservation_follows_the_memory_flags_for_both_arenas_by_one_rule(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    def info(*argv: str) -> tuple[dict, str]:
+        run = [sys.executable, "-m", "trtllm_mtp_carry.cli", "info", *argv]
+        report = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True).stdout)
+        line = next(x for x in subprocess.run(run, capture_output=True, text=True, check=True).stdout.splitlines()
+                    if x.startswith("TensorRT-LLM worker reserves"))
+        return report, line
+
+    report, line = info("--carry-memory", "512MiB", "--carry-host-memory", "64MiB")
+    assert (report["trtllm_reserved_device_bytes"], report["trtllm_reserved_host_bytes"]) == (512 << 20, 64 << 20)
+    assert "512MiB device, 64MiB host  each: mtp_carry.carry_memory / carry_host_memory, else the setting above " \
+           "(flag, env), else 1GiB / no host tier;" in line
+    report, line = info()
+    assert (report["trtllm_reserved_device_bytes"], report["trtllm_reserved_host_bytes"]) == (1 << 30, 0)
+    assert "1GiB device, no host tier  each:" in line
+    report, line = info("--carry-memory", "0.5")  # a pool fraction: no pool to apply it to there
+    assert (report["trtllm_reserved_device_bytes"], report["trtllm_reserved_refused"]) == (
+        None, "carry_memory=50% of the drafter pool (--carry-memory): the carry inside TensorRT-LLM reserves "
+              "bytes, before TensorRT-LLM sizes its pools; give bytes (e.g. 1GiB) there or in mtp_carry.carry_memory")
+    path = tmp_path / "llm.yaml"  # the carry file's own size wins over the flag
+    path.write_text("mtp_carry: {carry_memory: 256MiB}\nkv_cache_config: {}\n")
+    report, line = info("--carry-memory", "512MiB", "--carry-host-memory", "64MiB", "--llm-config", str(path))
+    assert "256MiB device, 64MiB host  each:" in line
 
 
 @pytest.mark.parametrize(("section", "port"), [("{metrics_port: 9400}", 9400), ("{}", None),
@@ -377,7 +406,7 @@ def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
     reserved = carry.manager.reserved
     # rounded down to whole 256-byte rows: 3 rows on the device, 2 on the host
     assert (reserved.device.nbytes, reserved.host.nbytes) == (768, 512)
-    assert carry.info()[-1][:2] == ("carry reserved", "768 B device, 512 B host")
+    assert carry.info()[-1][:2] == ("carry reserved", "768B device, 512B host")
     assert carry.stats()["reserved_bytes"] == 768
 
 

@@ -16,7 +16,7 @@ from trtllm_mtp_carry.trtllm import (
 
 
 def test_defaults_and_valid_values_parse_exactly() -> None:
-    assert parse_carry_options(None) == CarryOptions(True, None, 1 << 30)  # None: carry_slots()
+    assert parse_carry_options(None) == CarryOptions(True, None, None)  # None: carry_slots(), carry_memory()
     assert parse_carry_options({"carry_slots": None}).carry_slots is None
     opts = parse_carry_options({"enable": False, "carry_slots": 4, "carry_memory": "512MiB"})
     assert opts == CarryOptions(False, 4, 512 << 20)

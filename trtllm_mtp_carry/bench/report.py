@@ -19,6 +19,7 @@ from itertools import combinations
 from typing import Any
 
 from ..core.outcome import OUTCOME_KINDS
+from ..core.settings import format_bytes
 from .driver import PolicyRun, TurnRecord
 from .stats import Spread, paired_ratio
 
@@ -308,14 +309,14 @@ def reuse_table(summary: dict[str, dict[str, Any]]) -> str:
         if h and policy.startswith("carry"):  # carry-host (and any carry variant with a host tier)
             restores = h["hits_host"]
             notes.append(
-                f"{policy}: host tier of {h['carry_host_memory_bytes'] >> 20} MiB: adopted from device "
+                f"{policy}: host tier of {format_bytes(h['carry_host_memory_bytes'])}: adopted from device "
                 f"{h['hits_device']}, from host {restores}; demoted {h['demotions']}, refused "
                 f"deposits kept there {h.get('host_deposits', 0)} "
-                f"({h['bytes_demoted'] >> 10} KiB, {h['demote_ms']:.1f} ms), restored "
-                f"{h['bytes_restored'] >> 10} KiB in {h['restore_ms']:.1f} ms"
+                f"({format_bytes(h['bytes_demoted'])}, {h['demote_ms']:.1f} ms), restored "
+                f"{format_bytes(h['bytes_restored'])} in {h['restore_ms']:.1f} ms"
                 + (f" ({h['restore_ms'] / restores:.2f} ms per restored turn)" if restores else "")
-                + f", GPU wait {h['restore_wait_ms']:.1f} ms; peak device {h['peak_device_bytes'] >> 10} KiB, "
-                f"host {h['peak_host_bytes'] >> 10} KiB")
+                + f", GPU wait {h['restore_wait_ms']:.1f} ms; peak device {format_bytes(h['peak_device_bytes'])}, "
+                f"host {format_bytes(h['peak_host_bytes'])}")
         rf = s.get("row_format")
         if rf:
             notes.append(

@@ -35,9 +35,10 @@ DEFAULT_MARCONI_MIN_TOKENS = 256
 DEFAULT_MTP_MAX_SEQS = 32
 """Default MTP dispatch cap when neither the runtime nor the environment sets one."""
 
-DEFAULT_CARRY_SLOTS = 0
-"""Default cap on carried entries: 0, no cap. Memory (`carry_memory`) bounds the
-store; a slot count is an optional extra cap (1 is the seed's single slot)."""
+DEFAULT_CARRY_SLOTS: int | None = None
+"""Default cap on carried entries: None, no cap (JSON `null`, `no cap` in text, no
+`carry_slots` gauge in metrics: the one spelling of "no cap"). Memory (`carry_memory`)
+bounds the store; a slot count is an optional extra cap (1 is the seed's single slot)."""
 
 DEFAULT_CARRY_MEMORY = "1.0"
 """Default carry budget: the whole drafter pool, so a server at default settings
@@ -199,15 +200,25 @@ class CarryMemory:
         return f"{100 * (self.fraction or 0.0):g}% of the drafter pool"
 
 
+_BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
 def _format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
+    for i, (unit, size) in enumerate(_BINARY_UNITS):
+        if n >= size:
+            value = round(n / size, 2)
+            if value >= 1024 and i > 0:  # rounded up to a whole unit more: say it in that unit
+                unit, value = _BINARY_UNITS[i - 1][0], 1.0
+            return f"{value:.2f}".rstrip("0").rstrip(".") + unit
     return f"{n}B"
 
 
 def format_bytes(n: int) -> str:
-    """`n` bytes in the largest binary unit that divides it (`8GiB`, `1536MiB`, `1000B`)."""
+    """`n` bytes as every command prints a byte figure (one rule): the largest binary unit
+    (KiB, MiB, GiB, TiB) that `n` reaches, at most two decimals, trailing zeros dropped, no
+    space: `8GiB`, `1.5GiB`, `512MiB`, `1023.99MiB`, `768B`. A value two decimals hold is
+    exact (and reads back through `parse_carry_memory`); any other is rounded, and one that
+    rounds to 1024 of a unit is the next unit (`2**30 - 1` is `1GiB`, never `1024MiB`)."""
     return _format_bytes(check_non_negative("bytes", n))
 
 
@@ -321,7 +332,8 @@ MARCONI_MIN_TOKENS = PinnedSetting(
     "marconi_min_tokens", ENV_MARCONI_MIN_TOKENS, DEFAULT_MARCONI_MIN_TOKENS
 )
 MTP_MAX_SEQS = PinnedSetting("mtp_max_seqs", ENV_MTP_MAX_SEQS, DEFAULT_MTP_MAX_SEQS, minimum=1)
-CARRY_SLOTS = PinnedSetting("carry_slots", ENV_CARRY_SLOTS, DEFAULT_CARRY_SLOTS, minimum=1)
+# 0 inside the pinned int stands for no cap; `carry_slots()` hands it out as None (a cap is >= 1)
+CARRY_SLOTS = PinnedSetting("carry_slots", ENV_CARRY_SLOTS, DEFAULT_CARRY_SLOTS or 0, minimum=1)
 CARRY_IDLE_S = PinnedSetting("carry_idle_s", ENV_CARRY_IDLE_S, DEFAULT_CARRY_IDLE_S)
 CARRY_MEMORY: Pinned[CarryMemory] = Pinned(
     "carry_memory", ENV_CARRY_MEMORY, parse_carry_memory(DEFAULT_CARRY_MEMORY), _parse_env_memory
@@ -378,13 +390,13 @@ def set_mtp_max_seqs(value: int) -> bool:
     return MTP_MAX_SEQS.set(value, source="engine configuration")
 
 
-def carry_slots() -> int:
-    """The optional cap on carried entries (runtime, else env, else 0: no cap).
+def carry_slots() -> int | None:
+    """The optional cap on carried entries (runtime, else env, else None: no cap).
 
     Memory (`carry_memory`) is what bounds the store; 1 is the seed's single
     slot: the newest finished session wins it.
     """
-    return CARRY_SLOTS.get()
+    return CARRY_SLOTS.get() or None
 
 
 def set_carry_slots(value: int) -> bool:

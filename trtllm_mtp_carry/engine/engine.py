@@ -470,6 +470,10 @@ class ReferenceEngine:
                 build = self.runtime.prepare(req.request_id, ticket, req.carry_key, req.prompt,
                                              alloc.num_cached_tokens, req.policy, warm=warm,
                                              session=req.session_hash)
+            # the turn's outcome is decided here, at admission (the runtime counts it here too):
+            # a turn cancelled later, or whose drafter is dropped, keeps it
+            stats.outcome_kind = build.outcome.kind if build.outcome else build.mode
+            stats.no_carry_reason = getattr(build.outcome, "reason", "")  # NoCarry's, else ""
             seq = _Sequence(
                 req.request_id, req.session_id, req.session_hash, req.carry_key, ticket,
                 req.policy, req.draft_len, req.max_new_tokens, req.prompt, list(req.prompt), keys,
@@ -509,9 +513,7 @@ class ReferenceEngine:
             seq.finish_reason = self._stop_reason(seq)
             prep = build.prep()
             s = seq.stats
-            s.outcome = prep.describe()
-            s.outcome_kind = prep.outcome.kind if prep.outcome else prep.mode
-            s.no_carry_reason = getattr(prep.outcome, "reason", "")  # NoCarry's, else ""
+            s.outcome = prep.describe()  # an exhausted pool shows here; outcome_kind stays admission's
             s.drafter_rows_kept = prep.rows_kept
             s.drafter_rows_computed = prep.rows_computed
             s.keys_skipped = prep.keys_skipped

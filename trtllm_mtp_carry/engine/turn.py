@@ -34,7 +34,7 @@ class TurnStats(DraftRates):
     snapshot_restored: bool = False
     policy: str = ""
     outcome: str = ""  # the drafter preparation, as a log line
-    outcome_kind: str = ""  # the CarryOutcome's kind when one was decided, else the mode
+    outcome_kind: str = ""  # decided at admission: the CarryOutcome's kind, else the mode ("": not admitted)
     no_carry_reason: str = ""  # a no_carry outcome's reason (NO_CARRY_REASONS), else ""
     fault_step: str = ""  # where a fault cost the turn its carry (outcome_kind `fault`), else ""
     drafter_rows_kept: int = 0

@@ -195,7 +195,7 @@ class CarryStats:
     `carry_share`, `share_merges` blocks merged into equal published ones and
     `share_mismatches` lookups found different bytes, taking `share_ms` in all),
     out of `carry_memory_bytes`
-    (the budget), `carry_slots` (0: no cap) and a pool of `pool_blocks` blocks of
+    (the budget), `carry_slots` (None: no cap) and a pool of `pool_blocks` blocks of
     `pool_block_size` rows; `turns_cancelled_kept` counts cancelled turns whose
     rows were deposited. `slots_held` is `entries_held` (its older name).
     Host tier (`carry_host_memory_bytes` > 0; all zero without one): `hits_device`/
@@ -230,7 +230,7 @@ class CarryStats:
     slot_rows: int
     adoptions: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
-    carry_slots: int = 1
+    carry_slots: int | None = 1
     slots_held: int = 0
     blocks_held: int = 0
     carry_share: bool = False
@@ -366,7 +366,7 @@ class CarryRuntime:
         self._tickets = TicketCounter()
         pool = backend.drafter_pool
         if slots is CarryRuntime._UNSET:
-            slots = carry_slots() or None
+            slots = carry_slots()
         if idle_s is CarryRuntime._UNSET:
             idle_s = carry_idle_s() or None
         self.memory = carry_memory() if memory is None else parse_carry_memory(memory)
@@ -846,7 +846,7 @@ class CarryRuntime:
                 slot_rows=self._store.rows_held,
                 adoptions=self._store.adoptions,
                 evictions=self._store.evictions(),
-                carry_slots=self._store.slots or 0,
+                carry_slots=self._store.slots,
                 slots_held=len(self._store),
                 blocks_held=self._store.blocks_held,
                 carry_share=self.share,

@@ -66,17 +66,10 @@ def apply_settings(options: ServeOptions) -> None:
                 f"already pinned to {core.marconi_min_tokens()} in this process"
             )
     if options.carry_slots is not None:
-        # several slots arrive with issue 9 (core.set_carry_slots); until then there is one
-        setter, getter = getattr(core, "set_carry_slots", None), getattr(core, "carry_slots", None)
-        if setter is None or getter is None:
-            if options.carry_slots != 1:
-                raise ValueError(
-                    f"parameter carry_slots={options.carry_slots}: this build's runtime has one carry slot"
-                )
-        elif not setter(options.carry_slots) and getter() != options.carry_slots:
+        if not core.set_carry_slots(options.carry_slots) and core.carry_slots() != options.carry_slots:
             raise ValueError(
                 f"parameter carry_slots={options.carry_slots} could not be applied: "
-                f"already pinned to {getter()} in this process"
+                f"already pinned to {core.carry_slots() or 'no cap'} in this process"
             )
     _apply_carry_store_settings(options)
 

@@ -137,7 +137,10 @@ class _InFlight:
 class SessionServer:
     """The engine's one driver: queues requests, steps the engine, streams the results.
 
-    `on_turn(result)` sees every finished turn and `on_forget(cause, rows)`
+    `on_turn(result)` sees every turn the engine admitted, once, when it leaves the
+    engine: finished, or stopped (cancelled, timed out, failed; `finish_reason`
+    `cancelled`, its stats so far), so a turn's outcome, decided at admission, is
+    counted whether or not its client stayed. `on_forget(cause, rows)` sees
     every session end (both from the stepping thread), `on_error(reason)`
     every error response (from the stepping thread, or from `enqueue`'s and
     `refuse`'s caller): metrics hook here.
@@ -312,9 +315,15 @@ class SessionServer:
     def _drop(self, rid: int, flight: _InFlight, message: str, reason: str) -> None:
         """Stop a running turn; its request still gets its final response (an error), so
         the front end never waits on it (Triton's shutdown would)."""
-        self.engine.cancel(rid)
+        self._stopped(self.engine.cancel(rid))
         self._release(rid, flight)
         self._send_error(flight.sink, message, reason)
+
+    def _stopped(self, result: Any) -> None:
+        """Report a stopped turn that was admitted (its outcome was decided); a request
+        stopped while still queued had no outcome and is not a turn of the engine's."""
+        if result is not None and result.stats.outcome_kind:
+            self._on_turn(result)
 
     def _finish(self, rid: int, flight: _InFlight, result: Any) -> None:
         request = flight.request
@@ -368,7 +377,7 @@ class SessionServer:
     def _fail_all(self, message: str, reason: str) -> None:
         for rid, flight in list(self._inflight.items()):
             try:
-                self.engine.cancel(rid)
+                self._stopped(self.engine.cancel(rid))
             except Exception:  # the engine already failed; the error response still goes out
                 logger.exception("cancel of request %d failed", rid)
             self._release(rid, flight)

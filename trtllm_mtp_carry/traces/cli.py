@@ -220,12 +220,10 @@ def measure_copy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 
 def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "unbounded"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f}".rstrip("0").rstrip(".") + unit
-    return f"{n}B"
+    """A byte figure by the one rule (`core.settings.format_bytes`); None: no budget."""
+    from ..core.settings import format_bytes
+
+    return "unbounded" if n is None else format_bytes(n)
 
 
 def _pct(a: int, b: int) -> str:
@@ -274,11 +272,15 @@ def run(args: argparse.Namespace) -> int:
     t_read = time.perf_counter() - t0
     from ..progress import progress
 
-    with progress(1 + len(policies), "trace-replay", "replay") as bar:  # the bound, then each policy
+    # one step for the clairvoyant bound (a pass over the whole trace of its own, as long as a
+    # policy's), then one per policy; the bar names the step it is on
+    with progress(1 + len(policies), "trace-replay", "step") as bar:
+        bar.set_postfix_str("clairvoyant bound")
         bound = clairvoyant_bound(trace, config)
         bar.update()
         results = []
         for name in policies:
+            bar.set_postfix_str(name)
             results.append(replay(trace, name, config))
             bar.update()
     t_all = time.perf_counter() - t0

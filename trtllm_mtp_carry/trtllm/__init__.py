@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.settings import format_bytes
 from .identity import session_key_for
 from .options import (
     CarryOptions,
@@ -90,8 +91,9 @@ class CarryAttachment:
     _resource_manager: Any = None
 
     @property
-    def slots(self) -> int:
-        """The carry store's slot count: `mtp_carry.carry_slots`, else the process's `carry_slots()`."""
+    def slots(self) -> int | None:
+        """The carry store's slot cap: `mtp_carry.carry_slots`, else the process's `carry_slots()`
+        (None: no cap)."""
         if self.options.carry_slots is not None:
             return self.options.carry_slots
         from ..core import carry_slots
@@ -108,7 +110,7 @@ class CarryAttachment:
             from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS
 
             # the held part is an empty store's own stats (no arena, no host tier): the same keys armed
-            held = CarriedRows(None, self.options.carry_memory, host_budget_bytes=0,
+            held = CarriedRows(None, self.options.device_bytes(), host_budget_bytes=0,
                                row_dtype=self.options.carry_row_dtype).stats()
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
                    "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": dict.fromkeys(TURN_KINDS, 0),
@@ -149,9 +151,10 @@ class CarryAttachment:
             ("topology", self.topology, ""),
             ("carry configured", yes[self.options.enable], "mtp_carry.enable"),
             ("carry armed", yes[self.armed], self.reason),
-            ("carry slots (carry_slots)", str(self.slots),
+            ("carry slots (carry_slots)", str(self.slots or "no cap"),
              "mtp_carry.carry_slots" if self.options.carry_slots else "carry_slots()"),
-            ("carry memory (carry_memory)", str(self.options.carry_memory), "bytes"),
+            ("carry memory (carry_memory)", format_bytes(self.options.device_bytes()),
+             "mtp_carry.carry_memory" if self.options.carry_memory is not None else "carry_memory() or 1GiB"),
             ("MTP layer", where, f"tokens_per_block={self.tokens_per_block}"),
             ("carry reserved", self._reserved(),
              "bytes held at attach, after TensorRT-LLM sized its KV cache (docs/MEMORY.md)"),
@@ -160,9 +163,9 @@ class CarryAttachment:
     def _reserved(self) -> str:
         reserved = None if self.manager is None else self.manager.reserved
         if reserved is None:
-            return "0 B device, 0 B host"
+            return "0B device, 0B host"
         host = 0 if reserved.host is None else reserved.host.nbytes
-        return f"{reserved.device.nbytes} B device, {host} B host"
+        return f"{format_bytes(reserved.device.nbytes)} device, {format_bytes(host)} host"
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, CarryAttachment] = weakref.WeakKeyDictionary()

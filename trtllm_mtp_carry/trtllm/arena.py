@@ -97,9 +97,11 @@ class Reserved:
                 "you fixed leaves them on top of the KV cache)" if self.early else
                 "(a fixed kv_cache_config.max_gpu_total_bytes or max_tokens, or a skipped estimation, "
                 "leaves them on top of the KV cache)")
-        return (f"carried rows hold {self.device.nbytes} bytes of {self.device.device.type} memory, reserved "
-                f"before TensorRT-LLM's KV cache estimation measures free memory {when}, and {host} bytes of "
-                f"{kind}host memory (one block = one {self.device.block_nbytes}-byte row)")
+        from ..core.settings import format_bytes  # the one unit rule of every byte figure
+
+        return (f"carried rows hold {format_bytes(self.device.nbytes)} of {self.device.device.type} memory, "
+                f"reserved before TensorRT-LLM's KV cache estimation measures free memory {when}, and "
+                f"{format_bytes(host)} of {kind}host memory (one block = one {self.device.block_nbytes}-byte row)")
 
     def release_entries(self) -> None:
         """Free every extent (both arenas stay reserved): a new carry manager takes them over."""
@@ -462,9 +464,8 @@ def reserve_for(draft: Any, mtp_layer: int, options: Any, allocate: Allocate = t
     """The carry's arenas for draft KV manager `draft`'s MTP layer `mtp_layer` under `options`
     (`CarryOptions`: `carry_memory`, `carry_host_memory`, `carry_row_dtype`; None fields take the
     process settings). Raises `torch.OutOfMemoryError` when the memory is not there."""
-    from ..core import carry_host_memory, carry_row_dtype
+    from ..core import carry_row_dtype
 
     buf = draft.get_buffers(mtp_layer, kv_layout="HND")
     row_dtype = options.carry_row_dtype or carry_row_dtype()
-    host = carry_host_memory() if options.carry_host_memory is None else options.carry_host_memory
-    return reserve_arenas(buf, row_dtype, options.carry_memory, host, allocate)
+    return reserve_arenas(buf, row_dtype, options.device_bytes(), options.host_bytes(), allocate)

@@ -185,12 +185,12 @@ class CarryManagerCore:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
-        slots = (carry_slots() or None) if options.carry_slots is None else options.carry_slots
+        slots = carry_slots() if options.carry_slots is None else options.carry_slots
         idle_s = carry_idle_s() or None  # 0: entries never expire
         # issue 33: the rows live in the arenas reserved at install (trtllm/arena.py)
         self.reserved = reserved
-        self.carried = CarriedRows(slots, options.carry_memory, carry_eviction(), idle_s,
-                                   host_budget_bytes=options.carry_host_memory,
+        self.carried = CarriedRows(slots, options.device_bytes(), carry_eviction(), idle_s,
+                                   host_budget_bytes=options.host_bytes(),
                                    row_dtype=options.carry_row_dtype,
                                    arena=None if reserved is None else reserved.device,
                                    host_arena=None if reserved is None else reserved.host)

@@ -54,9 +54,15 @@ SECTION = "mtp_carry"
 """The key of the carry's section in `extra_llm_api_options`."""
 
 DEFAULT_CARRY_MEMORY = 1 << 30
-"""Default budget for carried rows: 1 GiB. One carried row of the MTP layer is
-`2 * kv_heads * head_dim * 2` bytes (2 KiB for Qwen3-Next: 2 KV heads of 256), so
-1 GiB holds about 512k rows, e.g. 16 sessions of 32k tokens."""
+"""Default budget for carried rows inside TensorRT-LLM: 1 GiB, where neither `mtp_carry.carry_memory`
+nor the process setting (`--carry-memory`, env `TRTLLM_MTP_CARRY_MEMORY`) gives bytes. One
+carried row of the MTP layer is `2 * kv_heads * head_dim * 2` bytes (2 KiB for Qwen3-Next: 2 KV
+heads of 256), so 1 GiB holds about 512k rows, e.g. 16 sessions of 32k tokens."""
+
+RESERVE_RULE = ("each: mtp_carry.carry_memory / carry_host_memory, else the setting above "
+                "(flag, env), else 1GiB / no host tier")
+"""How the carry inside TensorRT-LLM sizes its two arenas (`CarryOptions.device_bytes`,
+`host_bytes`): one rule for both, as `info` states it on the reservation line."""
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
@@ -76,7 +82,9 @@ class CarryOptions:
     this many sessions' rows are kept (least recently deposited leaves first;
     None: the process setting `carry_slots()`, env `TRTLLM_MTP_CARRY_SLOTS`, else no cap);
     `carry_memory`: at most this many bytes of carried rows (oldest entries are
-    evicted as `pool_pressure` to stay under it); `carry_host_memory`: bytes of host
+    evicted as `pool_pressure` to stay under it; None: the process setting
+    `carry_memory()` (flag or env `TRTLLM_MTP_CARRY_MEMORY`) when it is bytes, otherwise
+    `DEFAULT_CARRY_MEMORY`: `device_bytes()`); `carry_host_memory`: bytes of host
     memory (pinned on a discrete GPU; on GB10's unified memory, system memory outside
     TensorRT-LLM's KV pool) where entries leaving `carry_memory` wait for their
     session (0: none; None: the process setting `carry_host_memory()`, env
@@ -93,7 +101,7 @@ class CarryOptions:
 
     enable: bool = True
     carry_slots: int | None = None
-    carry_memory: int = DEFAULT_CARRY_MEMORY
+    carry_memory: int | None = None
     carry_host_memory: int | None = None
     stats_every: int = 0
     carry_row_dtype: str | None = None
@@ -103,7 +111,8 @@ class CarryOptions:
         _check_bool("enable", self.enable)
         if self.carry_slots is not None:
             _check_int("carry_slots", self.carry_slots, minimum=1)
-        _check_int("carry_memory", self.carry_memory, minimum=0)
+        if self.carry_memory is not None:
+            _check_int("carry_memory", self.carry_memory, minimum=0)
         if self.carry_host_memory is not None:
             _check_int("carry_host_memory", self.carry_host_memory, minimum=0)
         _check_int("stats_every", self.stats_every, minimum=0)
@@ -115,6 +124,35 @@ class CarryOptions:
             _check_int("metrics_port", self.metrics_port, minimum=1)
             if self.metrics_port > 65535:
                 raise TrtllmAdapterError(f"{SECTION}.metrics_port must be <= 65535, got {self.metrics_port}")
+
+    def device_bytes(self) -> int:
+        """The device arena's bytes (`RESERVE_RULE`): `carry_memory`, else the process setting
+        `carry_memory()` (flag, env `TRTLLM_MTP_CARRY_MEMORY`) when it is bytes, else
+        `DEFAULT_CARRY_MEMORY`. The process default, the whole drafter pool, is a fraction with no
+        pool to apply it to (the arena is reserved before TensorRT-LLM sizes its pools); a
+        fraction set by flag or env is one `TrtllmAdapterError` line. Reading pins the setting."""
+        if self.carry_memory is not None:
+            return self.carry_memory
+        from ..core import settings
+
+        memory = settings.carry_memory()
+        if memory.nbytes is not None:
+            return memory.nbytes
+        if settings.CARRY_MEMORY.source != "default":
+            raise TrtllmAdapterError(
+                f"carry_memory={memory} ({settings.CARRY_MEMORY.source}): the carry inside TensorRT-LLM "
+                "reserves bytes, before TensorRT-LLM sizes its pools; give bytes (e.g. 1GiB) there "
+                f"or in {SECTION}.carry_memory")
+        return DEFAULT_CARRY_MEMORY
+
+    def host_bytes(self) -> int:
+        """The host arena's bytes (`RESERVE_RULE`): `carry_host_memory`, else the process setting
+        `carry_host_memory()` (flag, env `TRTLLM_MTP_CARRY_HOST_MEMORY`), else 0 (no host tier)."""
+        if self.carry_host_memory is not None:
+            return self.carry_host_memory
+        from ..core import carry_host_memory
+
+        return carry_host_memory()
 
 
 MAMBA_STATE_FIELDS = ("periodic_snapshot_interval", "additional_snapshot_offsets_from_start",

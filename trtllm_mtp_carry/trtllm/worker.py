@@ -197,13 +197,11 @@ def _reserve_early(creator: Any, standin: bool) -> None:
             return  # the install says why (or said it at interpreter start)
         import torch
 
-        from ..core import carry_host_memory
-
-        host = carry_host_memory() if options.carry_host_memory is None else options.carry_host_memory
+        device_bytes, host = options.device_bytes(), options.host_bytes()  # one rule (RESERVE_RULE)
         if standin:  # the stand-in models a device's memory: its allocator, as torch.cuda's here
             memory = getattr(creator._llm_args, "device_memory", None)
             if memory is not None:
-                _early.append(reserve_early(options.carry_memory, host, torch.device("cpu"),
+                _early.append(reserve_early(device_bytes, host, torch.device("cpu"),
                                             memory.allocate, memory.free))
                 return
             device = torch.device("cpu")
@@ -211,7 +209,7 @@ def _reserve_early(creator: Any, standin: bool) -> None:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             return  # the install reserves where the draft pool lives
-        _early.append(reserve_early(options.carry_memory, host, device, torch_allocate))
+        _early.append(reserve_early(device_bytes, host, device, torch_allocate))
     except Exception as exc:  # reported by the install's one line, never raised into TensorRT-LLM
         _early.append(exc)
 

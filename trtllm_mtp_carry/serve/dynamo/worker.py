@@ -245,10 +245,12 @@ class CarryWorker(LLMEngine):
         )
 
     def _build_engine(self) -> Any:
-        """The engine, warmed up: torch's first-call costs stay out of the first user's turn."""
+        """The engine, warmed up: torch's first-call costs stay out of the first user's turn.
+        The warm-up runs the drafter (policy rebuild: rows from the prompt) but makes no carry decision, so the
+        runtime's outcome counters, like `mtp_carry_outcomes_total`, count client turns only."""
         engine: Any = build_engine(self.options)  # submit(None, ...): a turn of no session
         tok = engine.tokenizer
-        rid = engine.submit(None, tok.render_chat([{"role": "user", "content": "warm up"}]), 4)
+        rid = engine.submit(None, tok.render_chat([{"role": "user", "content": "warm up"}]), 4, policy="rebuild")
         while not any(r.request_id == rid for r in engine.step()):
             pass
         return engine

@@ -356,6 +356,15 @@ class TritonPythonModel:
                 return
             if sink.cancelled():
                 result.abort()
+                # admitted (the adapter holds its turn record): its outcome, decided at admission,
+                # counts as the adapter's own `outcomes` counted it, whether or not the client stayed
+                attachment = self._engine.attachment
+                record = attachment.pop_turn(out.request_id) if attachment.armed else None
+                if record is not None:
+                    total_ms = (time.perf_counter() - start) * 1e3
+                    self._metrics.record_trtllm_turn(turn_stats(
+                        len(prompt), completion, out, ttft_ms or total_ms, total_ms,
+                        attachment.topology, True, record))
                 sink.error("request cancelled by the client")
                 return
             if ids:
