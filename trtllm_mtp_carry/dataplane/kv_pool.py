@@ -586,10 +586,15 @@ class DrafterKVPool:
                     v: torch.Tensor) -> None:
         """Grow by the rows and write them; a refused write gives the new blocks back."""
         new_blocks = self.grow(seq_id, keys_dev.shape[0])
+        # Only the blocks the new rows land in go to the kernel (row r of the slice is row
+        # r + first * block_size of the sequence): a warm turn's append copies as many block
+        # ids as its new rows need, however many rows it adopted.
+        first = state.rows // self.block_size
         try:
             drafter_row_append(
                 k, v, keys_dev, self.k_cache, self.v_cache,
-                self.block_table_tensor(seq_id), state.rows,
+                device_tensor(state.block_table[first:], torch.int32, self.device),
+                state.rows - first * self.block_size,
                 self.rope.rotary_dim, self.rope.rope_theta,
                 False,  # keys checked on the host; block ids are the pool's own
             )
