@@ -17,9 +17,9 @@ the stream:
 Convention (the tracer cannot see devices on a CPU run): the host is named by
 the string "cpu" (`.to("cpu")`, `.cpu()`, factories without a device); a
 `torch.device` object names the device, as the package's code writes it.
-The package's upload helpers (pinned staging and a non-blocking copy on CUDA:
-`kv_pool.device_tensor`, `upload.upload`) are patched by `patch_uploads` to give
-a device tensor and count no sync.
+The package's upload helpers (`dataplane.device_ints`: pinned staging and a
+non-blocking copy on CUDA) are patched by `patch_uploads` where the prep path
+imported them, to give a device tensor and count no sync.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class SyncTrace(TorchFunctionMode):
         frame = sys._getframe(1)
         while frame is not None:
             path = frame.f_code.co_filename
-            if path.startswith(_PACKAGE) and not path.endswith("upload.py"):
+            if path.startswith(_PACKAGE) and not path.endswith("device_ints.py"):
                 return f"{os.path.relpath(path, _PACKAGE)}:{frame.f_lineno} {frame.f_code.co_name}"
             frame = frame.f_back  # type: ignore[assignment]
         return "?"
@@ -143,9 +143,9 @@ class SyncTrace(TorchFunctionMode):
         return result
 
 
-UPLOAD_HELPERS = ("device_tensor", "upload")
+UPLOAD_HELPERS = ("device_tensor", "device_copy")
 """The package's host-to-device helpers that stage in pinned memory and copy non-blocking on
-CUDA (`dataplane.kv_pool.device_tensor`, `dataplane.upload.upload`): no sync there."""
+CUDA (`dataplane.device_ints`): no sync there."""
 
 
 def patch_uploads(monkeypatch: Any, trace_of: Any) -> Counter[str]:

@@ -21,12 +21,6 @@ CARRY_EXTRA_SYNCS = 0
 """Host syncs a carry warm turn's prep may make beyond blind's for the same appended rows:
 none (adoption is bookkeeping on the host: block ids and key runs, no tensor read)."""
 
-FP8_ADOPTION_SYNCS = 1
-"""With `carry_row_dtype` fp8 the adoption unpacks the entry into fresh pool blocks
-(`DrafterKVPool.import_carried`): its block ids go up with `torch.tensor(..., device=)`,
-one pageable upload (the host tier's code path, which has no upload of its own yet)."""
-
-
 def _warm_turn_prep_syncs(monkeypatch: pytest.MonkeyPatch, policy: str, row_dtype: str | None = None
                           ) -> tuple[Counter[tuple[str, str]], str, Counter[str]]:
     """The would-be syncs of one warm turn's drafter prep under `policy`, its outcome kind,
@@ -86,9 +80,10 @@ def test_carry_prep_syncs_at_most_blinds_plus_the_documented_extra(monkeypatch):
     assert sum(carry.values()) <= sum(blind.values()) + CARRY_EXTRA_SYNCS
 
 
-def test_carry_fp8_prep_syncs_only_for_the_unpacked_blocks_ids(monkeypatch):
+def test_carry_fp8_prep_makes_none_either_its_unpack_included(monkeypatch):
+    # the adoption unpacks the entry into fresh pool blocks (DrafterKVPool.import_packed):
+    # its block ids go up pinned and non-blocking too
     carry, kind, _ = _warm_turn_prep_syncs(monkeypatch, "carry", "fp8")
     blind, _, _ = _warm_turn_prep_syncs(monkeypatch, "blind")
     assert kind == "adopted"
-    assert sum(carry.values()) == sum(blind.values()) + FP8_ADOPTION_SYNCS
-    assert [(kind, site.split(":")[0]) for (kind, site) in carry] == [("upload tensor", "dataplane/kv_pool.py")]
+    assert dict(carry) == {} == dict(blind)
