@@ -27,9 +27,10 @@ The adapter's own data path (what a warm turn adds in PyExecutor's loop): the fi
 request's gather into the carry's arena (`CarryManager._deposit`: the page gather, packed
 with `carry-fp8`, and the arena copy) and the next request's scatter into its fresh draft
 pages (`CarryManager._adopt`: the carry decision, the take and the scatter), each timed per
-warm turn with the device synchronized before and after (TensorRT-LLM's `_sync` blocks on
-the draft stream there too), median (p25-p75), and paired against blind's warm TTFT of the
-same turn. `--device cuda` puts the stand-in's KV pages (and so the carry's arenas) on the
+warm turn with the device synchronized before and after (so each counts its device work
+too: the deposit's gather waits for it in TensorRT-LLM as well; the scatter's is ordered
+before the next forward on the GPU), median (p25-p75), and paired against blind's warm TTFT
+of the same turn. `--device cuda` puts the stand-in's KV pages (and so the carry's arenas) on the
 GPU; the model computes on the CPU either way. After every scatter the pages' rows are read
 back and compared with the rows gathered at the previous turn's free. Besides the tables, it
 prints `FIGURE`/`CHECK` lines (tab-separated) for scripts/gpu_smoke.sh.
