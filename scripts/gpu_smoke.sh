@@ -110,7 +110,7 @@ step host-tier correctness 90 python3 scripts/bench_host_tier.py --device cuda
 
 # 4. the session bench (outputs must be identical across policies)
 step session-28k correctness 200 $CARRY bench --device cuda --history 28000 --new-span 512 \
-    --policies carry,carry-fp8,rebuild,blind --no-progress --json "$OUT/session-28k.json"
+    --policies carry,carry-fp8,rebuild,blind --no-progress --figures --json "$OUT/session-28k.json"
 $TABLE json-check "session bench 28k outputs identical" "$OUT/session-28k.json" "$OUT/session-28k.log"
 step sessions-64 correctness 120 $CARRY bench --device cuda --concurrency 32 --sessions 64 \
     --history 1024 --no-progress --json "$OUT/sessions-64.json"

@@ -23,7 +23,20 @@ placement (`kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_
 warm turn reuses anything and the worker hook stands aside). The reused depth R of every
 warm turn is printed next to the previous turn's prompt length.
 
+The adapter's own data path (what a warm turn adds in PyExecutor's loop): the finished
+request's gather into the carry's arena (`CarryManager._deposit`: the page gather, packed
+with `carry-fp8`, and the arena copy) and the next request's scatter into its fresh draft
+pages (`CarryManager._adopt`: the carry decision, the take and the scatter), each timed per
+warm turn with the device synchronized before and after (so each counts its device work
+too: the deposit's gather waits for it in TensorRT-LLM as well; the scatter's is ordered
+before the next forward on the GPU), median (p25-p75), and paired against blind's warm TTFT
+of the same turn. `--device cuda` puts the stand-in's KV pages (and so the carry's arenas) on the
+GPU; the model computes on the CPU either way. After every scatter the pages' rows are read
+back and compared with the rows gathered at the previous turn's free. Besides the tables, it
+prints `FIGURE`/`CHECK` lines (tab-separated) for scripts/gpu_smoke.sh.
+
     python scripts/trtllm_standin_bench.py --history 8192 --sessions 3 --turns 4
+    python scripts/trtllm_standin_bench.py --device cuda --history 28000 --fp8
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from itertools import cycle
 from pathlib import Path
 
@@ -49,6 +63,117 @@ from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
 
 POLICIES = ("carry", "blind", "rebuild")
+CARRY_POLICIES = ("carry", "carry-fp8")
+
+
+class DataPath:
+    """Times one carry executor's adapter data path per turn and checks what it scatters.
+
+    Wraps the installed `CarryManager`'s `_deposit` (gather into the arena) and `_adopt`
+    (decide, take, scatter) on the instance, the layout functions it calls (the copies
+    alone), and its `CarriedRows` `deposit` / `judge_and_take` (which rows went in under
+    which key, and which key a scatter serves). `turn` labels the calls of the request
+    being run."""
+
+    def __init__(self, manager: object, device: torch.device) -> None:
+        from trtllm_mtp_carry.dataplane.row_format import PackedRows, unpack_rows
+        from trtllm_mtp_carry.trtllm import manager as manager_module
+        from trtllm_mtp_carry.trtllm.layout import gather_rows
+
+        self.turn: tuple[int, int] = (0, 0)
+        self.times: dict[tuple[int, int], dict[str, float]] = {}
+        self.checks: list[tuple[int, bool]] = []  # (rows compared, equal) per scatter
+        self._cuda = device.type == "cuda"
+        self._deposited: dict[int, torch.Tensor] = {}
+        self._taking: int | None = None
+        m, carried = manager, manager.carried  # type: ignore[attr-defined]
+        m._deposit = self._timed("deposit_ms", m._deposit, own=True)  # type: ignore[attr-defined]
+        m._adopt = self._timed("adopt_ms", m._adopt, own=True)  # type: ignore[attr-defined]
+        if not DataPath._patched:  # the layout functions, once for every manager: `active` times them
+            DataPath._patched = True
+            for name, key in (("gather_rows", "gather_ms"), ("gather_packed_rows", "gather_ms"),
+                              ("scatter_rows", "scatter_ms"), ("scatter_packed_rows", "scatter_ms")):
+                fn = DataPath._for_active(key, getattr(manager_module, name))
+                if name.startswith("scatter"):
+                    fn = DataPath._checked(fn, gather_rows)
+                setattr(manager_module, name, fn)
+        deposit, judge_and_take = carried.deposit, carried.judge_and_take
+
+        def kept(key: int, tokens: object, rows: object, session: object = None) -> bool:
+            # what the pages will hold once scattered: the rows, unpacked when packed (set
+            # aside: not part of the deposit's time)
+            with self._aside("deposit_aside_ms"):
+                self._deposited[key] = (unpack_rows(rows) if isinstance(rows, PackedRows)
+                                        else rows.clone())  # type: ignore[attr-defined]
+            return bool(deposit(key, tokens, rows, session))
+
+        def taken(key: int, *args: object, **kwargs: object) -> object:
+            self._taking = key
+            return judge_and_take(key, *args, **kwargs)
+
+        carried.deposit, carried.judge_and_take = kept, taken
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def _aside(self, key: str):  # type: ignore[no-untyped-def]
+        """Time the bench's own work inside a timed call, to take it out of that call's time."""
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        times = self.times.setdefault(self.turn, {})
+        times[key] = times.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+
+    def net(self, turn: tuple[int, int], key: str) -> float | None:
+        """`deposit_ms` or `adopt_ms` of `turn` less the bench's own work inside it (None: no call)."""
+        times = self.times.get(turn, {})
+        if key not in times:
+            return None
+        return times[key] - times.get(key.replace("_ms", "_aside_ms"), 0.0)
+
+    _patched = False
+    active: DataPath | None = None  # the instance whose manager is in `_deposit` or `_adopt` now
+
+    def _timed(self, key: str, fn, own: bool = False):  # type: ignore[no-untyped-def]
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if own:
+                DataPath.active = self
+            try:
+                self._sync()
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self._sync()
+            finally:
+                if own:
+                    DataPath.active = None
+            times = self.times.setdefault(self.turn, {})
+            times[key] = times.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+            return out
+        return timed
+
+    @staticmethod
+    def _for_active(key: str, fn):  # type: ignore[no-untyped-def]
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            path = DataPath.active
+            return fn(*args, **kwargs) if path is None else path._timed(key, fn)(*args, **kwargs)
+        return timed
+
+    @staticmethod
+    def _checked(scatter, gather_rows):  # type: ignore[no-untyped-def]
+        def checked(buf, pages, lo, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+            scatter(buf, pages, lo, rows, *args, **kwargs)
+            path = DataPath.active
+            if path is None:
+                return
+            with path._aside("adopt_aside_ms"):  # read back what landed in the pages
+                n = rows.shape[0]
+                want = path._deposited.get(path._taking) if path._taking is not None else None
+                got = gather_rows(buf, pages, lo, lo + n)
+                path.checks.append((n, want is not None and bool(torch.equal(got, want[lo:lo + n]))))
+        return checked
 
 
 def session_history(offset: int, history: int, tok: ChatTokenizer) -> tuple[list[dict], list[str]]:
@@ -77,6 +202,24 @@ def pad(tokens_for: callable, text: str, prefix: int, chunk: int) -> list[int]: 
     return tokens_for(text + " " * ((-(prefix + n)) % chunk))
 
 
+def _device(text: str) -> torch.device | str:
+    """The `--device` value as a torch device, or the one error line saying why not."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        return f"--device {text!r}: not a torch device (cpu, cuda or cuda:N)"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {text!r}: the stand-in's pages go on the cpu or a cuda device"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {text}: no CUDA device here (torch.cuda.is_available() is False)"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"--device {text}: this machine has {torch.cuda.device_count()} CUDA devices"
+        torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--history", type=int, default=8192)
@@ -88,25 +231,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapshot-placement", choices=("end", "none"), default="end",
                     help="the hybrid target's mamba_state_config: a snapshot at each prompt's end "
                          "(the recommended placement), or none")
+    ap.add_argument("--device", default="cpu",
+                    help="where the stand-in's KV pages and the carry's arenas live: cpu, cuda or cuda:N "
+                         "(the model computes on the CPU)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also run carry-fp8: the carry with its rows packed in FP8 (gathered packed, "
+                         "scattered unpacked)")
     args = ap.parse_args(argv)
+    device = _device(args.device)
+    if isinstance(device, str):
+        print(f"{Path(sys.argv[0]).name}: error: {device}", file=sys.stderr)
+        return 2
     kv_cache_config = (RECOMMENDED_KV_CACHE_CONFIG if args.snapshot_placement == "end"
                        else {"enable_block_reuse": True})
+    policies = ("carry", "carry-fp8", "blind", "rebuild") if args.fp8 else POLICIES
     torch.set_num_threads(1)
     model, tok = load_reference()
     llms = {}
     with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "carry.yaml"
-        config.write_text(f"mtp_carry: {{carry_slots: {args.sessions}}}\n")
-        for p in POLICIES:
-            if p == "carry":  # the executor "in a worker": only the worker hook can install it
+        for p in policies:
+            if p in CARRY_POLICIES:  # the executor "in a worker": only the worker hook can install it
+                config = Path(tmp) / f"{p}.yaml"
+                dtype = ", carry_row_dtype: fp8" if p == "carry-fp8" else ""
+                config.write_text(f"mtp_carry: {{carry_slots: {args.sessions}{dtype}}}\n")
                 os.environ[worker.ENV] = str(config)
-            llms[p] = StandinLLM(model, single_process=p != "carry", chunk_size=args.chunk,
+            llms[p] = StandinLLM(model, single_process=p not in CARRY_POLICIES, chunk_size=args.chunk,
                                  max_batch=1, num_pages=16384, prefix_entries=4 * args.sessions,
-                                 kv_cache_config=kv_cache_config, enable_block_reuse=p != "rebuild")
+                                 kv_cache_config=kv_cache_config, enable_block_reuse=p != "rebuild",
+                                 device=str(device))
             os.environ.pop(worker.ENV, None)
-    carry = llms["carry"].executor.resource_manager.resource_managers.get(CARRY_MANAGER_KEY)
+    managers = {p: llms[p].executor.resource_manager.resource_managers.get(CARRY_MANAGER_KEY)
+                for p in policies if p in CARRY_POLICIES}
+    paths = {p: DataPath(m, device) for p, m in managers.items() if m is not None}
     warm = StandinLLM(model, single_process=True, chunk_size=args.chunk,
-                      kv_cache_config=kv_cache_config)  # warm-up: torch's first calls are slow
+                      kv_cache_config=kv_cache_config, device=str(device))  # torch's first calls are slow
     warm.generate_async(tok.render_chat([{"role": "user", "content": "warm up"}]), 8)
     warm.run_until_done()
 
@@ -116,19 +274,23 @@ def main(argv: list[str] | None = None) -> int:
         head = tok.render_chat(history[:-1], add_generation_prompt=False)
         prompt = head + pad(lambda t: tok.render_chat([{"role": "user", "content": t}]),
                             history[-1]["content"], len(head), args.chunk)
-        prompts = dict.fromkeys(POLICIES, prompt)
+        prompts = dict.fromkeys(policies, prompt)
         last_prompt: dict[str, list[int]] = {}
         for turn in range(args.turns):
             outs = {}
             prompts_before = dict(last_prompt) if turn else {}
-            for p in POLICIES:  # the same session and turn under each policy, back to back
+            for p in policies:  # the same session and turn under each policy, back to back
                 llm = llms[p]
+                if p in paths:
+                    paths[p].turn = (s, turn)
                 t0 = time.perf_counter()
                 req = llm.generate_async(prompts[p], args.max_new, conversation_params=
                                          ConversationParams(conversation_id=f"s{s}"))
                 while not req.output and not req.is_finished:  # until the first token
                     llm.executor.step()
                 ttft = (time.perf_counter() - t0) * 1e3
+                if p in paths:  # the bench's read-back of the scattered rows is not the turn's
+                    ttft -= paths[p].times.get((s, turn), {}).get("adopt_aside_ms", 0.0)
                 llm.run_until_done()
                 outs[p] = req.output
                 last_prompt[p] = req.prompt
@@ -141,9 +303,18 @@ def main(argv: list[str] | None = None) -> int:
                 prompts[p] = req.prompt + pad(
                     lambda u, r=req: tok.next_prompt(r.prompt, r.output, u)[len(r.prompt):],
                     ask, len(req.prompt), args.chunk)
-            if not outs["carry"] == outs["blind"] == outs["rebuild"]:
+            if len({tuple(o) for o in outs.values()}) != 1:
                 print(f"outputs differ at session {s} turn {turn}", file=sys.stderr)
+                print(f"CHECK\tstand-in outputs identical\tFAIL\tsession {s} turn {turn} differs "
+                      f"across {', '.join(policies)}")
                 return 1
+    for p, path in paths.items():  # the data path's figures go with the records
+        for r in records:
+            if r["policy"] == p:
+                key = (r["session"], r["turn"])
+                r["deposit_ms"], r["adopt_ms"] = path.net(key, "deposit_ms"), path.net(key, "adopt_ms")
+                r["gather_ms"] = path.times.get(key, {}).get("gather_ms")
+                r["scatter_ms"] = path.times.get(key, {}).get("scatter_ms")
     warm_recs = [r for r in records if r["turn"] > 0]
 
     def col(p: str, key: str) -> list[float]:
@@ -153,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         return f"{sp.median:.{digits}f} ({sp.p25:.{digits}f}-{sp.p75:.{digits}f})"
 
     print(f"history ~{args.history} tokens, {args.sessions} sessions x {args.turns - 1} warm turns, "
-          f"chunk {args.chunk}, answers up to {args.max_new} tokens; outputs identical")
+          f"chunk {args.chunk}, answers up to {args.max_new} tokens, pages on {device}; outputs identical")
     print("| policy | warm TTFT ms | reused tokens | acceptance (accepted / verify step) |")
     print("|---|---:|---:|---:|")
-    for p in POLICIES:
+    for p in policies:
         print(f"| {p} | {fmt(Spread.of(col(p, 'ttft_ms')))} | "
               f"{fmt(Spread.of(col(p, 'reused')), 0)} | {fmt(Spread.of(col(p, 'acceptance')), 3)} |")
     print("| paired ratio | carry/blind | carry/rebuild |")
@@ -172,13 +343,64 @@ def main(argv: list[str] | None = None) -> int:
     print("reused depth R per warm turn (carry; session, turn, R, previous prompt length):",
           ", ".join(f"s{s} t{t} R={r} prev={pp}" for s, t, r, pp in r_col))
     print("R = previous prompt length on every warm turn:", all(r == pp for _, _, r, pp in r_col))
+    figures = _data_path_report(paths, warm_recs, col, device)
+    carry = managers.get("carry")
     if carry is not None:
         print("carry stats:", json.dumps({k: v for k, v in carry.stats().items()
                                            if k in ("outcomes", "rows_scattered", "deposits")}))
+    for line in figures:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
-    return 0
+    return 0 if all(ok for path in paths.values() for _, ok in path.checks) else 1
+
+
+def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, device: torch.device  # type: ignore[no-untyped-def]
+                      ) -> list[str]:
+    """The data path's table (per warm turn, median (p25-p75) ms) and its FIGURE/CHECK lines."""
+    lines: list[str] = []
+    if not paths:
+        return ["CHECK\tadapter scattered rows equal the gathered ones\tFAIL\tthe carry was not installed"]
+    print(f"adapter data path per warm turn, pages on {device} (ms, median (p25-p75); "
+          "gather/scatter: the page copies alone)")
+    print("| policy | deposit (gather into the arena) | gather | adopt (decide, take, scatter) | scatter "
+          "| rows scattered | (deposit + adopt) / blind TTFT |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for p in paths:
+        spreads = {k: Spread.of([x for x in col(p, k) if x is not None])
+                   for k in ("deposit_ms", "gather_ms", "adopt_ms", "scatter_ms")}
+        pairs = [(r["deposit_ms"] + r["adopt_ms"], b["ttft_ms"]) for r in warm_recs if r["policy"] == p
+                 if r["deposit_ms"] is not None and r["adopt_ms"] is not None
+                 for b in warm_recs if b["policy"] == "blind"
+                 and (b["session"], b["turn"]) == (r["session"], r["turn"])]
+        share = paired_ratio([a for a, _ in pairs], [b for _, b in pairs], "ttft_ms", "blind")
+        rows = Spread.of([n for n, _ in paths[p].checks])
+
+        def cell(sp: Spread) -> str:
+            return "-" if sp.median is None else f"{sp.median:.3f} ({sp.p25:.3f}-{sp.p75:.3f})"
+
+        print(f"| {p} | {cell(spreads['deposit_ms'])} | {cell(spreads['gather_ms'])} | "
+              f"{cell(spreads['adopt_ms'])} | {cell(spreads['scatter_ms'])} | "
+              f"{'-' if rows.median is None else f'{rows.median:.0f}'} | "
+              f"{share.reason or cell(share.spread)} |")
+        suffix = "" if p == "carry" else ", fp8"
+        for name, key in (("gather", "deposit_ms"), ("scatter", "adopt_ms")):
+            sp = spreads[key]
+            value = ("n/a (no warm turn)" if sp.median is None else
+                     f"{sp.median:.3f} ms [{sp.p25:.3f}-{sp.p75:.3f}] over {sp.n} warm turns ({p}, {device})")
+            lines.append(f"FIGURE\tadapter {name} per warm turn{suffix}\t{value}\t-\tINFO")
+        if share.spread.median is not None:
+            lines.append(f"FIGURE\tadapter data path / blind warm ttft{suffix}\t{share.spread.median:.3f}x "
+                         f"[{share.spread.p25:.3f}-{share.spread.p75:.3f}] ({p}, {device})\t-\tINFO")
+    checks = [c for path in paths.values() for c in path.checks]
+    bad = [n for n, ok in checks if not ok]
+    verdict = "PASS" if checks and not bad else "FAIL"
+    detail = (f"{len(checks)} scatters, {sum(n for n, _ in checks)} rows read back from the pages "
+              f"equal the rows gathered at the previous turn's free" if verdict == "PASS" else
+              f"{len(bad)} of {len(checks)} scatters differ" if checks else "no scatter ran")
+    lines.append(f"CHECK\tadapter scattered rows equal the gathered ones\t{verdict}\t{detail}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -199,6 +199,20 @@ def test_a_block_two_entries_share_is_charged_once():
     assert (store.bytes_held, store.blocks_held, store.shared_blocks) == (30, 3, 0)
 
 
+def test_taking_one_of_three_sharers_leaves_each_shared_block_held_by_the_other_two():
+    store = CarryStore(budget_bytes=100, policy="lrd", block_nbytes=10)
+    deposit_blocks(store, 1, [0, 1, 2])
+    deposit_blocks(store, 2, [0, 1, 3])
+    deposit_blocks(store, 3, [0, 4])
+    assert (store.bytes_held, store.blocks_held, store.shared_blocks) == (50, 5, 2)
+    store.take(1)  # block 0: three holders -> two; block 1: two -> one; block 2 leaves
+    assert (store.bytes_held, store.blocks_held, store.shared_blocks) == (40, 4, 1)
+    store.take(3)  # block 0: two -> one; block 4 leaves
+    assert (store.bytes_held, store.blocks_held, store.shared_blocks) == (30, 3, 0)
+    store.take(2)
+    assert (store.bytes_held, store.blocks_held, store.shared_blocks) == (0, 0, 0)
+
+
 def test_evicting_a_sharer_frees_only_the_blocks_no_other_entry_nor_the_deposit_holds():
     store = CarryStore(budget_bytes=40, policy="lrd", block_nbytes=10)
     deposit_blocks(store, 1, [0, 1, 2])

@@ -119,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the served model's name (with --server or --openai)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
+    p.add_argument("--figures", action="store_true",
+                   help="end with tab-separated FIGURE/CHECK lines (drafter prep per policy, carry and "
+                        "carry-fp8 drafter prep over blind's against <= 1.1x, outputs identical) for "
+                        "scripts/gpu_smoke.sh")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none when stderr is not a terminal)")
 
@@ -476,6 +480,9 @@ def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], firs
         print(line)
     print(f"\noutputs identical across policies: {identical}   ({wall:.1f} s)")
     print(environment_line(env))
+    if getattr(args, "figures", False):
+        for line in report.figure_lines(runs, first_measured, identical):
+            print(line)
     if args.json:
         data = _json(args, env, runs, summary, ratios, identical, first_measured, partial)
         with open(args.json, "w") as f:

@@ -395,3 +395,44 @@ def plot(runs: Sequence[PolicyRun], path: str, first_measured: int) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+PREP_TARGET = 1.1
+"""The carry's drafter prep over blind's for the same warm turns, at most (median of the paired
+ratios): the carry adds adoption bookkeeping, never work that grows with the history."""
+
+
+def figure_lines(runs: Sequence[PolicyRun], first_measured: int, identical: bool) -> list[str]:
+    """The run's headline figures and its check as `FIGURE`/`CHECK` lines (tab-separated; the
+    GPU smoke script collects them): each policy's warm-turn drafter prep (median [p25-p75],
+    INFO), `carry` and `carry-fp8` drafter prep over `blind`'s on the same warm turns (median of
+    the paired ratios [p25-p75], PASS at most `PREP_TARGET`), and whether the outputs agree."""
+    lines = []
+    by_name = {r.policy: r for r in runs}
+    for r in runs:
+        s = Spread.of([t.stats["drafter_prep_ms"] for t in measured(r, first_measured) if t.turn > 0])
+        if s.median is not None and s.p25 is not None and s.p75 is not None:
+            lines.append(f"FIGURE\t{r.policy} drafter prep\t{s.median:.3f} ms [{s.p25:.3f}-{s.p75:.3f}] "
+                         f"over {s.n} warm turns\t-\tINFO")
+    blind = by_name.get("blind")
+    for name in ("carry", "carry-fp8"):
+        if name not in by_name or blind is None:
+            continue
+        a = {t.key: t.stats for t in measured(by_name[name], first_measured) if t.turn > 0}
+        b = {t.key: t.stats for t in measured(blind, first_measured) if t.turn > 0}
+        keys = sorted(a.keys() & b.keys())
+        ratio = paired_ratio([a[k]["drafter_prep_ms"] for k in keys], [b[k]["drafter_prep_ms"] for k in keys],
+                             "drafter_prep_ms", "blind")
+        s = ratio.spread
+        if s.median is None:
+            lines.append(f"FIGURE\t{name} drafter prep / blind\tn/a ({ratio.reason})\t<= {PREP_TARGET}x\tINFO")
+            continue
+        adopted = sum(a[k]["outcome_kind"] == "adopted" for k in keys)
+        verdict = "PASS" if s.median <= PREP_TARGET else "MISS"
+        assert s.p25 is not None and s.p75 is not None
+        lines.append(f"FIGURE\t{name} drafter prep / blind\t{s.median:.3f}x [{s.p25:.3f}-{s.p75:.3f}] over "
+                     f"{s.n} paired warm turns ({adopted} adopted)\t<= {PREP_TARGET}x\t{verdict}")
+    turns = len(set.intersection(*({t.key for t in r.turns} for r in runs))) if runs else 0
+    lines.append(f"CHECK\tbench outputs identical\t{'PASS' if identical else 'FAIL'}\t"
+                 f"{turns} turns compared across {', '.join(r.policy for r in runs)}")
+    return lines

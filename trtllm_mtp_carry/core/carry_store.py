@@ -987,11 +987,19 @@ class _Tier:
         if not self.shared:
             self.nbytes -= held.nbytes
             return held
-        refs = self.block_refs
-        for b in held.entry.block_table:
-            refs[b] -= 1
-            if not refs[b]:
-                del refs[b]
+        refs, table = self.block_refs, held.entry.block_table
+        if len(set(table)) == len(table):
+            # One pass in C over the table (an adoption at 28k rows drops ~1,750 blocks, and
+            # the per-block loop below cost a millisecond of the warm turn's drafter prep):
+            # every block leaves, then those other entries still hold come back, one fewer.
+            counts = list(map(refs.pop, table))
+            if max(counts, default=1) > 1:
+                refs.update({b: c - 1 for b, c in zip(table, counts, strict=True) if c > 1})
+        else:  # a table naming a block twice (never the pool's): one reference per listing
+            for b in table:
+                refs[b] -= 1
+                if not refs[b]:
+                    del refs[b]
         self.nbytes = len(refs) * (self.block_nbytes or 0)
         return held
 

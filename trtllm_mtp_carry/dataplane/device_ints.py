@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["device_tensor"]
+__all__ = ["device_copy", "device_tensor"]
 
 
 def device_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -26,3 +26,13 @@ def device_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.devic
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def device_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The CPU tensor `host` (ids computed on the host: page and slot indices) on `device`; on
+    CUDA, no stream sync (pinned staging, a non-blocking copy); on the CPU, `host` itself."""
+    if host.device.type != "cpu":
+        raise ValueError(f"device_copy takes a CPU tensor, got one on {host.device}")
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -112,6 +112,7 @@ from ..core.plan import chunk_keys
 from ..core.row_format import RowFormat, check_row_dtype
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
+from ..dataplane.device_ints import device_tensor
 from ..dataplane.kv_pool import BlockKeys, CarriedBlocks, PoolExhaustedError
 from .backend import CarryBackend
 from .host_moves import PoolHostMoves
@@ -1061,7 +1062,9 @@ class CarryRuntime:
         end = first_key + rows
         hidden = store.read(ticket, first_key, end)  # [rows, H] bf16, refused unless visible
         device = hidden.device
-        next_tokens = torch.tensor(tokens[first_key + 1 : end + 1], dtype=torch.int64, device=device)
+        # pinned and non-blocking: a pageable upload would make the host wait for the chunk's
+        # target forward (tests/runtime/test_prep_syncs.py pins the prep's syncs at 0)
+        next_tokens = device_tensor(tokens[first_key + 1 : end + 1], torch.int64, device)
         keys = torch.arange(first_key, end, dtype=torch.int64, device=device)
         k, v = self.backend.drafter_kv(next_tokens, hidden, keys)
         pool.append_rows(seq_id, range(first_key, end), k, v)  # host-known keys: no sync

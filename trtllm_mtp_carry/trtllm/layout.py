@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..dataplane.device_ints import device_tensor
+from ..dataplane.device_ints import device_copy, device_tensor
 from ..dataplane.row_format import (
     PackedRows,
     VectorLayout,
@@ -69,7 +69,8 @@ def key_slots(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int,
     table, first = page_table(pages, lo, hi, tokens_per_block)
     keys = torch.arange(lo, hi, dtype=torch.int64)
     page = torch.tensor(table, dtype=torch.int64)[keys // tokens_per_block - first]
-    return page.to(device), (keys % tokens_per_block).to(device)
+    # made on the host, copied without a host-device sync (pinned staging on CUDA)
+    return device_copy(page, device), device_copy(keys % tokens_per_block, device)
 
 
 def gather_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> torch.Tensor:

@@ -139,6 +139,7 @@ class StandinLlmArgs:
     kv_cache_compression_config: Any = None  # `TorchLlmArgs.kv_cache_compression_config` (None: off)
     pool: PagedRows | None = None  # the one stand-in page pool (draft or folded MTP pages)
     device_memory: StandinDeviceMemory | None = None  # the modelled device (None: not modelled)
+    device: str = "cpu"  # where the page pool lives (the model computes on the CPU)
 
 
 def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -> None:
@@ -156,7 +157,7 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
                                   f"(kv_cache_compression_config={a.kv_cache_compression_config!r})")
     if a.pool is None:
         a.pool = PagedRows(a.num_pages, cfg.num_kv_heads, a.tokens_per_block, cfg.head_dim,
-                           _TORCH_DTYPES[a.kv_dtype])
+                           _TORCH_DTYPES[a.kv_dtype], device=a.device)
     mtp_layer = cfg.num_layers  # the MTP layer's global index is num_hidden_layers
     has_separate = a.max_draft_len > 0 and a.topology != "folded"
     if a.topology is None:

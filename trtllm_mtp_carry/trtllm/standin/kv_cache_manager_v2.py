@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ...dataplane.device_ints import device_copy
 from .conformant import Conformant
 from .llm_args import KvCacheConfig
 from .llm_request import LlmRequest
@@ -56,11 +57,14 @@ class PagedRows:
     holds what the request that last used it left there, or, never used, a poison pattern (random
     rows of the scale of real ones, seeded by `POISON_SEED`). A restore that is short or missed
     therefore leaves wrong rows a test can see, never convenient zeros.
+
+    The pages live on `device` (a GPU's, to time the adapter's copies there); the model may
+    compute elsewhere: `write` takes rows from any device, `read` gives them on the pages'.
     """
 
     def __init__(self, num_pages: int, num_kv_heads: int, tpb: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
-        self.buf = torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim, dtype=dtype)
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.buf = torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim, dtype=dtype, device=device)
         self.buf.copy_(poison_page(num_kv_heads, tpb, head_dim, dtype).expand_as(self.buf))
         self.tpb = tpb
         self._free: deque[int] = deque(range(num_pages))
@@ -114,16 +118,20 @@ class PagedRows:
 
     def write(self, rid: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys `[lo, lo + n)` get `k` (roped), `v` `[n, Hkv, D]` (the attention kernel's write)."""
-        keys = torch.arange(lo, lo + k.shape[0])
-        page, slot = self._pages(rid, keys), keys % self.tpb
-        self.buf[page, 0, :, slot] = k.to(self.buf.dtype)
-        self.buf[page, 1, :, slot] = v.to(self.buf.dtype)
+        page, slot = self._slots(rid, lo, lo + k.shape[0])
+        self.buf[page, 0, :, slot] = k.to(self.buf.device, self.buf.dtype)
+        self.buf[page, 1, :, slot] = v.to(self.buf.device, self.buf.dtype)
 
     def read(self, rid: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(k, v)` `[hi - lo, Hkv, D]` of keys `[lo, hi)` (what the attention kernel reads)."""
-        keys = torch.arange(lo, hi)
-        page, slot = self._pages(rid, keys), keys % self.tpb
+        page, slot = self._slots(rid, lo, hi)
         return self.buf[page, 0, :, slot], self.buf[page, 1, :, slot]
+
+    def _slots(self, rid: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(page, slot)` int64 `[hi - lo]` of keys `[lo, hi)`, on the pages' device."""
+        keys = torch.arange(lo, hi)
+        dev = self.buf.device
+        return device_copy(self._pages(rid, keys), dev), device_copy(keys % self.tpb, dev)
 
     def pages_in_use(self) -> int:
         return sum(1 for r in self._refs if r)

@@ -301,7 +301,7 @@ class StandinPyExecutor(Conformant):
                 self.paged.write(req.py_request_id, kk, k, v)
             rows_k, rows_v = self.paged.read(req.py_request_id, 0, kk + 1)
             dt = x.dtype
-            h, logits = d.finish(x, q, rows_k.to(dt), rows_v.to(dt), torch.arange(kk + 1),
+            h, logits = d.finish(x, q, rows_k.to(x.device, dt), rows_v.to(x.device, dt), torch.arange(kk + 1),
                                  torch.tensor([kk]))
             token = logits.argmax(-1)
             out.append(int(token))

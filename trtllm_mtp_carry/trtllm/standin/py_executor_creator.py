@@ -54,7 +54,7 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
                        stop_token_ids: Sequence[int] = (),
                        extra_resource_managers: Mapping[str, Any] | None = None,
                        estimate_kv_cache: bool = False,
-                       device_memory: StandinDeviceMemory | None = None) -> Any:
+                       device_memory: StandinDeviceMemory | None = None, device: str = "cpu") -> Any:
     """Build and start a stand-in PyExecutor as TensorRT-LLM's `create_py_executor` does.
 
     `kv_cache_config` is the user's `kv_cache_config` (a dict as in `llm.yaml`, or a
@@ -75,7 +75,9 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
     measured before the build (the `TRTLLM_SKIP_KV_CACHE_ESTIMATION` order: `build_managers`
     calls it first). The worker hook reserves the carry's memory in its wrap of
     `try_prepare_estimation`, before either. The executor's `kv_cache_budget_bytes` records
-    the budget.
+    the budget. `device` is where the page pool (the draft KV pages) lives, `cpu` or a GPU's
+    (the adapter's gathers and scatters then run there, into arenas reserved there; the
+    model computes on the CPU).
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
@@ -89,7 +91,7 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
         num_pages=num_pages, prefix_entries=prefix_entries, max_batch=max_batch, kv_dtype=kv_dtype,
         tp_size=tp_size, enable_attention_dp=enable_attention_dp, overlap_scheduler=overlap_scheduler,
         stop_token_ids=tuple(stop_token_ids), extra_resource_managers=dict(extra_resource_managers or {}),
-        device_memory=device_memory)
+        device_memory=device_memory, device=device)
     if args.topology not in (None, "unpaired", "paired", "folded"):
         raise ValueError(f"topology must be unpaired, paired or folded, got {args.topology!r}")
     model_engine = SimpleNamespace(model=args.model)  # PyTorchModelEngine (.model)

@@ -1,0 +1,63 @@
+"""scripts/trtllm_standin_bench.py end to end at a tiny size: the adapter's data path figures
+and the scatter check, and `--device` refusals as one error line with exit 2."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "trtllm_standin_bench.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRTLLM_MTP_CARRY_WORKER", None)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=ROOT)
+
+
+def test_a_tiny_cpu_run_prints_the_data_path_figures_and_the_scatter_check_passes():
+    r = _run("--device", "cpu", "--history", "300", "--sessions", "1", "--turns", "2",
+             "--max-new", "6", "--chunk", "64", "--fp8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    tagged = [line.split("\t") for line in r.stdout.splitlines() if line.startswith(("FIGURE\t", "CHECK\t"))]
+    assert [t[:2] for t in tagged] == [
+        ["FIGURE", "adapter gather per warm turn"], ["FIGURE", "adapter scatter per warm turn"],
+        ["FIGURE", "adapter data path / blind warm ttft"],
+        ["FIGURE", "adapter gather per warm turn, fp8"], ["FIGURE", "adapter scatter per warm turn, fp8"],
+        ["FIGURE", "adapter data path / blind warm ttft, fp8"],
+        ["CHECK", "adapter scattered rows equal the gathered ones"]]
+    for t in tagged[:6]:
+        assert len(t) == 5 and t[3:] == ["-", "INFO"]
+    for t in (tagged[0], tagged[1], tagged[3], tagged[4]):
+        assert re.fullmatch(r"\d+\.\d{3} ms \[\d+\.\d{3}-\d+\.\d{3}\] over 1 warm turns \(carry(-fp8)?, cpu\)",
+                            t[2]), t[2]
+    # one warm turn per carry policy: one scatter each, of the rows the cold turn left
+    check = tagged[6]
+    assert check[2] == "PASS"
+    assert re.fullmatch(r"2 scatters, \d+ rows read back from the pages equal the rows gathered at "
+                        r"the previous turn's free", check[3]), check[3]
+    assert "pages on cpu" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_one_error_line_and_exit_2():
+    r = _run("--device", "cuda", "--history", "300")
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert r.stderr == ("trtllm_standin_bench.py: error: --device cuda: no CUDA device here "
+                        "(torch.cuda.is_available() is False)\n")
+
+
+def test_a_device_that_is_not_one_is_one_error_line_and_exit_2():
+    r = _run("--device", "gpu0")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("trtllm_standin_bench.py: error: --device 'gpu0': not a torch device "
+                        "(cpu, cuda or cuda:N)\n")
