@@ -15,6 +15,7 @@
 #   fp8-codec      the FP8 row codec against a plain copy (scripts/bench_row_format.py)
 #   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py)
 #   session-28k    the session bench at a 28k-token history: carry, carry-fp8, rebuild, blind
+#   host-hits      the same history with every carry-host warm turn adopted from the host tier
 #   sessions-64    64 sessions at concurrency 32
 #   standin-cuda   the TensorRT-LLM adapter's data path on the stand-in with CUDA pages
 #   trt-engine     where `tensorrt.plugin` imports: an engine with both plugins, built and run;
@@ -112,6 +113,11 @@ step host-tier correctness 90 python3 scripts/bench_host_tier.py --device cuda
 step session-28k correctness 200 $CARRY bench --device cuda --history 28000 --new-span 512 \
     --policies carry,carry-fp8,rebuild,blind --no-progress --figures --json "$OUT/session-28k.json"
 $TABLE json-check "session bench 28k outputs identical" "$OUT/session-28k.json" "$OUT/session-28k.log"
+# host-tier hits: one device slot, two interleaved sessions, so every carry-host warm turn adopts
+# from host memory (FIGURE carry-host ttft / carry, target <= 1.05x)
+step host-hits correctness 150 $CARRY bench --device cuda --history 28000 --new-span 512 --sessions 2 \
+    --interleave --policies carry,carry-host --no-progress --figures --json "$OUT/host-hits.json"
+$TABLE json-check "host-tier hits outputs identical" "$OUT/host-hits.json" "$OUT/host-hits.log"
 step sessions-64 correctness 120 $CARRY bench --device cuda --concurrency 32 --sessions 64 \
     --history 1024 --no-progress --json "$OUT/sessions-64.json"
 $TABLE json-check "64 sessions at concurrency 32 outputs identical" "$OUT/sessions-64.json" \
@@ -119,7 +125,8 @@ $TABLE json-check "64 sessions at concurrency 32 outputs identical" "$OUT/sessio
 
 # 5. the TensorRT-LLM adapter's data path with CUDA pages (the stand-in executor)
 # (exit 1 when the policies' outputs differ)
-step standin-cuda correctness 150 python3 scripts/trtllm_standin_bench.py --device cuda
+step standin-cuda correctness 150 python3 scripts/trtllm_standin_bench.py --device cuda --fp8 \
+    --history 4096 --sessions 2 --turns 3
 $TABLE step-check "stand-in with CUDA pages outputs identical" \
     "$(tail -n 1 "$OUT/steps.tsv" | cut -f3)" "$OUT/standin-cuda.log"
 

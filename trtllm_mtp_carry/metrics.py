@@ -11,7 +11,9 @@ that serve their own endpoint.
     mtp_carry_outcomes_total{kind}            turns by carry outcome kind, each counted once with
                                               the outcome decided at its admission, whether
                                               it then finished or was stopped (a cancelled
-                                              turn counts as the runtime's `outcomes` does)
+                                              turn counts as the runtime's `outcomes` does;
+                                              kind="fault": the carry faulted at admission and
+                                              the turn ran blind)
     mtp_carry_no_carry_total{reason}          no_carry turns by why the session's entry was
                                               absent (never_carried, memory, idle, ...)
     mtp_carry_drafter_rows_total{source}      rows adopted (kept) / computed

@@ -63,3 +63,13 @@ def test_carry_fp8_through_a_server_is_refused_with_one_line(capsys):
     assert capsys.readouterr().err.strip() == (
         "trtllm-mtp-carry: error: --policies carry-fp8 with --server 127.0.0.1:9: the server stores carried "
         "rows in its own carry_row_dtype (set it when serving); compare row formats in process")
+
+
+def test_carry_host_through_a_server_is_refused_naming_the_host_tier(capsys):
+    # not the row-format reason carry-fp8 gets: what carry-host varies is where entries live
+    assert main(["bench", "--openai", "http://127.0.0.1:9/v1", "--policies", "carry,carry-host",
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "trtllm-mtp-carry: error: --policies carry-host with --openai http://127.0.0.1:9/v1: the server's "
+        "carry store decides which entries live in its host tier (its carry_memory and carry_host_memory, "
+        "set when serving); compare host and device hits in process")

@@ -31,4 +31,4 @@ def test_carry_host_adopts_every_warm_turn_from_host_memory_beside_carry_from_th
     assert ratio["pairs"] == 4 and ratio["ttft_paired_median"] > 0
     text = capsys.readouterr().out
     assert "carry-host/carry (4 paired warm turns): ttft x" in text
-    assert "carry-host: host tier of 4 MiB: adopted from device 0, from host 4" in text
+    assert "carry-host: host tier of 4MiB: adopted from device 0, from host 4" in text

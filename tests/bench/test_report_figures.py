@@ -3,7 +3,7 @@
 from test_report import turn
 
 from trtllm_mtp_carry.bench.driver import PolicyRun
-from trtllm_mtp_carry.bench.report import PREP_TARGET, figure_lines
+from trtllm_mtp_carry.bench.report import HOST_TTFT_TARGET, PREP_TARGET, figure_lines
 
 
 def _runs(carry_preps, blind_preps, fp8_preps=None, outputs=(1, 2)):
@@ -49,3 +49,14 @@ def test_without_blind_there_is_no_ratio_and_a_zero_blind_prep_is_named():
     zero = figure_lines(_runs([2.0], [0.0]), 0, identical=True)
     assert zero[2] == ("FIGURE\tcarry drafter prep / blind\tn/a (blind has drafter_prep_ms at or near zero "
                        f"(<= 0.05) on 1 of 1 turns)\t<= {PREP_TARGET}x\tINFO")
+
+
+def test_carry_host_ttft_over_carry_is_judged_against_its_own_target():
+    runs = _runs([2.0, 2.0], [1.0, 1.0])[:1]  # carry only: no blind, no prep ratio
+    host = PolicyRun("carry-host")
+    host.turns.append(turn(0, "s0", 0, 100.0, kind="prefill", prep=50.0))
+    host.turns += [turn(0, "s0", 1, 10.4, kind="adopted", prep=2.0), turn(0, "s0", 2, 11.0, kind="adopted", prep=2.0)]
+    lines = figure_lines(runs + [host], 0, identical=True)
+    # carry's warm ttft is 10.0 on both turns (`_runs`): ratios 1.04 and 1.10, median 1.07
+    assert lines[2] == (f"FIGURE\tcarry-host ttft / carry\t1.070x [1.055-1.085] over 2 paired warm turns "
+                        f"(2 adopted)\t<= {HOST_TTFT_TARGET}x\tMISS")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..core import marconi_min_tokens, mtp_max_seqs, settings
 from .options import (
+    HOST_VARIANT,
     draft_len,
     output_path,
     positive_int,
@@ -74,9 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                    help="comma-separated drafter policies to compare, first is the numerator of "
-                        "every ratio (carry, carry-fp8, rebuild, blind, paired, off; paired models "
-                        "TensorRT-LLM's paired draft reuse, PR #19303; carry-fp8 is carry with its "
-                        "entries stored in FP8, over carry in the ratios)")
+                        "every ratio (carry, carry-fp8, carry-host, rebuild, blind, paired, off; "
+                        "paired models TensorRT-LLM's paired draft reuse, as its main branch pairs "
+                        "a hybrid's draft pool; carry-fp8 is carry with its entries stored in FP8, "
+                        "carry-host is carry adopting from the host tier (one device slot); both "
+                        "are over carry in the ratios)")
     p.add_argument("--sessions", type=positive_int, metavar="N", default=4, help="number of built-in sessions")
     p.add_argument("--turns", type=positive_int, metavar="N", default=4,
                    help="turns per built-in session (the first is cold)")
@@ -121,8 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PATH.png", help="plot time to first token per turn (needs [plot])")
     p.add_argument("--figures", action="store_true",
                    help="end with tab-separated FIGURE/CHECK lines (drafter prep per policy, carry and "
-                        "carry-fp8 drafter prep over blind's against <= 1.1x, outputs identical) for "
-                        "scripts/gpu_smoke.sh")
+                        "carry-fp8 drafter prep over blind's against <= 1.1x, carry-host ttft over "
+                        "carry's against <= 1.05x, outputs identical) for scripts/gpu_smoke.sh")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none when stderr is not a terminal)")
 
@@ -438,6 +441,10 @@ def _refuse_row_variants(args: argparse.Namespace, target: str) -> None:
     """ValueError for a `carry-<row dtype>` policy with a remote `target`: its row format is the
     server's `carry_row_dtype`, one per server."""
     variants = [p for p in _policy_names(args) if p.startswith("carry-")]
+    if HOST_VARIANT in variants:
+        raise ValueError(f"--policies {HOST_VARIANT} with {target}: the server's carry store decides "
+                         "which entries live in its host tier (its carry_memory and carry_host_memory, "
+                         "set when serving); compare host and device hits in process")
     if variants:
         raise ValueError(f"--policies {variants[0]} with {target}: the server stores carried rows in its "
                          "own carry_row_dtype (set it when serving); compare row formats in process")

@@ -16,6 +16,8 @@ from ..argtypes import positive_int
 
 MAX_DRAFT_LEN = 3  # mirrors engine.config.MAX_DRAFT_LEN, which imports torch
 BLOCK = 16  # the reference engine's KV block size; prefill chunks are whole blocks
+HOST_VARIANT = "carry-host"
+"""The bench policy whose warm turns adopt from the carry store's host tier (`replay.py`'s header)."""
 
 
 def draft_len(text: str) -> int:

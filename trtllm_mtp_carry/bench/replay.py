@@ -34,10 +34,8 @@ from ..engine.model import HybridLM
 from ..engine.tokenizer import ChatTokenizer
 from ..runtime.policy import DrafterPolicy
 from .driver import PolicyRun, TurnRecord, check_counts
+from .options import HOST_VARIANT
 from .sessions import BenchSession
-
-HOST_VARIANT = "carry-host"
-"""The bench policy whose warm turns adopt from the carry store's host tier (see the header)."""
 
 
 @dataclass(frozen=True)

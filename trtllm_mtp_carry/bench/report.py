@@ -401,12 +401,23 @@ PREP_TARGET = 1.1
 """The carry's drafter prep over blind's for the same warm turns, at most (median of the paired
 ratios): the carry adds adoption bookkeeping, never work that grows with the history."""
 
+HOST_TTFT_TARGET = 1.05
+"""`carry-host`'s warm TTFT over `carry`'s for the same turns, at most: a copy back from the host
+tier overlaps the prefill, so adopting from host memory costs about what adopting on device does."""
+
+TARGETS = (
+    ("carry", "blind", "drafter_prep_ms", "drafter prep", PREP_TARGET),
+    ("carry-fp8", "blind", "drafter_prep_ms", "drafter prep", PREP_TARGET),
+    ("carry-host", "carry", "ttft_ms", "ttft", HOST_TTFT_TARGET),
+)
+"""(numerator, denominator, per-turn stat, label, target): the paired ratios `figure_lines` judges."""
+
 
 def figure_lines(runs: Sequence[PolicyRun], first_measured: int, identical: bool) -> list[str]:
     """The run's headline figures and its check as `FIGURE`/`CHECK` lines (tab-separated; the
     GPU smoke script collects them): each policy's warm-turn drafter prep (median [p25-p75],
-    INFO), `carry` and `carry-fp8` drafter prep over `blind`'s on the same warm turns (median of
-    the paired ratios [p25-p75], PASS at most `PREP_TARGET`), and whether the outputs agree."""
+    INFO), each `TARGETS` ratio whose two policies ran (median of the paired per-turn ratios
+    [p25-p75], PASS at most its target, else MISS), and whether the outputs agree."""
     lines = []
     by_name = {r.policy: r for r in runs}
     for r in runs:
@@ -414,24 +425,23 @@ def figure_lines(runs: Sequence[PolicyRun], first_measured: int, identical: bool
         if s.median is not None and s.p25 is not None and s.p75 is not None:
             lines.append(f"FIGURE\t{r.policy} drafter prep\t{s.median:.3f} ms [{s.p25:.3f}-{s.p75:.3f}] "
                          f"over {s.n} warm turns\t-\tINFO")
-    blind = by_name.get("blind")
-    for name in ("carry", "carry-fp8"):
-        if name not in by_name or blind is None:
+    for name, base, stat, label, target in TARGETS:
+        if name not in by_name or base not in by_name:
             continue
         a = {t.key: t.stats for t in measured(by_name[name], first_measured) if t.turn > 0}
-        b = {t.key: t.stats for t in measured(blind, first_measured) if t.turn > 0}
+        b = {t.key: t.stats for t in measured(by_name[base], first_measured) if t.turn > 0}
         keys = sorted(a.keys() & b.keys())
-        ratio = paired_ratio([a[k]["drafter_prep_ms"] for k in keys], [b[k]["drafter_prep_ms"] for k in keys],
-                             "drafter_prep_ms", "blind")
+        ratio = paired_ratio([a[k][stat] for k in keys], [b[k][stat] for k in keys], stat, base)
         s = ratio.spread
+        title = f"{name} {label} / {base}"
         if s.median is None:
-            lines.append(f"FIGURE\t{name} drafter prep / blind\tn/a ({ratio.reason})\t<= {PREP_TARGET}x\tINFO")
+            lines.append(f"FIGURE\t{title}\tn/a ({ratio.reason})\t<= {target}x\tINFO")
             continue
         adopted = sum(a[k]["outcome_kind"] == "adopted" for k in keys)
-        verdict = "PASS" if s.median <= PREP_TARGET else "MISS"
+        verdict = "PASS" if s.median <= target else "MISS"
         assert s.p25 is not None and s.p75 is not None
-        lines.append(f"FIGURE\t{name} drafter prep / blind\t{s.median:.3f}x [{s.p25:.3f}-{s.p75:.3f}] over "
-                     f"{s.n} paired warm turns ({adopted} adopted)\t<= {PREP_TARGET}x\t{verdict}")
+        lines.append(f"FIGURE\t{title}\t{s.median:.3f}x [{s.p25:.3f}-{s.p75:.3f}] over "
+                     f"{s.n} paired warm turns ({adopted} adopted)\t<= {target}x\t{verdict}")
     turns = len(set.intersection(*({t.key for t in r.turns} for r in runs))) if runs else 0
     lines.append(f"CHECK\tbench outputs identical\t{'PASS' if identical else 'FAIL'}\t"
                  f"{turns} turns compared across {', '.join(r.policy for r in runs)}")
