@@ -64,8 +64,10 @@ def test_a_turn_longer_than_the_idle_timeout_keeps_its_session_and_idleness_then
     prompt = TOK.render_chat([{"role": "user", "content": "Show me a function that adds two numbers."}])
     ended = "mtp_carry_sessions_ended_total"
     with StreamClient(served.endpoints.grpc, SHORT) as client:
-        long = client.turn(6201, start=True, input_ids=prompt, max_tokens=250)
-        assert len(long.output) == 250
+        # 600 tokens: past 1.5 s on a quiet machine (250 took 1.27 s there), well inside the
+        # 20 s turn limit under load
+        long = client.turn(6201, start=True, input_ids=prompt, max_tokens=600)
+        assert len(long.output) == 600
         assert long.error is None, long.error
         assert long.total_ms > 1.5 * SHORT_IDLE_S * 1e3, long.total_ms  # generated past the idle timeout
         warm = client.turn(6201, text="Print hello.", max_tokens=4)
