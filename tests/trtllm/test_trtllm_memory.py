@@ -468,3 +468,20 @@ def test_early_bytes_are_cut_into_whole_rows_and_given_back_once() -> None:
     assert memory.charged["carry"] == 0
     if torch.cuda.is_available():  # the early bytes on another device than the pages: not used
         assert arenas_over(reserve_early(ROW, 0, torch.device("cuda")), pages, "bf16") is None
+
+
+def test_an_unarmed_attachment_answers_stats_and_info_under_a_fraction_carry_memory() -> None:
+    """A fraction in TRTLLM_MTP_CARRY_MEMORY makes the install stand aside (no pool to size it by);
+    `stats()` and `info()` of that attachment (a serving front end polls them) still answer."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from trtllm_mtp_carry.trtllm import CarryAttachment\n"
+            "from trtllm_mtp_carry.trtllm.options import CarryOptions\n"
+            "a = CarryAttachment('unpaired', False, 'refused', CarryOptions(), None, None, 1, None)\n"
+            "print(a.stats()['budget_bytes'])\n"
+            "print(dict((n, v) for n, v, _ in a.info())['carry memory (carry_memory)'])\n")
+    env = {**os.environ, "TRTLLM_MTP_CARRY_MEMORY": "0.5"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.splitlines() == ["0", "refused (a fraction: give bytes)"]

@@ -110,7 +110,7 @@ class CarryAttachment:
             from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS
 
             # the held part is an empty store's own stats (no arena, no host tier): the same keys armed
-            held = CarriedRows(None, self.options.device_bytes(), host_budget_bytes=0,
+            held = CarriedRows(None, self._device_bytes() or 0, host_budget_bytes=0,
                                row_dtype=self.options.carry_row_dtype).stats()
             out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
                    "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": dict.fromkeys(TURN_KINDS, 0),
@@ -153,12 +153,20 @@ class CarryAttachment:
             ("carry armed", yes[self.armed], self.reason),
             ("carry slots (carry_slots)", str(self.slots or "no cap"),
              "mtp_carry.carry_slots" if self.options.carry_slots else "carry_slots()"),
-            ("carry memory (carry_memory)", format_bytes(self.options.device_bytes()),
+            ("carry memory (carry_memory)", _or_refused(self._device_bytes()),
              "mtp_carry.carry_memory" if self.options.carry_memory is not None else "carry_memory() or 1GiB"),
             ("MTP layer", where, f"tokens_per_block={self.tokens_per_block}"),
             ("carry reserved", self._reserved(),
              "bytes held at attach, after TensorRT-LLM sized its KV cache (docs/MEMORY.md)"),
         ]
+
+    def _device_bytes(self) -> int | None:
+        """`options.device_bytes()`, or None where it is refused (a fraction set by flag or env: the
+        install stood aside saying so, and stats and info still answer)."""
+        try:
+            return self.options.device_bytes()
+        except TrtllmAdapterError:
+            return None
 
     def _reserved(self) -> str:
         reserved = None if self.manager is None else self.manager.reserved
@@ -166,6 +174,10 @@ class CarryAttachment:
             return "0B device, 0B host"
         host = 0 if reserved.host is None else reserved.host.nbytes
         return f"{format_bytes(reserved.device.nbytes)} device, {format_bytes(host)} host"
+
+
+def _or_refused(nbytes: int | None) -> str:
+    return "refused (a fraction: give bytes)" if nbytes is None else format_bytes(nbytes)
 
 
 _ATTACHED: weakref.WeakKeyDictionary[Any, CarryAttachment] = weakref.WeakKeyDictionary()
