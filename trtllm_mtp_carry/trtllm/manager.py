@@ -85,7 +85,7 @@ from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from .arena import Reserved
-from .carried import CarriedRows
+from .carried import CarriedRows, _current_stream, _on_stream
 from .identity import conversation_session, request_session, request_session_key
 from .layout import gather_packed_rows, gather_rows, scatter_packed_rows, scatter_rows
 from .options import CarryOptions
@@ -481,8 +481,8 @@ class CarryManagerCore:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
             buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
             with self._draft_stream():
-                taken.ready()  # host-tier rows: the draft stream waits for their copy back (GPU side)
                 scatter = scatter_packed_rows if self.carried.packed else scatter_rows  # fp8: unpacked as scattered
+                # head: host-tier rows make the draft stream wait for their copy back (GPU side)
                 scatter(buf, pages, 0, taken.head(n))  # type: ignore[arg-type]  # head's form is scatter's
             self._forward_waits_for_draft_stream()
         except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
@@ -565,19 +565,12 @@ class CarryManagerCore:
             _current_stream(stream.device).wait_stream(stream)
 
 
-# ---- the draft stream's CUDA calls (one seam: CPU tests put a recorder in their place) ----
+# ---- the draft stream's CUDA calls (one seam: CPU tests put a recorder in their place; the
+# stream calls are carried.py's, the same functions under this module's names) ----
 
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
-
-
-def _on_stream(stream: Any) -> AbstractContextManager[Any]:
-    return torch.cuda.stream(stream)
-
-
-def _current_stream(device: torch.device) -> Any:
-    return torch.cuda.current_stream(device)
 
 
 def _turn_record(reused: int, outcome: str, rows_computed: int) -> dict[str, object]:

@@ -175,6 +175,16 @@ BLOCK_REUSE_POLICIES = ("all_reusable", "per_request", "per_conversation")
 """`kv_cache_config.block_reuse_config.policy`'s values (TensorRT-LLM's `BlockReuseConfig`,
 `llm_args.py` @ 0004396; default `all_reusable`)."""
 
+
+
+def interval_after_validator(policy: str, interval: int) -> int:
+    """`mamba_state_config.periodic_snapshot_interval` as TensorRT-LLM's `KvCacheConfig` validator
+    `disable_periodic_mamba_snapshots_for_conversations` leaves it (`llm_args.py` @ 0004396): 0
+    under policy `per_conversation`, else as set. The one place the package plays that validator
+    (`kv_cache_config_of`, `reuse_stand_aside`, the stand-in's `KvCacheConfig`)."""
+    return 0 if policy == "per_conversation" else interval
+
+
 SNAPSHOT_FIX = ("set kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end: [0] "
                 "(a snapshot at each prompt's end)")
 REUSE_FIX = "set kv_cache_config.enable_block_reuse: true"
@@ -202,9 +212,9 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
     if not hybrid:
         return None
     state = state or {}
-    interval = state.get("periodic_snapshot_interval") or 0
-    dropped = interval if policy == "per_conversation" and interval else 0  # the source's validator
-    interval -= dropped
+    set_interval = state.get("periodic_snapshot_interval") or 0
+    interval = interval_after_validator(policy, set_interval)
+    dropped = set_interval - interval
     offsets = bool(state.get("additional_snapshot_offsets_from_start")) or bool(
         state.get("additional_snapshot_offsets_from_end"))
     if interval > 0 or (offsets and offsets_supported) or state.get("enable_branch_snapshot"):
@@ -240,9 +250,10 @@ def kv_cache_config_of(options: Mapping[str, Any]) -> dict[str, Any]:
                                  f"{', '.join(BLOCK_REUSE_POLICIES)}, got {policy!r}")
     state = dict(state)
     ignored: dict[str, Any] = {}  # what the validator reset, as the user set it
-    if policy == "per_conversation" and state.get("periodic_snapshot_interval"):
-        ignored["periodic_snapshot_interval"] = state["periodic_snapshot_interval"]
-        state["periodic_snapshot_interval"] = 0  # the validator: periodic snapshots off
+    interval = state.get("periodic_snapshot_interval")
+    if interval and interval_after_validator(policy, interval) != interval:  # the validator reset it
+        ignored["periodic_snapshot_interval"] = interval
+        state["periodic_snapshot_interval"] = interval_after_validator(policy, interval)
     return {"enable_block_reuse": bool(kv.get("enable_block_reuse", False)), "mamba_state_config": state,
             "block_reuse_config": {"policy": policy, "max_num_turns": reuse.get("max_num_turns", 1)},
             "ignored": ignored}

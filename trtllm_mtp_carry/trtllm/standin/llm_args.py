@@ -31,13 +31,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..options import BLOCK_REUSE_POLICIES, interval_after_validator
 from .conformant import Conformant
 
 logger = logging.getLogger("tensorrt_llm")  # the stand-in's TensorRT-LLM logger
 
-BLOCK_REUSE_POLICIES = ("all_reusable", "per_request", "per_conversation")
-"""`BlockReuseConfig.policy`'s values (llm_args.py @ 0004396; `BlockReusePolicy` in
-kv_cache_manager_v2.py @ 0004396)."""
+# `BlockReuseConfig.policy`'s values and the validator's effect on the periodic interval are
+# `options.BLOCK_REUSE_POLICIES` and `options.interval_after_validator` (llm_args.py @ 0004396;
+# `BlockReusePolicy` in kv_cache_manager_v2.py @ 0004396): one reading, shared with the adapter.
 
 
 @dataclass
@@ -116,12 +117,13 @@ class KvCacheConfig(Conformant):
     def __post_init__(self) -> None:
         # disable_periodic_mamba_snapshots_for_conversations (llm_args.py @ 0004396)
         state = self.mamba_state_config
-        if self.block_reuse_config.policy == "per_conversation" and state.periodic_snapshot_interval != 0:
-            interval = state.periodic_snapshot_interval
+        interval = state.periodic_snapshot_interval
+        kept = interval_after_validator(self.block_reuse_config.policy, interval)
+        if kept != interval:
             logger.warning("'kv_cache_config.mamba_state_config.periodic_snapshot_interval=%s' is ignored "
                            "because 'kv_cache_config.block_reuse_config.policy=per_conversation' disables "
                            "periodic Mamba snapshots; setting it to 0.", interval)
-            self.mamba_state_config = dataclasses.replace(state, periodic_snapshot_interval=0)
+            self.mamba_state_config = dataclasses.replace(state, periodic_snapshot_interval=kept)
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any] | KvCacheConfig | None) -> KvCacheConfig:
