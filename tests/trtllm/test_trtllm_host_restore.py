@@ -147,8 +147,9 @@ def test_a_cpu_restore_is_a_plain_copy_with_no_stream_and_no_event(monkeypatch):
 def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the_cpu_waiting(monkeypatch):
     """prepare_resources scatters a warm turn's rows on the draft manager's stream and returns:
     the executor's stream (where the forward that reads the pages is queued) waits for the draft
-    stream on the GPU. Only a deposit's gather, whose pages go back to the pool at free, makes
-    the CPU wait. (Before: a `synchronize` after the scatter too, so a host-tier copy back could
+    stream on the GPU. Each use of the draft stream first orders it after the executor's (a
+    gather reads the forward's pages, a scatter rows a deposit put). Only a deposit's gather,
+    whose pages go back to the pool at free, makes the CPU wait. (Before: a `synchronize` after the scatter too, so a host-tier copy back could
     never overlap the prefill.) The CUDA calls are the manager's seam, recorded."""
     from standin_helpers import make_llm, user_tokens
 
@@ -161,6 +162,10 @@ def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the
 
         def synchronize(self) -> None:
             log.append("cpu waits for the draft stream")
+
+        def wait_stream(self, stream: object) -> None:
+            assert isinstance(stream, ExecutorStream)
+            log.append("draft stream waits for the executor stream")
 
     class ExecutorStream:
         def wait_stream(self, stream: object) -> None:
@@ -183,10 +188,13 @@ def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the
     prompt = user_tokens(0, 70)
     cold = llm.executor.submit(prompt, 6, conversation_id="c", client_id=901)
     llm.run_until_done()
-    assert log == ["on the draft stream", "cpu waits for the draft stream"]  # the deposit's gather
+    assert log == ["draft stream waits for the executor stream", "on the draft stream",
+                   "cpu waits for the draft stream"]  # the deposit's gather
     log.clear()
     llm.executor.submit(cold.get_tokens(0) + user_tokens(100, 20), 6, conversation_id="c", client_id=902)
     llm.run_until_done()
     assert carry.pop_turn(902)["outcome"] == "adopted"  # type: ignore[index]
-    assert log == ["on the draft stream", "executor stream waits for the draft stream",  # the scatter
-                   "on the draft stream", "cpu waits for the draft stream"]  # the deposit's gather
+    assert log == ["draft stream waits for the executor stream", "on the draft stream",  # the scatter
+                   "executor stream waits for the draft stream",
+                   "draft stream waits for the executor stream", "on the draft stream",  # the deposit's gather
+                   "cpu waits for the draft stream"]

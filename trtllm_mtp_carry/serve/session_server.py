@@ -315,8 +315,9 @@ class SessionServer:
     def _drop(self, rid: int, flight: _InFlight, message: str, reason: str) -> None:
         """Stop a running turn; its request still gets its final response (an error), so
         the front end never waits on it (Triton's shutdown would)."""
-        self._stopped(self.engine.cancel(rid))
-        self._release(rid, flight)
+        result = self.engine.cancel(rid)
+        self._release(rid, flight)  # first, as `_finish` does: the turn leaves flight whatever the hook does
+        self._stopped(result)
         self._send_error(flight.sink, message, reason)
 
     def _stopped(self, result: Any) -> None:

@@ -546,7 +546,12 @@ class CarryManagerCore:
 
     def _draft_stream(self) -> AbstractContextManager[Any]:
         stream = self._cuda_draft_stream()
-        return nullcontext() if stream is None else _on_stream(stream)
+        if stream is None:
+            return nullcontext()
+        # What runs there reads what the executor's stream wrote (the forward's pages for a
+        # gather, rows a deposit put into the arena for a scatter): the GPU orders it after.
+        stream.wait_stream(_current_stream(stream.device))
+        return _on_stream(stream)
 
     def _sync(self) -> None:
         # A gather's rows must be complete before free_resources hands the pages back to the
