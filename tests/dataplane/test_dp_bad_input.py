@@ -82,6 +82,9 @@ APPEND_BAD = [
     ("rotary_odd", lambda a: a.update(rotary_dim=7), "rotary_dim"),
     ("rotary_wide", lambda a: a.update(rotary_dim=18), "rotary_dim"),
     ("theta", lambda a: a.update(rope_theta=float("nan")), "rope_theta"),
+    # no columns at all (rotary_dim 0 fits): refused as the slow path refuses it, also on the fast one
+    ("head_dim_zero", lambda a: a.update({k: a[k][..., :0] for k in ("k_new", "v_new", "k_cache", "v_cache")},
+                                         rotary_dim=0), "head_dim must be positive"),
 ]
 
 

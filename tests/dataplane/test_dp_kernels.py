@@ -30,6 +30,7 @@ COPY_CASES = [
     (5, 5, 16, 0, 0, 5),  # whole buffer
     (6, 9, 24, 5, 8, 1),  # n = 1, last row of both
     (4, 6, 1100, 1, 2, 2),  # wider than one program's BLOCK
+    (12, 14, 1100, 1, 2, 9),  # three row tiles of ROWS=4 (the last holds one row) x two column tiles
 ]
 
 
@@ -81,6 +82,7 @@ APPEND_CASES = [
     (5, 4, 3, 16, 0, 0, 4, [2, 4]),  # exactly one block, no rotary, Hkv not a power of two
     (8, 2, 1, 24, 12, 1, 6, [7, 0, 6, 1, 5]),  # head_dim not a power of two
     (4, 8, 2, 256, 64, 6, 3, [1, 3]),  # Qwen3-Next drafter shape: Hkv 2, D 256, rotary 64
+    (8, 8, 2, 256, 64, 6, 19, [1, 3, 7, 0]),  # three tiles of ROWS=8 rows, the last partial (3 rows)
 ]
 
 

@@ -158,7 +158,7 @@ def _append_metadata_ok(
         return False
     if block_table.dim() != 1 or block_table.dtype != torch.int32 or block_table.device != dev:
         return False
-    if type(rotary_dim) is not int or not (0 <= rotary_dim <= head_dim) or rotary_dim % 2:
+    if head_dim <= 0 or type(rotary_dim) is not int or not (0 <= rotary_dim <= head_dim) or rotary_dim % 2:
         return False
     if type(rope_theta) is not float or not (math.isfinite(rope_theta) and rope_theta > 1.0):
         return False

@@ -30,9 +30,13 @@ def device_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.devic
 
 def device_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The CPU tensor `host` (ids computed on the host: page and slot indices) on `device`; on
-    CUDA, no stream sync (pinned staging, a non-blocking copy); on the CPU, `host` itself."""
+    CUDA, no stream sync (pinned staging, a non-blocking copy); on the CPU, `host` itself.
+
+    The staging block is always fresh, so the caller may change `host` at once: a `host` that
+    is pinned already would be read by the copy whenever it runs (`pin_memory()` returns it)."""
     if host.device.type != "cpu":
         raise ValueError(f"device_copy takes a CPU tensor, got one on {host.device}")
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+    return staged.to(device, non_blocking=True)

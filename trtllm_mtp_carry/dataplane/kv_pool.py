@@ -59,6 +59,7 @@ Invariants (`check()` proves them):
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ import numpy as np
 import torch
 
 from .checks import CACHE_DTYPES
-from .device_ints import device_tensor
+from .device_ints import device_copy, device_tensor
 from .ops import drafter_row_append_direct as drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
@@ -183,6 +184,19 @@ _IMPORTING = -1
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _key_runs(keys: torch.Tensor) -> list[list[int]]:  # keys: [n >= 1] int64 on the CPU
+    """`[[first key, count], ...]` of the runs of consecutive keys; ValueError unless the keys
+    are >= 0 and strictly increasing. Tensor ops; the Python loop is over runs only."""
+    if int(keys.min()) < 0:
+        raise ValueError(f"keys must be >= 0, got min key {int(keys.min())}")
+    diffs = keys[1:] - keys[:-1]
+    if keys.shape[0] > 1 and int(diffs.min()) <= 0:
+        raise ValueError(f"keys must be strictly increasing, got {keys.tolist()[:16]}")
+    starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
+    ends = starts[1:] + [keys.shape[0]]
+    return [[fk, e - s] for fk, s, e in zip(keys[starts].tolist(), starts, ends, strict=True)]
 
 
 class DrafterKVPool:
@@ -515,61 +529,35 @@ class DrafterKVPool:
         device-to-host copy (a sync) to be checked.
         """
         state = self._live(seq_id)
-        if isinstance(keys, range) and keys.step == 1:
-            return self._append_range(seq_id, state, keys, k, v)
-        keys_cpu = (keys.detach().to("cpu") if isinstance(keys, torch.Tensor)
-                    else torch.tensor(list(keys), dtype=torch.int64))
-        if keys_cpu.is_floating_point() or keys_cpu.dim() != 1:
-            raise ValueError(f"keys must be a 1-D integer sequence, got {keys_cpu.dtype} {tuple(keys_cpu.shape)}")
-        keys_cpu = keys_cpu.long()
-        n = keys_cpu.shape[0]
-        self._check_rows(k, v, n)
-        if n == 0:
-            return state.snapshot()
-        if int(keys_cpu.min()) < 0:
-            raise ValueError(f"keys must be >= 0, got min key {int(keys_cpu.min())}")
-        diffs = keys_cpu[1:] - keys_cpu[:-1]
-        if n > 1 and int(diffs.min()) <= 0:
-            raise ValueError(f"keys must be strictly increasing, got {keys_cpu.tolist()[:16]}")
+        if isinstance(keys, range) and keys.step == 1:  # checked in O(1) on the host: one run, no copy
+            n = len(keys)
+            self._check_rows(k, v, n)
+            if n == 0:
+                return state.snapshot()
+            if keys.start < 0:
+                raise ValueError(f"keys must be >= 0, got min key {keys.start}")
+            runs = [[keys.start, n]]
+            upload = functools.partial(torch.arange, keys.start, keys.stop, dtype=torch.int64, device=self.device)
+        else:
+            keys_cpu = (keys.detach().to("cpu") if isinstance(keys, torch.Tensor)
+                        else torch.tensor(list(keys), dtype=torch.int64))
+            if keys_cpu.is_floating_point() or keys_cpu.dim() != 1:
+                raise ValueError(f"keys must be a 1-D integer sequence, got {keys_cpu.dtype} "
+                                 f"{tuple(keys_cpu.shape)}")
+            keys_cpu = keys_cpu.long()
+            n = keys_cpu.shape[0]
+            self._check_rows(k, v, n)
+            if n == 0:
+                return state.snapshot()
+            runs = _key_runs(keys_cpu)
+            upload = functools.partial(device_copy, keys_cpu, self.device)
         last = state.last_pair_key
-        if last is not None and int(keys_cpu[0]) <= last:
-            raise ValueError(
-                f"first key {int(keys_cpu[0])} must exceed sequence {seq_id}'s last_pair_key {last}"
-            )
-        keys_dev = (keys_cpu.pin_memory().to(self.device, non_blocking=True)
-                    if self.device.type == "cuda" else keys_cpu.to(self.device))
-        self._write_rows(seq_id, state, keys_dev, k, v)
-        # Runs of consecutive keys, found with tensor ops (loop over runs only).
-        starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
-        ends = starts[1:] + [n]
-        first_keys = keys_cpu[starts].tolist()
-        runs = [[fk, e - s] for fk, s, e in zip(first_keys, starts, ends, strict=True)]
+        if last is not None and runs[0][0] <= last:
+            raise ValueError(f"first key {runs[0][0]} must exceed sequence {seq_id}'s last_pair_key {last}")
+        self._write_rows(seq_id, state, upload(), k, v)  # keys on the device once they are checked
         if state.runs and runs[0][0] == last + 1:  # type: ignore[operator]
             state.runs[-1][1] += runs.pop(0)[1]
         state.runs.extend(runs)
-        state.rows += n
-        return state.snapshot()
-
-    def _append_range(self, seq_id: int, state: _Rows, keys: range, k: torch.Tensor,
-                      v: torch.Tensor) -> CarriedBlocks:
-        """`append_rows` for consecutive keys: checked in O(1) on the host, no copy, no sync."""
-        n = len(keys)
-        self._check_rows(k, v, n)
-        if n == 0:
-            return state.snapshot()
-        if keys.start < 0:
-            raise ValueError(f"keys must be >= 0, got min key {keys.start}")
-        last = state.last_pair_key
-        if last is not None and keys.start <= last:
-            raise ValueError(
-                f"first key {keys.start} must exceed sequence {seq_id}'s last_pair_key {last}"
-            )
-        keys_dev = torch.arange(keys.start, keys.stop, dtype=torch.int64, device=self.device)
-        self._write_rows(seq_id, state, keys_dev, k, v)
-        if state.runs and keys.start == last + 1:  # type: ignore[operator]
-            state.runs[-1][1] += n
-        else:
-            state.runs.append([keys.start, n])
         state.rows += n
         return state.snapshot()
 

@@ -21,8 +21,8 @@ refused call raises ValueError and writes nothing, whatever the device. The
 fake implementations run the metadata part of those checks (shapes, dtypes,
 devices, bounds), so tracing refuses what eager would.
 
-Per-call cost: `hidden_row_copy_direct` / `drafter_row_append_direct` run the
-same implementation as the custom ops without the dispatcher round trip; eager
+Per-call cost: `hidden_row_copy_direct` / `drafter_row_append_direct` are the
+functions the custom ops register (called without the dispatcher round trip); eager
 callers on the hot path (the hidden store, the drafter pools) use them,
 `torch.compile`d code uses `torch.ops.trtllm_mtp_carry.*`. With
 `check_data=False` an append neither syncs nor allocates (the AOT backend's one
@@ -66,8 +66,9 @@ def hidden_row_copy_direct(
     dst_row: int,
     n: int,
 ) -> None:
-    """What `hidden_row_copy` runs, without the dispatcher (eager callers only).
+    """Copy `src[src_row:src_row+n]` into `dst[dst_row:dst_row+n]` bit for bit.
 
+    The body of the op `hidden_row_copy`, called without the dispatcher by eager callers.
     CPU, and CUDA with the default backend: the checks, then one strided torch copy;
     CUDA with `TRTLLM_MTP_CARRY_KERNELS=aot`: the plugin PTX.
     """
@@ -91,10 +92,12 @@ def drafter_row_append_direct(
     rope_theta: float,
     check_data: bool = True,
 ) -> None:
-    """What `drafter_row_append` runs, without the dispatcher (eager callers only).
+    """Write RoPE(k_new at keys+1) and v_new into rows `[start_row, start_row+n)`.
 
+    The body of the op `drafter_row_append`, called without the dispatcher by eager callers.
     CPU: the reference; CUDA: the Triton kernel, or the plugin PTX with
-    `TRTLLM_MTP_CARRY_KERNELS=aot`.
+    `TRTLLM_MTP_CARRY_KERNELS=aot`. `check_data=False` skips the checks that read keys and
+    block ids (a device sync on CUDA).
     """
     if k_cache.device.type != "cuda":
         impl = drafter_row_append_reference
@@ -108,21 +111,10 @@ def drafter_row_append_direct(
     )
 
 
-@torch.library.custom_op("trtllm_mtp_carry::hidden_row_copy", mutates_args=("dst",))
-def hidden_row_copy(
-    src: torch.Tensor,  # [S, H] unit column stride
-    src_row: int,
-    dst: torch.Tensor,  # [D, H] same dtype/device as src
-    dst_row: int,
-    n: int,
-) -> None:
-    """Copy `src[src_row:src_row+n]` into `dst[dst_row:dst_row+n]` bit for bit (CPU: reference)."""
-    hidden_row_copy_reference(src, src_row, dst, dst_row, n)
-
-
-@hidden_row_copy.register_kernel("cuda")
-def _hidden_row_copy_cuda(src, src_row, dst, dst_row, n):  # type: ignore[no-untyped-def]
-    hidden_row_copy_direct(src, src_row, dst, dst_row, n)
+# The ops run the `_direct` functions themselves (one implementation, picked by device inside).
+hidden_row_copy = torch.library.custom_op(
+    "trtllm_mtp_carry::hidden_row_copy", hidden_row_copy_direct, mutates_args=("dst",)
+)
 
 
 @hidden_row_copy.register_fake
@@ -131,37 +123,9 @@ def _hidden_row_copy_fake(src, src_row, dst, dst_row, n):  # type: ignore[no-unt
     return None
 
 
-@torch.library.custom_op(
-    "trtllm_mtp_carry::drafter_row_append", mutates_args=("k_cache", "v_cache")
+drafter_row_append = torch.library.custom_op(
+    "trtllm_mtp_carry::drafter_row_append", drafter_row_append_direct, mutates_args=("k_cache", "v_cache")
 )
-def drafter_row_append(
-    k_new: torch.Tensor,  # [n, Hkv, D] cache dtype
-    v_new: torch.Tensor,  # [n, Hkv, D] cache dtype
-    keys: torch.Tensor,  # [n] int32/int64 pair keys, strictly increasing
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16/fp16 contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_table: torch.Tensor,  # [max_blocks] int32
-    start_row: int,
-    rotary_dim: int,
-    rope_theta: float,
-    check_data: bool = True,
-) -> None:
-    """Write RoPE(k_new at keys+1) and v_new into rows `[start_row, start_row+n)` (CPU: reference).
-
-    `check_data=False` skips the checks that read keys and block ids (a device sync on CUDA).
-    """
-    drafter_row_append_reference(
-        k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
-        check_data,
-    )
-
-
-@drafter_row_append.register_kernel("cuda")
-def _drafter_row_append_cuda(k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta, check_data=True):  # type: ignore[no-untyped-def]
-    drafter_row_append_direct(
-        k_new, v_new, keys, k_cache, v_cache, block_table, start_row, rotary_dim, rope_theta,
-        check_data,
-    )
 
 
 @drafter_row_append.register_fake

@@ -112,7 +112,8 @@ def rope_kernel_table(rotary_dim: int, rope_theta: float, device: torch.device |
             table = _zero_table(_device_key(device))
         else:
             table = rope_inv_freq(rotary_dim, rope_theta, device)
-        if len(_KERNEL_TABLES) < 256:
+        # a bare "cuda" names whichever device is current: kept only under the table's own device
+        if len(_KERNEL_TABLES) < 256 and table.device == torch.device(device):
             _KERNEL_TABLES[key] = table
     return table
 
