@@ -61,7 +61,7 @@ Invariants:
   carry, because the target verifies every draft.
 - No exception leaves `prepare`, `build_chunk`, `finish`, `cancel` or `release`
   (`_guarded`; a pool-exhaustion `PoolExhaustedError` from `build_chunk` aside, the
-  engine's own fallback): a fault inside the carry store, the data plane or the host
+  engine's own fallback, and a caller's bad argument, its ValueError): a fault inside the carry store, the data plane or the host
   moves costs that turn its carry (`Fault(step, error)`: it adopts and deposits
   nothing more, a prepare fault runs the turn blind), is counted by exception class
   (`faults`) and step (`fault_steps`, `FAULT_STEPS`), logged once per (step, class),
@@ -298,7 +298,9 @@ def _guarded(step: str, recover: str, ends: bool = False,
     exception (other than `passthrough`) is counted and logged as `step` (`_fault`) and
     the method named `recover`, called with the same arguments, answers instead. With `ends` (the turn's end:
     finish, release), a turn that faulted earlier goes straight to `recover` (it deposits
-    nothing), and its fault is kept for `take_fault` afterwards."""
+    nothing), and its fault is kept for `take_fault` afterwards. The wrapped method is private:
+    its public caller checks the arguments first (`_policy_of`, `release`'s reason), so a
+    caller's bad argument raises its ValueError and is never counted as a fault."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def guarded(self: CarryRuntime, seq_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -399,7 +401,11 @@ class CarryRuntime:
         """A fresh non-zero ticket for an admitted sequence (the runtime's own counter)."""
         return self._tickets.draw()
 
-    @_guarded("prepare", "_prepare_fault")
+    def _policy_of(self, policy: DrafterPolicy | str | None) -> DrafterPolicy:
+        """`policy` parsed (None: the runtime's), before any guard: a bad one is the caller's
+        ValueError, never a fault that costs a turn its carry."""
+        return self.policy if policy is None else DrafterPolicy.parse(policy)
+
     def prepare(
         self,
         seq_id: int,
@@ -422,8 +428,14 @@ class CarryRuntime:
         that chunk's hidden rows. `warm` (default `prefill_from > 0`) says the prefix
         cache held part of the prompt (a rebuild turn ignores it: `prefill_from == 0`).
         """
+        return self._prepare(seq_id, ticket, session_hash, prompt, prefill_from, self._policy_of(policy),
+                             warm, session)
+
+    @_guarded("prepare", "_prepare_fault")
+    def _prepare(self, seq_id: int, ticket: int, session_hash: int, prompt: Sequence[int],
+                 prefill_from: int, policy: DrafterPolicy, warm: bool | None, session: int | None,
+                 ) -> DrafterBuild:
         start = time.perf_counter()
-        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
         warm = prefill_from > 0 if warm is None else warm
         if policy is DrafterPolicy.OFF:
             return DrafterBuild("off", None, 0, None, 0, 0, 0.0)
@@ -489,7 +501,6 @@ class CarryRuntime:
                 self._counters.rows_prefilled += rows
         return rows
 
-    @_guarded("deposit", "_finish_fault", ends=True)
     def finish(
         self,
         seq_id: int,
@@ -512,7 +523,11 @@ class CarryRuntime:
         (and sharing on), full prefix blocks whose bytes equal a published
         block's are merged into it before the deposit (`DrafterKVPool.share_blocks`).
         """
-        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
+        return self._finish(seq_id, session_hash, tokens, self._policy_of(policy), ticket, session, share)
+
+    @_guarded("deposit", "_finish_fault", ends=True)
+    def _finish(self, seq_id: int, session_hash: int, tokens: Sequence[int], policy: DrafterPolicy,
+                ticket: int, session: int | None, share: BlockKeys | None) -> bool:
         pool = self.backend.drafter_pool
         self.wait_restored(seq_id)
         lease = self._adopted.pop(seq_id, None)
@@ -639,12 +654,11 @@ class CarryRuntime:
                     self._turn_faults.popitem(last=False)
 
     def _prepare_fault(self, seq_id: int, ticket: int, session_hash: int, prompt: Sequence[int],
-                       prefill_from: int, policy: DrafterPolicy | str | None = None,
-                       warm: bool | None = None, session: int | None = None) -> DrafterBuild:
+                       prefill_from: int, policy: DrafterPolicy, warm: bool | None,
+                       session: int | None) -> DrafterBuild:
         """`prepare` faulted: what it took is dropped (the rows it adopted are lost, the lease ends
         as `fault`) and the turn runs blind, in a fresh drafter sequence: rows for the span its
         prefill computes, as TensorRT-LLM's blind turn (none at all if even that faults)."""
-        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
         fault = self._faulted.get(seq_id, Fault("prepare", "Exception"))
         pool = self.backend.drafter_pool
         with self._lock:
@@ -683,15 +697,14 @@ class CarryRuntime:
             build.next_key = None if span[1] >= len(prompt) - 2 else span[1] + 1
         return 0
 
-    def _finish_fault(self, seq_id: int, session_hash: int, tokens: Sequence[int],
-                      policy: DrafterPolicy | str | None = None, ticket: int = 0,
-                      session: int | None = None, share: BlockKeys | None = None) -> bool:
+    def _finish_fault(self, seq_id: int, session_hash: int, tokens: Sequence[int], policy: DrafterPolicy,
+                      ticket: int, session: int | None, share: BlockKeys | None) -> bool:
         """`finish` faulted, or the turn had: nothing is deposited, the rows are freed."""
         with self._lock:
             self._drop(seq_id, session_hash, "deposit")
         return False
 
-    def _release_fault(self, seq_id: int, reason: str = "not_deposited") -> None:
+    def _release_fault(self, seq_id: int, reason: str) -> None:
         """`release` faulted, or the turn had: its rows are freed, its lease ends as `fault`."""
         with self._lock:
             self._drop(seq_id, None, "release")
