@@ -593,7 +593,7 @@ class PairedDrafts:
         hidden = self.builder.hidden_store.read(ticket, a, b + 1)  # [rows, H] bf16, this ticket's
         dev = hidden.device
         keys = torch.arange(a, b + 1, dtype=torch.int64, device=dev)
-        nxt = torch.tensor(prompt[a + 1: b + 2], dtype=torch.int64, device=dev)
+        nxt = device_tensor(prompt[a + 1: b + 2], torch.int64, dev)  # as the carry's: no sync
         k, v = self.builder.drafter_kv(nxt, hidden, keys)
         self.pool.append_rows(seq_id, range(a, b + 1), k, v)  # host-known keys: no sync
         rows = b - a + 1
