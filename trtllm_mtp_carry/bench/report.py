@@ -21,6 +21,7 @@ from typing import Any
 from ..core.outcome import OUTCOME_KINDS
 from ..core.settings import format_bytes
 from .driver import PolicyRun, TurnRecord
+from .options import HOST_VARIANT
 from .stats import Spread, paired_ratio
 
 REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k not in ("adopted", "fault"))
@@ -408,7 +409,7 @@ tier overlaps the prefill, so adopting from host memory costs about what adoptin
 TARGETS = (
     ("carry", "blind", "drafter_prep_ms", "drafter prep", PREP_TARGET),
     ("carry-fp8", "blind", "drafter_prep_ms", "drafter prep", PREP_TARGET),
-    ("carry-host", "carry", "ttft_ms", "ttft", HOST_TTFT_TARGET),
+    (HOST_VARIANT, "carry", "ttft_ms", "ttft", HOST_TTFT_TARGET),
 )
 """(numerator, denominator, per-turn stat, label, target): the paired ratios `figure_lines` judges."""
 
