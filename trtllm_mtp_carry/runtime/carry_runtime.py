@@ -459,16 +459,24 @@ class CarryRuntime:
             if adopted is not None:
                 return adopted
         pool.allocate_sequence(seq_id)
-        plan = plan_append(None, len(tokens), prefill_from, hi)
+        return self._unadopted(prefill_from, hi, len(tokens), policy, warm, outcome, start)
+
+    def _unadopted(self, prefill_from: int, hi: int, prompt_len: int, policy: DrafterPolicy, warm: bool,
+                   outcome: CarryOutcome | None, start: float | None) -> DrafterBuild:
+        """The build of a turn that adopts nothing (its drafter sequence allocated): the prefill's
+        rows for every key when it runs from position 0 (`prefill`, `rebuild`), else blind's;
+        `start` is when its prep began (None: a fault's, timed 0)."""
+        plan = plan_append(None, prompt_len, prefill_from, hi)
         first = None if plan is None else plan.first_key
+        prep_ms = 0.0 if start is None else _ms(start)
         if prefill_from == 0 and first is not None:  # the prefill runs from position 0
             mode = "rebuild" if policy is DrafterPolicy.REBUILD and warm else "prefill"
-            return DrafterBuild(mode, outcome, 0, first, 0, 0, _ms(start))
+            return DrafterBuild(mode, outcome, 0, first, 0, 0, prep_ms)
         # faithful blind (TensorRT-LLM's): no rows over the reused prefix, rows for the
         # new span the prefill computes (its context phase runs the MTP layer over it)
         with self._lock:
             self._counters.turns_blind += 1
-        return DrafterBuild("blind", outcome, 0, first, 0, 0, _ms(start))
+        return DrafterBuild("blind", outcome, 0, first, 0, 0, prep_ms)
 
     @_guarded("build", "_build_fault", passthrough=(PoolExhaustedError,))
     def build_chunk(
@@ -671,15 +679,8 @@ class CarryRuntime:
                 self._fault("prepare", exc, seq_id)
                 return DrafterBuild("off", fault, 0, None, 0, 0, 0.0)
         hi = max(prefill_from, min(len(prompt), self.backend.hidden_store.capacity))
-        plan = plan_append(None, len(prompt), prefill_from, hi)
-        first = None if plan is None else plan.first_key
-        if prefill_from == 0 and first is not None:
-            warm = prefill_from > 0 if warm is None else warm
-            mode = "rebuild" if policy is DrafterPolicy.REBUILD and warm else "prefill"
-            return DrafterBuild(mode, fault, 0, first, 0, 0, 0.0)
-        with self._lock:
-            self._counters.turns_blind += 1
-        return DrafterBuild("blind", fault, 0, first, 0, 0, 0.0)
+        return self._unadopted(prefill_from, hi, len(prompt), policy,
+                               prefill_from > 0 if warm is None else warm, fault, None)
 
     def _build_fault(self, seq_id: int, ticket: int, build: DrafterBuild, prompt: Sequence[int],
                      start: int, end: int) -> int:
