@@ -275,6 +275,18 @@ def test_fp8_a_fault_packing_or_unpacking_frees_the_rows_once(model, monkeypatch
     then_served(turns)
 
 
+def test_a_fault_after_the_decision_counts_the_admission_once_as_fault(model, monkeypatch, caplog):
+    eng, turns = first_turns(model, "b")
+    inject = Inject(monkeypatch, eng.drafter_pool, "allocate_sequence", RuntimeError("allocate"))
+    with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
+        r = turns.run("a", inject)  # a's first turn: no_carry decided, then its sequence faults
+    assert_one_fault(eng, r, "prepare", "RuntimeError", caplog)
+    stats = eng.runtime.stats()
+    assert sum(stats.outcomes.values()) == 2 and stats.outcomes["fault"] == 1  # b's turn, then a's once
+    assert stats.outcomes["no_carry"] == 1  # b's only
+    then_served(turns)
+
+
 def test_a_callers_bad_argument_raises_its_value_error_and_is_no_fault(model):
     eng, turns = first_turns(model)
     runtime = eng.runtime

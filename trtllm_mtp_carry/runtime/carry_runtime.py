@@ -451,15 +451,17 @@ class CarryRuntime:
                 self._unreachable_host_entry(session_hash)
                 outcome = self._store.judge(session_hash, tokens, ticket, projected, session)
             log_adopt(outcome, session_hash, ticket, len(tokens))
-            adopted = self._adopt(seq_id, session_hash, outcome, start) if isinstance(outcome, Adopted) else None
-            with self._lock:  # counted once carried out (a fault before counts as `fault`)
+        if isinstance(outcome, Adopted):
+            build = self._adopt(seq_id, session_hash, outcome, start)
+        else:
+            pool.allocate_sequence(seq_id)
+            build = self._unadopted(prefill_from, hi, len(tokens), policy, warm, outcome, start)
+        if outcome is not None:
+            with self._lock:  # counted once carried out, last (a fault before counts as `fault` only)
                 self._counters.outcomes[outcome.kind] += 1
                 if isinstance(outcome, NoCarry):
                     self._counters.no_carry[outcome.reason] += 1
-            if adopted is not None:
-                return adopted
-        pool.allocate_sequence(seq_id)
-        return self._unadopted(prefill_from, hi, len(tokens), policy, warm, outcome, start)
+        return build
 
     def _unadopted(self, prefill_from: int, hi: int, prompt_len: int, policy: DrafterPolicy, warm: bool,
                    outcome: CarryOutcome | None, start: float | None) -> DrafterBuild:
