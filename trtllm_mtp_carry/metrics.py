@@ -8,12 +8,13 @@ backend's `MetricFamily` interface; `MetricRegistry` offers that interface in me
 renders every family in Prometheus's text exposition format (0.0.4) for the front ends
 that serve their own endpoint.
 
-    mtp_carry_outcomes_total{kind}            turns by carry outcome kind, each counted once with
-                                              the outcome decided at its admission, whether
-                                              it then finished or was stopped (a cancelled
-                                              turn counts as the runtime's `outcomes` does;
-                                              kind="fault": the carry faulted at admission and
-                                              the turn ran blind)
+    mtp_carry_outcomes_total{kind}            turns by carry outcome kind, each counted once when
+                                              it leaves the engine (finished or stopped) with
+                                              the kind decided at its admission, or kind="fault"
+                                              where a fault inside the carry cost it its carry at
+                                              any step (as many as the runtime's `turns_faulted`;
+                                              its `outcomes` gauge keeps the admission's kind, and
+                                              `outcomes.fault` only the admissions that faulted)
     mtp_carry_no_carry_total{reason}          no_carry turns by why the session's entry was
                                               absent (never_carried, memory, idle, ...)
     mtp_carry_drafter_rows_total{source}      rows adopted (kept) / computed
@@ -80,8 +81,8 @@ class CarryMetrics:
 
     def record_turn(self, stats: Any) -> None:
         """Count one turn that left the engine (finished or stopped) from its TurnStats: its
-        outcome as decided at admission (`outcome_kind`; none before admission: not counted),
-        the rows and drafts it got to."""
+        `outcome_kind` (decided at admission, `fault` if a fault cost it the carry at any step;
+        none before admission: not counted), the rows and drafts it got to."""
         if stats.outcome_kind:
             self.metric("outcomes", "kind", stats.outcome_kind).increment(1)
         if stats.outcome_kind == "no_carry":

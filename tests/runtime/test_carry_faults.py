@@ -100,6 +100,15 @@ class Turns:
         return result
 
 
+def first_turns(model, sessions="ba", **config):
+    """A `carry_engine(model, **config)` and its `Turns`, once each of `sessions` ran its first turn."""
+    eng = carry_engine(model, **config)
+    turns = Turns(eng, model)
+    for s in sessions:
+        turns.run(s)
+    return eng, turns
+
+
 def assert_one_fault(eng, result, step, error, caplog):
     """`result`'s turn was the one fault: its outcome, the counters, one log line."""
     assert (result.stats.outcome_kind, result.stats.fault_step) == ("fault", step)
@@ -127,10 +136,7 @@ def then_served(turns, sessions="ab"):
 
 
 def test_a_fault_in_the_adopt_decision_runs_the_turn_without_the_carry_and_the_entry_waits(model, monkeypatch, caplog):
-    eng = carry_engine(model)
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model)
     inject = Inject(monkeypatch, eng.runtime._store, "judge", KeyError("judge"))
     n = len(turns.prompts["a"])
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
@@ -146,10 +152,7 @@ def test_a_fault_in_the_adopt_decision_runs_the_turn_without_the_carry_and_the_e
 
 
 def test_a_fault_in_the_adoption_leaves_the_entry_for_the_next_turn(model, monkeypatch, caplog):
-    eng = carry_engine(model)
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model)
     inject = Inject(monkeypatch, eng.drafter_pool, "adopt_carried", RuntimeError("adopt"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
@@ -162,10 +165,7 @@ def test_a_fault_in_the_adoption_leaves_the_entry_for_the_next_turn(model, monke
 
 @pytest.mark.parametrize(("site", "error"), [("read", TypeError), ("append_rows", RuntimeError)])
 def test_a_fault_building_a_chunks_rows_costs_the_carry_and_no_block(model, monkeypatch, caplog, site, error):
-    eng = carry_engine(model)
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model)
     target = eng.hidden_store if site == "read" else eng.drafter_pool
     inject = Inject(monkeypatch, target, site, error(site))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
@@ -182,10 +182,7 @@ def test_a_fault_building_a_chunks_rows_costs_the_carry_and_no_block(model, monk
 
 
 def test_a_fault_in_the_eviction_ranking_of_a_pool_grow_is_the_growing_turns(model, monkeypatch, caplog):
-    eng = carry_engine(model, pool_blocks=6)  # b and a hold all six: a's warm turn must evict b
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model, pool_blocks=6)  # b and a hold all six: a's warm turn must evict b
     assert eng.drafter_pool.num_free_blocks == 0
     inject = Inject(monkeypatch, eng.runtime._store, "_victims", TypeError("ranking"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
@@ -196,10 +193,7 @@ def test_a_fault_in_the_eviction_ranking_of_a_pool_grow_is_the_growing_turns(mod
 
 
 def test_a_fault_in_a_decode_steps_row_append_drops_the_drafter_for_the_turn(model, monkeypatch, caplog):
-    eng = carry_engine(model)
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model)
     inject = Inject(monkeypatch, eng.drafter_pool, "append_rows", KeyError("append"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject, in_decode=True)
@@ -210,10 +204,7 @@ def test_a_fault_in_a_decode_steps_row_append_drops_the_drafter_for_the_turn(mod
 
 @pytest.mark.parametrize(("site", "error"), [("_victims", TypeError), ("put", RuntimeError)])
 def test_a_fault_in_the_deposit_frees_the_rows_once(model, monkeypatch, caplog, site, error):
-    eng = carry_engine(model)  # a's second-turn entry (4 blocks) must push b's (3) out of 6
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model)  # a's second-turn entry (4 blocks) must push b's (3) out of 6
     inject = Inject(monkeypatch, eng.runtime._store, site, error(site))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
@@ -229,9 +220,7 @@ def test_a_fault_in_the_deposit_frees_the_rows_once(model, monkeypatch, caplog, 
 
 
 def test_a_fault_in_the_host_demotion_keeps_the_victim_where_it_was(model, monkeypatch, caplog):
-    eng = carry_engine(model, blocks=4, host_memory="1MiB")  # a's deposit demotes b's entry
-    turns = Turns(eng, model)
-    turns.run("b")
+    eng, turns = first_turns(model, "b", blocks=4, host_memory="1MiB")  # a's deposit demotes b's entry
     inject = Inject(monkeypatch, eng.runtime._host, "demote", RuntimeError("demote"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
@@ -243,10 +232,7 @@ def test_a_fault_in_the_host_demotion_keeps_the_victim_where_it_was(model, monke
 
 
 def test_a_fault_in_the_host_restore_costs_the_entry_and_the_turn_runs_without_it(model, monkeypatch, caplog):
-    eng = carry_engine(model, blocks=4, host_memory="1MiB")
-    turns = Turns(eng, model)
-    turns.run("a")
-    turns.run("b")  # a's entry waits in host memory
+    eng, turns = first_turns(model, "ab", blocks=4, host_memory="1MiB")  # a's entry waits in host memory
     assert eng.runtime.stats().host_entries == 1
     inject = Inject(monkeypatch, eng.runtime._host, "restore", KeyError("restore"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
@@ -258,10 +244,7 @@ def test_a_fault_in_the_host_restore_costs_the_entry_and_the_turn_runs_without_i
 
 
 def test_a_fault_freeing_a_dropped_drafter_is_retried_once_and_nothing_leaks(model, monkeypatch, caplog):
-    eng = carry_engine(model)
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model)
     pool = eng.drafter_pool
     exhausted = Inject(monkeypatch, pool, "append_rows", PoolExhaustedError("the pool ran out"))
     free = Inject(monkeypatch, pool, "free_sequence", TypeError("free"))
@@ -281,10 +264,7 @@ def test_a_fault_freeing_a_dropped_drafter_is_retried_once_and_nothing_leaks(mod
 @pytest.mark.parametrize(("site", "error", "step"), [("pack", RuntimeError, "deposit"),
                                                      ("unpack", KeyError, "prepare")])
 def test_fp8_a_fault_packing_or_unpacking_frees_the_rows_once(model, monkeypatch, caplog, site, error, step):
-    eng = carry_engine(model, row_dtype="fp8")
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model, row_dtype="fp8")
     inject = Inject(monkeypatch, eng.runtime._packed, site, error(site))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
@@ -295,13 +275,37 @@ def test_fp8_a_fault_packing_or_unpacking_frees_the_rows_once(model, monkeypatch
     then_served(turns)
 
 
+def test_a_fault_after_the_decision_counts_the_admission_once_as_fault(model, monkeypatch, caplog):
+    eng, turns = first_turns(model, "b")
+    inject = Inject(monkeypatch, eng.drafter_pool, "allocate_sequence", RuntimeError("allocate"))
+    with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
+        r = turns.run("a", inject)  # a's first turn: no_carry decided, then its sequence faults
+    assert_one_fault(eng, r, "prepare", "RuntimeError", caplog)
+    stats = eng.runtime.stats()
+    assert sum(stats.outcomes.values()) == 2 and stats.outcomes["fault"] == 1  # b's turn, then a's once
+    assert stats.outcomes["no_carry"] == 1  # b's only
+    then_served(turns)
+
+
+def test_a_callers_bad_argument_raises_its_value_error_and_is_no_fault(model):
+    eng, turns = first_turns(model)
+    runtime = eng.runtime
+    for call in (lambda: runtime.prepare(99, 1, 5, [1, 2, 3, 4], 0, policy="bogus"),
+                 lambda: runtime.finish(99, 5, [1, 2, 3], policy="bogus"),
+                 lambda: runtime.cancel(99, 5, [1, 2, 3], policy="bogus"),
+                 lambda: runtime.release(99, "bogus")):
+        with pytest.raises(ValueError):
+            call()
+    stats = runtime.stats()
+    assert (stats.faults, stats.turns_faulted, runtime.take_fault(99)) == ({}, 0, None)
+    check_all(eng)
+    then_served(turns)
+
+
 def test_faults_show_in_the_metrics_with_the_stats_definition(model, monkeypatch):
     from trtllm_mtp_carry.metrics import CarryMetrics, MetricRegistry
 
-    eng = carry_engine(model)
-    turns = Turns(eng, model)
-    turns.run("b")
-    turns.run("a")
+    eng, turns = first_turns(model)
     inject = Inject(monkeypatch, eng.runtime._store, "judge", KeyError("judge"))
     registry = MetricRegistry()
     metrics = CarryMetrics(registry, "m", "0")

@@ -174,15 +174,10 @@ def environment_line(env: dict[str, Any]) -> str:
             + f", {env['timestamp']}")
 
 
-def _carry_slots() -> int | None:
-    """The carry store's slot cap (a process-wide value; None: no cap)."""
-    return settings.carry_slots()
-
-
 def _settings() -> dict[str, Any]:
     """The process-wide settings as resolved (whatever the core exposes)."""
     out: dict[str, Any] = {"marconi_min_tokens": marconi_min_tokens(), "mtp_max_seqs": mtp_max_seqs()}
-    out["carry_slots"] = _carry_slots()  # None (JSON null): no cap
+    out["carry_slots"] = settings.carry_slots()  # None (JSON null): no cap
     out["carry_memory"] = str(settings.carry_memory())
     out["carry_host_memory"] = settings.carry_host_memory()
     out["carry_eviction"] = settings.carry_eviction()
@@ -239,7 +234,7 @@ def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, s
             "--turns, --new-span or --max-new-tokens")
     max_len = min(max_position, max(4096, 1 << (longest - 1).bit_length()))
     per_seq = -(-max_len // 16)
-    slots = _carry_slots() or len(sessions)  # None: no slot cap, the carry may hold every session
+    slots = settings.carry_slots() or len(sessions)  # None: no slot cap, the carry may hold every session
     target_blocks = getattr(args, "target_blocks", None)
     if target_blocks is not None and target_blocks < per_seq:
         raise ValueError(f"--target-blocks {target_blocks} cannot hold one sequence of up to {max_len} "

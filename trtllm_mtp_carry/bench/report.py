@@ -21,6 +21,7 @@ from typing import Any
 from ..core.outcome import OUTCOME_KINDS
 from ..core.settings import format_bytes
 from .driver import PolicyRun, TurnRecord
+from .options import HOST_VARIANT
 from .stats import Spread, paired_ratio
 
 REFUSAL_KINDS = tuple(k for k in OUTCOME_KINDS if k not in ("adopted", "fault"))
@@ -143,6 +144,11 @@ def measured(run: PolicyRun, first_measured: int) -> list[TurnRecord]:
     return [t for t in run.turns if t.replay >= first_measured]
 
 
+def warm_stats(run: PolicyRun, first_measured: int) -> dict[tuple[int, str, int], dict[str, Any]]:
+    """The measured warm turns' stats by turn key (what paired ratios pair)."""
+    return {t.key: t.stats for t in measured(run, first_measured) if t.turn > 0}
+
+
 def policy_summary(run: PolicyRun, first_measured: int) -> dict[str, Any]:
     """One policy's block: warm-turn figures at the top, `cold`, throughput and evictions.
 
@@ -173,7 +179,7 @@ def paired(runs: Sequence[PolicyRun], first_measured: int) -> dict[str, dict[str
     completed; `None` with a reason in `null_reasons` where `b` was near zero. For a variant,
     `adopted_where_base_adopted` counts the warm turns it adopted of those its base adopted
     (`base_adopted`)."""
-    warm = [{t.key: t.stats for t in measured(r, first_measured) if t.turn > 0} for r in runs]
+    warm = [warm_stats(r, first_measured) for r in runs]
     out: dict[str, dict[str, Any]] = {}
     for (i, a), (j, b) in combinations(enumerate(runs), 2):
         if variant_of(b.policy, a.policy):
@@ -408,7 +414,7 @@ tier overlaps the prefill, so adopting from host memory costs about what adoptin
 TARGETS = (
     ("carry", "blind", "drafter_prep_ms", "drafter prep", PREP_TARGET),
     ("carry-fp8", "blind", "drafter_prep_ms", "drafter prep", PREP_TARGET),
-    ("carry-host", "carry", "ttft_ms", "ttft", HOST_TTFT_TARGET),
+    (HOST_VARIANT, "carry", "ttft_ms", "ttft", HOST_TTFT_TARGET),
 )
 """(numerator, denominator, per-turn stat, label, target): the paired ratios `figure_lines` judges."""
 
@@ -421,15 +427,14 @@ def figure_lines(runs: Sequence[PolicyRun], first_measured: int, identical: bool
     lines = []
     by_name = {r.policy: r for r in runs}
     for r in runs:
-        s = Spread.of([t.stats["drafter_prep_ms"] for t in measured(r, first_measured) if t.turn > 0])
+        s = Spread.of([x["drafter_prep_ms"] for x in warm_stats(r, first_measured).values()])
         if s.median is not None and s.p25 is not None and s.p75 is not None:
             lines.append(f"FIGURE\t{r.policy} drafter prep\t{s.median:.3f} ms [{s.p25:.3f}-{s.p75:.3f}] "
                          f"over {s.n} warm turns\t-\tINFO")
     for name, base, stat, label, target in TARGETS:
         if name not in by_name or base not in by_name:
             continue
-        a = {t.key: t.stats for t in measured(by_name[name], first_measured) if t.turn > 0}
-        b = {t.key: t.stats for t in measured(by_name[base], first_measured) if t.turn > 0}
+        a, b = warm_stats(by_name[name], first_measured), warm_stats(by_name[base], first_measured)
         keys = sorted(a.keys() & b.keys())
         ratio = paired_ratio([a[k][stat] for k in keys], [b[k][stat] for k in keys], stat, base)
         s = ratio.spread

@@ -513,14 +513,7 @@ class CarryStore:
         if key in self._entries:
             self._remove(key, cause)
             return "device"
-        host = self._host
-        if host is None or key not in host.entries:
-            return None
-        host.pop(key)
-        self._evictions[cause] += 1
-        self._counts.host_evictions[cause] += 1
-        self._remember(key, cause)
-        return "host"
+        return "host" if self._drop_host(key, cause, free_copy=False) else None
 
     def leased(self, key: int) -> bool:
         """Whether `key`'s entry is out on a lease (taken, not yet deposited again nor ended)."""
@@ -692,8 +685,9 @@ class CarryStore:
         self._counts.peak_host = max(self._counts.peak_host, host.nbytes)
         return "moved"
 
-    def _drop_host(self, key: int, cause: str) -> bool:
-        """`key`'s host entry leaves the store for `cause` (counted; `host_moves.drop` frees its copy)."""
+    def _drop_host(self, key: int, cause: str, free_copy: bool = True) -> bool:
+        """`key`'s host entry leaves the store for `cause` (counted; `host_moves.drop` frees its copy
+        unless `free_copy` is off: `discard`, the executor no longer holds it)."""
         host = self._host
         if host is None or key not in host.entries:
             return False
@@ -702,7 +696,7 @@ class CarryStore:
         self._counts.host_evictions[cause] += 1
         if cause != "replaced":
             self._remember(key, cause)
-        if self.host_moves is not None:
+        if free_copy and self.host_moves is not None:
             self.host_moves.drop(held.entry)
         return True
 

@@ -79,7 +79,7 @@ import torch
 
 from ..core import plan_append
 from ..core.plan import chunk_keys
-from ..dataplane.device_ints import device_tensor
+from ..dataplane.device_ints import device_copy, device_tensor
 from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
 from ..dataplane.ops import drafter_row_append_direct as drafter_row_append
@@ -324,7 +324,7 @@ class PairedDraftPool(RefCountedBlocks):
             diffs = keys_cpu[1:] - keys_cpu[:-1]
             if n > 1 and int(diffs.min()) <= 0:
                 raise ValueError(f"keys must be strictly increasing, got {keys_cpu.tolist()[:16]}")
-            keys_dev = device_tensor(keys_cpu.tolist(), torch.int64, self.device)
+            keys_dev = device_copy(keys_cpu, self.device)
             starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
             runs = [[int(keys_cpu[a]), b - a] for a, b in zip(starts, [*starts[1:], n], strict=True)]
         need = -(-(s.rows + n) // self.block_size) - len(s.table)
@@ -593,7 +593,7 @@ class PairedDrafts:
         hidden = self.builder.hidden_store.read(ticket, a, b + 1)  # [rows, H] bf16, this ticket's
         dev = hidden.device
         keys = torch.arange(a, b + 1, dtype=torch.int64, device=dev)
-        nxt = torch.tensor(prompt[a + 1: b + 2], dtype=torch.int64, device=dev)
+        nxt = device_tensor(prompt[a + 1: b + 2], torch.int64, dev)  # as the carry's: no sync
         k, v = self.builder.drafter_kv(nxt, hidden, keys)
         self.pool.append_rows(seq_id, range(a, b + 1), k, v)  # host-known keys: no sync
         rows = b - a + 1

@@ -61,7 +61,7 @@ Invariants:
   carry, because the target verifies every draft.
 - No exception leaves `prepare`, `build_chunk`, `finish`, `cancel` or `release`
   (`_guarded`; a pool-exhaustion `PoolExhaustedError` from `build_chunk` aside, the
-  engine's own fallback): a fault inside the carry store, the data plane or the host
+  engine's own fallback, and a caller's bad argument, its ValueError): a fault inside the carry store, the data plane or the host
   moves costs that turn its carry (`Fault(step, error)`: it adopts and deposits
   nothing more, a prepare fault runs the turn blind), is counted by exception class
   (`faults`) and step (`fault_steps`, `FAULT_STEPS`), logged once per (step, class),
@@ -298,7 +298,9 @@ def _guarded(step: str, recover: str, ends: bool = False,
     exception (other than `passthrough`) is counted and logged as `step` (`_fault`) and
     the method named `recover`, called with the same arguments, answers instead. With `ends` (the turn's end:
     finish, release), a turn that faulted earlier goes straight to `recover` (it deposits
-    nothing), and its fault is kept for `take_fault` afterwards."""
+    nothing), and its fault is kept for `take_fault` afterwards. The wrapped method is private:
+    its public caller checks the arguments first (`_policy_of`, `release`'s reason), so a
+    caller's bad argument raises its ValueError and is never counted as a fault."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def guarded(self: CarryRuntime, seq_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -399,7 +401,11 @@ class CarryRuntime:
         """A fresh non-zero ticket for an admitted sequence (the runtime's own counter)."""
         return self._tickets.draw()
 
-    @_guarded("prepare", "_prepare_fault")
+    def _policy_of(self, policy: DrafterPolicy | str | None) -> DrafterPolicy:
+        """`policy` parsed (None: the runtime's), before any guard: a bad one is the caller's
+        ValueError, never a fault that costs a turn its carry."""
+        return self.policy if policy is None else DrafterPolicy.parse(policy)
+
     def prepare(
         self,
         seq_id: int,
@@ -422,8 +428,14 @@ class CarryRuntime:
         that chunk's hidden rows. `warm` (default `prefill_from > 0`) says the prefix
         cache held part of the prompt (a rebuild turn ignores it: `prefill_from == 0`).
         """
+        return self._prepare(seq_id, ticket, session_hash, prompt, prefill_from, self._policy_of(policy),
+                             warm, session)
+
+    @_guarded("prepare", "_prepare_fault")
+    def _prepare(self, seq_id: int, ticket: int, session_hash: int, prompt: Sequence[int],
+                 prefill_from: int, policy: DrafterPolicy, warm: bool | None, session: int | None,
+                 ) -> DrafterBuild:
         start = time.perf_counter()
-        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
         warm = prefill_from > 0 if warm is None else warm
         if policy is DrafterPolicy.OFF:
             return DrafterBuild("off", None, 0, None, 0, 0, 0.0)
@@ -439,24 +451,34 @@ class CarryRuntime:
                 self._unreachable_host_entry(session_hash)
                 outcome = self._store.judge(session_hash, tokens, ticket, projected, session)
             log_adopt(outcome, session_hash, ticket, len(tokens))
-            adopted = self._adopt(seq_id, session_hash, outcome, start) if isinstance(outcome, Adopted) else None
-            with self._lock:  # counted once carried out (a fault before counts as `fault`)
+        if isinstance(outcome, Adopted):
+            build = self._adopt(seq_id, session_hash, outcome, start)
+        else:
+            pool.allocate_sequence(seq_id)
+            build = self._unadopted(prefill_from, hi, len(tokens), policy, warm, outcome, start)
+        if outcome is not None:
+            with self._lock:  # counted once carried out, last (a fault before counts as `fault` only)
                 self._counters.outcomes[outcome.kind] += 1
                 if isinstance(outcome, NoCarry):
                     self._counters.no_carry[outcome.reason] += 1
-            if adopted is not None:
-                return adopted
-        pool.allocate_sequence(seq_id)
-        plan = plan_append(None, len(tokens), prefill_from, hi)
+        return build
+
+    def _unadopted(self, prefill_from: int, hi: int, prompt_len: int, policy: DrafterPolicy, warm: bool,
+                   outcome: CarryOutcome | None, start: float | None) -> DrafterBuild:
+        """The build of a turn that adopts nothing (its drafter sequence allocated): the prefill's
+        rows for every key when it runs from position 0 (`prefill`, `rebuild`), else blind's;
+        `start` is when its prep began (None: a fault's, timed 0)."""
+        plan = plan_append(None, prompt_len, prefill_from, hi)
         first = None if plan is None else plan.first_key
+        prep_ms = 0.0 if start is None else _ms(start)
         if prefill_from == 0 and first is not None:  # the prefill runs from position 0
             mode = "rebuild" if policy is DrafterPolicy.REBUILD and warm else "prefill"
-            return DrafterBuild(mode, outcome, 0, first, 0, 0, _ms(start))
+            return DrafterBuild(mode, outcome, 0, first, 0, 0, prep_ms)
         # faithful blind (TensorRT-LLM's): no rows over the reused prefix, rows for the
         # new span the prefill computes (its context phase runs the MTP layer over it)
         with self._lock:
             self._counters.turns_blind += 1
-        return DrafterBuild("blind", outcome, 0, first, 0, 0, _ms(start))
+        return DrafterBuild("blind", outcome, 0, first, 0, 0, prep_ms)
 
     @_guarded("build", "_build_fault", passthrough=(PoolExhaustedError,))
     def build_chunk(
@@ -489,7 +511,6 @@ class CarryRuntime:
                 self._counters.rows_prefilled += rows
         return rows
 
-    @_guarded("deposit", "_finish_fault", ends=True)
     def finish(
         self,
         seq_id: int,
@@ -512,7 +533,11 @@ class CarryRuntime:
         (and sharing on), full prefix blocks whose bytes equal a published
         block's are merged into it before the deposit (`DrafterKVPool.share_blocks`).
         """
-        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
+        return self._finish(seq_id, session_hash, tokens, self._policy_of(policy), ticket, session, share)
+
+    @_guarded("deposit", "_finish_fault", ends=True)
+    def _finish(self, seq_id: int, session_hash: int, tokens: Sequence[int], policy: DrafterPolicy,
+                ticket: int, session: int | None, share: BlockKeys | None) -> bool:
         pool = self.backend.drafter_pool
         self.wait_restored(seq_id)
         lease = self._adopted.pop(seq_id, None)
@@ -639,12 +664,11 @@ class CarryRuntime:
                     self._turn_faults.popitem(last=False)
 
     def _prepare_fault(self, seq_id: int, ticket: int, session_hash: int, prompt: Sequence[int],
-                       prefill_from: int, policy: DrafterPolicy | str | None = None,
-                       warm: bool | None = None, session: int | None = None) -> DrafterBuild:
+                       prefill_from: int, policy: DrafterPolicy, warm: bool | None,
+                       session: int | None) -> DrafterBuild:
         """`prepare` faulted: what it took is dropped (the rows it adopted are lost, the lease ends
         as `fault`) and the turn runs blind, in a fresh drafter sequence: rows for the span its
         prefill computes, as TensorRT-LLM's blind turn (none at all if even that faults)."""
-        policy = self.policy if policy is None else DrafterPolicy.parse(policy)
         fault = self._faulted.get(seq_id, Fault("prepare", "Exception"))
         pool = self.backend.drafter_pool
         with self._lock:
@@ -657,15 +681,8 @@ class CarryRuntime:
                 self._fault("prepare", exc, seq_id)
                 return DrafterBuild("off", fault, 0, None, 0, 0, 0.0)
         hi = max(prefill_from, min(len(prompt), self.backend.hidden_store.capacity))
-        plan = plan_append(None, len(prompt), prefill_from, hi)
-        first = None if plan is None else plan.first_key
-        if prefill_from == 0 and first is not None:
-            warm = prefill_from > 0 if warm is None else warm
-            mode = "rebuild" if policy is DrafterPolicy.REBUILD and warm else "prefill"
-            return DrafterBuild(mode, fault, 0, first, 0, 0, 0.0)
-        with self._lock:
-            self._counters.turns_blind += 1
-        return DrafterBuild("blind", fault, 0, first, 0, 0, 0.0)
+        return self._unadopted(prefill_from, hi, len(prompt), policy,
+                               prefill_from > 0 if warm is None else warm, fault, None)
 
     def _build_fault(self, seq_id: int, ticket: int, build: DrafterBuild, prompt: Sequence[int],
                      start: int, end: int) -> int:
@@ -683,15 +700,14 @@ class CarryRuntime:
             build.next_key = None if span[1] >= len(prompt) - 2 else span[1] + 1
         return 0
 
-    def _finish_fault(self, seq_id: int, session_hash: int, tokens: Sequence[int],
-                      policy: DrafterPolicy | str | None = None, ticket: int = 0,
-                      session: int | None = None, share: BlockKeys | None = None) -> bool:
+    def _finish_fault(self, seq_id: int, session_hash: int, tokens: Sequence[int], policy: DrafterPolicy,
+                      ticket: int, session: int | None, share: BlockKeys | None) -> bool:
         """`finish` faulted, or the turn had: nothing is deposited, the rows are freed."""
         with self._lock:
             self._drop(seq_id, session_hash, "deposit")
         return False
 
-    def _release_fault(self, seq_id: int, reason: str = "not_deposited") -> None:
+    def _release_fault(self, seq_id: int, reason: str) -> None:
         """`release` faulted, or the turn had: its rows are freed, its lease ends as `fault`."""
         with self._lock:
             self._drop(seq_id, None, "release")
