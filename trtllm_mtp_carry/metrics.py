@@ -10,11 +10,10 @@ that serve their own endpoint.
 
     mtp_carry_outcomes_total{kind}            turns by carry outcome kind, each counted once when
                                               it leaves the engine (finished or stopped) with
-                                              the kind decided at its admission, or kind="fault"
-                                              where a fault inside the carry cost it its carry at
-                                              any step (as many as the runtime's `turns_faulted`;
-                                              its `outcomes` gauge keeps the admission's kind, and
-                                              `outcomes.fault` only the admissions that faulted)
+                                              the kind decided at its admission, as the runtime's
+                                              `outcomes` gauge counts it (kind="fault": the
+                                              admission itself faulted; a fault later in a turn
+                                              keeps its kind and counts in `turns_faulted`)
     mtp_carry_no_carry_total{reason}          no_carry turns by why the session's entry was
                                               absent (never_carried, memory, idle, ...)
     mtp_carry_drafter_rows_total{source}      rows adopted (kept) / computed

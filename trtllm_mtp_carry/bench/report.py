@@ -78,7 +78,8 @@ def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any
     out["outcomes"] = dict(sorted(kinds.items()))
     out["adoption_rate"] = kinds.get("adopted", 0) / len(s) if s else None
     out["refusals"] = {k: kinds[k] for k in REFUSAL_KINDS if kinds.get(k)}
-    out["faults"] = kinds.get("fault", 0)  # turns a fault inside the carry cost their carry
+    # turns a fault inside the carry cost their carry, at any step (a kind stays admission's)
+    out["faults"] = sum(1 for x in s if x.get("fault_step") or x["outcome_kind"] == "fault")
     misses = Counter(x.get("no_carry_reason") or "never_carried" for x in s
                      if x["outcome_kind"] == "no_carry")
     out["no_carry_reasons"] = dict(sorted(misses.items()))  # why no_carry: the session's entry was absent

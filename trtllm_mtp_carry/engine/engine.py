@@ -754,9 +754,9 @@ class ReferenceEngine:
 
     def _result(self, seq: _Sequence, reason: str) -> TurnResult:
         fault = self.runtime.take_fault(seq.request_id) if seq.policy is not DrafterPolicy.PAIRED else None
-        if fault is not None:  # a fault cost the turn its carry, at whatever step
+        if fault is not None:  # a fault cost the turn its carry, at whatever step; its kind stays
+            # admission's (`fault` where the admission itself faulted), as the runtime counted it
             seq.stats.outcome = f"{seq.build.mode} ({fault})"
-            seq.stats.outcome_kind, seq.stats.no_carry_reason = fault.kind, ""
             seq.stats.fault_step = fault.step
         output = seq.tokens[len(seq.prompt):]
         seq.stats.output_tokens = len(output)

@@ -36,7 +36,7 @@ class TurnStats(DraftRates):
     outcome: str = ""  # the drafter preparation, as a log line
     outcome_kind: str = ""  # decided at admission: the CarryOutcome's kind, else the mode ("": not admitted)
     no_carry_reason: str = ""  # a no_carry outcome's reason (NO_CARRY_REASONS), else ""
-    fault_step: str = ""  # where a fault cost the turn its carry (outcome_kind `fault`), else ""
+    fault_step: str = ""  # where a fault cost the turn its carry, else "" (outcome_kind `fault`: at prepare)
     drafter_rows_kept: int = 0
     drafter_rows_computed: int = 0
     keys_skipped: int = 0

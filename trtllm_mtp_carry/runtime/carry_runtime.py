@@ -213,8 +213,8 @@ class CarryStats:
     Faults (exceptions inside the carry store, the data plane or the host moves, each
     costing one turn its carry): `faults` by exception class name (as the TensorRT-LLM
     adapter's `stats()["faults"]`), `fault_steps` by where they were caught (`FAULT_STEPS`),
-    `turns_faulted` the turns they cost their carry (each once: what a front end's
-    `mtp_carry_outcomes_total{kind="fault"}` counts); `outcomes["fault"]` are the admissions
+    `turns_faulted` the turns they cost their carry (each once, at any step); `outcomes["fault"]`
+    (and a front end's `mtp_carry_outcomes_total{kind="fault"}`) are the admissions
     whose carry decision faulted before it was carried out (instead of its kind).
     """
 
