@@ -378,8 +378,10 @@ class HeldRows:
     every `put` without an arena).
 
     A popped arena entry's view stays valid until the next `put` (its blocks are released
-    then, before the new rows are placed): the manager scatters a taken entry before the
-    executor thread deposits again.
+    then, before the new rows are placed): the manager queues a taken entry's scatter on the
+    draft stream before the executor thread deposits again, and that deposit's gather runs
+    on the same stream after it (ordered there; the deposit then synchronizes it), so the
+    scatter has read the extent before a `put` overwrites it.
     """
 
     def __init__(self, arena: RowArena | None = None) -> None:
