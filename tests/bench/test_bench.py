@@ -126,6 +126,9 @@ def test_ctrl_c_prints_a_partial_summary_writes_json_and_exits_130(tmp_path, cap
     assert data["outputs_identical"] is True
     captured = capsys.readouterr()
     assert "partial: interrupted" in captured.out and "Traceback" not in captured.err
+    # replay 1 ran 1 of its 8 rows (2 turns x 4 policies): the header says so, not "replays 1..1"
+    assert ("warm turns, median [p25-p75] (partial: interrupted; ran 1 of the 8 rows of replay 1, "
+            "warm-up replay 0 excluded)") in captured.out.splitlines()
     assert captured.err.strip().endswith("partial: interrupted by Ctrl-C")
 
 

@@ -8,6 +8,7 @@ from trtllm_mtp_carry.bench.report import (
     paired,
     policy_summary,
     reuse_table,
+    summary_scope,
     summary_table,
     turn_table,
 )
@@ -200,3 +201,50 @@ def test_a_faulted_turn_is_counted_as_a_fault_not_a_refusal():
     assert (s["faults"], s["refusals"]) == (2, {"foreign_session": 2})
     table = summary_table({"carry": s})
     assert "carry: faults 2 (turns a fault inside the carry ran without it)" in table.splitlines()
+
+
+def test_the_reuse_table_shows_the_cap_column_only_where_paired_ran_and_names_it():
+    carry, blind = carry_and_blind()
+    plain = {"carry": policy_summary(carry, 1), "blind": policy_summary(blind, 1)}
+    assert reuse_table(plain).splitlines()[0] == (
+        "policy     target tokens computed    total  drafter blocks peak  target blocks peak")
+    paired_run = PolicyRun("paired", turns=[turn(1, "s0", 1, 10.0, kind="paired")])
+    paired_run.turns[0].stats["recomputed_for_cap"] = 7
+    with_paired = plain | {"paired": policy_summary(paired_run, 1)}
+    head, _, *rows = reuse_table(with_paired).splitlines()
+    assert head == ("policy     target tokens computed    total recomputed for cap  drafter blocks peak  "
+                    "target blocks peak")
+    assert rows[-1].split()[-3:] == ["7", "-", "-"] and rows[0].split()[-3:] == ["0", "-", "-"]
+
+
+def test_the_sharing_line_says_sharing_is_on_and_what_off_would_do():
+    carry, _ = carry_and_blind()
+    for r in range(3):
+        carry.runtime[r] |= {"policy": "carry", "carry_share": True, "share_merges": 2, "share_mismatches": 0,
+                             "shared_blocks": 3, "share_ms": 1.25, "deposits": 8}
+    assert reuse_table({"carry": policy_summary(carry, 1)}).splitlines()[-1] == (
+        "carry: common-prefix block sharing on (--carry-share off gives each entry its own copy): "
+        "blocks merged into equal ones other entries hold 4 (bytes differed: 0), held by two or more "
+        "entries at the end 3, sharing took 2.5 ms over 16 deposits")
+
+
+def test_the_summary_scope_says_what_ran_whole_and_what_an_interrupt_cut():
+    def runs(*replay_rows):  # one policy; rows per replay
+        run = PolicyRun("carry")
+        run.turns = [turn(r, "s0", i, 1.0) for r, n in enumerate(replay_rows) for i in range(n)]
+        return [run]
+
+    assert summary_scope(runs(8, 8, 8), 1, 3, 8, partial=False) == "replays 1..2, warm-up replay 0 excluded"
+    assert summary_scope(runs(8), 0, 1, 8, partial=False) == "replays 0..0"
+    assert summary_scope(runs(8, 1), 1, 5, 8, partial=True) == (
+        "partial: interrupted; ran 1 of the 8 rows of replay 1, warm-up replay 0 excluded")
+    assert summary_scope(runs(8, 8, 8, 5), 1, 5, 8, partial=True) == (
+        "partial: interrupted; ran replays 1..2 whole and 5 of the 8 rows of replay 3, warm-up replay 0 excluded")
+    assert summary_scope(runs(8, 8), 1, 5, 8, partial=True) == (
+        "partial: interrupted; ran replay 1 whole, warm-up replay 0 excluded")
+    assert summary_scope(runs(3), 0, 5, 8, partial=True) == (
+        "partial: interrupted in the warm-up, replay 0, after 3 of its 8 rows; those are summarised, "
+        "nothing after them ran")
+    assert summary_scope(runs(3), 0, 1, 8, partial=True) == "partial: interrupted; ran 3 of the 8 rows of replay 0"
+    assert summary_scope([PolicyRun("carry")], 0, 1, 8, partial=True) == (
+        "partial: interrupted before any turn finished")

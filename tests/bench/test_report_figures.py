@@ -60,3 +60,25 @@ def test_carry_host_ttft_over_carry_is_judged_against_its_own_target():
     # carry's warm ttft is 10.0 on both turns (`_runs`): ratios 1.04 and 1.10, median 1.07
     assert lines[2] == (f"FIGURE\tcarry-host ttft / carry\t1.070x [1.055-1.085] over 2 paired warm turns "
                         f"(2 adopted)\t<= {HOST_TTFT_TARGET}x\tMISS")
+
+
+def test_off_a_gpu_a_ratio_is_not_judged_and_its_target_says_it_is_a_gpus():
+    # on a CPU the carry's bookkeeping outweighs blind's: the 1.1x target would read MISS
+    lines = figure_lines(_runs([5.4, 5.4], [4.1, 4.1]), 0, identical=True, off_gpu="cpu")
+    ratio = 5.4 / 4.1
+    assert lines[2] == (f"FIGURE\tcarry drafter prep / blind\t{ratio:.3f}x [{ratio:.3f}-{ratio:.3f}] over 2 "
+                        f"paired warm turns (2 adopted)\t<= {PREP_TARGET}x on a GPU, not judged on cpu\tINFO")
+    zero = figure_lines(_runs([2.0], [0.0]), 0, identical=True, off_gpu="a server")
+    assert zero[2].endswith(f"\t<= {PREP_TARGET}x on a GPU, not judged on a server\tINFO")
+
+
+def test_the_bench_on_a_cpu_prints_no_miss_with_figures(capsys):
+    from trtllm_mtp_carry.cli import main
+
+    assert main(["bench", "--sessions", "1", "--turns", "2", "--history", "300", "--new-span", "16",
+                 "--max-new-tokens", "4", "--repeat", "1", "--policies", "carry,blind", "--figures",
+                 "--no-progress"]) == 0
+    figures = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FIGURE")]
+    ratio = [line for line in figures if "/ blind" in line]
+    assert len(ratio) == 1 and ratio[0].endswith(f"\t<= {PREP_TARGET}x on a GPU, not judged on cpu\tINFO")
+    assert not any(line.endswith("MISS") for line in figures)

@@ -340,7 +340,8 @@ def _drive_and_report(args: argparse.Namespace, env: dict[str, Any], driver: Dri
     env["load_avg_end"] = _loadavg()
     if partial and not any(report.measured(r, first_measured) for r in runs):
         first_measured = 0  # stopped during the warm-up: summarise what there is
-    identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started)
+    identical = _report(args, env, runs, first_measured, partial, time.perf_counter() - started,
+                        per_replay=total // args.repeat)
     for line in driver.report_lines(runs):
         print(line)
     if partial:
@@ -462,8 +463,9 @@ def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 
 
 def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], first_measured: int,
-            partial: bool, wall: float) -> bool:
-    """Print the tables and ratios, write the JSON and plot; returns outputs_identical."""
+            partial: bool, wall: float, per_replay: int) -> bool:
+    """Print the tables and ratios, write the JSON and plot; returns outputs_identical.
+    `per_replay`: the per-turn table's rows in one whole replay (turns x policies)."""
     from . import report
 
     summary = {r.policy: report.policy_summary(r, first_measured) for r in runs}
@@ -471,9 +473,8 @@ def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], firs
     identical = report.outputs_identical(runs)
     print(report.turn_table(runs, first_measured))
     print()
-    what = "partial: interrupted, " if partial else ""
-    excluded = "" if first_measured == 0 else ", warm-up replay 0 excluded"
-    print(f"warm turns, median [p25-p75] ({what}replays {first_measured}..{args.repeat - 1}{excluded})")
+    scope = report.summary_scope(runs, first_measured, args.repeat, per_replay, partial)
+    print(f"warm turns, median [p25-p75] ({scope})")
     print(report.summary_table(summary))
     print()
     print(report.reuse_table(summary))
@@ -483,7 +484,10 @@ def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], firs
     print(f"\noutputs identical across policies: {identical}   ({wall:.1f} s)")
     print(environment_line(env))
     if getattr(args, "figures", False):
-        for line in report.figure_lines(runs, first_measured, identical):
+        # the targets are a GPU's: judged only where this process ran the engine on CUDA
+        remote = getattr(args, "server", None) or getattr(args, "openai", None)
+        off_gpu = "a server" if remote else None if str(args.device).startswith("cuda") else str(args.device)
+        for line in report.figure_lines(runs, first_measured, identical, off_gpu):
             print(line)
     if args.json:
         data = _json(args, env, runs, summary, ratios, identical, first_measured, partial)
