@@ -23,8 +23,13 @@ right before its fence:
     <!-- readme-test: skip: <reason> -->  not run; the reason says why
 
 Any other tag, a tag without a fence below it, or a skip without a reason
-fails. A skipped block that needs a GPU, TensorRT or TensorRT-LLM says so to the
-reader too, in the paragraph right above it, and a command block never goes
+fails. The tag is an HTML comment, invisible on a rendered page, so a block that
+needs something before it runs as written (a `triton` or `dynamo` block, or a skip
+whose reason names a GPU, TensorRT, a server, a deployment, an install, a download
+or serving until Ctrl-C) says so to the reader in a visible line right above the
+tag, `**Needs:** what`; one that needs a GPU, TensorRT or TensorRT-LLM names it
+there (`test_a_skipped_block_that_needs_a_gpu_or_tensorrt_says_so_above_it`). A
+block skipped only for its minutes needs no such line. A command block never goes
 untyped (it would escape the run). The README's first block (the main bench
 job and `bash scripts/test.sh`, the suite that runs this very test) must be a
 skip: CI runs both anyway. Other test modules reuse `readme_blocks()`,
@@ -102,6 +107,28 @@ def readme_blocks(text: str | None = None, path: Path = README) -> list[Block]:
         blocks.append(Block(i + 1, lang, "\n".join(body) + "\n", previous.group(1) if previous else None, doc))
         i = j + 1
     return blocks
+
+
+NEEDS = re.compile(r"^\s*\*\*Needs:\*\*\s+\S")
+"""The visible note a block that needs something carries on the line right above its tag."""
+NEEDING = ("needs", "gpu", "tensorrt", "server", "deployment", "install", "download", "serves")
+"""Words of a skip's reason that say the block needs something besides time."""
+
+
+def needs_something(block: Block) -> bool:
+    """Whether `block` needs something before it runs as written: a server (`triton`,
+    `dynamo`), or what its skip's reason names (`NEEDING`); not a skip for time alone."""
+    if block.kind in ("triton", "dynamo"):
+        return True
+    return block.kind == "skip" and any(word in (block.tag or "").lower() for word in NEEDING)
+
+
+def missing_needs_lines(text: str, path: Path = README) -> list[str]:
+    """`doc:line` of each block of `text` that needs something (`needs_something`) and has no
+    visible `**Needs:** ...` line right above its tag."""
+    lines = text.splitlines()
+    return [f"{b.doc}:{b.line}" for b in readme_blocks(text, path)
+            if needs_something(b) and not (b.line >= 3 and NEEDS.match(lines[b.line - 3]))]
 
 
 def document_blocks() -> list[Block]:
@@ -207,6 +234,22 @@ def test_a_skipped_block_that_needs_a_gpu_or_tensorrt_says_so_above_it(path):
             assert "TensorRT-LLM" in above, f"{b.doc}:{b.line}: say above the block that it needs TensorRT-LLM"
         elif "tensorrt" in reason:
             assert "TensorRT" in above, f"{b.doc}:{b.line}: say above the block that it needs TensorRT"
+
+
+def test_the_needs_checker_wants_a_visible_line_above_a_tag_that_needs_something():
+    text = ("intro\n\n<!-- readme-test: triton -->\n```bash\nls\n```\n"          # needs a server: no line
+            "\n**Needs:** an NVIDIA GPU.\n<!-- readme-test: skip: needs a GPU -->\n```bash\nls\n```\n"
+            "\nslow:\n<!-- readme-test: skip: takes minutes -->\n```bash\nls\n```\n"  # time alone: fine
+            "\n- item\n\n  **Needs:** a deployment.\n  <!-- readme-test: dynamo -->\n  ```bash\n  ls\n  ```\n"
+            "\nNeeds: invisible? no, but not the marker\n<!-- readme-test: skip: installs packages -->\n"
+            "```bash\nls\n```\n")
+    assert missing_needs_lines(text) == ["README.md:4", "README.md:30"]
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=[str(p.relative_to(ROOT)) for p in DOCUMENTS])
+def test_a_block_that_needs_something_says_so_in_a_visible_line(path):
+    assert missing_needs_lines(path.read_text(), path) == [], (
+        "put a visible '**Needs:** ...' line right above these blocks' readme-test tags")
 
 
 def test_every_runnable_block_of_the_manual_is_run_or_tagged():

@@ -248,3 +248,16 @@ def test_the_summary_scope_says_what_ran_whole_and_what_an_interrupt_cut():
     assert summary_scope(runs(3), 0, 1, 8, partial=True) == "partial: interrupted; ran 3 of the 8 rows of replay 0"
     assert summary_scope([PolicyRun("carry")], 0, 1, 8, partial=True) == (
         "partial: interrupted before any turn finished")
+
+
+def test_every_policy_the_error_lists_is_documented_in_the_bench_page():
+    from pathlib import Path
+
+    from trtllm_mtp_carry.bench.replay import BenchPolicy
+
+    with pytest.raises(ValueError) as err:
+        BenchPolicy.parse("turbo")
+    listed = str(err.value).split("expected one of ", 1)[1].split(", ")
+    assert "carry-bf16" in listed and "carry-fp8" in listed
+    page = (Path(__file__).resolve().parents[2] / "docs" / "BENCH.md").read_text()
+    assert [name for name in listed if f"`{name}`" not in page] == []
