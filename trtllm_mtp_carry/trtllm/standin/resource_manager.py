@@ -33,10 +33,12 @@ class DataType(enum.Enum):
     HALF = "HALF"
     FLOAT = "FLOAT"
     FP8 = "FP8"
+    NVFP4 = "NVFP4"  # `_create_kv_cache_manager` (_util.py @ 38198e34) for an FP4 KV cache
 
 
 _TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
-                 DataType.FLOAT: torch.float32, DataType.FP8: torch.float16}
+                 DataType.FLOAT: torch.float32, DataType.FP8: torch.float16,
+                 DataType.NVFP4: torch.uint8}  # NVFP4: e2m1 values packed two to a byte
 
 
 class ResourceManagerType(enum.Enum):
