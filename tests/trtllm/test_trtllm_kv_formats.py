@@ -156,3 +156,18 @@ def test_an_unknown_dtype_is_one_line_naming_it(tmp_path: Path, capsys: pytest.C
 def test_a_format_the_carry_does_not_move_names_itself() -> None:
     assert kv_verdict("fp16").line == ("FP16 KV stands aside: the carry moves BF16 or FP8 draft pages only "
                                        "(kv_cache_config.dtype auto with a BF16 model, or fp8)")
+
+
+def test_the_configuration_page_shows_infos_real_first_line(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/CONFIGURATION.md's `info --llm-config nvfp4.yaml | head -1` sample is what info prints."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md").read_text()
+    command = "trtllm-mtp-carry info --llm-config nvfp4.yaml | head -1\n```\n\n```text\n"
+    start = text.index(command) + len(command)
+    sample = text[start:text.index("\n```", start)]
+    path = tmp_path / "nvfp4.yaml"
+    path.write_text("kv_cache_config:\n  enable_block_reuse: true\n  dtype: nvfp4\n"
+                    "  mamba_state_config: {additional_snapshot_offsets_from_end: [0]}\n")
+    assert main(["info", "--llm-config", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.replace(str(path), "nvfp4.yaml") == sample
