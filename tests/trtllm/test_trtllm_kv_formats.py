@@ -18,7 +18,7 @@ import pytest
 from standin_helpers import model  # isort: skip
 from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict, resolve_kv_format
-from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG, TrtllmAdapterError
 from trtllm_mtp_carry.trtllm.probe import draft_verdict, probe_managers
 from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 
@@ -171,3 +171,21 @@ def test_the_configuration_page_shows_infos_real_first_line(tmp_path: Path,
     assert main(["info", "--llm-config", str(path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.replace(str(path), "nvfp4.yaml") == sample
+
+
+def test_a_v1_manager_is_one_line_in_info_and_the_worker(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`use_kv_cache_manager_v2: false` gives a hybrid the V1 `CppMambaHybridCacheManager`
+    (`_util.py` @ 38198e34): info said `carry armed yes` for it while the worker refused."""
+    path = _yaml(tmp_path, "auto", "")
+    path.write_text(path.read_text().replace("kv_cache_config:\n", "kv_cache_config:\n  use_kv_cache_manager_v2: false\n"))
+    report = _info(capsys, "--llm-config", str(path))
+    want = ("the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as TensorRT-LLM "
+            "1.2.x gives a hybrid model with block reuse): the carry supports KVCacheManagerV2 only "
+            "(kv_cache_config.use_kv_cache_manager_v2)")
+    assert (report["carry_armed"], report["kv_verdict"]) == (False, want)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64,
+                     version="1.2.1")
+    with pytest.raises(TrtllmAdapterError) as exc:
+        probe_managers(llm.executor.resource_manager.resource_managers, "stand-in")
+    assert str(exc.value) == want

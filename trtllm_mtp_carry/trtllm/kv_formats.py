@@ -130,8 +130,23 @@ def kv_format_of_datatype(dtype: object) -> str:
     return _DATATYPE_FORMATS.get(name, name.lower())
 
 
+V1_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager", "KVCacheManager"})
+"""KV cache manager V1 classes (`_util.py` @ 38198e34 routes a hybrid to the first two where
+`use_kv_cache_manager_v2` is false): the carry needs V2, and V1 never pairs."""
+
+
+def v1_line(manager: str) -> str:
+    """The one line for a V1 target manager (the probe refuses it; `info` says the same)."""
+    return (f"the target KV cache manager is {manager} (KV cache manager V1, as TensorRT-LLM 1.2.x gives "
+            "a hybrid model with block reuse): the carry supports KVCacheManagerV2 only "
+            "(kv_cache_config.use_kv_cache_manager_v2)")
+
+
 def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None = None) -> KvVerdict:
-    """The one verdict: compression first, then the draft pool's manager, then the KV format."""
+    """The one verdict: a V1 manager first, then compression, then the draft pool's manager,
+    then the KV format."""
+    if manager in V1_MANAGERS:
+        return KvVerdict(False, kv_format, manager, v1_line(manager))
     if compression:
         return KvVerdict(False, kv_format, manager, _COMPRESSION_LINE.format(algorithm=compression))
     if manager in _MANAGER_LINES:

@@ -53,7 +53,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .kv_formats import KvVerdict, verdict_of_draft
+from .kv_formats import KvVerdict, v1_line, verdict_of_draft
 from .options import MAMBA_STATE_FIELDS, TrtllmAdapterError, reuse_stand_aside
 
 DRAFT_KV = "DRAFT_KV_CACHE_MANAGER"
@@ -165,10 +165,7 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
             "request's draft pages (enable_attention_dp must be false)")
     reuse = bool(_attr(target, "enable_block_reuse", "target KV cache manager"))
     if type(target).__name__ in V1_HYBRID_MANAGERS:
-        raise TrtllmAdapterError(
-            f"the target KV cache manager is {type(target).__name__} (KV cache manager V1, as "
-            "TensorRT-LLM 1.2.x gives a hybrid model with block reuse): the carry supports "
-            "KVCacheManagerV2 only (kv_cache_config.use_kv_cache_manager_v2)")
+        raise TrtllmAdapterError(v1_line(type(target).__name__))  # the line info gives too
     rm = resource_manager
     if found_draft is None:
         return ExecutorProbe(executor, rm, target, None, None, None, "folded", False,
