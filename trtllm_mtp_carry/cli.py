@@ -224,6 +224,7 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
         load_llm_options,
         reuse_stand_aside,
     )
+    from .trtllm.probe import parallel_refusal
 
     rest, options = load_llm_options(path)
     try:
@@ -233,6 +234,8 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     kv = kv_cache_config_of(rest)
     state = kv["mamba_state_config"]
     aside = None if options.enable else "not configured (mtp_carry.enable is false)"
+    aside = aside or parallel_refusal(rest.get("tensor_parallel_size", 1),
+                                      bool(rest.get("enable_attention_dp", False)))
     raw = rest.get("kv_cache_config") or {}
     fixed = [f"{k}={raw[k]}" for k in ("max_gpu_total_bytes", "max_tokens") if raw.get(k)]
     fraction = raw.get("free_gpu_memory_fraction", 0.9)

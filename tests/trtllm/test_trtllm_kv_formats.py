@@ -189,3 +189,22 @@ def test_a_v1_manager_is_one_line_in_info_and_the_worker(tmp_path: Path,
     with pytest.raises(TrtllmAdapterError) as exc:
         probe_managers(llm.executor.resource_manager.resource_managers, "stand-in")
     assert str(exc.value) == want
+
+
+@pytest.mark.parametrize(("extra", "options", "want"), [
+    ("tensor_parallel_size: 2\n", {"tp_size": 2},
+     "tensor parallel size 2: the carry runs in-process with TP=1 only"),
+    ("enable_attention_dp: true\n", {"enable_attention_dp": True},
+     "attention data parallelism is on: the carry needs one executor holding every request's draft "
+     "pages (enable_attention_dp must be false)"),
+])
+def test_a_parallel_mapping_the_carry_refuses_is_one_line_in_info_and_the_worker(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, options: dict[str, Any],
+        want: str) -> None:
+    path = _yaml(tmp_path, "auto", extra)
+    report = _info(capsys, "--llm-config", str(path))
+    assert (report["carry_armed"], report["carry_armed_reason"]) == (False, f"stands aside under {path}: {want}")
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, **options)
+    with pytest.raises(TrtllmAdapterError) as exc:
+        probe_managers(llm.executor.resource_manager.resource_managers, "stand-in")
+    assert str(exc.value) == want

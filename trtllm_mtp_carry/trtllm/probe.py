@@ -156,13 +156,9 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
         found_draft = None  # no separate draft pool: TensorRT-LLM leaves the entry None
     mapping = _attr(found_draft[1] if found_draft else target, "mapping", "KV cache manager")
     tp = _attr(mapping, "tp_size", "Mapping")
-    if tp != 1:
-        raise TrtllmAdapterError(
-            f"tensor parallel size {tp}: the carry runs in-process with TP=1 only")
-    if _attr(mapping, "enable_attention_dp", "Mapping"):
-        raise TrtllmAdapterError(
-            "attention data parallelism is on: the carry needs one executor holding every "
-            "request's draft pages (enable_attention_dp must be false)")
+    parallel = parallel_refusal(tp, bool(_attr(mapping, "enable_attention_dp", "Mapping")))
+    if parallel is not None:
+        raise TrtllmAdapterError(parallel)
     reuse = bool(_attr(target, "enable_block_reuse", "target KV cache manager"))
     if type(target).__name__ in V1_HYBRID_MANAGERS:
         raise TrtllmAdapterError(v1_line(type(target).__name__))  # the line info gives too
@@ -201,6 +197,18 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", True,
                          f"unpaired draft pool with block reuse ({found}): the carry restores the "
                          "drafter's rows over the reused prefix", version)
+
+
+def parallel_refusal(tp_size: object, enable_attention_dp: bool) -> str | None:
+    """Why the carry refuses this parallel mapping (one line), or None: TP above one, or attention
+    data parallelism. `info --llm-config` gives the same line from `tensor_parallel_size` and
+    `enable_attention_dp`."""
+    if tp_size != 1:
+        return f"tensor parallel size {tp_size}: the carry runs in-process with TP=1 only"
+    if enable_attention_dp:
+        return ("attention data parallelism is on: the carry needs one executor holding every "
+                "request's draft pages (enable_attention_dp must be false)")
+    return None
 
 
 V1_HYBRID_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager"})
