@@ -38,7 +38,9 @@ class DataType(enum.Enum):
 
 _TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
                  DataType.FLOAT: torch.float32, DataType.FP8: torch.float16,
-                 DataType.NVFP4: torch.uint8}  # NVFP4: e2m1 values packed two to a byte
+                 DataType.NVFP4: torch.int8}  # get_buffers re-types an NVFP4 pool to int8 (packed
+# e2m1 pairs, head_dim // 2 a row, kv_cache_manager_v2.py @ 0004396); the stand-in keeps head_dim: the
+# carry stands aside on NVFP4 before it reads a page (kv_formats.py), so no page is read
 
 
 class ResourceManagerType(enum.Enum):
