@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__
@@ -122,6 +123,11 @@ DRAFTER_POOL_BUDGET = (
 """What `info` says of the drafter pool budget: it belongs to an engine, not to the process."""
 
 
+BARE_SCOPE = ("this process's settings (the reference engine's carry); no TensorRT-LLM executor or "
+              "llm.yaml is judged here: info --llm-config YAML judges a TensorRT-LLM deployment")
+"""What a bare `info`'s verdict is about (issue 44): the settings, not a deployment."""
+
+
 def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
     """The resolved settings, as `info` prints them (configured and armed side by side)."""
     threshold = settings.marconi_min_tokens()
@@ -163,6 +169,7 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "carry_configured": cfg.carry,
         "carry_armed": armed,
         "carry_armed_reason": why,
+        "carry_armed_scope": BARE_SCOPE,
         "debug": settings.mtp_carry_debug(),
     }
 
@@ -183,18 +190,52 @@ def _trtllm_reserve(options: Any = None) -> dict[str, object]:
             "trtllm_reserved_refused": refused}
 
 
-def llm_config_report(path: str) -> dict[str, object]:
-    """What a TensorRT-LLM `llm.yaml` (extra_llm_api_options) gives the carry on a Qwen3-Next
-    (hybrid) target: its block reuse and snapshot placement over the model's defaults, and
+def checkpoint_kv_quant(model: str | None) -> str | None:
+    """The checkpoint's KV-cache quantization (`hf_quant_config.json`: `quantization.kv_cache_quant_algo`,
+    what TensorRT-LLM's model loader reads for `kv_cache_config.dtype: auto`), or None (no
+    `model`, or a checkpoint without one). TrtllmAdapterError naming the file when it is unreadable."""
+    from .trtllm.options import TrtllmAdapterError
+
+    if model is None:
+        return None
+    path = Path(model) / "hf_quant_config.json"
+    if not path.exists():
+        return None
+    try:
+        quant = json.loads(path.read_text()).get("quantization") or {}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise TrtllmAdapterError(f"cannot read {path}: {exc}") from exc
+    algo = quant.get("kv_cache_quant_algo") if isinstance(quant, dict) else None
+    return None if algo is None else str(algo)
+
+
+def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
+    """What a TensorRT-LLM `llm.yaml` (extra_llm_api_options) gives the carry on a hybrid MTP
+    target: its block reuse and snapshot placement over the model's defaults, the KV format and
+    manager verdict (`trtllm.kv_formats.verdict_of_options`, the one the worker's probe gives;
+    `model`: the checkpoint directory whose `hf_quant_config.json` decides `dtype: auto`), and
     the one line of why the carry stands aside, if it must (None: the carry can restore rows;
-    the executor's own probe decides the rest at start), what the worker reserves, and the
+    the executor's own probe decides pairing at start), what the worker reserves, and the
     worker's `metrics_port` (None: not set). TrtllmAdapterError on a bad file."""
-    from .trtllm.options import kv_cache_config_of, load_llm_options, reuse_stand_aside
+    from .trtllm.kv_formats import verdict_of_options
+    from .trtllm.options import (
+        TrtllmAdapterError,
+        kv_cache_config_of,
+        load_llm_options,
+        reuse_stand_aside,
+    )
+    from .trtllm.probe import parallel_refusal
 
     rest, options = load_llm_options(path)
+    try:
+        verdict = verdict_of_options(rest, checkpoint_kv_quant(model))
+    except ValueError as exc:
+        raise TrtllmAdapterError(str(exc)) from exc
     kv = kv_cache_config_of(rest)
     state = kv["mamba_state_config"]
     aside = None if options.enable else "not configured (mtp_carry.enable is false)"
+    aside = aside or parallel_refusal(rest.get("tensor_parallel_size", 1),
+                                      bool(rest.get("enable_attention_dp", False)))
     raw = rest.get("kv_cache_config") or {}
     fixed = [f"{k}={raw[k]}" for k in ("max_gpu_total_bytes", "max_tokens") if raw.get(k)]
     fraction = raw.get("free_gpu_memory_fraction", 0.9)
@@ -209,10 +250,13 @@ def llm_config_report(path: str) -> dict[str, object]:
         "llm_config": path,
         "llm_config_block_reuse": kv["enable_block_reuse"],
         "llm_config_snapshot_placement": ", ".join(f"{k}={v}" for k, v in sorted(state.items())) or "none",
+        "kv_format": verdict.kv_format,
+        "kv_manager": verdict.manager,
+        "kv_verdict": verdict.line,
         # judged on what the worker's executor holds: TensorRT-LLM's validators applied (kv)
         "llm_config_stands_aside": aside or reuse_stand_aside(
             kv["enable_block_reuse"], True, {**state, **kv["ignored"]},
-            policy=kv["block_reuse_config"]["policy"]),
+            policy=kv["block_reuse_config"]["policy"]) or (None if verdict.carries else verdict.line),
     }
 
 
@@ -234,13 +278,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         from .trtllm.options import TrtllmAdapterError
 
         try:
-            report.update(llm_config_report(args.llm_config))
+            report.update(llm_config_report(args.llm_config, args.model))
         except TrtllmAdapterError as exc:
             print(f"trtllm-mtp-carry: error: --llm-config {args.llm_config}: {exc}", file=sys.stderr)
             return 2
+        report["carry_armed_scope"] = f"the TensorRT-LLM worker under {args.llm_config}"
         if report["llm_config_stands_aside"] is not None:  # never "armed" for a carry with no row to restore
             report["carry_armed"] = False
             report["carry_armed_reason"] = f"stands aside under {args.llm_config}: {report['llm_config_stands_aside']}"
+        elif report["carry_armed"]:
+            report["carry_armed_reason"] = (f"under {args.llm_config}: {report['kv_verdict']}; the worker's "
+                                            "probe reads pairing from the live executor at start")
+    elif args.model is not None:
+        print("trtllm-mtp-carry: error: --model needs --llm-config (it decides kv_cache_config.dtype auto)",
+              file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -248,7 +300,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     def yes(v: object) -> str:
         return "yes" if v else "no"
 
+    armed_note = str(report["carry_armed_reason"])
+    if args.llm_config is None:  # a bare info: say what the verdict is about (issue 44)
+        armed_note = f"{armed_note} [{report['carry_armed_scope']}]"
     rows = [
+        ("carry armed", yes(report["carry_armed"]), armed_note),  # the verdict first
         ("version", report["version"], ""),
         (
             "restore threshold (marconi_min_tokens)",
@@ -273,11 +329,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("drafter pool budget", "-", report["drafter_pool_budget"]),
         ("drafter prompt prefill", yes(report["drafter_prefill"]), ""),
         ("carry configured", yes(report["carry_configured"]), ""),
-        ("carry armed", yes(report["carry_armed"]), report["carry_armed_reason"]),
         (f"debug log ({settings.ENV_DEBUG})", "on" if report["debug"] else "off", ""),
     ]
     if args.llm_config is not None:
         rows[-1:-1] = [
+            ("KV format (--llm-config)", report["kv_format"],
+             f"{report['kv_manager']}: {report['kv_verdict']}"),
             ("block reuse (--llm-config)", yes(report["llm_config_block_reuse"]),
              "kv_cache_config.enable_block_reuse (Qwen3-Next's default: off)"),
             ("snapshot placement (--llm-config)", "-", report["llm_config_snapshot_placement"]),
@@ -321,7 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument(
         "--llm-config", metavar="YAML", default=None,
         help="a TensorRT-LLM llm.yaml (extra_llm_api_options): report whether the carry can restore "
-             "rows under it (block reuse, the hybrid target's snapshot placement)")
+             "rows under it (block reuse, the hybrid target's snapshot placement, the KV format "
+             "and cache manager: the verdict the worker gives)")
+    info.add_argument(
+        "--model", metavar="DIR", default=None,
+        help="with --llm-config: the checkpoint directory; its hf_quant_config.json "
+             "(kv_cache_quant_algo) decides kv_cache_config.dtype auto, as TensorRT-LLM's loader does")
     info.set_defaults(func=cmd_info)
 
     from .bench.main import add_arguments

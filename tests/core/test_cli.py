@@ -53,6 +53,27 @@ def test_info_env_source_and_table():
     assert any(line.startswith("carry armed") and " yes " in line for line in lines)
 
 
+def test_a_bare_info_gives_its_verdict_first_and_says_what_it_is_about():
+    """Issue 44: the verdict is the first line, and a bare `info` (no executor, no llm.yaml) says
+    its verdict is about this process's settings, pointing at `info --llm-config`."""
+    out = run_cli("info")
+    first = out.stdout.splitlines()[0]
+    assert first.split(None, 3) == [
+        "carry", "armed", "yes",
+        "configured; armed at any MTP dispatch cap (32 here): drafter rows are built per prefill "
+        "chunk under the sequence's own ticket [this process's settings (the reference engine's "
+        "carry); no TensorRT-LLM executor or llm.yaml is judged here: info --llm-config YAML judges "
+        "a TensorRT-LLM deployment]"]
+    report = json.loads(run_cli("info", "--json").stdout)
+    assert report["carry_armed_scope"].startswith("this process's settings")
+
+
+def test_model_without_llm_config_is_refused_in_one_line():
+    out = run_cli("info", "--model", "/tmp")
+    assert (out.returncode, out.stderr) == (
+        2, "trtllm-mtp-carry: error: --model needs --llm-config (it decides kv_cache_config.dtype auto)\n")
+
+
 def test_info_without_carry():
     report = json.loads(run_cli("info", "--json", "--no-prefill", "--mtp-max-seqs", "1").stdout)
     assert (report["drafter_prefill"], report["carry_configured"], report["carry_armed"]) == (

@@ -9,6 +9,7 @@ import pytest
 from standin_helpers import model
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
+from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 
@@ -30,9 +31,11 @@ def test_tp_above_one_is_refused() -> None:
         "tensor parallel size 2: the carry runs in-process with TP=1 only")
 
 
-def test_non_bf16_kv_is_refused() -> None:
-    msg = _refusal(_llm(kv_dtype=DataType.FP8))
-    assert msg.startswith("draft KV cache dtype is FP8: the carry supports BF16 KV only")
+def test_a_kv_format_the_carry_does_not_move_stands_aside_in_the_verdict_line() -> None:
+    """NVFP4 KV: not refused, not armed; the reason is `kv_formats`' line (info gives the same)."""
+    carry = attach(_llm(kv_dtype=DataType.NVFP4))
+    assert (carry.armed, carry.topology) == (False, "unpaired")
+    assert carry.reason == kv_verdict("nvfp4").line and carry.reason.startswith("NVFP4 KV stands aside: ")
 
 
 def test_attention_dp_is_refused() -> None:

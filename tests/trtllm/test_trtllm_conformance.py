@@ -139,7 +139,10 @@ def test_the_version_table_is_the_stand_ins_profiles() -> None:
         assert options == want, version
         assert read_at, version
     assert "0004396720054fd8e205cbf616f21f0b57c6b412" in rows["main"][7]
-    assert "28295084972c5ab61ef010a050a18f53f5d72810" in rows["main"][7]
+    assert "003f8d08" in rows["main"][7]
+    assert "28295084972c5ab61ef010a050a18f53f5d72810" in rows["pr18843"][7]
+    assert "38198e34582cf777ecc72062f477987284ba9999" in rows["main+19303"][7]
+    assert "38198e34582cf777ecc72062f477987284ba9999" in rows["main+19303:qsa"][7]
 
 
 def test_the_commits_table_says_what_llm_request_passes_at_002f3cc3() -> None:

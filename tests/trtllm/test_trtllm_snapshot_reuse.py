@@ -174,7 +174,8 @@ def test_a_folded_executor_has_a_none_draft_entry_and_is_reported_folded() -> No
 
 @pytest.mark.parametrize(("yaml_text", "armed", "note"), [
     ("kv_cache_config:\n  enable_block_reuse: true\n  mamba_state_config: {additional_snapshot_offsets_from_end: [0]}\n",
-     "yes", "configured; armed"),
+     "yes", "under LLM: BF16 KV: the drafter's rows are carried as the draft pool holds them; the "
+            "worker's probe reads pairing from the live executor at start"),
     ("kv_cache_config: {enable_block_reuse: true}\n", "no", f"stands aside under LLM: {NO_PLACEMENT}"),
     ("speculative_config: {decoding_type: MTP}\n", "no", f"stands aside under LLM: {REUSE_OFF}"),
 ])

@@ -27,6 +27,11 @@ MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_pub
 PAIRED = "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager." \
     "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target MambaHybridCacheManagerV2."
 ASIDE = "); TensorRT-LLM restores the drafter's prefix itself, the carry stands aside"
+QSA_LINE = ("QSAMambaHybridCacheManagerV2 stands aside: its draft pool keeps the MTP layer's index keys "
+            "(Role.INDEX_KEY) and position coordinates (qsa_index_position) in the same page slot as K/V "
+            "(qsa/cache_manager.py @ 38198e34); the carry moves K/V rows only, and restoring them alone "
+            "would leave the sparse indexer's keys over the reused prefix stale: it needs a row codec "
+            "over K/V, index-K and position rows")
 ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reason or refusal)
     "1.2.1": ("refused", False,
               "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as "
@@ -38,12 +43,19 @@ ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reaso
     "1.4.0rc1": ("unpaired", True,
                  f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
                  "drafter's rows over the reused prefix"),
-    # main: the hybrid class inherits _supports_reuse_match_backoff = True, which is all
-    # _joint_reuse_supported reads there (_util.py @ 0004396): paired natively
-    "main": ("paired", False,
-             f"{PAIRED}_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True{ASIDE}"),
+    # main-line: the hybrid class sets _supports_reuse_match_backoff = False (mamba_cache_manager.py
+    # @ 003f8d08), which is all _joint_reuse_supported reads there (_util.py @ 0004396): unpaired
+    "main": ("unpaired", True,
+             f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
+             "drafter's rows over the reused prefix"),
+    # PR #18843's layout: the hybrid inherits True (mamba_cache_manager_v2.py @ 28295084): paired
+    "pr18843": ("paired", False,
+                f"{PAIRED}_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True{ASIDE}"),
+    # PR #19303 (38198e34): the creator reads _supports_draft_reuse_match_backoff, True on the hybrid
     "main+19303": ("paired", False,
-                   f"{PAIRED}_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=True{ASIDE}"),
+                   f"{PAIRED}_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=False{ASIDE}"),
+    # ... and False on the QSA hybrid: unpaired, and its draft pool is one the carry stands aside on
+    "main+19303:qsa": ("unpaired", False, QSA_LINE),
 }
 
 
@@ -111,13 +123,13 @@ def test_a_missing_pairing_marker_is_refused_naming_what_was_found(drop: tuple[s
 
 
 @pytest.mark.parametrize(("version", "claimed"), [
-    ("main+19303", "_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=True"),
-    ("main", "_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True"),
+    ("main+19303", "_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=False"),
+    ("pr18843", "_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True"),
 ])
 def test_markers_that_disagree_are_refused(version: str, claimed: str) -> None:
     """The target class claims the capability its version's creator pairs on (#19303's name on
-    the PR head, `_supports_reuse_match_backoff` on main) but the draft pool shows no pairing:
-    refused, not armed."""
+    #19303's tree, `_supports_reuse_match_backoff` in #18843's layout) but the draft pool shows no pairing:
+    refused, not armed (fail-closed pairing)."""
     llm = _llm(version=version, topology="unpaired")
     with pytest.raises(TrtllmAdapterError) as exc:
         attach(llm)
@@ -126,21 +138,22 @@ def test_markers_that_disagree_are_refused(version: str, claimed: str) -> None:
                                      f"target MambaHybridCacheManagerV2.{claimed})")
 
 
-@pytest.mark.parametrize("version", ["1.3.0rc29", "1.4.0rc1", "main", "main+19303"])
+@pytest.mark.parametrize("version", ["1.3.0rc29", "1.4.0rc1", "main", "pr18843", "main+19303"])
 @pytest.mark.parametrize("reuse", [True, False])
 def test_each_version_pairs_on_the_name_its_creator_reads(version: str, reuse: bool) -> None:
     """The stand-in's creator decides pairing as that version's `build_managers` does:
     `has_separate_one_model_draft and enable_block_reuse and _joint_reuse_supported()`, reading
-    `_supports_reuse_match_backoff` (main, `_util.py` @ 0004396, and the releases with #18093) or
-    `_supports_draft_reuse_match_backoff` (the head of PR #19303 only). On main the hybrid class
-    sets neither: it inherits True, so a hybrid's MTP draft pool is paired whenever block reuse
-    is on, and unpaired (the carry stands aside for reuse off) when it is off."""
+    `_supports_reuse_match_backoff` (main-line, `_util.py` @ 0004396, and the releases with #18093) or
+    `_supports_draft_reuse_match_backoff` (PR #19303's tree, 38198e34). Main-line's hybrid class sets
+    False (`mamba_cache_manager.py` @ 003f8d08): unpaired, the carry arms with block reuse on; in
+    #18843's layout it inherits True: paired whenever block reuse is on; #19303's hybrid opts its
+    draft pool in (True): paired. With reuse off every tree is unpaired and the carry stands aside."""
     llm = _llm(version=version, enable_block_reuse=reuse)
     profile = VERSIONS[version]
     target = type(llm.executor.target)
     reads = profile["pairing_reads"]
     assert getattr(target, reads) is profile["supports"]
-    assert hasattr(target, "_supports_draft_reuse_match_backoff") == (version == "main+19303")
+    assert hasattr(target, "_supports_draft_reuse_match_backoff") == version.startswith("main+19303")
     paired = reuse and profile["supports"]
     draft = llm.executor.draft
     assert (draft.enable_joint_kv_cache_reuse, draft._can_publish_block_reuse) == (paired, paired)

@@ -1,12 +1,12 @@
 """`paired`: a model of TensorRT-LLM's paired ("joint") draft-KV reuse, for the reference engine.
 
-What it is for: comparing the carry with what TensorRT-LLM main does for a hybrid
-MTP model with block reuse on. Main pairs a hybrid's separate MTP draft pool
-natively (`MambaHybridCacheManagerV2` inherits `_supports_reuse_match_backoff =
-True`, which `KvCacheCreator` reads); the head of PR #19303 (NVIDIA/TensorRT-LLM,
-"joint KV cache reuse" for `MambaHybridCacheManagerV2`) pairs it too, on its own
-marker `_supports_draft_reuse_match_backoff`; the releases (1.3.0rc29, 1.4.0rc1)
-stay unpaired (docs/TENSORRT-LLM.md, "TensorRT-LLM versions"). Paired, the draft KV
+What it is for: comparing the carry with what TensorRT-LLM's PR #19303 (open, tree
+38198e34) does for a hybrid MTP model with block reuse on: it pairs a plain hybrid's
+separate MTP draft pool on `_supports_draft_reuse_match_backoff` (True on
+`MambaHybridCacheManagerV2` there; False on the QSA hybrid and DeepSeek-V4). Main-line
+does not pair hybrids (`MambaHybridCacheManagerV2._supports_reuse_match_backoff = False`,
+`mamba_cache_manager.py` @ 003f8d08), nor do the releases (1.3.0rc29, 1.4.0rc1)
+(docs/TENSORRT-LLM.md, "TensorRT-LLM versions"). Paired, the draft KV
 cache manager publishes its own blocks to a radix tree of its own
 (`_can_publish_block_reuse = joint_kv_cache_reuse or not is_draft`), and on a warm turn the scheduler
 reuses only the depth *both* pools still hold. The drafter is never blind, but

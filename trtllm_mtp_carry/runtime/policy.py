@@ -5,14 +5,14 @@
             position 0, building every key's drafter row as it goes (full
             context at full cost, nothing computed twice);
 - `blind`   TensorRT-LLM's behaviour for hybrid models in its releases (1.3.0rc29,
-            1.4.0rc1: the draft pool is unpaired): no drafter rows
+            1.4.0rc1) and on main-line (the draft pool is unpaired): no drafter rows
             over the reused prefix, rows for the new span the prefill computes
             (its context phase runs the MTP layer over the tokens it prefills);
-- `paired`  a model of TensorRT-LLM's paired draft reuse, what TensorRT-LLM main
-            does for a hybrid with block reuse on (main pairs a separate MTP draft
-            pool natively; PR #19303's head pairs it too, on its own marker
-            `_supports_draft_reuse_match_backoff`: docs/TENSORRT-LLM.md, "TensorRT-LLM
-            versions"), for the reference engine only (`engine/paired_drafts.py`): the drafter's
+- `paired`  a model of TensorRT-LLM's paired draft reuse, what PR #19303 (open) does
+            for a plain hybrid with block reuse on (it pairs the separate MTP draft
+            pool on `_supports_draft_reuse_match_backoff`; main-line does not pair
+            hybrids: docs/TENSORRT-LLM.md, "TensorRT-LLM versions"), for the
+            reference engine only (`engine/paired_drafts.py`): the drafter's
             blocks are published to a prefix tree of their own, and a warm turn
             resumes at min(target match, drafter match), rounded down to an SSM
             snapshot; the target recomputes what the drafter pool evicted;

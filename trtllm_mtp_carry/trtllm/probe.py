@@ -10,7 +10,9 @@ what is missing, never guessed around.
 - `probe_executor(llm)`: the in-process path (`llm._executor.engine`, only with
   `TLLM_WORKER_USE_SINGLE_PROCESS=1`); `probe_managers(resources)`: the checks
   themselves, over the executor's resource managers.
-- The draft manager (`KVCacheManagerV2`): `is_draft`, `tokens_per_block`, `dtype`,
+- The draft manager (`KVCacheManagerV2`): `is_draft`, `tokens_per_block`, `dtype` (with its
+  class and the executor's KV-cache compression: `kv_formats.kv_verdict`, the verdict
+  `info --llm-config` gives too),
   `layer_offsets` (the one layer is the MTP layer, `num_hidden_layers`),
   `mapping`, `get_buffers(layer_idx, kv_layout)`, `get_batch_cache_indices(request_ids,
   layer_idx, ...)`, `_stream`, `_fresh_page_fill`, and the pairing markers
@@ -33,9 +35,14 @@ Topologies:
 - `paired`: the draft pool publishes or reuses its own blocks: every key below
   the reused depth may be a tree-matched (shared) page: nothing may be written.
   The carry stands aside. Markers missing or disagreeing: refused (fail closed).
-  On TensorRT-LLM main (`_util.py` @ 0004396, `mamba_cache_manager_v2.py` @ 28295084) a
-  hybrid target inherits `_supports_reuse_match_backoff = True`, so its separate MTP draft
-  pool is paired whenever block reuse is on: the carry stands aside there.
+  Per tree (docs/TENSORRT-LLM.md, "TensorRT-LLM versions"; the runtime decides from the
+  live markers, never from a version): main-line's `MambaHybridCacheManagerV2` sets
+  `_supports_reuse_match_backoff = False` (`kv_cache/mamba_cache_manager.py` @ 003f8d08), which
+  `_joint_reuse_supported` reads there (`_util.py` @ 0004396): unpaired, the carry restores. The
+  layout of PR #18843 (`mamba_cache_manager/mamba_cache_manager_v2.py` @ 28295084) inherits
+  True: paired markers. PR #19303 (tree 38198e34) reads `_supports_draft_reuse_match_backoff`:
+  hybrids paired, `QSAMambaHybridCacheManagerV2` and `DeepseekV4CacheManager` not (their draft
+  pools are judged by `kv_formats.kv_verdict`).
 - `folded`: no separate draft pool (the `DRAFT_KV_CACHE_MANAGER` entry absent or None):
   the MTP layer's KV lives in the target pool and is reused with it. Stands aside.
 """
@@ -46,6 +53,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from .kv_formats import KvVerdict, v1_line, verdict_of_draft
 from .options import MAMBA_STATE_FIELDS, TrtllmAdapterError, reuse_stand_aside
 
 DRAFT_KV = "DRAFT_KV_CACHE_MANAGER"
@@ -118,21 +126,26 @@ def probe_executor(llm: Any) -> ExecutorProbe:
     _require_conversation_params(llm)
     rm = _attr(executor, "resource_manager", "PyExecutor")
     managers = _attr(rm, "resource_managers", "ResourceManager")
-    return probe_managers(managers, version, executor, rm)
+    # KV-cache compression: `LLM.args` (TorchLlmArgs).kv_cache_compression_config, as the worker reads it
+    compression = getattr(getattr(getattr(llm, "args", None), "kv_cache_compression_config", None),
+                          "algorithm", None)
+    return probe_managers(managers, version, executor, rm, compression=compression)
 
 
 def probe_managers(managers: Any, version: str, executor: Any = None,
-                   resource_manager: Any = None) -> ExecutorProbe:
+                   resource_manager: Any = None, compression: str | None = None) -> ExecutorProbe:
     """Probe an executor's resource managers (the `resources` dict the worker hook sees, or
     `ResourceManager.resource_managers`); refuse what the carry cannot run on, detect the topology.
 
     Refused (TrtllmAdapterError, one line each): a missing attribute or signature, TP > 1,
     attention data parallelism, a V1 hybrid target manager, a draft manager other than
-    KVCacheManagerV2, a KV dtype other than BF16, the fresh-page fill, and pairing markers
-    that are missing or disagree (`_pairing`). Not refused but not runnable (the carry
-    stands aside, `reason` says why and what to set): folded (no draft pool, or its
-    entry None), a target that never reuses a prefix (block reuse off, or a hybrid
-    without snapshot placement), paired.
+    KVCacheManagerV2, the fresh-page fill, and pairing markers that are missing or disagree
+    (`_pairing`). Not refused but not runnable (the carry stands aside, `reason` says why and
+    what to set): folded (no draft pool, or its entry None), a draft pool whose KV format,
+    manager or compression the carry does not move (`kv_formats.kv_verdict`: the line `info
+    --llm-config` prints for the same deployment; `compression` is
+    `llm_args.kv_cache_compression_config.algorithm`, None: off), a target that never reuses a
+    prefix (block reuse off, or a hybrid without snapshot placement), paired.
     """
     found_target = _find(managers, TARGET_KV)
     if found_target is None:
@@ -143,19 +156,12 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
         found_draft = None  # no separate draft pool: TensorRT-LLM leaves the entry None
     mapping = _attr(found_draft[1] if found_draft else target, "mapping", "KV cache manager")
     tp = _attr(mapping, "tp_size", "Mapping")
-    if tp != 1:
-        raise TrtllmAdapterError(
-            f"tensor parallel size {tp}: the carry runs in-process with TP=1 only")
-    if _attr(mapping, "enable_attention_dp", "Mapping"):
-        raise TrtllmAdapterError(
-            "attention data parallelism is on: the carry needs one executor holding every "
-            "request's draft pages (enable_attention_dp must be false)")
+    parallel = parallel_refusal(tp, bool(_attr(mapping, "enable_attention_dp", "Mapping")))
+    if parallel is not None:
+        raise TrtllmAdapterError(parallel)
     reuse = bool(_attr(target, "enable_block_reuse", "target KV cache manager"))
     if type(target).__name__ in V1_HYBRID_MANAGERS:
-        raise TrtllmAdapterError(
-            f"the target KV cache manager is {type(target).__name__} (KV cache manager V1, as "
-            "TensorRT-LLM 1.2.x gives a hybrid model with block reuse): the carry supports "
-            "KVCacheManagerV2 only (kv_cache_config.use_kv_cache_manager_v2)")
+        raise TrtllmAdapterError(v1_line(type(target).__name__))  # the line info gives too
     rm = resource_manager
     if found_draft is None:
         return ExecutorProbe(executor, rm, target, None, None, None, "folded", False,
@@ -171,7 +177,13 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
             "layer (one-model MTP, num_nextn_predict_layers=1)")
     mtp_layer = int(next(iter(offsets)))
     tpb = int(_attr(draft, "tokens_per_block", "draft KV cache manager"))
-    _check_buffer(draft, mtp_layer, tpb)
+    verdict = draft_verdict(draft, compression)
+    if not verdict.carries:  # the one verdict `info --llm-config` gives too (kv_formats.py)
+        shares = getattr(draft, "enable_joint_kv_cache_reuse", False) is True \
+            or getattr(draft, "_can_publish_block_reuse", False) is True
+        return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb,
+                             "paired" if shares else "unpaired", False, verdict.line, version)
+    _check_buffer(draft, mtp_layer, tpb, verdict.kv_format)
     never = _never_reuses(target, reuse)
     if never is not None:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", False,
@@ -185,6 +197,18 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", True,
                          f"unpaired draft pool with block reuse ({found}): the carry restores the "
                          "drafter's rows over the reused prefix", version)
+
+
+def parallel_refusal(tp_size: object, enable_attention_dp: bool) -> str | None:
+    """Why the carry refuses this parallel mapping (one line), or None: TP above one, or attention
+    data parallelism. `info --llm-config` gives the same line from `tensor_parallel_size` and
+    `enable_attention_dp`."""
+    if tp_size != 1:
+        return f"tensor parallel size {tp_size}: the carry runs in-process with TP=1 only"
+    if enable_attention_dp:
+        return ("attention data parallelism is on: the carry needs one executor holding every "
+                "request's draft pages (enable_attention_dp must be false)")
+    return None
 
 
 V1_HYBRID_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager"})
@@ -285,19 +309,20 @@ def _check_draft(draft: Any) -> None:
         if needed not in inspect.signature(fn).parameters:
             raise TrtllmAdapterError(f"{owner}.{method} takes no {needed!r} argument: an older "
                                      "KV cache manager than the adapter supports")
-    dtype = _attr(draft, "dtype", owner)
-    name = getattr(dtype, "name", str(dtype))
-    if name not in ("BF16", "bfloat16"):
-        raise TrtllmAdapterError(
-            f"draft KV cache dtype is {name}: the carry supports BF16 KV only (kv_cache_config.dtype "
-            "auto with a BF16 model)")
+    _attr(draft, "dtype", owner)  # judged by `draft_verdict`, the verdict info gives too
     if getattr(draft, "_fresh_page_fill", None) is not None:  # TRTLLM_KV_FRESH_PAGE_FILL
         raise TrtllmAdapterError(
             "the fresh-page fill is on for the draft pool: it would overwrite the rows the carry "
             "scatters into fresh pages; turn it off")
 
 
-def _check_buffer(draft: Any, mtp_layer: int, tpb: int) -> None:
+def draft_verdict(draft: Any, compression: str | None = None) -> KvVerdict:
+    """The worker's side of the one verdict (`kv_formats.verdict_of_draft`): the live draft
+    manager's `dtype` and class, and the executor's KV-cache compression."""
+    return verdict_of_draft(draft, compression)
+
+
+def _check_buffer(draft: Any, mtp_layer: int, tpb: int, kv_format: str = "bf16") -> None:
     import torch
 
     buf = draft.get_buffers(mtp_layer, kv_layout="HND")
@@ -305,5 +330,7 @@ def _check_buffer(draft: Any, mtp_layer: int, tpb: int) -> None:
         raise TrtllmAdapterError(
             f"draft get_buffers({mtp_layer}, 'HND') is {None if buf is None else tuple(buf.shape)}: "
             f"expected [pages, 2, kv_heads, {tpb}, head_dim]")
-    if buf.dtype != torch.bfloat16:
-        raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: the carry supports BF16 KV only")
+    expected = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_format]
+    if buf.dtype != expected:
+        raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: {kv_format.upper()} KV pages are "
+                                 f"{expected}")

@@ -281,7 +281,10 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
         if isinstance(options, Exception):
             return False  # its one line was printed when the file was first read (at interpreter start)
         version = "stand-in" if standin else _trtllm_version()
-        probe = probe_managers(resources, version)
+        # KV-cache compression is an LLM option (`TorchLlmArgs.kv_cache_compression_config`, read by
+        # `KvCacheCreator.build_managers`, _util.py @ 38198e34): the verdict needs it (kv_formats.py)
+        compression = getattr(getattr(llm_args, "kv_cache_compression_config", None), "algorithm", None)
+        probe = probe_managers(resources, version, compression=compression)
         if not options.enable:
             _say("mtp carry: stands aside: not configured (mtp_carry.enable is false)")
             return False

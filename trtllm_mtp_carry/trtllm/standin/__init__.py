@@ -17,6 +17,7 @@ its name and cites the file and commit it was read from (diff one against the ot
 | `scheduler` | `_torch/pyexecutor/scheduler.py` (`ScheduledRequests`) |
 | `kv_cache_manager_v2` | `_torch/pyexecutor/kv_cache/kv_cache_manager_v2.py` (`KVCacheManagerV2`, the draft pool) |
 | `mamba_cache_manager_v2` | `_torch/pyexecutor/kv_cache/mamba_cache_manager/mamba_cache_manager_v2.py` (the hybrid target) |
+| `qsa_cache_manager` | `_torch/attention/backends/sparse/qsa/cache_manager.py` (`QSAMambaHybridCacheManagerV2`, the QSA hybrid's draft pool) |
 | `llm_request` | `_torch/pyexecutor/llm_request.py` (`LlmRequest`, its states) |
 | `conversation_params`, `mapping` | `tensorrt_llm/conversation_params.py`, `tensorrt_llm/mapping.py` |
 | `conformant` | (the stand-in's guard: `TRTLLM_NAMES`, `Conformant`) |
@@ -67,6 +68,7 @@ from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2
 from .mapping import Mapping
 from .py_executor import StandinPyExecutor
 from .py_executor_creator import create_py_executor
+from .qsa_cache_manager import QSAMambaHybridCacheManagerV2
 from .resource_manager import (
     BaseResourceManager,
     DataType,
@@ -84,7 +86,7 @@ __all__ = [
     "BlockReuseConfig", "joint_reuse", "poison_page",
     "Conformant", "ConversationParams", "DataType", "DraftKVManager", "FinishReason",
     "KVCacheManagerV2", "KvCacheConfig", "LlmRequest", "LlmRequestState", "MambaHybridCacheManagerV2",
-    "MambaStateConfig", "Mapping", "PagedRows", "ResourceManager", "ResourceManagerType",
+    "MambaStateConfig", "Mapping", "PagedRows", "QSAMambaHybridCacheManagerV2", "ResourceManager", "ResourceManagerType",
     "ScheduledRequests", "SeqSlotManager", "StandinLLM", "StandinLlmArgs", "StandinPyExecutor",
     "TargetKVManager", "create_py_executor", "create_py_executor_instance", "get_cache_salt_id",
     "is_context_finished", "is_context_init_state", "is_finished", "is_generation_complete_state",

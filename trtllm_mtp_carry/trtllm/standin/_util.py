@@ -60,6 +60,7 @@ from .kv_cache_manager_v2 import DraftKVManager, PagedRows
 from .llm_args import KvCacheConfig
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
 from .mapping import Mapping
+from .qsa_cache_manager import QSAMambaHybridCacheManagerV2
 from .resource_manager import (
     _TORCH_DTYPES,
     DataType,
@@ -72,34 +73,62 @@ from .torch_cuda import StandinDeviceMemory
 PAIRING_READ_MAIN = "_supports_reuse_match_backoff"
 """The class attribute `KvCacheCreator._joint_reuse_supported` reads (`_util.py` @ 0004396)."""
 PAIRING_READ_19303 = "_supports_draft_reuse_match_backoff"
-"""What the head of PR #19303 reads instead (notes section 0, @ 38198e34); on no other version."""
+"""What PR #19303's creator reads instead (`_util.py` @ 38198e34582cf777ecc72062f477987284ba9999:
+`getattr(self._kv_cache_manager_cls, "_supports_draft_reuse_match_backoff", False)`, the target
+class, with V2 and a known draft prompt lookahead); on no other tree read."""
+
+_ALL_SNAPSHOT = MAMBA_STATE_FIELDS
 
 VERSIONS: dict[str, dict[str, Any]] = {
-    # what a hybrid one-model MTP model gets per TensorRT-LLM version (docs/TRTLLM-CONFORMANCE.md
-    # "Versions"): the target manager's class; whether the draft pool has the pairing markers
-    # (#18093); the class attribute that version's `_joint_reuse_supported` reads (None: no
-    # pairing) and the hybrid class's value of it; the topology with block reuse on (what
+    # what a hybrid one-model MTP model gets per TensorRT-LLM tree (docs/TRTLLM-CONFORMANCE.md
+    # "Versions"): the target manager's class and the draft pool's (None: the plain stand-in
+    # draft pool); whether the draft pool has the pairing markers (#18093); the class attribute
+    # that tree's `_joint_reuse_supported` reads (None: no pairing) and the target class's value
+    # of it; `class_attrs`, the pairing attributes the tree's classes declare (set on the stand-in
+    # class only where they differ from what it inherits); the topology with block reuse on (what
     # `joint_reuse` gives, pinned by tests/trtllm/test_trtllm_versions.py); the
-    # `mamba_state_config` snapshot options the version's API reference lists (None: not read).
+    # `mamba_state_config` snapshot options the tree's API reference lists (None: not read).
     # The release rows are inferred from merge dates: #18093 (2026-09-07) is in 1.3.0rc29 and
-    # 1.4.0rc1, whose hybrid class opted out (`_supports_reuse_match_backoff = False` at an older
-    # commit, issue 37's reading; that commit was not found again in the index).
-    "1.2.1": {"target_class": "CppMambaHybridCacheManager", "markers": False, "pairing_reads": None,
-              "supports": False, "topology": "unpaired", "snapshot_options": None},
-    "1.3.0rc29": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
-                  "pairing_reads": PAIRING_READ_MAIN, "supports": False, "topology": "unpaired",
-                  "snapshot_options": MAMBA_STATE_FIELDS},
-    "1.4.0rc1": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
-                 "pairing_reads": PAIRING_READ_MAIN, "supports": False, "topology": "unpaired",
-                 "snapshot_options": MAMBA_STATE_FIELDS},
-    # main: `_util.py` and `kv_cache_manager_v2.py` @ 0004396, `mamba_cache_manager_v2.py` @
-    # 28295084 (the hybrid class inherits the base's True): paired whenever block reuse is on
-    "main": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
-             "pairing_reads": PAIRING_READ_MAIN, "supports": True, "topology": "paired",
-             "snapshot_options": MAMBA_STATE_FIELDS},
-    "main+19303": {"target_class": "MambaHybridCacheManagerV2", "markers": True,
-                   "pairing_reads": PAIRING_READ_19303, "supports": True, "topology": "paired",
-                   "snapshot_options": MAMBA_STATE_FIELDS},
+    # 1.4.0rc1, whose hybrid class opts out as main-line's does.
+    "1.2.1": {"target_class": "CppMambaHybridCacheManager", "draft_class": None, "markers": False,
+              "pairing_reads": None, "supports": False, "class_attrs": {}, "topology": "unpaired",
+              "snapshot_options": None},
+    "1.3.0rc29": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
+                  "pairing_reads": PAIRING_READ_MAIN, "supports": False,
+                  "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
+                  "snapshot_options": _ALL_SNAPSHOT},
+    "1.4.0rc1": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
+                 "pairing_reads": PAIRING_READ_MAIN, "supports": False,
+                 "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
+                 "snapshot_options": _ALL_SNAPSHOT},
+    # main-line: `kv_cache/mamba_cache_manager.py` @ 003f8d08 sets
+    # `MambaHybridCacheManagerV2._supports_reuse_match_backoff = False` ("keep main-like reuse
+    # endpoints and the existing unpaired draft path"), the attribute `_util.py` @ 0004396 reads:
+    # unpaired, the carry arms
+    "main": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
+             "pairing_reads": PAIRING_READ_MAIN, "supports": False,
+             "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
+             "snapshot_options": _ALL_SNAPSHOT},
+    # PR #18843's layout (open): `mamba_cache_manager/mamba_cache_manager_v2.py` @ 28295084 sets
+    # nothing, inheriting `KVCacheManagerV2`'s True, under the 0004396 creator: paired markers
+    "pr18843": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
+                "pairing_reads": PAIRING_READ_MAIN, "supports": True, "class_attrs": {},
+                "topology": "paired", "snapshot_options": _ALL_SNAPSHOT},
+    # PR #19303 (open), tree 38198e34: `_joint_reuse_supported` reads
+    # `_supports_draft_reuse_match_backoff` on the target class; the hybrid declines the match
+    # backoff itself and opts in for its draft pool (test_joint_reuse_pairing.py: pairs)
+    "main+19303": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
+                   "pairing_reads": PAIRING_READ_19303, "supports": True,
+                   "class_attrs": {PAIRING_READ_MAIN: False, PAIRING_READ_19303: True},
+                   "topology": "paired", "snapshot_options": _ALL_SNAPSHOT},
+    # the QSA hybrid on the same tree: `qsa/cache_manager.py` @ 38198e34 sets
+    # `_supports_draft_reuse_match_backoff = False` (test_joint_reuse_pairing.py: does not pair);
+    # its draft pool is a `QSAMambaHybridCacheManagerV2` too (`standin/qsa_cache_manager.py`)
+    "main+19303:qsa": {"target_class": "QSAMambaHybridCacheManagerV2",
+                       "draft_class": "QSAMambaHybridCacheManagerV2", "markers": True,
+                       "pairing_reads": PAIRING_READ_19303, "supports": False,
+                       "class_attrs": {PAIRING_READ_MAIN: False, PAIRING_READ_19303: False},
+                       "topology": "unpaired", "snapshot_options": _ALL_SNAPSHOT},
 }
 """The stand-in's TensorRT-LLM version profiles (`create_py_executor(version=...)`)."""
 
@@ -110,7 +139,7 @@ def joint_reuse(profile: dict[str, Any], has_separate_one_model_draft: bool, ena
     the target class's value of the attribute the version reads (V2 and MTP's known lookahead
     hold on every profile that reads one)."""
     reads = profile["pairing_reads"]
-    cls = target_class(profile["target_class"], reads, profile["supports"])
+    cls = target_class(profile["target_class"], profile["class_attrs"])
     supported = reads is not None and bool(getattr(cls, reads, False))
     return has_separate_one_model_draft and enable_block_reuse and supported
 
@@ -165,13 +194,14 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
             else "unpaired"
     draft: DraftKVManager | None = None
     if has_separate:
-        draft = DraftKVManager(a.pool, mtp_layer=mtp_layer, paired=a.topology == "paired",
+        draft_cls = DraftKVManager if profile["draft_class"] is None else QSAMambaHybridCacheManagerV2
+        draft = draft_cls(a.pool, mtp_layer=mtp_layer, paired=a.topology == "paired",
                                entries=a.prefix_entries, draft_len=a.max_draft_len,
                                dtype=a.kv_dtype, mapping=mapping, kv_cache_config=a.kv_cache_config)
         if not profile["markers"]:  # a build from before #18093: no pairing markers at all
             del draft.enable_joint_kv_cache_reuse
             del draft._can_publish_block_reuse
-    cls = target_class(profile["target_class"], profile["pairing_reads"], profile["supports"])
+    cls = target_class(profile["target_class"], profile["class_attrs"])
     target: MambaHybridCacheManagerV2 = cls(
         a.model, kv_cache_config=a.kv_cache_config, entries=a.prefix_entries,
         folded_paged=a.pool if a.topology == "folded" and a.max_draft_len > 0 else None,

@@ -233,7 +233,7 @@ class DraftKVManager(KVCacheManagerV2):
 
     def rebuilt(self) -> DraftKVManager:
         """A fresh manager over the same pool and settings (after a teardown), markers kept."""
-        fresh = DraftKVManager(self.pool, mtp_layer=self.mtp_layer, paired=self.paired,
+        fresh = type(self)(self.pool, mtp_layer=self.mtp_layer, paired=self.paired,
                                entries=self.entries, draft_len=self.draft_len, dtype=self.dtype,
                                mapping=self.mapping, kv_cache_config=self.kv_cache_config)
         for name in ("enable_joint_kv_cache_reuse", "_can_publish_block_reuse"):

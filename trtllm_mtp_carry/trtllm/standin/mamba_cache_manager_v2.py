@@ -32,11 +32,14 @@ stand-in follows, row by row:
 - `__init__` keeps `kv_cache_config.model_copy(deep=True)` as `self.kv_cache_config` and, when
   the manager has Mamba layers and block reuse is on, rewrites that copy's
   `block_reuse_config.policy` `all_reusable` to `per_request` ("SSM reuse is valid only at
-  explicit snapshot boundaries"); the caller's config is untouched. The class sets no
-  `_supports_reuse_match_backoff` (an older commit set it False): it inherits
-  `KVCacheManagerV2`'s True, so `KvCacheCreator` @ 0004396 pairs a hybrid's separate one-model
-  draft pool whenever block reuse is on (`standin._util.VERSIONS`: `main`). Earlier release
-  profiles get a class that opts out (`target_class`).
+  explicit snapshot boundaries"); the caller's config is untouched. This layout's class (PR
+  #18843) sets no `_supports_reuse_match_backoff`: it inherits `KVCacheManagerV2`'s True
+  (`standin._util.VERSIONS`: `pr18843`, paired). Main-line's class
+  (`kv_cache/mamba_cache_manager.py` @ 003f8d08) sets it False, "keep main-like reuse endpoints
+  and the existing unpaired draft path" (`main`, unpaired), as the release profiles do; PR
+  #19303's (38198e34) declines it too and opts its draft pool in with
+  `_supports_draft_reuse_match_backoff = True` (`main+19303`, paired). `target_class` builds
+  each tree's class.
 
 Invariant: every committed entry holds exactly the rows and state a prefill of its
 tokens computes (the stand-in clones them at the commit); entries are evicted oldest
@@ -186,22 +189,22 @@ class MambaHybridCacheManagerV2(KVCacheManagerV2):
             self.paged.release(request.py_request_id)
 
 
-_TARGET_CLASSES: dict[tuple[str, str | None, bool], type[MambaHybridCacheManagerV2]] = {}
+_TARGET_CLASSES: dict[tuple[str, tuple[tuple[str, bool], ...]], type[MambaHybridCacheManagerV2]] = {}
 
 
-def target_class(name: str, capability: str | None, supports: bool) -> type[MambaHybridCacheManagerV2]:
-    """The target manager's class as a version names it, with the pairing capability that
-    version's `KvCacheCreator._joint_reuse_supported` reads on it.
-
-    `capability` is the class attribute's name: `_supports_reuse_match_backoff` (`_util.py` @
-    0004396; `main` leaves it to `KVCacheManagerV2`'s True, the release profiles set False as the
-    older hybrid class did), `_supports_draft_reuse_match_backoff` (the head of PR #19303 only,
-    notes section 0 @ 38198e34), None (a version without pairing). An attribute is set only where
-    it differs from what the class inherits, so a name the version lacks stays absent."""
-    key = (name, capability, supports)
+def target_class(name: str, class_attrs: dict[str, bool]) -> type[MambaHybridCacheManagerV2]:
+    """The target manager's class as a tree names it, with the pairing attributes that tree's
+    class declares (`class_attrs`, `standin._util.VERSIONS`): `_supports_reuse_match_backoff`
+    (False on main-line's hybrid, `kv_cache/mamba_cache_manager.py` @ 003f8d08, and on #19303's;
+    inherited True in PR #18843's layout, `mamba_cache_manager_v2.py` @ 28295084),
+    `_supports_draft_reuse_match_backoff` (only on PR #19303's tree, 38198e34: True on the hybrid,
+    False on `QSAMambaHybridCacheManagerV2`). An attribute is set only where it differs from what
+    the class inherits, so a name the tree lacks stays absent."""
+    key = (name, tuple(sorted(class_attrs.items())))
     if key not in _TARGET_CLASSES:
         body: dict[str, Any] = {"__doc__": f"Stand-in for TensorRT-LLM's {name} (target pool)."}
-        if capability is not None and getattr(MambaHybridCacheManagerV2, capability, None) is not supports:
-            body[capability] = supports
+        for attribute, value in class_attrs.items():
+            if getattr(MambaHybridCacheManagerV2, attribute, None) is not value:
+                body[attribute] = value
         _TARGET_CLASSES[key] = type(name, (MambaHybridCacheManagerV2,), body)
     return _TARGET_CLASSES[key]

@@ -1,0 +1,196 @@
+"""One verdict on what the carry does with a deployment's KV format and cache manager.
+
+What it is for: `trtllm-mtp-carry info --llm-config X.yaml` (before anything runs) and the
+worker's probe (`probe.py`, on the live draft manager) must say the same thing about the same
+deployment. Both resolve what they can see to the same three inputs and call `kv_verdict`:
+
+- the KV format of the MTP layer's draft pool (`resolve_kv_format`): `kv_cache_config.dtype`
+  wins when explicit (`fp8`, `nvfp4`, ...); `auto` takes the checkpoint's KV quantization
+  (`hf_quant_config.json` `quantization.kv_cache_quant_algo`, or `quant_config.kv_cache_quant_algo`
+  in the YAML), else the model's dtype. TensorRT-LLM: `_create_kv_cache_manager` (`_util.py` @
+  38198e34582cf777ecc72062f477987284ba9999) sets `DataType.FP8` when the quant mode has an FP8
+  KV cache, `DataType.NVFP4` when it has an FP4 one, else the model dtype; the one-model MTP
+  draft pool is built from the target's `ModelConfig` (`_get_effective_draft_config`), so it
+  takes the target's KV format. The worker reads `draft.dtype` (a `DataType`) through
+  `kv_format_of_datatype`.
+- the cache manager class the draft pool gets (`manager_of_options` from the YAML, the live
+  class name on the worker): `get_kv_cache_manager_cls` @ 38198e34 resolves the draft pool's
+  class from the target's config too, so a QSA hybrid's draft pool is a
+  `QSAMambaHybridCacheManagerV2` and a DeepSeek-V4 one a `DeepseekV4CacheManager`.
+- KV-cache compression (`kv_cache_compression_config.algorithm`).
+
+Invariants:
+- `kv_verdict` is pure (no torch, no TensorRT-LLM) and total: every input gives one
+  `KvVerdict` whose `line` is one line naming the format or manager and, when the carry
+  stands aside, what would be needed.
+- The lines are the contract both callers print; docs/TRTLLM-CONFORMANCE.md ("KV formats")
+  lists them with the source they were read from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+KV_DTYPES = ("auto", "fp8", "nvfp4")
+"""The `kv_cache_config.dtype` values the verdict names (TensorRT-LLM accepts more: `float16`,
+`bfloat16`, `turboquant4`, `fp8_ds_mla`; they resolve through the same function)."""
+
+CARRIED_FORMATS = ("bf16", "fp8")
+"""KV formats whose draft-pool rows the carry moves: BF16 as gathered, FP8 bit for bit."""
+
+_FORMAT_LINES: dict[str, str] = {
+    "bf16": "BF16 KV: the drafter's rows are carried as the draft pool holds them",
+    "fp8": ("FP8 KV (float8_e4m3fn pages written with the layer's static scale): the drafter's "
+            "rows are carried bit for bit, never re-scaled"),
+    "nvfp4": ("NVFP4 KV stands aside: the draft pool keeps e2m1 values two to a byte in its K/V "
+              "pages and one E4M3 scale per 16 values in separate KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE "
+              "pages, under each layer's global K/V scale (kv_cache_manager_v2.py @ 38198e34); "
+              "carrying it needs a row codec over both pages (issue 43)"),
+}
+
+_MANAGER_LINES: dict[str, str] = {
+    "QSAMambaHybridCacheManagerV2": (
+        "QSAMambaHybridCacheManagerV2 stands aside: its draft pool keeps the MTP layer's index keys "
+        "(Role.INDEX_KEY) and position coordinates (qsa_index_position) in the same page slot as "
+        "K/V (qsa/cache_manager.py @ 38198e34); the carry moves K/V rows only, and restoring them "
+        "alone would leave the sparse indexer's keys over the reused prefix stale: it needs a row "
+        "codec over K/V, index-K and position rows"),
+    "DeepseekV4CacheManager": (
+        "DeepseekV4CacheManager stands aside: the MTP layer's KV is MLA latent (SELFKONLY, one head) "
+        "with sliding, compressed and indexer pages per layer (deepseek_v4/cache_manager.py @ "
+        "38198e34), not the [pages, 2, kv_heads, tokens, head_dim] K/V pages the carry moves"),
+    "DSACacheManagerV2": (
+        "DSACacheManagerV2 stands aside: the MTP layer's KV is MLA latent (SELFKONLY) with an "
+        "indexer K cache, not the K/V pages the carry moves; TensorRT-LLM pairs it itself where "
+        "#19303 lands (test_joint_reuse_pairing.py @ 38198e34)"),
+    "MiniMaxM3KVCacheManagerV2": (
+        "MiniMaxM3KVCacheManagerV2 stands aside: its sparse layers keep an index-K buffer beside "
+        "K/V and its NVFP4 layers sub-paged scale pages (minimax_m3/cache_manager.py); "
+        "TensorRT-LLM pairs it itself where #19303 lands (test_joint_reuse_pairing.py @ 38198e34)"),
+}
+"""Draft-pool managers the carry stands aside on, with why (docs/TRTLLM-CONFORMANCE.md,
+"Cache managers"). A manager not named here is judged by the probe's other checks (a V1
+draft manager is refused there: the carry needs KVCacheManagerV2)."""
+
+_COMPRESSION_LINE = (
+    "KV-cache compression ({algorithm}) stands aside: the compression manager rewrites pages the "
+    "draft pool holds (cold pages quantized to NVFP4 by the C++ V2 backend's codec, "
+    "quantization_for_cold_page, SM100 only; _util.py @ 38198e34 passes the codec to the draft "
+    "manager too), and when a live request's draft pages are cold was not read: carrying needs that")
+
+_DATATYPE_FORMATS = {"BF16": "bf16", "BFLOAT16": "bf16", "FP8": "fp8", "NVFP4": "nvfp4",
+                     "HALF": "fp16", "FLOAT16": "fp16", "FLOAT": "fp32", "FLOAT32": "fp32"}
+_DTYPE_FORMATS = {"fp8": "fp8", "nvfp4": "nvfp4", "bfloat16": "bf16", "bf16": "bf16",
+                  "float16": "fp16", "fp16": "fp16", "half": "fp16", "float32": "fp32",
+                  "turboquant4": "turboquant4", "fp8_ds_mla": "fp8_ds_mla"}
+_QUANT_FORMATS = {"FP8": "fp8", "NVFP4": "nvfp4", "TURBOQUANT4": "turboquant4"}
+
+_SPARSE_MANAGERS = {"qsa": "QSAMambaHybridCacheManagerV2", "deepseek_v4": "DeepseekV4CacheManager",
+                    "dsa": "DSACacheManagerV2", "minimax_m3": "MiniMaxM3KVCacheManagerV2"}
+"""`sparse_attention_config.algorithm` -> the V2 manager `get_kv_cache_manager_cls` @ 38198e34
+gives (for QSA: a hybrid target with V2; `get_sparse_attn_kv_cache_manager` for the others)."""
+
+HYBRID_V2 = "MambaHybridCacheManagerV2"
+HYBRID_V1 = "CppMambaHybridCacheManager"
+
+
+@dataclass(frozen=True, slots=True)
+class KvVerdict:
+    """What the carry does with a draft pool: `carries` (rows are moved) and `line`, the one line
+    both `info` and the worker print (the reason; where the carry stands aside, what is needed)."""
+
+    carries: bool
+    kv_format: str
+    manager: str
+    line: str
+
+
+def resolve_kv_format(kv_dtype: object, checkpoint_kv_quant: object = None,
+                      model_dtype: str = "bfloat16") -> str:
+    """The draft pool's KV format (`bf16`, `fp8`, `nvfp4`, `fp16`, ...) from `kv_cache_config.dtype`,
+    the checkpoint's `kv_cache_quant_algo` (None: none) and the model's dtype, as TensorRT-LLM
+    resolves it: an explicit dtype wins, `auto` takes the checkpoint's KV quantization, else the
+    model dtype. ValueError (one line naming the value) for a dtype it does not know."""
+    name = "auto" if kv_dtype is None else str(kv_dtype).strip().lower()
+    if name == "auto":
+        if checkpoint_kv_quant is not None and str(checkpoint_kv_quant).upper() in _QUANT_FORMATS:
+            return _QUANT_FORMATS[str(checkpoint_kv_quant).upper()]
+        name = str(model_dtype).lower()
+    if name not in _DTYPE_FORMATS:
+        raise ValueError(f"kv_cache_config.dtype must be one of auto, "
+                         f"{', '.join(sorted(_DTYPE_FORMATS))}, got {kv_dtype!r}")
+    return _DTYPE_FORMATS[name]
+
+
+def kv_format_of_datatype(dtype: object) -> str:
+    """The KV format of a live manager's `dtype` (`tensorrt_llm.bindings.DataType`, read by `.name`)."""
+    name = str(getattr(dtype, "name", dtype)).upper()
+    return _DATATYPE_FORMATS.get(name, name.lower())
+
+
+V1_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager", "KVCacheManager"})
+"""KV cache manager V1 classes (`_util.py` @ 38198e34 routes a hybrid to the first two where
+`use_kv_cache_manager_v2` is false): the carry needs V2, and V1 never pairs."""
+
+
+def v1_line(manager: str) -> str:
+    """The one line for a V1 target manager (the probe refuses it; `info` says the same)."""
+    return (f"the target KV cache manager is {manager} (KV cache manager V1, as TensorRT-LLM 1.2.x gives "
+            "a hybrid model with block reuse): the carry supports KVCacheManagerV2 only "
+            "(kv_cache_config.use_kv_cache_manager_v2)")
+
+
+def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None = None) -> KvVerdict:
+    """The one verdict: a V1 manager first, then compression, then the draft pool's manager,
+    then the KV format."""
+    if manager in V1_MANAGERS:
+        return KvVerdict(False, kv_format, manager, v1_line(manager))
+    if compression:
+        return KvVerdict(False, kv_format, manager, _COMPRESSION_LINE.format(algorithm=compression))
+    if manager in _MANAGER_LINES:
+        return KvVerdict(False, kv_format, manager, _MANAGER_LINES[manager])
+    if kv_format in _FORMAT_LINES:
+        return KvVerdict(kv_format in CARRIED_FORMATS, kv_format, manager, _FORMAT_LINES[kv_format])
+    return KvVerdict(False, kv_format, manager,
+                     f"{kv_format.upper()} KV stands aside: the carry moves BF16 or FP8 draft pages only "
+                     "(kv_cache_config.dtype auto with a BF16 model, or fp8)")
+
+
+def manager_of_options(options: Mapping[str, Any]) -> str:
+    """The draft pool's manager class an `llm.yaml` gives a hybrid MTP model (`get_kv_cache_manager_cls`
+    @ 38198e34): the sparse algorithm's manager, the V1 `CppMambaHybridCacheManager` where
+    `use_kv_cache_manager_v2` is false, else `MambaHybridCacheManagerV2`."""
+    sparse = options.get("sparse_attention_config") or {}
+    algorithm = sparse.get("algorithm") if isinstance(sparse, Mapping) else None
+    if algorithm in _SPARSE_MANAGERS:
+        return _SPARSE_MANAGERS[str(algorithm)]
+    kv = options.get("kv_cache_config") or {}
+    if isinstance(kv, Mapping) and kv.get("use_kv_cache_manager_v2") is False:
+        return HYBRID_V1
+    return HYBRID_V2
+
+
+def verdict_of_options(options: Mapping[str, Any], checkpoint_kv_quant: object = None) -> KvVerdict:
+    """`kv_verdict` of an `llm.yaml` (what `info --llm-config` prints): its `kv_cache_config.dtype`,
+    the checkpoint's KV quantization (`checkpoint_kv_quant`, else the YAML's
+    `quant_config.kv_cache_quant_algo`), its manager and its `kv_cache_compression_config`."""
+    kv = options.get("kv_cache_config") or {}
+    kv_dtype = kv.get("dtype", "auto") if isinstance(kv, Mapping) else "auto"
+    if checkpoint_kv_quant is None:
+        quant = options.get("quant_config") or {}
+        checkpoint_kv_quant = quant.get("kv_cache_quant_algo") if isinstance(quant, Mapping) else None
+    compression = options.get("kv_cache_compression_config") or {}
+    algorithm = compression.get("algorithm") if isinstance(compression, Mapping) else None
+    return kv_verdict(resolve_kv_format(kv_dtype, checkpoint_kv_quant), manager_of_options(options),
+                      str(algorithm) if algorithm else None)
+
+
+def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
+    """`kv_verdict` of a live draft manager (what the worker's probe decides on): its `dtype` and
+    the most derived class of its hierarchy the verdict names (a subclass of a named manager is
+    judged as that manager)."""
+    names = [c.__name__ for c in type(draft).__mro__]
+    manager = next((n for n in names if n in _MANAGER_LINES), names[0])
+    return kv_verdict(kv_format_of_datatype(getattr(draft, "dtype", None)), manager, compression)
