@@ -721,6 +721,8 @@ class CarryRuntime:
             lease = key
         if lease is not None:
             self._store.end_lease(lease, "fault")
+            if self._host is not None:  # rows restored for it may still be in flight: wait first
+                self._host.settle(lease)
         pool = self.backend.drafter_pool
         try:
             if pool.has_sequence(seq_id):
@@ -746,6 +748,10 @@ class CarryRuntime:
             for k in pool.carried_keys():  # fp8 carries nothing in the pool
                 pool.free_carried(k)
             return
+        if self._host is not None:  # a fault between a restore and `ready`: the copy back ends
+            live = set(self._adopted.values())  # before its blocks are freed below; no record leaks
+            for k in set(self._host.in_flight()).difference(live):
+                self._host.settle(k)
         entries = {e.session_hash: e for e in store.entries()}
         for k, e in entries.items():
             held = pool.carried(k)
