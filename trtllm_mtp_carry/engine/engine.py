@@ -62,6 +62,7 @@ from ..dataplane.device_ints import device_tensor
 from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import DrafterKVPool, PoolExhaustedError
 from ..dataplane.rope import RopeConfig, apply_rope_reference
+from ..dataplane.warm import warm_pool_kernels
 from ..runtime.carry_runtime import CarryRuntime, DrafterBuild
 from ..runtime.policy import DrafterPolicy
 from .block_manager import PrefixMatch, TargetBlockManager
@@ -227,6 +228,9 @@ class ReferenceEngine:
                                         row_dtype=config.carry_row_dtype)
         else:
             self.runtime = CarryRuntime(self, config.policy, row_dtype=config.carry_row_dtype)
+        # every Triton variant this engine's appends (and fp8 packs and unpacks) will launch,
+        # compiled now, never inside a timed turn (CUDA with Triton; 0 launches elsewhere)
+        self.kernel_warm_launches = warm_pool_kernels(self._pool, fp8=self.runtime.row_dtype == "fp8")
         self._paired: PairedDrafts | None = None  # built on the first `paired` request
         self.drafter_blocks_peak = 0  # most drafter blocks held after any step, every pool
         self._waiting: list[_Request] = []
