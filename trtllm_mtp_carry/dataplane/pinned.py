@@ -65,7 +65,8 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     with _lock:
         _registered += nbytes
     # the tensor's storage holds `array` (and it `base`) until its last view is gone: then unregister
-    weakref.finalize(base, _unregister, ptr, nbytes)
+    done = weakref.finalize(base, _unregister, ptr, nbytes)
+    done.atexit = False  # at exit the process's page locks go with it; CUDA may be torn down
     return torch.from_numpy(array)
 
 
