@@ -11,7 +11,11 @@ from dp_helpers import bits
 
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
-from trtllm_mtp_carry.dataplane.warm import append_rows_variants, warm_page_kernels, warm_pool_kernels
+from trtllm_mtp_carry.dataplane.warm import (
+    append_rows_variants,
+    warm_page_kernels,
+    warm_pool_kernels,
+)
 
 
 @pytest.mark.parametrize(("heads", "dim", "rot"), [(1, 16, 4), (2, 64, 16), (2, 256, 64), (8, 128, 128)])
