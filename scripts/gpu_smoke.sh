@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The one GPU check: run on a fresh NVIDIA GPU machine (H100/H200, GB10, B200...) with python3,
-# torch with CUDA and Triton; no TensorRT needed. About 6 minutes on an H200.
+# torch with CUDA and Triton; no TensorRT needed. About 6 minutes on an H200 (the 2026-12-04 run's
+# steps took 6; engine-cuda, restore-check and standin-race are new and estimated at under a
+# minute together: see BENCHMARKS.md, "What the next GPU run fills in").
 #
 #   bash scripts/gpu_smoke.sh [OUT_DIR]        (default OUT_DIR: gpu-smoke-<UTC date-time>)
 #
 # Every step runs, even after one fails, each under its own time limit (`timeout`), each with its
 # output in its own log in OUT_DIR (the tail is printed afterwards; a killed step keeps its log):
-#   tests          the whole test suite on CUDA (pytest -n <cores> where pytest-xdist imports)
+#   tests          the whole test suite on CUDA (pytest -n <cores> --dist loadfile where
+#                  pytest-xdist imports, as scripts/test.sh); the reference engine's tests on the CPU
+#   engine-cuda    the engine and runtime tests with the reference engine on the GPU
+#                  (MTP_CARRY_TEST_DEVICE=cuda: tests/engine_factories.py), the prep's CUDA sync test
 #   aot-build      the TensorRT plugins' kernels ahead of time (builders/build_abi_kernels.py)
 #   aot-check      their exact PTX through the CUDA driver, bit for bit, and their kernel
 #                  bandwidth in CUDA graphs (scripts/gpu_check_aot.py); SKIP without cuda-python
@@ -14,10 +19,16 @@
 #                  time vs a D2D copy (scripts/bench_kernels.py)
 #   fp8-codec      the FP8 row codec against a plain copy (scripts/bench_row_format.py)
 #   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py)
+#   restore-check  rows read back after a host restore equal the demoted ones, unsynced, with
+#                  and without delays queued on each stream (scripts/gpu_check_restore.py)
 #   session-28k    the session bench at a 28k-token history: carry, carry-fp8, rebuild, blind
-#   host-hits      the same history with every carry-host warm turn adopted from the host tier
+#   host-hits      the same history with every carry-host warm turn adopted from the host tier;
+#                  per warm turn carry-host's accepted/drafted must equal carry's exactly
 #   sessions-64    64 sessions at concurrency 32
-#   standin-cuda   the TensorRT-LLM adapter's data path on the stand-in with CUDA pages
+#   standin-cuda   the TensorRT-LLM adapter's data path on the stand-in with CUDA pages (its
+#                  draft manager's own stream), every scattered row read back
+#   standin-race   the same with delays queued on the executor's and the draft stream and every
+#                  scattered row read back on the executor's stream with no sync first
 #   trt-engine     where `tensorrt.plugin` imports: an engine with both plugins, built and run;
 #                  else SKIP
 # It ends with one table (scripts/gpu_smoke_table.py): a row per step (exit code, seconds),
@@ -85,13 +96,19 @@ skip() {
     echo "== $1: SKIP ($3)"
 }
 
-# 1. the whole suite on CUDA, in parallel where pytest-xdist is importable
+# 1. the whole suite on CUDA, in parallel where pytest-xdist is importable (each file whole on
+# one worker, as scripts/test.sh); then the engine and runtime tests with the engine on the GPU
 if python3 -c "import xdist" 2>/dev/null; then
-    step tests correctness 240 python3 -m pytest tests -q -n "$CORES" -p no:cacheprovider
+    PAR=(-n "$CORES" --dist loadfile)
 else
-    step tests correctness 300 python3 -m pytest tests -q -p no:cacheprovider
+    PAR=()
 fi
+step tests correctness 240 python3 -m pytest tests -q ${PAR[@]+"${PAR[@]}"} -p no:cacheprovider
 $TABLE step-check "test suite on CUDA" "$(tail -n 1 "$OUT/steps.tsv" | cut -f3)" "$OUT/tests.log"
+step engine-cuda correctness 180 env MTP_CARRY_TEST_DEVICE=cuda python3 -m pytest tests/engine tests/runtime \
+    -q ${PAR[@]+"${PAR[@]}"} -p no:cacheprovider
+$TABLE step-check "engine and runtime tests with the engine on the GPU" \
+    "$(tail -n 1 "$OUT/steps.tsv" | cut -f3)" "$OUT/engine-cuda.log"
 
 # 2. the plugins' kernels ahead of time, then their PTX through the CUDA driver
 TARGET=$(python3 -c "import torch; M, m = torch.cuda.get_device_capability(); print(f'sm_{M}{m}a')")
@@ -108,6 +125,7 @@ fi
 step kernels speed 150 python3 scripts/bench_kernels.py --rows 512 4096 65536 262144
 step fp8-codec correctness 90 python3 scripts/bench_row_format.py
 step host-tier correctness 90 python3 scripts/bench_host_tier.py --device cuda
+step restore-check correctness 90 python3 scripts/gpu_check_restore.py --device cuda --delay-cycles 20000000
 
 # 4. the session bench (outputs must be identical across policies)
 step session-28k correctness 200 $CARRY bench --device cuda --history 28000 --new-span 512 \
@@ -118,6 +136,8 @@ $TABLE json-check "session bench 28k outputs identical" "$OUT/session-28k.json" 
 step host-hits correctness 150 $CARRY bench --device cuda --history 28000 --new-span 512 --sessions 2 \
     --interleave --policies carry,carry-host --no-progress --figures --json "$OUT/host-hits.json"
 $TABLE json-check "host-tier hits outputs identical" "$OUT/host-hits.json" "$OUT/host-hits.log"
+$TABLE accept-check "host-tier hits accepted/drafted equal carry's per warm turn" "$OUT/host-hits.json" \
+    "$OUT/host-hits.log" carry-host carry
 step sessions-64 correctness 120 $CARRY bench --device cuda --concurrency 32 --sessions 64 \
     --history 1024 --no-progress --json "$OUT/sessions-64.json"
 $TABLE json-check "64 sessions at concurrency 32 outputs identical" "$OUT/sessions-64.json" \
@@ -129,6 +149,10 @@ step standin-cuda correctness 150 python3 scripts/trtllm_standin_bench.py --devi
     --history 4096 --sessions 2 --turns 3
 $TABLE step-check "stand-in with CUDA pages outputs identical" \
     "$(tail -n 1 "$OUT/steps.tsv" | cut -f3)" "$OUT/standin-cuda.log"
+step standin-race correctness 120 python3 scripts/trtllm_standin_bench.py --device cuda --fp8 \
+    --history 1024 --sessions 2 --turns 3 --delay-cycles 20000000
+$TABLE step-check "stand-in race check outputs identical" \
+    "$(tail -n 1 "$OUT/steps.tsv" | cut -f3)" "$OUT/standin-race.log"
 
 # 6. TensorRT, where it imports
 if python3 -c "import tensorrt.plugin" 2>/dev/null; then

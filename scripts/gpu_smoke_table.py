@@ -18,6 +18,9 @@ reported, not failures.
 Helpers the shell script calls to add derived CHECK lines to a step's log:
     gpu_smoke_table.py step-check NAME EXIT LOG    the step's exit (0: PASS) and pytest's summary
     gpu_smoke_table.py json-check NAME JSON LOG    a bench JSON's `outputs_identical`
+    gpu_smoke_table.py accept-check NAME JSON LOG POLICY BASE
+                                                   a bench JSON's per warm turn accepted/drafted:
+                                                   POLICY's equal BASE's exactly
 Each adds its line only if LOG has no CHECK line of its own (a script that prints its own
 CHECK lines is not double-counted).
 Usage: python3 scripts/gpu_smoke_table.py OUT_DIR
@@ -164,9 +167,41 @@ def json_check(name: str, path: Path, log: Path) -> None:
         f.write(f"CHECK\t{name}\t{'PASS' if ok else 'FAIL'}\t{detail}\n")
 
 
+def accept_check(name: str, path: Path, log: Path, policy: str, base: str) -> None:
+    """Append a CHECK line: in a bench JSON, `policy`'s accepted and drafted tokens equal `base`'s
+    on every warm turn (turn >= 1, paired by replay, session and turn), exactly: identical
+    outputs hide corrupt drafter rows (greedy verification repairs any draft); acceptance shows
+    them. Unless LOG has its own CHECK line for `name`."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if any(line.startswith(f"CHECK\t{name}\t") for line in text.splitlines()):
+        return
+    try:
+        policies = json.loads(path.read_text())["policies"]
+        turns = {p: {(t["replay"], t["session"], t["turn"]): (t["accepted"], t["drafted"])
+                     for t in policies[p]["turns"] if t["turn"] >= 1} for p in (policy, base)}
+        keys = sorted(turns[policy].keys() & turns[base].keys())
+        bad = [k for k in keys if turns[policy][k] != turns[base][k]]
+        if not keys:
+            ok, detail = False, f"no warm turn of both {policy} and {base} in {path.name}"
+        elif bad:
+            r, sess, t = bad[0]
+            (pa, pd), (ba, bd) = turns[policy][bad[0]], turns[base][bad[0]]
+            ok, detail = False, (f"{len(bad)} of {len(keys)} warm turns differ; first replay {r} session {sess} "
+                                 f"turn {t}: {policy} {pa}/{pd} accepted/drafted, {base} {ba}/{bd}")
+        else:
+            ok, detail = True, f"{len(keys)} warm turns: {policy} accepted/drafted equal {base}'s exactly"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ok, detail = False, f"no per-turn accepted/drafted of {policy} and {base} in {path.name}: {type(e).__name__}"
+    with log.open("a") as f:
+        f.write(f"CHECK\t{name}\t{'PASS' if ok else 'FAIL'}\t{detail}\n")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[0] == "step-check":
         step_check(argv[1], argv[2], Path(argv[3]))
+        return 0
+    if len(argv) == 6 and argv[0] == "accept-check":
+        accept_check(argv[1], Path(argv[2]), Path(argv[3]), argv[4], argv[5])
         return 0
     if len(argv) == 4 and argv[0] == "json-check":
         json_check(argv[1], Path(argv[2]), Path(argv[3]))
@@ -174,7 +209,8 @@ def main(argv: list[str]) -> int:
     if len(argv) == 1 and Path(argv[0]).is_dir():
         return summarize(Path(argv[0]))
     print("gpu_smoke_table: error: usage: gpu_smoke_table.py OUT_DIR | step-check NAME EXIT LOG"
-          f" | json-check NAME JSON LOG, got {argv!r}", file=sys.stderr)
+          f" | json-check NAME JSON LOG | accept-check NAME JSON LOG POLICY BASE, got {argv!r}",
+          file=sys.stderr)
     return 2
 
 

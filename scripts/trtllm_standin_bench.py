@@ -75,11 +75,15 @@ class DataPath:
     which key, and which key a scatter serves). `turn` labels the calls of the request
     being run."""
 
-    def __init__(self, manager: object, device: torch.device) -> None:
-        from trtllm_mtp_carry.dataplane.row_format import PackedRows, unpack_rows
+    def __init__(self, manager: object, device: torch.device, delay_cycles: int | None = None) -> None:
+        from trtllm_mtp_carry.dataplane.row_format import PackedRows, pack_rows, unpack_rows
         from trtllm_mtp_carry.trtllm import manager as manager_module
         from trtllm_mtp_carry.trtllm.layout import gather_rows
 
+        self.delay_cycles = delay_cycles  # None: no race check; else delays (cycles; 0 on the CPU)
+        self._gather_rows = gather_rows
+        self._truth: torch.Tensor | None = None  # delays: the pages' rows at the gather, read after a sync
+        self._pending: list[tuple[object, object, int, int, torch.Tensor | None]] = []  # scatters to read back
         self.turn: tuple[int, int] = (0, 0)
         self.times: dict[tuple[int, int], dict[str, float]] = {}
         self.checks: list[tuple[int, bool]] = []  # (rows compared, equal) per scatter
@@ -96,6 +100,9 @@ class DataPath:
                 fn = DataPath._for_active(key, getattr(manager_module, name))
                 if name.startswith("scatter"):
                     fn = DataPath._checked(fn, gather_rows)
+                else:
+                    fn = DataPath._gathered(fn, gather_rows, name == "gather_packed_rows",
+                                            lambda r: unpack_rows(pack_rows(r)))
                 setattr(manager_module, name, fn)
         deposit, judge_and_take = carried.deposit, carried.judge_and_take
 
@@ -103,8 +110,11 @@ class DataPath:
             # what the pages will hold once scattered: the rows, unpacked when packed (set
             # aside: not part of the deposit's time)
             with self._aside("deposit_aside_ms"):
-                self._deposited[key] = (unpack_rows(rows) if isinstance(rows, PackedRows)
-                                        else rows.clone())  # type: ignore[attr-defined]
+                if self._truth is not None:  # delays: the rows the pages held, not what arrived
+                    self._deposited[key], self._truth = self._truth, None
+                else:
+                    self._deposited[key] = (unpack_rows(rows) if isinstance(rows, PackedRows)
+                                            else rows.clone())  # type: ignore[attr-defined]
             return bool(deposit(key, tokens, rows, session))
 
         def taken(key: int, *args: object, **kwargs: object) -> object:
@@ -116,6 +126,12 @@ class DataPath:
     def _sync(self) -> None:
         if self._cuda:
             torch.cuda.synchronize()
+
+    def _delay(self) -> None:
+        """Queue a delay on the current stream (delays on CUDA): the GPU work queued after it on
+        this stream starts late, so any read not ordered after it sees what it must not."""
+        if self._cuda and self.delay_cycles:
+            torch.cuda._sleep(self.delay_cycles)
 
     @contextmanager
     def _aside(self, key: str):  # type: ignore[no-untyped-def]
@@ -141,16 +157,26 @@ class DataPath:
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
             if own:
                 DataPath.active = self
+            read: list[tuple[torch.Tensor, torch.Tensor | None]] = []
             try:
                 self._sync()
                 t0 = time.perf_counter()
+                if own and self.delay_cycles is not None:
+                    self._delay()  # on the executor's stream, before the adapter's work
                 out = fn(*args, **kwargs)
+                if own:  # delays: read the scattered pages back on the executor's stream, where
+                    for buf, pages, lo, n, want in self._pending:  # the next forward reads them,
+                        read.append((self._gather_rows(buf, pages, lo, lo + n), want))  # no sync first
+                    self._pending.clear()
                 self._sync()
             finally:
                 if own:
                     DataPath.active = None
             times = self.times.setdefault(self.turn, {})
             times[key] = times.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+            for got, want in read:
+                n = got.shape[0]
+                self.checks.append((n, want is not None and bool(torch.equal(got, want[:n]))))
             return out
         return timed
 
@@ -162,10 +188,29 @@ class DataPath:
         return timed
 
     @staticmethod
+    def _gathered(gather, gather_rows, packed: bool, round_trip):  # type: ignore[no-untyped-def]
+        def gathered(buf, pages, lo, hi, *args, **kwargs):  # type: ignore[no-untyped-def]
+            path = DataPath.active
+            if path is not None and path.delay_cycles is not None:
+                path._sync()  # the truth: the pages' rows once every queued write landed
+                truth = gather_rows(buf, pages, lo, hi)
+                path._truth = round_trip(truth) if packed else truth
+                path._sync()
+                path._delay()  # on the draft stream (current here): the gather starts late
+            return gather(buf, pages, lo, hi, *args, **kwargs)
+        return gathered
+
+    @staticmethod
     def _checked(scatter, gather_rows):  # type: ignore[no-untyped-def]
         def checked(buf, pages, lo, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
-            scatter(buf, pages, lo, rows, *args, **kwargs)
             path = DataPath.active
+            if path is not None and path.delay_cycles is not None:
+                path._delay()  # on the draft stream (current here): the scatter lands late
+                want = path._deposited.get(path._taking) if path._taking is not None else None
+                scatter(buf, pages, lo, rows, *args, **kwargs)
+                path._pending.append((buf, pages, lo, rows.shape[0], None if want is None else want[lo:]))
+                return
+            scatter(buf, pages, lo, rows, *args, **kwargs)
             if path is None:
                 return
             with path._aside("adopt_aside_ms"):  # read back what landed in the pages
@@ -237,7 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="also run carry-fp8: the carry with its rows packed in FP8 (gathered packed, "
                          "scattered unpacked)")
+    ap.add_argument("--delay-cycles", type=int, default=None,
+                    help="the race check: queue a delay of this many GPU cycles (torch.cuda._sleep; "
+                         "20000000 is about 10 ms on an H200) on the executor's stream before each "
+                         "deposit and adoption and on the draft stream before each gather and scatter, "
+                         "take the truth from the pages after a device sync, and read every scattered "
+                         "row back on the executor's stream with no sync first; its times are then no "
+                         "figures (on the CPU: the same read-backs, no delay)")
     args = ap.parse_args(argv)
+    if args.delay_cycles is not None and args.delay_cycles < 0:
+        print(f"{Path(sys.argv[0]).name}: error: --delay-cycles must be >= 0, got {args.delay_cycles}",
+              file=sys.stderr)
+        return 2
     device = _device(args.device)
     if isinstance(device, str):
         print(f"{Path(sys.argv[0]).name}: error: {device}", file=sys.stderr)
@@ -262,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(worker.ENV, None)
     managers = {p: llms[p].executor.resource_manager.resource_managers.get(CARRY_MANAGER_KEY)
                 for p in policies if p in CARRY_POLICIES}
-    paths = {p: DataPath(m, device) for p, m in managers.items() if m is not None}
+    paths = {p: DataPath(m, device, args.delay_cycles) for p, m in managers.items() if m is not None}
     warm = StandinLLM(model, single_process=True, chunk_size=args.chunk,
                       kv_cache_config=kv_cache_config, device=str(device))  # torch's first calls are slow
     warm.generate_async(tok.render_chat([{"role": "user", "content": "warm up"}]), 8)
@@ -343,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     print("reused depth R per warm turn (carry; session, turn, R, previous prompt length):",
           ", ".join(f"s{s} t{t} R={r} prev={pp}" for s, t, r, pp in r_col))
     print("R = previous prompt length on every warm turn:", all(r == pp for _, _, r, pp in r_col))
-    figures = _data_path_report(paths, warm_recs, col, device)
+    figures = _data_path_report(paths, warm_recs, col, device, args.delay_cycles)
     carry = managers.get("carry")
     if carry is not None:
         print("carry stats:", json.dumps({k: v for k, v in carry.stats().items()
@@ -356,12 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(ok for path in paths.values() for _, ok in path.checks) else 1
 
 
-def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, device: torch.device  # type: ignore[no-untyped-def]
-                      ) -> list[str]:
-    """The data path's table (per warm turn, median (p25-p75) ms) and its FIGURE/CHECK lines."""
+def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, device: torch.device,  # type: ignore[no-untyped-def]
+                      delays: int | None = None) -> list[str]:
+    """The data path's table (per warm turn, median (p25-p75) ms) and its FIGURE/CHECK lines
+    (with `delays`, the race check's: its CHECK only, its times being no figures)."""
     lines: list[str] = []
+    check = "adapter scattered rows equal the gathered ones"
+    if delays is not None:
+        check += f", {delays} cycles of delay on both streams, read back unsynced"
     if not paths:
-        return ["CHECK\tadapter scattered rows equal the gathered ones\tFAIL\tthe carry was not installed"]
+        return [f"CHECK\t{check}\tFAIL\tthe carry was not installed"]
     print(f"adapter data path per warm turn, pages on {device} (ms, median (p25-p75); "
           "gather/scatter: the page copies alone)")
     print("| policy | deposit (gather into the arena) | gather | adopt (decide, take, scatter) | scatter "
@@ -385,6 +445,8 @@ def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, de
               f"{'-' if rows.median is None else f'{rows.median:.0f}'} | "
               f"{share.reason or cell(share.spread)} |")
         suffix = "" if p == "carry" else ", fp8"
+        if delays is not None:
+            continue
         for name, key in (("gather", "deposit_ms"), ("scatter", "adopt_ms")):
             sp = spreads[key]
             value = ("n/a (no warm turn)" if sp.median is None else
@@ -399,7 +461,7 @@ def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, de
     detail = (f"{len(checks)} scatters, {sum(n for n, _ in checks)} rows read back from the pages "
               f"equal the rows gathered at the previous turn's free" if verdict == "PASS" else
               f"{len(bad)} of {len(checks)} scatters differ" if checks else "no scatter ran")
-    lines.append(f"CHECK\tadapter scattered rows equal the gathered ones\t{verdict}\t{detail}")
+    lines.append(f"CHECK\t{check}\t{verdict}\t{detail}")
     return lines
 
 

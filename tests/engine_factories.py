@@ -1,6 +1,15 @@
-"""Small factories for engine tests: a tiny random hybrid model and the greedy oracle."""
+"""Small factories for engine tests: a tiny random hybrid model and the greedy oracle.
+
+`MTP_CARRY_TEST_DEVICE` (default `cpu`; `cuda` or `cuda:N`) is where `engine()` puts the
+reference engine (its model, caches, drafter pool, carry): the GPU check
+(scripts/gpu_smoke.sh) runs the engine and runtime tests on the GPU with it. The greedy
+oracle computes on a CPU copy of the model wherever the engine moved it.
+"""
 
 from __future__ import annotations
+
+import copy
+import os
 
 import torch
 
@@ -9,6 +18,23 @@ from trtllm_mtp_carry.engine.model import DenseTargetCache, HybridConfig, Hybrid
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 
 TOK = ChatTokenizer()
+
+
+def _test_device() -> str:
+    value = os.environ.get("MTP_CARRY_TEST_DEVICE", "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"MTP_CARRY_TEST_DEVICE must be cpu, cuda or cuda:N, got {value!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"MTP_CARRY_TEST_DEVICE={value!r} but torch.cuda.is_available() is False")
+    return value
+
+
+TEST_DEVICE = _test_device()
+"""Where `engine()` puts the engine unless told (`MTP_CARRY_TEST_DEVICE`)."""
 
 
 def tiny_config() -> HybridConfig:
@@ -30,14 +56,17 @@ def tiny_model(seed: int = 0) -> HybridLM:
 def engine(model: HybridLM | None = None, **overrides) -> ReferenceEngine:
     """A float64 engine with 16-token blocks and chunks, unless overridden."""
     cfg = dict(block_size=16, num_target_blocks=256, drafter_block_size=16, num_drafter_blocks=256,
-               max_model_len=2048, prefill_chunk=16, draft_len=2, dtype="float64")
+               max_model_len=2048, prefill_chunk=16, draft_len=2, dtype="float64", device=TEST_DEVICE)
     cfg.update(overrides)
     return ReferenceEngine(model if model is not None else tiny_model(), TOK, EngineConfig(**cfg))
 
 
 @torch.no_grad()
 def greedy_oracle(model: HybridLM, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding, one token per target forward, on a dense cache."""
+    """Plain greedy decoding, one token per target forward, on a dense cache (on the CPU: a
+    model an engine moved to a GPU is copied back)."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        model = copy.deepcopy(model).cpu()
     cache = DenseTargetCache(model.cfg)
     _, logits = model.forward_target(torch.tensor(prompt), 0, cache)
     out = [int(logits[-1].argmax())]

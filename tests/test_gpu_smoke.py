@@ -143,3 +143,101 @@ def test_step_check_adds_pytest_summary_once_and_json_check_reads_outputs_identi
     subprocess.run([sys.executable, str(TABLE), "json-check", "bench identical", str(missing), str(mlog)],
                    check=True)
     assert mlog.read_text() == "CHECK\tbench identical\tFAIL\tno outputs_identical in none.json: FileNotFoundError\n"
+
+
+def _bench_json(path: Path, turns: dict[str, list[tuple[int, int, int, int, int]]]) -> Path:
+    """A bench JSON with per-turn (replay, session, turn, accepted, drafted) for each policy."""
+    path.write_text(json.dumps({"outputs_identical": True, "policies": {
+        p: {"turns": [{"replay": r, "session": s, "turn": t, "accepted": a, "drafted": d, "output": [1, 2]}
+                      for r, s, t, a, d in rows]} for p, rows in turns.items()}}))
+    return path
+
+
+def test_the_table_fails_on_a_warm_turn_whose_acceptance_differs_though_outputs_are_identical(tmp_path):
+    carry = [(0, 0, 0, 5, 9), (0, 0, 1, 30, 40), (0, 1, 1, 28, 40), (0, 0, 2, 33, 44)]
+    host = [(0, 0, 0, 1, 9), (0, 0, 1, 30, 40), (0, 1, 1, 27, 40), (0, 0, 2, 33, 44)]  # s1 t1: 27 != 28
+    out = _fake_run(tmp_path, [("tests", "correctness", "0"), ("host-hits", "correctness", "0")],
+                    {"tests": GOOD_LOGS["tests"], "host-hits": "bench table\n"})
+    js = _bench_json(tmp_path / "host-hits.json", {"carry": carry, "carry-host": host})
+    name = "host-tier hits accepted/drafted equal carry's per warm turn"
+    for _ in range(2):  # the second call finds the line and adds nothing
+        subprocess.run([sys.executable, str(TABLE), "json-check", "host-tier hits outputs identical", str(js),
+                        str(out / "host-hits.log")], check=True)
+        subprocess.run([sys.executable, str(TABLE), "accept-check", name, str(js), str(out / "host-hits.log"),
+                        "carry-host", "carry"], check=True)
+    checks = [ln for ln in (out / "host-hits.log").read_text().splitlines() if ln.startswith("CHECK\t")]
+    assert checks == [
+        "CHECK\thost-tier hits outputs identical\tPASS\toutputs_identical=True in host-hits.json",
+        f"CHECK\t{name}\tFAIL\t1 of 3 warm turns differ; first replay 0 session 1 turn 1: carry-host 27/40 "
+        "accepted/drafted, carry 28/40"]
+    proc = _run(out)
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == "2 steps, 3 checks, 0 figures (0 MISS); 1 correctness failure(s)"
+    same = tmp_path / "same.log"
+    same.write_text("")
+    js2 = _bench_json(tmp_path / "same.json", {"carry": carry, "carry-host": carry})
+    subprocess.run([sys.executable, str(TABLE), "accept-check", name, str(js2), str(same), "carry-host", "carry"],
+                   check=True)
+    assert same.read_text() == (f"CHECK\t{name}\tPASS\t3 warm turns: carry-host accepted/drafted equal "
+                                "carry's exactly\n")
+
+
+def test_the_check_runs_the_suite_per_file_the_engine_tests_on_the_gpu_and_the_new_checks():
+    code = "\n".join(line.split("#", 1)[0] for line in SMOKE.read_text().splitlines())
+    assert 'PAR=(-n "$CORES" --dist loadfile)' in code
+    assert re.search(r"step tests correctness \d+ python3 -m pytest tests -q \$\{PAR", code)
+    assert re.search(r"step engine-cuda correctness \d+ env MTP_CARRY_TEST_DEVICE=cuda python3 -m pytest "
+                     r"tests/engine tests/runtime", code)
+    assert re.search(r"step restore-check correctness \d+ python3 scripts/gpu_check_restore.py --device cuda "
+                     r"--delay-cycles \d+", code)
+    assert re.search(r'\$TABLE accept-check "[^"]+" "\$OUT/host-hits.json" \\\n\s+"\$OUT/host-hits.log" '
+                     r"carry-host carry", code)
+    assert re.search(r"step standin-race correctness \d+ python3 scripts/trtllm_standin_bench.py --device cuda "
+                     r"--fp8 \\\n\s+--history \d+ --sessions \d+ --turns \d+ --delay-cycles \d+", code)
+    assert code.rstrip().splitlines()[-2:] == ['$TABLE "$OUT" | tee "$OUT/summary.txt"',
+                                               'exit "${PIPESTATUS[0]}"']  # it ends with its one table
+
+
+def _restore_check(monkeypatch, capsys, argv):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_restore", ROOT / "scripts" / "gpu_check_restore.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(argv)
+    return rc, [ln.split("\t") for ln in capsys.readouterr().out.splitlines()]
+
+
+def test_the_restore_check_reads_every_path_back_and_fails_on_a_corrupt_copy_back(monkeypatch, capsys):
+    rc, lines = _restore_check(monkeypatch, capsys, ["--device", "cpu", "--rows", "40"])
+    assert rc == 0
+    assert [ln[:3] for ln in lines] == [
+        ["CHECK", f"{name}: read back after restore", "PASS"]
+        for name in ("pool host restore", "adapter host restore bf16", "adapter host restore fp8")]
+    from trtllm_mtp_carry.dataplane.row_format import PackedRows
+    from trtllm_mtp_carry.trtllm import carried as carried_mod
+
+    real = carried_mod._host_copy
+
+    def one_bit_off(rows):  # a host copy that lands one element wrong
+        out = real(rows)
+        t = out.payload if isinstance(out, PackedRows) else out
+        t.view(torch.uint8).view(-1)[3] ^= 1
+        return out
+
+    monkeypatch.setattr(carried_mod, "_host_copy", one_bit_off)
+    rc, lines = _restore_check(monkeypatch, capsys, ["--device", "cpu", "--rows", "40"])
+    assert rc == 1
+    assert [ln[2] for ln in lines] == ["PASS", "FAIL", "FAIL"]
+    assert lines[1][3] == "rows read back differ (40 rows, bf16, cpu)"
+
+
+@pytest.mark.parametrize("value", ["tpu", "cuda:x"])
+def test_a_bad_test_device_variable_is_one_error_line(value):
+    env = {**__import__("os").environ, "MTP_CARRY_TEST_DEVICE": value,
+           "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    proc = subprocess.run([sys.executable, "-c", "import engine_factories"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"ValueError: MTP_CARRY_TEST_DEVICE must be cpu, cuda or cuda:N, got {value!r}")

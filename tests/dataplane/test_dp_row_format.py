@@ -379,6 +379,23 @@ def test_triton_non_finite_vectors_get_a_nan_scale_and_unpack_to_nan(fp8_tk, dev
             assert bool(torch.isnan(out[:3]).all()) and out[3].tolist() == [1.0, 2.0, 4.0]
 
 
+@pytest.mark.parametrize("nan_bits", [0x7FC00000, 0x7FFFFFFF, -1])  # x86's NaN, a GPU's, 0xFFFFFFFF
+def test_a_nan_scale_of_any_encoding_unpacks_to_all_nan_in_every_output_dtype(fp8_tk, device,
+                                                                            nan_bits) -> None:
+    # A GPU's canonical NaN (0x7FFFFFFF, what `q * scale` gives there with a NaN scale) once
+    # overflowed the int32 round-to-bf16 trick to 0x80007FFF, unpacking as -0.0 (seen on an H200).
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        rows = torch.tensor([[1.0, -2.0, 0.0, 4.0], [1.0, 2.0, 4.0, 8.0]], dtype=dtype, device=device)
+        packed = pack_rows(rows, kernel="torch")
+        scales = packed.scales.clone()
+        scales.view(torch.int32)[0] = nan_bits
+        packed = PackedRows(packed.payload, scales, dtype)
+        for kernel in KERNELS:
+            out = unpack_rows(packed, kernel=kernel)
+            assert bool(torch.isnan(out[0]).all()), (kernel, dtype, out[0].tolist())
+            assert out[1].tolist() == [1.0, 2.0, 4.0, 8.0], (kernel, dtype)
+
+
 def test_triton_gather_packed_rows_equals_torch_bit_for_bit(fp8_tk, gen, device) -> None:
     buf = hnd_buf(gen)
     scatter_rows(buf, [7, 5, 2, 0], 3, mixed_rows(gen, 11, 2, 2, 16, dtype=torch.bfloat16))

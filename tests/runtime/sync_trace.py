@@ -153,6 +153,7 @@ def patch_uploads(monkeypatch: Any, trace_of: Any) -> Counter[str]:
     without counting a sync; `trace_of()` is the active `SyncTrace` or None. Returns the
     count of uploads by call site."""
     from trtllm_mtp_carry.dataplane import kv_pool
+    from trtllm_mtp_carry.engine import engine
     from trtllm_mtp_carry.runtime import carry_runtime
 
     uploads: Counter[str] = Counter()
@@ -171,7 +172,7 @@ def patch_uploads(monkeypatch: Any, trace_of: Any) -> Counter[str]:
             return trace.mark(out.view_as(out))  # a new tensor object: a host input stays host
         return traced
 
-    for module in (kv_pool, carry_runtime):
+    for module in (kv_pool, carry_runtime, engine):
         for name in UPLOAD_HELPERS:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, wrap(getattr(module, name)))

@@ -61,3 +61,23 @@ def test_a_device_that_is_not_one_is_one_error_line_and_exit_2():
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == ("trtllm_standin_bench.py: error: --device 'gpu0': not a torch device "
                         "(cpu, cuda or cuda:N)\n")
+
+
+def test_the_race_check_reads_every_scattered_row_back_unsynced_and_prints_its_check_only():
+    # on the CPU: no delay is queued, but the same read-backs run (truth from the pages at the
+    # gather, rows read back after the adoption on the executor's stream); times are no figures
+    r = _run("--device", "cpu", "--history", "300", "--sessions", "1", "--turns", "3",
+             "--max-new", "6", "--chunk", "64", "--fp8", "--delay-cycles", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    tagged = [line.split("\t") for line in r.stdout.splitlines() if line.startswith(("FIGURE\t", "CHECK\t"))]
+    assert [t[:3] for t in tagged] == [
+        ["CHECK", "adapter scattered rows equal the gathered ones, 0 cycles of delay on both streams, "
+                  "read back unsynced", "PASS"]]
+    assert re.fullmatch(r"4 scatters, \d+ rows read back from the pages equal the rows gathered at "
+                        r"the previous turn's free", tagged[0][3]), tagged[0][3]
+
+
+def test_a_negative_delay_is_one_error_line_and_exit_2():
+    r = _run("--delay-cycles", "-1")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "trtllm_standin_bench.py: error: --delay-cycles must be >= 0, got -1\n"

@@ -700,12 +700,16 @@ class DrafterKVPool:
             if stream is None:
                 write(idx)
             else:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                idx.record_stream(stream)  # made on the current stream, read on `stream`
-                with torch.cuda.stream(stream):
+                stream.wait_stream(_current_stream(self.device))
+                _record_stream(idx, stream)  # made on the current stream, read on `stream`
+                with _on_stream(stream):
                     write(idx)
         except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted
-            self.free_sequence(_IMPORTING)
+            try:
+                if stream is not None:  # K's copy may be queued already: the blocks' next owner,
+                    stream.synchronize()  # on any stream, must write after it (a fault: the CPU waits)
+            finally:
+                self.free_sequence(_IMPORTING)
             raise
         state.rows = rows
         state.runs = [[k0, c] for k0, c in runs]
@@ -856,3 +860,18 @@ class DrafterKVPool:
             or [torch.empty(0, dtype=torch.int64)]
         )[start_row:].to(dev)
         return k, v, keys
+
+
+# ---- the side-stream import's CUDA calls (one seam: CPU tests put a recorder in their place) ----
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.current_stream(device)
+
+
+def _on_stream(stream: torch.cuda.Stream) -> torch.cuda.StreamContext:
+    return torch.cuda.stream(stream)
+
+
+def _record_stream(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    t.record_stream(stream)

@@ -261,10 +261,15 @@ def _round_to_e4m3(q):
 
 @triton.jit
 def _round_to_bf16(x):
-    """`x` (float32) rounded to bfloat16's grid, to nearest even, still float32 (exact to cast)."""
+    """`x` (float32) rounded to bfloat16's grid, to nearest even, still float32 (exact to cast).
+
+    A NaN stays `x` itself: adding 0x7FFF + 1 to a NaN's bits overflows int32 (a GPU's canonical
+    NaN 0x7FFFFFFF became 0x80007FFF, i.e. -0.0) or carries out of the exponent (0xFFFFFFFF
+    became +0.0); the cast after keeps any NaN a NaN. Infinities and the rest round exactly.
+    """
     b = x.to(tl.int32, bitcast=True)
     b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-    return b.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, b.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -48,8 +48,9 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,11 @@ import torch
 
 from ..core import marconi_min_tokens, set_mtp_max_seqs
 from ..core.session import carry_key, session_hash
+from ..dataplane.device_ints import device_tensor
 from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import DrafterKVPool, PoolExhaustedError
 from ..dataplane.rope import RopeConfig, apply_rope_reference
+from ..dataplane.warm import warm_pool_kernels
 from ..runtime.carry_runtime import CarryRuntime, DrafterBuild
 from ..runtime.policy import DrafterPolicy
 from .block_manager import PrefixMatch, TargetBlockManager
@@ -101,10 +104,45 @@ class _Sequence:
     finish_reason: str = ""
     mirror: _RowMirror | None = None  # the drafter's rows in the model dtype, for attention
     drafter_off: bool = False  # the drafter pool ran out: decode on without drafts
+    prep_clock: _PrepClock = field(default_factory=lambda: _PrepClock(torch.device("cpu")))  # prep's GPU time
 
     @property
     def num_output(self) -> int:
         return len(self.tokens) - len(self.prompt)
+
+
+class _PrepClock:
+    """A turn's drafter prep time as the GPU spends it (CUDA): timing events recorded on the
+    current stream around each prep call (admission, each chunk's rows), where the prep's
+    kernels and its waits (a host restore's copy back, `PoolHostMoves.ready`) are queued, so
+    a span is what the prep adds to the stream, not the CPU's enqueue time. On the CPU there
+    is no stream: `ms` gives the caller's CPU wall time back."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def span(self) -> Iterator[None]:
+        if not self._cuda:
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            self._events.append((start, end))
+
+    def ms(self, cpu_ms: float) -> float:
+        """The spans' GPU milliseconds (CUDA: waits for their last event, a no-op once the
+        stream was synchronized), else `cpu_ms`."""
+        if not self._cuda:
+            return cpu_ms
+        if self._events:
+            self._events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._events)
 
 
 class _RowMirror:
@@ -190,6 +228,9 @@ class ReferenceEngine:
                                         row_dtype=config.carry_row_dtype)
         else:
             self.runtime = CarryRuntime(self, config.policy, row_dtype=config.carry_row_dtype)
+        # every Triton variant this engine's appends (and fp8 packs and unpacks) will launch,
+        # compiled now, never inside a timed turn (CUDA with Triton; 0 launches elsewhere)
+        self.kernel_warm_launches = warm_pool_kernels(self._pool, fp8=self.runtime.row_dtype == "fp8")
         self._paired: PairedDrafts | None = None  # built on the first `paired` request
         self.drafter_blocks_peak = 0  # most drafter blocks held after any step, every pool
         self._waiting: list[_Request] = []
@@ -466,17 +507,19 @@ class ReferenceEngine:
                               snapshot_restored=plan.restore, policy=req.policy.value)
             ticket = self.runtime.draw_ticket()
             build: DrafterBuild | PairedBuild
-            if paired is not None:
-                build = self.paired.prepare(req.request_id, ticket, req.prompt,
-                                            alloc.num_cached_tokens, paired, warm)
-                stats.drafter_tree_tokens = paired.found.tokens
-                stats.drafter_depth_lost = paired.depth_lost if warm else 0
-                stats.recomputed_for_cap = paired.recomputed_for_cap if warm else 0
-            else:
-                build = self.runtime.prepare(req.request_id, ticket, req.carry_key,
-                                             req.prompt if req.buffer is None else req.buffer,
-                                             alloc.num_cached_tokens, req.policy, warm=warm,
-                                             session=req.session_hash)
+            prep_clock = _PrepClock(self.device)
+            with prep_clock.span():
+                if paired is not None:
+                    build = self.paired.prepare(req.request_id, ticket, req.prompt,
+                                                alloc.num_cached_tokens, paired, warm)
+                    stats.drafter_tree_tokens = paired.found.tokens
+                    stats.drafter_depth_lost = paired.depth_lost if warm else 0
+                    stats.recomputed_for_cap = paired.recomputed_for_cap if warm else 0
+                else:
+                    build = self.runtime.prepare(req.request_id, ticket, req.carry_key,
+                                                 req.prompt if req.buffer is None else req.buffer,
+                                                 alloc.num_cached_tokens, req.policy, warm=warm,
+                                                 session=req.session_hash)
             # the turn's outcome is decided here, at admission (the runtime counts it here too):
             # a turn cancelled later, or whose drafter is dropped, keeps it
             stats.outcome_kind = build.outcome.kind if build.outcome else build.mode
@@ -484,7 +527,7 @@ class ReferenceEngine:
             seq = _Sequence(
                 req.request_id, req.session_id, req.session_hash, req.carry_key, ticket,
                 req.policy, req.draft_len, req.max_new_tokens, req.prompt, list(req.prompt), keys,
-                kv, stats, time.perf_counter(), build=build,
+                kv, stats, time.perf_counter(), build=build, prep_clock=prep_clock,
             )
             self._running.append(seq)
 
@@ -494,7 +537,9 @@ class ReferenceEngine:
         chunk = self.config.prefill_chunk
         start = seq.kv.num_tokens
         end = min(len(seq.prompt), (start // chunk + 1) * chunk)  # chunk ends on chunk multiples
-        ids = torch.tensor(seq.prompt[start:end], dtype=torch.int64, device=self.device)
+        # pinned and non-blocking: a pageable upload waits for the stream (the previous chunk's
+        # drafter rows), billing their GPU time to this chunk's target forward
+        ids = device_tensor(seq.prompt[start:end], torch.int64, self.device)
         hidden, logits = self.model.forward_target(ids, start, seq.kv)
         seq.kv.advance(end - start)
         self._capture_hiddens(seq.ticket, start, hidden)
@@ -503,8 +548,9 @@ class ReferenceEngine:
         if build.next_key is not None and not seq.drafter_off:
             # this chunk's drafter rows, while the store rows are still this ticket's
             try:
-                self._planner(seq).build_chunk(seq.request_id, seq.ticket, build,  # type: ignore[arg-type]
-                                               seq.prompt, start, end)
+                with seq.prep_clock.span():
+                    self._planner(seq).build_chunk(seq.request_id, seq.ticket, build,  # type: ignore[arg-type]
+                                                   seq.prompt, start, end)
             except PoolExhaustedError as exc:
                 self._drop_drafter(seq, exc)
                 build.mode, build.outcome, build.next_key = "exhausted", None, None
@@ -524,7 +570,7 @@ class ReferenceEngine:
             s.drafter_rows_kept = prep.rows_kept
             s.drafter_rows_computed = prep.rows_computed
             s.keys_skipped = prep.keys_skipped
-            s.drafter_prep_ms = prep.prep_ms
+            s.drafter_prep_ms = seq.prep_clock.ms(prep.prep_ms)  # the first token's read synced the stream
             s.ttft_ms = (time.perf_counter() - seq.t_admit) * 1e3
 
     def _capture_hiddens(self, ticket: int, start: int, hidden: torch.Tensor) -> None:

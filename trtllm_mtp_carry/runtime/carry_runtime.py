@@ -114,6 +114,7 @@ from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.device_ints import device_tensor
 from ..dataplane.kv_pool import BlockKeys, CarriedBlocks, PoolExhaustedError
+from ..dataplane.pinned import held as pinned_held
 from .backend import CarryBackend
 from .host_moves import PoolHostMoves
 from .packed_rows import PackedCarry
@@ -206,7 +207,9 @@ class CarryStats:
     and `restore_ms` the copies back, `host_entries`/`host_bytes_held` what the host
     tier holds, `peak_device_bytes`/`peak_host_bytes` the most each tier held;
     `restore_wait_ms` is how long the GPU stream waited for an asynchronous copy
-    back (CUDA; 0 on the CPU, where `restore_ms` is the copy itself).
+    back (CUDA; 0 on the CPU, where `restore_ms` is the copy itself). `pinned_pool_bytes`
+    is what torch's pinned allocator holds now (the host copies each rounded up to a power
+    of two, freed blocks kept cached): the pinned memory really held, beside the budget.
     `row_dtype` is the carried rows' format (`carry_row_dtype`); with `fp8`, `packs`/
     `pack_ms` are the deposits packed out of the pool and `unpacks`/`unpack_ms` the
     adoptions unpacked into fresh blocks (`packed_rows.PackedCarry`).
@@ -264,6 +267,7 @@ class CarryStats:
     demote_ms: float = 0.0
     restore_ms: float = 0.0
     restore_wait_ms: float = 0.0
+    pinned_pool_bytes: int = 0  # torch's pinned pool now (the host copies: rounded up, cached kept)
     row_dtype: str = "bf16"
     packs: int = 0
     unpacks: int = 0
@@ -721,6 +725,8 @@ class CarryRuntime:
             lease = key
         if lease is not None:
             self._store.end_lease(lease, "fault")
+            if self._host is not None:  # rows restored for it may still be in flight: wait first
+                self._host.settle(lease)
         pool = self.backend.drafter_pool
         try:
             if pool.has_sequence(seq_id):
@@ -746,6 +752,10 @@ class CarryRuntime:
             for k in pool.carried_keys():  # fp8 carries nothing in the pool
                 pool.free_carried(k)
             return
+        if self._host is not None:  # a fault between a restore and `ready`: the copy back ends
+            live = set(self._adopted.values())  # before its blocks are freed below; no record leaks
+            for k in set(self._host.in_flight()).difference(live):
+                self._host.settle(k)
         entries = {e.session_hash: e for e in store.entries()}
         for k, e in entries.items():
             held = pool.carried(k)
@@ -918,7 +928,7 @@ class CarryRuntime:
             host_bytes_held=t.host_bytes_held, bytes_demoted=t.bytes_demoted,
             bytes_restored=t.bytes_restored, peak_device_bytes=t.peak_bytes["device"],
             peak_host_bytes=t.peak_bytes["host"], demote_ms=t.demote_ms, restore_ms=t.restore_ms,
-            restore_wait_ms=wait_ms, row_dtype=self.row_dtype,
+            restore_wait_ms=wait_ms, row_dtype=self.row_dtype, pinned_pool_bytes=pinned_held()["torch_pool"],
             **({} if self._packed is None else dict(
                 packs=len(self._packed.pack_ms_each), unpacks=len(self._packed.unpack_ms_each),
                 pack_ms=sum(self._packed.pack_ms_each), unpack_ms=sum(self._packed.unpack_ms_each))),

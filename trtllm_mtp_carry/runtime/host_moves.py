@@ -26,6 +26,8 @@ Invariants:
 - A key has at most one host copy; `demote` holds it, `restore` and `drop` free it.
 - A restored entry's rows and keys equal the demoted ones (whole blocks are copied).
 - No block another owner holds is written: `import_carried` writes fresh blocks only.
+- No restored block is freed while its copy back may run: a fault that frees restored rows
+  `settle`s them first (the CPU waits for the copy; the in-flight record goes with it).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class PoolHostMoves:
         self._host: dict[int, HostRows] = {}
         self._staged: dict[int, HostRows] = {}  # pressure victims, copied before the pool releases them
         self._cuda = pool.device.type == "cuda"
-        self._stream = torch.cuda.Stream(pool.device) if self._cuda else None
+        self._stream = _side_stream(pool.device) if self._cuda else None
         self._inflight: dict[int, _Restore] = {}  # carry key -> its copy back, until `ready`
         self._waiting: list[_Restore] = []  # ready, their times not read yet
         self.wait_gpu_ms = 0.0
@@ -91,7 +93,7 @@ class PoolHostMoves:
         rows = self._host.pop(key)
         held = self.pool.import_carried(key, rows, self._stream)
         if self._stream is not None:  # the copy runs on the side stream: `ready` orders its use
-            copy = _Restore(torch.cuda.Event(enable_timing=True))
+            copy = _Restore(_timing_event())
             copy.done.record(self._stream)
             self._inflight[key] = copy
         return entry.with_block_table(held.block_table)
@@ -125,13 +127,25 @@ class PoolHostMoves:
         copy = self._inflight.pop(key, None)
         if copy is None:
             return
-        stream = torch.cuda.current_stream(self.pool.device)
+        stream = _current_stream(self.pool.device)
         if not copy.done.query():
             self.waits += 1
-        copy.need = torch.cuda.Event(enable_timing=True)
+        copy.need = _timing_event()
         copy.need.record(stream)
         stream.wait_event(copy.done)
         self._waiting.append(copy)
+
+    def settle(self, key: int) -> None:
+        """`key`'s restored rows are about to be freed unread (a fault between the restore and
+        `ready`): the CPU waits for their copy back, if one is in flight, and forgets it, so the
+        blocks' next owner (on any stream) writes after it and no in-flight entry outlives them."""
+        copy = self._inflight.pop(key, None)
+        if copy is not None:
+            copy.done.synchronize()
+
+    def in_flight(self) -> list[int]:
+        """Keys whose copy back is in flight (restored, `ready` or `settle` not called yet), sorted."""
+        return sorted(self._inflight)
 
     def gpu_wait(self) -> tuple[float, int]:
         """(ms the current stream waited for copies back, copies still running when their adopter
@@ -145,3 +159,18 @@ class PoolHostMoves:
                 keep.append(copy)
         self._waiting = keep
         return self.wait_gpu_ms, self.waits
+
+
+# ---- the copy back's CUDA calls (one seam: CPU tests put a recorder in their place) ----
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.current_stream(device)

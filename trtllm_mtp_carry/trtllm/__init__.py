@@ -206,12 +206,14 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
     if armed:
         assert probe.mtp_layer is not None  # runnable implies a draft manager with its MTP layer
         base = _base_resource_manager(probe.draft)
+        from ..dataplane.warm import warm_manager_kernels
         from .arena import reserve_for
 
         # in-process, the executor (and its KV cache) exists already: the arena comes out of
         # the headroom TensorRT-LLM left, reserved now rather than one deposit at a time
-        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, opts,
-                                            reserved=reserve_for(probe.draft, probe.mtp_layer, opts))
+        reserved = reserve_for(probe.draft, probe.mtp_layer, opts)
+        manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, opts, reserved=reserved)
+        warm_manager_kernels(manager, reserved)  # no Triton compile inside a timed turn
         probe.resource_manager.resource_managers[CARRY_MANAGER_KEY] = manager  # after DRAFT_KV
     attachment = CarryAttachment(probe.topology, armed, reason, opts, probe.version,
                                  probe.mtp_layer, probe.tokens_per_block, manager,

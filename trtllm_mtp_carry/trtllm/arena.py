@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from ..core.row_format import RowFormat
+from ..dataplane.pinned import pinned_empty
 from ..dataplane.row_format import FP8_DTYPE, PackedRows
 
 Rows = torch.Tensor | PackedRows
@@ -67,9 +68,13 @@ Allocate = Callable[[int, torch.device, bool], torch.Tensor]
 
 
 def torch_allocate(nbytes: int, device: torch.device, pinned: bool) -> torch.Tensor:
-    """The arena's storage from torch's allocator (pinned host memory only where CUDA runs)."""
+    """The arena's storage: device memory from torch's allocator; host memory plain, page-locked
+    for exactly `nbytes` where CUDA runs (`dataplane.pinned.pinned_empty`: torch's pinned
+    allocator would round it up to a power of two, 24 GiB pinning 32)."""
     if device.type == "cpu":
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
+        if pinned and torch.cuda.is_available():
+            return pinned_empty(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 

@@ -66,6 +66,7 @@ from ..core.outcome import Adopted, CarryOutcome
 from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
+from ..dataplane.pinned import held as pinned_held
 from ..dataplane.row_format import PackedRows
 from .arena import HeldRows, RowArena, Rows
 
@@ -275,6 +276,7 @@ class CarriedRows:
                 "refusals": self._store.refusals(),
                 "reserved_bytes": 0 if self._rows.arena is None else self._rows.arena.nbytes,
                 "host_reserved_bytes": 0 if self._host.arena is None else self._host.arena.nbytes,
+                "pinned_bytes_held": pinned_held(),  # page-locked now: the arena's exactly, torch's pool
                 "carry_host_memory": t.host_budget_bytes,
                 "hits": t.hits,
                 "demotions": t.demotions,

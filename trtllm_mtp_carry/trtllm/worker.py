@@ -314,6 +314,9 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
             reserved.release_entries()
         manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, options, report=_say,
                                             reserved=reserved)
+        from ..dataplane.warm import warm_manager_kernels
+
+        warm_manager_kernels(manager, reserved)  # no Triton compile inside a timed turn
         resources[CARRY_MANAGER_KEY] = manager  # where extra_resource_managers go
         _say(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
              f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "

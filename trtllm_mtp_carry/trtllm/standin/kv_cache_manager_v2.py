@@ -144,6 +144,11 @@ def poison_page(num_kv_heads: int, tpb: int, head_dim: int, dtype: torch.dtype) 
     return torch.randn(2, num_kv_heads, tpb, head_dim, generator=gen).to(dtype)
 
 
+def _manager_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The manager's `_stream` for pages on `device`: a fresh CUDA stream there, None on the CPU."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
 class KVCacheManagerV2(Conformant, BaseResourceManager):
     """Stand-in for `KVCacheManagerV2`: the attributes the adapter probes, over `PagedRows`.
 
@@ -174,7 +179,12 @@ class KVCacheManagerV2(Conformant, BaseResourceManager):
         self.enable_joint_kv_cache_reuse = False
         self._can_publish_block_reuse = not is_draft
         self._fresh_page_fill: object | None = None  # TRTLLM_KV_FRESH_PAGE_FILL unset: off
-        self._stream = None  # CPU: no stream
+        # kv_cache_manager_v2.py @ 0004396: `self._stream = execution_stream if execution_stream is
+        # not None else torch.cuda.current_stream()`; the creator passes its execution stream, on
+        # which PyExecutor runs the forward (`with torch.cuda.stream(self.execution_stream)`), not
+        # the stream prepare_resources runs on. With no executor stream to share, CUDA pages get a
+        # stream of their own (so the adapter's stream ordering runs); CPU pages: None (no CUDA).
+        self._stream = _manager_stream(paged.buf.device) if paged is not None else None
 
     def get_max_resource_count(self) -> int:
         return 1

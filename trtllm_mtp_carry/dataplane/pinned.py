@@ -1,0 +1,89 @@
+"""Page-locked host memory of exactly the bytes asked for, and the pinned bytes a process holds.
+
+What it is for: torch's pinned (caching host) allocator rounds every request up to a power
+of two and keeps freed blocks cached, so a 24 GiB host arena from
+`torch.empty(..., pin_memory=True)` page-locks 32 GiB while the budget, `stats()` and
+`info` say 24 GiB (on a GB10 that memory is the GPU's). `pinned_empty` allocates plain
+host memory (numpy) and page-locks exactly its bytes with `cudaHostRegister`
+(`torch.cuda.cudart()`); the registration ends when the memory is freed (the last tensor
+viewing it is gone). `held()` reports both kinds: this module's registrations (exact)
+and torch's pinned pool (`torch.cuda.host_memory_stats`, rounded, cached blocks included).
+
+Invariants:
+- A tensor from `pinned_empty(n)` has exactly `n` bytes, `is_pinned()` on CUDA (copies
+  from it may be `non_blocking`), and stays registered while any view of it lives.
+- `registered_bytes()` is the sum of the live registrations' sizes, never more.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["held", "pinned_empty", "registered_bytes"]
+
+_lock = threading.Lock()
+_registered = 0  # bytes page-locked by `pinned_empty` and not yet unregistered
+_PAGE = 4096
+
+
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings (the seam CPU tests replace)."""
+    return torch.cuda.cudart()
+
+
+def _unregister(ptr: int, nbytes: int) -> None:
+    global _registered
+    _cudart().cudaHostUnregister(ptr)
+    with _lock:
+        _registered -= nbytes
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor of exactly `nbytes`, page-locked for exactly those bytes.
+
+    `torch.OutOfMemoryError` when CUDA refuses the registration (the memory is released
+    then); ValueError for a negative size. Zero bytes: an empty tensor, nothing registered.
+    """
+    if type(nbytes) is not int or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    base = np.empty(nbytes + _PAGE, dtype=np.uint8)  # the registered range starts on a page
+    start = -int(base.ctypes.data) % _PAGE
+    array = base[start:start + nbytes]
+    ptr = int(array.ctypes.data)
+    cudart = _cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if err != cudart.cudaError.success:
+        raise torch.OutOfMemoryError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+    global _registered
+    with _lock:
+        _registered += nbytes
+    # the tensor's storage holds `array` (and it `base`) until its last view is gone: then unregister
+    done = weakref.finalize(base, _unregister, ptr, nbytes)
+    done.atexit = False  # at exit the process's page locks go with it; CUDA may be torn down
+    return torch.from_numpy(array)
+
+
+def registered_bytes() -> int:
+    """Bytes page-locked by `pinned_empty` now (exact)."""
+    with _lock:
+        return _registered
+
+
+def held() -> dict[str, int]:
+    """The pinned host bytes this process holds: `registered` (`pinned_empty`'s, exact) and
+    `torch_pool` (torch's caching host allocator: every block it pinned, rounded up to a power
+    of two, cached ones included; 0 without CUDA or where torch does not report it)."""
+    pool = 0
+    if torch.cuda.is_available():
+        try:
+            pool = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+        except (AttributeError, RuntimeError):  # a torch without host allocator stats
+            pool = 0
+    return {"registered": registered_bytes(), "torch_pool": pool}
