@@ -497,20 +497,20 @@ class DynamoDeployment:
         if self._status is not None:
             self._status.close()
         with self._lock:
-            processes = [w.process for w in self.workers]
-        if self.frontend is not None:
-            processes.append(self.frontend)
-        if self.broker is not None:
-            processes.append(self.broker)
-        for p in processes:
-            _signal_group(p, signal.SIGTERM)
+            workers = [w.process for w in self.workers]
         deadline = time.monotonic() + timeout_s
-        for p in processes:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
-                p.wait(5)
+        # the frontend first (it stops taking requests before the workers that serve them go),
+        # the broker last (the others' events flow until they stop)
+        for group in ([self.frontend], workers, [self.broker]):
+            processes = [p for p in group if p is not None]
+            for p in processes:
+                _signal_group(p, signal.SIGTERM)
+            for p in processes:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait(5)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> DynamoDeployment:
