@@ -90,3 +90,55 @@ def test_serve_dynamo_without_dynamo_names_the_extra_and_the_no_deps_install(tmp
         "trtllm-mtp-carry: error: NVIDIA Dynamo is not installed (no module dynamo._core): "
         'pip install -e ".[dynamo]" && pip install --no-deps ai-dynamo==1.6.1 '
         "(ai-dynamo's aisimulate dependency is an unreachable placeholder)"]
+
+
+_CHUNK = ('data: {"id":"c","choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":%s}],'
+          '"object":"chat.completion.chunk"}\n\n')
+_SSE = {  # the streams an HTTP-200 reply may carry; the first is Dynamo 1.6.1's own (a worker
+    # SIGKILLed mid-stream with --migration-limit 0, captured on loopback)
+    "dynamo_error_object": (_CHUNK % ("ab", "null") + 'data: {"error":{"message":"Service temporarily '
+                            'unavailable","type":"service_unavailable","code":503}}\n\ndata: [DONE]\n\n'),
+    "sse_error_event": _CHUNK % ("ab", "null") + "event: error\ndata: worker went away\n\n",
+    "cut": _CHUNK % ("ab", "null"),
+    "whole": _CHUNK % ("ab", "null") + _CHUNK % ("c", '"stop"') + "data: [DONE]\n\n",
+}
+
+
+@pytest.fixture(scope="module")
+def sse_server():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            body = _SSE[self.headers["x-dynamo-session-id"]].encode()
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("stream, error", [
+    ("dynamo_error_object", "stream error after HTTP 200: Service temporarily unavailable"),
+    ("sse_error_event", "stream error after HTTP 200: worker went away"),
+    ("cut", "stream after HTTP 200 ended without a finish_reason (cut after 2 characters)"),
+    ("whole", None),
+])
+def test_openai_client_counts_an_error_after_http_200_as_a_failed_turn_never_a_short_success(
+        sse_server, stream, error) -> None:
+    from trtllm_mtp_carry.serve.dynamo.openai_client import chat
+
+    reply = chat(sse_server, "m", [{"role": "user", "content": "x"}], 4, session_id=stream)
+    assert (reply.status, reply.error) == (200, error)
+    assert reply.text == ("abc" if error is None else "ab")
