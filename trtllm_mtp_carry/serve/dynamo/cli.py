@@ -39,8 +39,10 @@ def add_dynamo_flags(p: argparse.ArgumentParser) -> None:
                    help="route each turn on its own (x-dynamo-session-id is then ignored)")
     g.add_argument("--affinity-ttl-s", type=positive_int, default=600,
                    help="how long an idle session stays bound to its worker (default %(default)s)")
-    g.add_argument("--affinity-mode", choices=("hard", "soft"), default="hard",
-                   help="hard: a session waits for its worker; soft: it moves when the worker is gone")
+    g.add_argument("--affinity-mode", choices=("hard", "soft"), default="soft",
+                   help="soft (default): a session moves when its worker is gone, and a stream cut by "
+                   "a dead worker migrates; hard: a session waits for its worker (Dynamo 1.6.1 then "
+                   "fails a cut stream of a session instead of migrating it)")
     g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="workers publish no KV events (kv mode then routes on load only)")
     g.add_argument("--migration-limit", type=non_negative_int, default=DEFAULT_MIGRATION_LIMIT,
