@@ -114,6 +114,8 @@ def _cancelling_client(base_url: str, model: str, session: str, messages: list, 
         for raw in response:
             if raw.startswith(b"data:") and b'"content"' in raw:
                 break
+    elif when.startswith("after_"):  # hang up after this many seconds, whatever came
+        time.sleep(float(when[len("after_"):]))
     conn.sock.close()
     conn.close()
     return status
@@ -178,6 +180,17 @@ def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests
 
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(run, jobs))
+    # a turn queued behind its session's long running turn, cancelled while it waits:
+    # never started, counted once as kind="cancelled" on the session's worker
+    long = [{"role": "user", "content": "List the numbers from 1 to 500, one per line."}]  # ~650 tokens
+    answer: list = []
+    running = threading.Thread(target=lambda: answer.append(
+        chat(spec.base_url, spec.name, long, 2000, session_id="queued")))
+    running.start()
+    time.sleep(0.5)
+    _cancelling_client(spec.base_url, spec.name, "queued", long, "after_0.5")
+    running.join(300)
+    assert answer[0].error is None and answer[0].usage["completion_tokens"] > 600  # it outlasted the follower
 
     def agree(m) -> bool:
         return all(x["outcomes"] == x["requests"] for x in m.values())
@@ -191,7 +204,10 @@ def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests
         assert m["outcomes"] - m["cancelled"] == m["runtime_outcomes"], (wid, m)
         assert m["rows_adopted_total"] == m["rows_adopted_runtime"], (wid, m)
     routed = sum(m["requests"] - before.get(w, {"requests": 0.0})["requests"] for w, m in after.items())
-    assert 18 <= routed <= 24  # 12 first turns + 6 finished; a cancelled-at-once turn may not be routed
+    assert 20 <= routed <= 26  # 12 first turns + 6 finished + the long one and its queued follower;
+    # a turn cancelled at once may never be routed
+    cancelled = sum(m["cancelled"] - before.get(w, {"cancelled": 0.0})["cancelled"] for w, m in after.items())
+    assert cancelled == 1  # the queued follower (the others were admitted before their cancel)
 
 
 def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by_migration(
