@@ -85,7 +85,7 @@ def cmd_serve_dynamo(args: argparse.Namespace) -> int:
         deployment.supervise()
         with progress(None, "waiting for Dynamo", "check") as bar:  # a terminal only
             deployment.wait_ready(args.ready_timeout_s, on_poll=bar.update)
-        affinity = f"session affinity {'on' if spec.session_affinity else 'off'}"
+        affinity = f"session affinity {spec.affinity_mode if spec.session_affinity else 'off'}"
         lines = [f"serving model {spec.name!r} behind Dynamo ({len(deployment.workers)} workers, "
                  f"router {spec.router_mode}, {affinity}, migration limit {spec.migration_limit})",
                  f"  OpenAI  {spec.base_url}",
