@@ -13,7 +13,8 @@ Dynamo's own `dynamo_component_requests_total`, and the admitted ones equal the
 runtime's `outcomes.*` gauge; `drafter_rows_total{source="adopted"}` equals the
 runtime's `rows_adopted` under cancellations; a worker SIGKILLed mid-load is
 reported and restarted while every in-flight stream completes through
-migration with the in-process greedy answer; its sessions adopt again.
+migration with the in-process greedy answer; a restarted worker's sessions miss
+honestly (`never_carried`) and adopt again from their next turn.
 """
 
 from __future__ import annotations
@@ -281,6 +282,36 @@ def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by
         fourth = chat(spec.base_url, spec.name, history, 8, session_id=f"k{i}")
         assert fourth.error is None and fourth.carry["worker_id"] == third.carry["worker_id"]
         assert fourth.carry["outcome_kind"] == "adopted", (i, fourth.carry)
+
+
+def test_sessions_of_restarted_workers_miss_as_never_carried_then_adopt_again(
+        deployment: DynamoDeployment) -> None:
+    d, spec = deployment, deployment.spec
+    histories = []
+    for i in range(4):  # two turns each: the second adopts the first's rows
+        history = [{"role": "user", "content": f"{TOPIC} Restart case {i}."}]
+        for follow in ("Add a docstring.", "Shorter."):
+            reply = chat(spec.base_url, spec.name, history, 8, session_id=f"r{i}")
+            assert reply.error is None
+            history += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": follow}]
+        assert reply.carry["outcome_kind"] == "adopted"
+        histories.append(history)
+    restarts = d.restarts
+    for w in d.live_workers():  # every worker dies: whatever serves next holds nothing
+        w.process.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + READY_S
+    while d.restarts < restarts + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    d.wait_ready(READY_S)
+    for i, history in enumerate(histories):
+        miss = chat(spec.base_url, spec.name, history, 8, session_id=f"r{i}")
+        assert miss.error is None, miss.error
+        assert (miss.carry["outcome_kind"], miss.carry["no_carry_reason"], miss.carry["drafter_rows_kept"]) \
+            == ("no_carry", "never_carried", 0), (i, miss.carry)
+        history = history + [{"role": "assistant", "content": miss.text}, {"role": "user", "content": "Again."}]
+        again = chat(spec.base_url, spec.name, history, 8, session_id=f"r{i}")
+        assert again.error is None and again.carry["worker_id"] == miss.carry["worker_id"]
+        assert again.carry["outcome_kind"] == "adopted", (i, again.carry)
 
 
 def test_a_clean_start_and_stop_log_no_error_line() -> None:
