@@ -214,13 +214,11 @@ def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests
 def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by_migration(
         deployment: DynamoDeployment, reference_engine) -> None:
     d, spec = deployment, deployment.spec
-    victim = d.live_workers()[0]
     streams = [[{"role": "user", "content": f"{TOPIC} Case {i}, in detail."}] for i in range(6)]
     first_turns = [chat(spec.base_url, spec.name, m, 8, session_id=f"k{i}") for i, m in enumerate(streams)]
     assert [t.error for t in first_turns] == [None] * 6
     histories = [m + [{"role": "assistant", "content": t.text}, {"role": "user", "content": "Explain it."}]
                  for m, t in zip(streams, first_turns, strict=True)]
-    started = threading.Event()
     results: list = [None] * 6
 
     def run(i: int) -> None:
@@ -230,14 +228,18 @@ def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not started.is_set():  # kill once the victim streams
-        status, page = _get(victim.metrics_url, timeout=5)
-        inflight = re.search(r'dynamo_component_inflight_requests\{[^}]*dynamo_endpoint="generate"[^}]*\} (\d+)',
-                             page)
-        if inflight and int(inflight.group(1)) > 0:
-            started.set()
-        time.sleep(0.05)
-    assert started.is_set(), "the victim never had a request in flight"
+    victim = None
+    while time.monotonic() < deadline and victim is None:  # the first worker seen streaming dies
+        for w in d.live_workers():
+            page = _get(w.metrics_url, timeout=5)[1]
+            inflight = re.search(
+                r'dynamo_component_inflight_requests\{[^}]*dynamo_endpoint="generate"[^}]*\} (\d+)', page)
+            if inflight and int(inflight.group(1)) > 0:
+                victim = w
+                victim_id = int(re.search(r'worker_id="([0-9a-f]+)"', page).group(1), 16)  # type: ignore[union-attr]
+                break
+        time.sleep(0.02)
+    assert victim is not None, "no worker was seen with a request in flight"
     victim.process.send_signal(signal.SIGKILL)
     for t in threads:
         t.join(300)
@@ -245,6 +247,10 @@ def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by
         assert reply.error is None, (i, reply.error)
         assert reply.finish_reason in ("stop", "length")
         assert reply.text == expected_text(reference_engine, histories[i], 48), i
+    # a stream the victim was serving finished on the other worker (nvext.worker_id keeps the
+    # first routing; the worker's own report names who finished)
+    migrated = [r for r in results if r.worker_id == victim_id]
+    assert migrated and all(r.carry["worker_id"] != victim_id for r in migrated)
 
     deadline = time.monotonic() + READY_S
     while not any(e.startswith(f"worker {victim.index} restarted") for e in d.events) \
