@@ -300,7 +300,11 @@ class DynamoDeployment:
         for _ in range(self.spec.workers):
             self.add_worker()
         if self.spec.status_port is not None:
-            self._status = StatusServer(self, host, self.spec.status_port)
+            try:
+                self._status = StatusServer(self, host, self.spec.status_port)
+            except OSError as exc:
+                raise DeploymentError(f"the status server cannot listen on {host}:{self.spec.status_port} "
+                                      f"(--metrics-port): {exc}") from exc
 
     def add_worker(self) -> WorkerProcess:
         """Start one more worker (also after a failover); `wait_ready` waits for it too."""
