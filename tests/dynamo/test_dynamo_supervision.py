@@ -3,8 +3,9 @@
 Real Dynamo 1.6.1 (frontend, event broker, carry workers), no network namespace:
 every socket the deployment opens must be on 127.0.0.1 by itself. One
 deployment of two workers serves the module (request migration on, the
-supervisor restarting dead workers); two one-worker deployments pin a clean
-start and stop (no ERROR line) and `--on-worker-death exit` through the CLI.
+supervisor restarting dead workers); one-worker deployments pin a clean start
+and stop (no ERROR line) and, through the CLI, the exit naming a dead worker
+(`--on-worker-death exit`, or its restarts spent).
 
 Pins (issue 45): no listener beyond loopback; every request a worker was handed
 counts exactly once in `mtp_carry_outcomes_total` (its outcome kind, or
@@ -338,12 +339,17 @@ def test_a_clean_start_and_stop_log_no_error_line() -> None:
         shutil.rmtree(d.workdir, ignore_errors=True)
 
 
-def test_under_on_worker_death_exit_serve_exits_non_zero_naming_the_dead_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags, why", [
+    (["--on-worker-death", "exit"], "--on-worker-death exit: stopping the deployment"),
+    (["--worker-restarts", "0"], "its restarts are spent (--worker-restarts 0): stopping the deployment"),
+])
+def test_serve_exits_non_zero_naming_the_dead_worker_at_its_first_death_or_its_last_restart(
+        tmp_path: Path, flags: list[str], why: str) -> None:
     port, status_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-c", "from trtllm_mtp_carry.cli import main; raise SystemExit(main())",
          "serve", "--dynamo", "--workers", "1", "--http-port", str(port), "--metrics-port", str(status_port),
-         "--on-worker-death", "exit"],
+         *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
         env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
              "PYTHONPATH": str(ROOT)})
@@ -363,5 +369,4 @@ def test_under_on_worker_death_exit_serve_exits_non_zero_naming_the_dead_worker(
             process.kill()
             process.communicate()
     assert process.returncode == 2
-    assert err.splitlines()[-1] == (f"trtllm-mtp-carry: error: worker 0 (pid {pid}) died: killed by SIGKILL; "
-                                    "--on-worker-death exit: stopping the deployment")
+    assert err.splitlines()[-1] == f"trtllm-mtp-carry: error: worker 0 (pid {pid}) died: killed by SIGKILL; {why}"

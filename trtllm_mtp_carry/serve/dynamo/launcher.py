@@ -467,8 +467,8 @@ class DynamoDeployment:
                     self._give_up(f"worker {w.index} (pid {w.pid}) died: {status}; "
                                   "--on-worker-death exit: stopping the deployment")
                 elif done >= self.spec.worker_restarts:
-                    self._give_up(f"worker {w.index} (pid {w.pid}) died: {status}; its "
-                                  f"{self.spec.worker_restarts} restarts are spent: stopping the deployment")
+                    self._give_up(f"worker {w.index} (pid {w.pid}) died: {status}; its restarts are spent "
+                                  f"(--worker-restarts {self.spec.worker_restarts}): stopping the deployment")
                 else:
                     delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** done)
                     attempts[w.index] = done + 1
