@@ -157,6 +157,32 @@ def test_every_socket_of_the_deployment_listens_on_loopback_only(deployment: Dyn
     assert {host for hosts in found.values() for host in hosts} == {"127.0.0.1"}, found
 
 
+def test_host_moves_every_socket_of_the_deployment_there() -> None:
+    # the one option that opens the deployment: checked with another loopback address
+    # (127.0.0.2), so nothing opens to a network during the test
+    if shutil.which("ss") is None:
+        pytest.skip("ss (iproute2) not found")
+    try:
+        port = free_port(host="127.0.0.2")
+    except Exception as exc:  # no 127.0.0.0/8 beyond 127.0.0.1 on this host
+        pytest.skip(f"127.0.0.2 is not bindable here: {exc}")
+    spec = DynamoSpec(workers=1, http_host="127.0.0.2", http_port=port, status_port=0)
+    d = DynamoDeployment(spec, on_event=lambda line: None)
+    try:
+        d.start()
+        d.wait_ready(READY_S)
+        assert chat(spec.base_url, spec.name, [{"role": "user", "content": TOPIC}], 4).error is None
+        listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+        pids = [d.frontend.pid, d.broker.pid, d.workers[0].pid]  # type: ignore[union-attr]
+        status_port = d._status.port  # type: ignore[union-attr]
+        local = [ln.split()[3] for ln in listing.splitlines()
+                 if any(f"pid={pid}," in ln for pid in pids) or ln.split()[3].endswith(f":{status_port}")]
+    finally:
+        d.stop()
+    # frontend: HTTP + response stream; broker: XSUB + XPUB; worker: request plane + system; status
+    assert len(local) == 7 and {addr.rsplit(":", 1)[0] for addr in local} == {"127.0.0.2"}, local
+
+
 def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests(
         deployment: DynamoDeployment) -> None:
     d, spec = deployment, deployment.spec
