@@ -11,7 +11,7 @@ Ownership and invariants:
 - Every deployment has its own working directory (a fresh file-discovery
   directory, so no stale entry of an earlier run is routed to; the model
   directory; `HOME`, where the frontend caches model cards; the logs), removed
-  on `stop()`.
+  on `stop()` (kept with `stop(remove=False)`, for `error_lines()`).
 - Every socket it opens binds to `spec.http_host` (127.0.0.1 unless asked):
   the frontend's HTTP port, each process's request and response planes
   (`DYN_TCP_RPC_HOST`, `DYN_TCP_RESPONSE_STREAM_HOST`), each worker's system
@@ -26,8 +26,9 @@ Ownership and invariants:
   status) and, by `on_worker_death="restart"`, restarted in its slot after a
   backoff (1 s, doubling, at most 30 s), at most `worker_restarts` times per
   slot; its discovery entries are removed at once, so the router stops sending
-  to it. Then (or at the first death under `"exit"`, or when the frontend or the
-  broker dies) `failure` names the process and `failed` is set.
+  to it. When a slot's restarts are spent, at the first death under `"exit"`, or
+  when the frontend or the broker dies, `failure` names the process (one line,
+  also passed to `on_event`) and `failed` is set; `serve --dynamo` then stops.
 - Each process runs in its own process group; `stop()` sends SIGTERM to
   every group, waits, then SIGKILLs what is left. Nothing outside the
   deployment is ever signalled.
