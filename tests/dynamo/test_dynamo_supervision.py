@@ -235,7 +235,9 @@ def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests
     assert 20 <= routed <= 26  # 12 first turns + 6 finished + the long one and its queued follower;
     # a turn cancelled at once may never be routed
     cancelled = sum(m["cancelled"] - before.get(w, {"cancelled": 0.0})["cancelled"] for w, m in after.items())
-    assert cancelled == 1  # the queued follower (the others were admitted before their cancel)
+    # the queued follower at least (a turn hung up at once may also be cancelled before its
+    # admission, by timing; each such one is in the outcomes = requests equality above)
+    assert cancelled >= 1
 
 
 def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by_migration(
