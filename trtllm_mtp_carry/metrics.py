@@ -13,7 +13,10 @@ that serve their own endpoint.
                                               the kind decided at its admission, as the runtime's
                                               `outcomes` gauge counts it (kind="fault": the
                                               admission itself faulted; a fault later in a turn
-                                              keeps its kind and counts in `turns_faulted`)
+                                              keeps its kind and counts in `turns_faulted`);
+                                              kind="cancelled": a request cancelled before its
+                                              admission (never started, no carry decision: the
+                                              runtime's gauge has no such kind)
     mtp_carry_no_carry_total{reason}          no_carry turns by why the session's entry was
                                               absent (never_carried, memory, idle, ...)
     mtp_carry_drafter_rows_total{source}      rows adopted (kept) / computed
@@ -93,6 +96,12 @@ class CarryMetrics:
         for result, value in (("proposed", stats.drafted), ("accepted", stats.accepted)):
             if value:
                 self.metric("drafts", "result", result).increment(value)
+
+    def record_unadmitted(self, reason: str) -> None:
+        """Count one request that left before its admission as `outcomes{kind=reason}`
+        (`cancelled`: its client cancelled it; it never ran and made no carry decision), so
+        the outcomes add up to the requests a front end started."""
+        self.metric("outcomes", "kind", reason).increment(1)
 
     def record_error(self, reason: str) -> None:
         """Count one error response."""

@@ -1,10 +1,11 @@
 """A private network namespace for the Dynamo tests, and a client that runs inside it.
 
-Dynamo's ZMQ KV-event publisher binds 0.0.0.0 by itself, so every Dynamo
-process of these tests (frontend, workers, clients) runs in one private
-user + network namespace (`unshare -rn`, held open by a sleeping process,
-entered with `nsenter`): its loopback is the only network they see, and
-nothing they open is reachable from outside. Fixed ports are private there.
+The deployment listens on 127.0.0.1 only by itself (its event broker keeps Dynamo's
+ZMQ publishers off 0.0.0.0: test_dynamo_supervision.py checks it on plain
+loopback). These tests still run every Dynamo process (frontend, workers,
+clients) in one private user + network namespace (`unshare -rn`, held open by a
+sleeping process, entered with `nsenter`) so that the docs' fixed ports (8000,
+8002) are private there and never collide with another run on the machine.
 
 `ns_client.py` is the client side: it reads one JSON job on stdin, runs it
 against the deployment with `serve.dynamo.openai_client`, and prints JSON.

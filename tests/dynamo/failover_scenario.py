@@ -1,6 +1,6 @@
 """Runs inside the tests' network namespace: a session across a SIGKILL and a SIGTERM of its worker.
 
-Two workers behind the frontend (kv router, hard session affinity: the default). One
+Two workers behind the frontend (kv router, hard session affinity, set explicitly: the default is soft). One
 session's turns: 2 turns on its worker A; SIGKILL A; turn 3 (retried on 5xx)
 and turn 4 on worker B; a third worker C joins; SIGTERM B; turns 5 and 6 on C.
 Prints every turn's reply (and the messages sent) and the worker of each step as JSON.

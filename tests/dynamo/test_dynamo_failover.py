@@ -3,7 +3,7 @@
 Pins: the next turn is served by another worker with the right output (the
 in-process greedy answer), the carry is refused there (nothing of the session
 on that worker) and the drafter built the slow way; the turn after adopts
-again on the new worker. Under hard affinity (the default) a SIGKILL costs retryable
+again on the new worker. Under hard affinity (set explicitly; the default is soft) a SIGKILL costs retryable
 503s until the binding is dropped, and a SIGTERM hands over without a single failed request.
 """
 

@@ -90,3 +90,97 @@ def test_serve_dynamo_without_dynamo_names_the_extra_and_the_no_deps_install(tmp
         "trtllm-mtp-carry: error: NVIDIA Dynamo is not installed (no module dynamo._core): "
         'pip install -e ".[dynamo]" && pip install --no-deps ai-dynamo==1.6.1 '
         "(ai-dynamo's aisimulate dependency is an unreachable placeholder)"]
+
+
+_CHUNK = ('data: {"id":"c","choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":%s}],'
+          '"object":"chat.completion.chunk"}\n\n')
+_SSE = {  # the streams an HTTP-200 reply may carry; the first is Dynamo 1.6.1's own (a worker
+    # SIGKILLed mid-stream with --migration-limit 0, captured on loopback)
+    "dynamo_error_object": (_CHUNK % ("ab", "null") + 'data: {"error":{"message":"Service temporarily '
+                            'unavailable","type":"service_unavailable","code":503}}\n\ndata: [DONE]\n\n'),
+    "sse_error_event": _CHUNK % ("ab", "null") + "event: error\ndata: worker went away\n\n",
+    "cut": _CHUNK % ("ab", "null"),
+    "whole": _CHUNK % ("ab", "null") + _CHUNK % ("c", '"stop"') + "data: [DONE]\n\n",
+}
+
+
+@pytest.fixture(scope="module")
+def sse_server():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            body = _SSE[self.headers["x-dynamo-session-id"]].encode()
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("stream, error", [
+    ("dynamo_error_object", "stream error after HTTP 200: Service temporarily unavailable"),
+    ("sse_error_event", "stream error after HTTP 200: worker went away"),
+    ("cut", "stream after HTTP 200 ended without a finish_reason (cut after 2 characters)"),
+    ("whole", None),
+])
+def test_openai_client_counts_an_error_after_http_200_as_a_failed_turn_never_a_short_success(
+        sse_server, stream, error) -> None:
+    from trtllm_mtp_carry.serve.dynamo.openai_client import chat
+
+    reply = chat(sse_server, "m", [{"role": "user", "content": "x"}], 4, session_id=stream)
+    assert (reply.status, reply.error) == (200, error)
+    assert reply.text == ("abc" if error is None else "ab")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"migration_limit": -1}, "migration limit must be an int in [0, 100], got -1"),
+    ({"migration_limit": True}, "migration limit must be an int in [0, 100], got True"),
+    ({"on_worker_death": "ignore"}, "on worker death must be one of restart, exit, got 'ignore'"),
+    ({"worker_restarts": -2}, "worker restarts must be an int >= 0, got -2"),
+])
+def test_dynamo_spec_names_a_bad_supervision_or_migration_value(kwargs, message) -> None:
+    from trtllm_mtp_carry.serve.dynamo.launcher import DynamoSpec
+
+    with pytest.raises(ValueError) as info:
+        DynamoSpec(**kwargs)
+    assert str(info.value) == message
+
+
+def test_dynamo_spec_defaults_migrate_soft_affine_sessions_and_bind_loopback() -> None:
+    from trtllm_mtp_carry.serve.dynamo.launcher import DEFAULT_MIGRATION_LIMIT, DynamoSpec
+
+    spec = DynamoSpec(http_port=8123)
+    args = spec.frontend_args()
+    assert args[args.index("--http-host") + 1] == "127.0.0.1"
+    assert args[args.index("--migration-limit") + 1] == str(DEFAULT_MIGRATION_LIMIT) == "3"
+    assert args[args.index("--router-session-affinity-mode") + 1] == "soft"
+    assert (spec.on_worker_death, spec.worker_restarts) == ("restart", 3)
+    opened = DynamoSpec(http_host="0.0.0.0", http_port=8123)
+    assert (opened.base_url, opened.connect_host) == ("http://127.0.0.1:8123/v1", "127.0.0.1")
+
+
+def test_status_metrics_say_how_many_workers_are_alive_and_how_often_they_restarted() -> None:
+    from trtllm_mtp_carry.serve.dynamo.launcher import exit_text, status_metrics
+
+    page = status_metrics({"workers_configured": 2, "workers_alive": 1, "workers_registered": 1,
+                           "worker_restarts": 3, "worker_deaths": 4})
+    samples = [ln for ln in page.splitlines() if not ln.startswith("#")]
+    assert samples == ['mtp_carry_dynamo_workers{state="configured"} 2',
+                       'mtp_carry_dynamo_workers{state="alive"} 1',
+                       'mtp_carry_dynamo_workers{state="registered"} 1',
+                       "mtp_carry_dynamo_worker_restarts_total 3",
+                       "mtp_carry_dynamo_worker_deaths_total 4"]
+    assert (exit_text(-9), exit_text(1), exit_text(-15)) == (
+        "killed by SIGKILL", "exit status 1", "killed by SIGTERM")

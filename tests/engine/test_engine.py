@@ -279,3 +279,20 @@ def test_output_so_far_streams_exactly_the_final_output(model):
     final = results[0].output
     assert all(final[: len(s)] == s for s in seen)  # every partial is a prefix of the answer
     assert eng.output_so_far(rid) is None  # finished: no longer known
+
+
+def test_a_turn_cancelled_mid_prefill_reports_the_rows_it_adopted_as_the_runtime_counts_them(model):
+    # issue 45: such a turn said drafter_rows_kept 0 while the runtime's rows_adopted grew,
+    # so mtp_carry_drafter_rows_total{source="adopted"} fell behind rows_adopted under cancellations
+    gen = torch.Generator().manual_seed(45)
+    eng = engine(model)
+    _, _, prompt2 = first_turn_then(eng, gen, "c", 40, 6, 60)  # 60 new tokens: 4+ prefill chunks
+    adopted_before = eng.runtime.stats().rows_adopted
+    rid = eng.submit("c", prompt2, max_new_tokens=8)
+    assert eng.step() == []  # admitted (the carry adopted), one chunk of its prefill done
+    result = eng.cancel(rid)
+    assert result.finish_reason == "cancelled" and result.output == []
+    adopted = eng.runtime.stats().rows_adopted - adopted_before
+    assert result.stats.outcome_kind == "adopted" and adopted > 0
+    assert result.stats.drafter_rows_kept == adopted
+    eng.check()

@@ -225,3 +225,49 @@ def test_every_error_response_is_counted_once_by_its_reason(model):
     assert [len(s.errors) for s in sinks] == [1, 1, 1]
     assert sinks[0].errors == ["text_input is empty (''); send the user's message"]
     assert reasons == ["invalid_request", "invalid_request", "unknown_session"]
+
+
+
+class CancelledAtOnce(ListSink):
+    """A client that cancelled before its request ran."""
+
+    def cancelled(self):
+        return True
+
+
+class CancelledWhen(ListSink):
+    """A client that cancels once `other` has streamed tokens."""
+
+    def __init__(self, other):
+        super().__init__()
+        self.other = other
+
+    def cancelled(self):
+        return bool(self.other.partials)
+
+
+def test_a_request_cancelled_while_queued_is_never_started_and_counts_once_as_unadmitted(model):
+    # issue 45: a request cancelled while it waited (here behind its session's running turn;
+    # and in the engine's queue behind another session) still ran, or left with no count at all
+    gen = torch.Generator().manual_seed(9)
+    prompt = random_prompt(gen, 40)
+    turns, unadmitted, reasons = [], [], []
+    server = SessionServer(engine(model, max_num_seqs=1), ServeOptions(max_tokens=12), None,
+                           on_turn=turns.append, on_unadmitted=unadmitted.append, on_error=reasons.append)
+    server.start()
+    try:
+        first = ListSink()
+        queued, in_engine = CancelledAtOnce(), CancelledWhen(first)
+        server.enqueue(TurnRequest(corrid=21, start=True, input_ids=prompt), first)
+        server.enqueue(TurnRequest(corrid=21, input_ids=prompt), queued)  # waits for turn 1 here
+        server.enqueue(TurnRequest(corrid=22, start=True, input_ids=prompt), in_engine)  # in the engine's queue
+        for sink in (first, queued, in_engine):
+            assert sink.done.wait(120)
+    finally:
+        server.stop()
+    assert first.result is not None and not first.errors
+    assert queued.errors == ["the request was cancelled before it started"] and queued.partials == []
+    assert in_engine.errors == ["the request was cancelled"] and in_engine.partials == []
+    assert [t.request_id for t in turns] == [first.result.request_id]  # the one admitted turn
+    assert unadmitted == ["cancelled", "cancelled"]
+    assert reasons == ["cancelled", "cancelled"]

@@ -524,6 +524,9 @@ class ReferenceEngine:
             # a turn cancelled later, or whose drafter is dropped, keeps it
             stats.outcome_kind = build.outcome.kind if build.outcome else build.mode
             stats.no_carry_reason = getattr(build.outcome, "reason", "")  # NoCarry's, else ""
+            # the rows it adopted are its from here (the runtime counted them in rows_adopted):
+            # a turn stopped mid-prefill reports them too, not 0
+            stats.drafter_rows_kept = build.rows_kept
             seq = _Sequence(
                 req.request_id, req.session_id, req.session_hash, req.carry_key, ticket,
                 req.policy, req.draft_len, req.max_new_tokens, req.prompt, list(req.prompt), keys,

@@ -158,7 +158,8 @@ def add_subcommands(sub: Any) -> None:
                        "wait for, --name); default: write one to a temporary directory")
     serve.add_argument("--tritonserver", default=None, metavar="PATH",
                        help="server binary (default: nvidia-pytriton's, else tritonserver on PATH)")
-    serve.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address of every socket the server "
+                       "opens (default %(default)s: loopback only)")
     serve.add_argument("--http-port", type=_port, default=8000)
     serve.add_argument("--grpc-port", type=_port, default=8001)
     serve.add_argument("--metrics-port", type=_port, default=8002)

@@ -22,6 +22,10 @@ Ownership and invariants:
   error (a cancelled request, or one whose client went away mid-stream, gets
   an error too, so the server never waits on it). Each error counts once in
   `on_error(reason)`, `reason` one of `ERROR_REASONS`.
+- A request whose client cancelled it before the engine admitted it (still
+  queued here or in the engine) is never started: it gets its error and counts
+  once in `on_unadmitted("cancelled")`; one admitted, once in `on_turn`. So
+  each cancelled request is counted exactly once, by one of the two.
 - Idle means no request in flight: a session ends `idle_timeout_s` after its
   last turn finished, never while a turn runs. A turn still unfinished
   `options.max_turn_s` after it arrived is cancelled with an error, so a
@@ -143,19 +147,22 @@ class SessionServer:
     counted whether or not its client stayed. `on_forget(cause, rows)` sees
     every session end (both from the stepping thread), `on_error(reason)`
     every error response (from the stepping thread, or from `enqueue`'s and
-    `refuse`'s caller): metrics hook here.
+    `refuse`'s caller), `on_unadmitted("cancelled")` every request cancelled before
+    its admission (from the stepping thread): metrics hook here.
     """
 
     def __init__(self, engine: ServingEngine, options: ServeOptions, idle_timeout_s: float | None = None,
                  on_turn: Callable[[Any], None] | None = None,
                  on_forget: Callable[[str, int], None] | None = None,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None,
+                 on_unadmitted: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.options = options
         self.idle_timeout_s = idle_timeout_s
         self._on_turn = on_turn or (lambda result: None)
         self._on_forget = on_forget or (lambda cause, rows: None)
         self._on_error = on_error or (lambda reason: None)
+        self._on_unadmitted = on_unadmitted or (lambda reason: None)
         self._pending: deque[_Pending] = deque()
         self._inflight: dict[int, _InFlight] = {}  # engine request id -> its request
         self._busy: set[int] = set()  # sessions with a turn in the engine
@@ -237,6 +244,12 @@ class SessionServer:
             if corrid in self._sessions or request.end:
                 self._forget(corrid, "end" if request.end else "restart")
             return
+        if sink.cancelled():  # its client went away while it waited here: never start it
+            self._send_error(sink, "the request was cancelled before it started", "cancelled")
+            self._on_unadmitted("cancelled")
+            if request.end:
+                self._forget(corrid, "end")
+            return
         if request.start and corrid in self._sessions:
             self._forget(corrid, "restart")
         # a START turn opens the session only once the engine accepted it
@@ -317,14 +330,17 @@ class SessionServer:
         the front end never waits on it (Triton's shutdown would)."""
         result = self.engine.cancel(rid)
         self._release(rid, flight)  # first, as `_finish` does: the turn leaves flight whatever the hook does
-        self._stopped(result)
+        self._stopped(result, reason)
         self._send_error(flight.sink, message, reason)
 
-    def _stopped(self, result: Any) -> None:
+    def _stopped(self, result: Any, reason: str = "") -> None:
         """Report a stopped turn that was admitted (its outcome was decided); a request
-        stopped while still queued had no outcome and is not a turn of the engine's."""
+        stopped while still queued in the engine had no outcome and is not a turn of the
+        engine's: a cancelled one counts in `on_unadmitted`."""
         if result is not None and result.stats.outcome_kind:
             self._on_turn(result)
+        elif result is not None and reason == "cancelled":
+            self._on_unadmitted("cancelled")
 
     def _finish(self, rid: int, flight: _InFlight, result: Any) -> None:
         request = flight.request

@@ -10,6 +10,12 @@ Prometheus text for Dynamo's `/metrics` (`EngineMetrics.register_prometheus_expf
 Plus `mtp_carry_kv_events_total{kind=stored|removed}`: the prefix-cache blocks
 this worker announced to the router (its KV events).
 
+`mtp_carry_outcomes_total` counts every request this worker was handed exactly
+once: at its admission by its carry outcome kind, or as `kind="cancelled"` when
+its client cancelled it before admission (the worker never started it). Their
+sum equals the requests Dynamo routed here (`dynamo_component_requests_total`
+of the `generate` endpoint), bad requests aside (400s, counted in neither).
+
 Labels: Dynamo's own labels of the worker (`auto_labels`: namespace,
 component, endpoint, model, ...) plus `instance=<worker id>`, so the counters
 of several workers add up and tell apart. Updated only from the worker's
@@ -38,6 +44,9 @@ class WorkerMetrics:
 
     def record_turn(self, stats: Any) -> None:
         self._carry.record_turn(stats)
+
+    def record_unadmitted(self, reason: str) -> None:
+        self._carry.record_unadmitted(reason)
 
     def record_session_end(self, cause: str, rows_freed: int) -> None:
         self._carry.record_session_end(cause, rows_freed)

@@ -14,8 +14,13 @@ needs from Dynamo:
   acceptance) and the id of the worker that served it.
 
 Time to first token is the client's: request sent to the first chunk with
-text. An error response (HTTP status or an error event mid-stream) becomes
-`ChatReply.error` with the server's message; nothing raises for it.
+text. An error response becomes `ChatReply.error` with the server's message;
+nothing raises for it. A streamed reply is a failed turn, never a short
+success, when after HTTP 200 the stream carries an error (an SSE `event: error`,
+or a `data:` object with `error` and no `choices`: Dynamo's
+`{"error": {"message": ..., "code": 503}}` when a worker dies and migration
+is off or spent), a `data:` line that is not JSON, or ends without a
+`finish_reason` (cut). `ChatReply.status` stays the HTTP status (200).
 """
 
 from __future__ import annotations
@@ -118,16 +123,26 @@ def _nvext(reply: ChatReply, chunk: dict[str, Any]) -> None:
 
 def _read_stream(response: http.client.HTTPResponse, reply: ChatReply, t0: float) -> None:
     parts: list[str] = []
+    event = ""  # the SSE event type of the lines being read ("" until an `event:` line)
     for raw in response:
-        line = raw.decode("utf-8", "replace").strip()
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if not line:  # a blank line ends an SSE event
+            event = ""
+            continue
+        if line.startswith("event:"):
+            event = line[6:].strip()
+            continue
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
             break
-        chunk = json.loads(data)
-        if "choices" not in chunk:  # an error event mid-stream
-            reply.error = _error_message(data.encode())
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            chunk = None
+        if event == "error" or not isinstance(chunk, dict) or "choices" not in chunk:
+            reply.error = f"stream error after HTTP {reply.status}: {_error_message(data.encode())}"
             break
         _nvext(reply, chunk)
         if chunk.get("usage"):
@@ -141,6 +156,9 @@ def _read_stream(response: http.client.HTTPResponse, reply: ChatReply, t0: float
             if choice.get("finish_reason"):
                 reply.finish_reason = choice["finish_reason"]
     reply.text = "".join(parts)
+    if reply.error is None and reply.finish_reason is None:
+        reply.error = (f"stream after HTTP {reply.status} ended without a finish_reason "
+                       f"(cut after {len(reply.text)} characters)")
 
 
 def _read_whole(body: dict[str, Any], reply: ChatReply) -> None:

@@ -21,8 +21,12 @@ Invariants:
   prompt alone. A request without a session id runs as a one-turn session of
   its own that ends with the turn: its rows are never adopted by anything.
 - One thread (the SessionServer's) owns the engine; `generate` only queues
-  and reads what that thread streams. A cancelled request (client gone,
-  `context.is_stopped()`) is cancelled in the engine and frees what it holds.
+  and reads what that thread streams. A request already cancelled when it
+  arrives (the frontend gave up on it first) is never queued; one cancelled
+  while queued is never started; one cancelled while running (client gone,
+  `context.is_stopped()`, Dynamo's `abort`) is cancelled in the engine and frees
+  what it holds. Each counts once in `mtp_carry_outcomes_total`: by its outcome
+  kind if admitted, else as `cancelled` (`WorkerMetrics`).
 - Bad input (empty prompt, max_tokens <= 0, a prompt past the context, an
   unknown drafter policy) raises `InvalidArgument` naming it: the frontend
   answers an OpenAI-style 400 and the worker keeps serving.
@@ -229,7 +233,8 @@ class CarryWorker(LLMEngine):
             blocks.listener = self.relay
         self.metrics = WorkerMetrics(self.served_model_name, f"{worker_id:x}")
         self.server = SessionServer(self.engine, self.options, idle_timeout_s=self.idle_timeout_s,
-                                    on_turn=self._on_turn, on_forget=self.metrics.record_session_end)
+                                    on_turn=self._on_turn, on_forget=self.metrics.record_session_end,
+                                    on_unadmitted=self.metrics.record_unadmitted)
         self.server.start()
         logger.info("mtp-carry worker %s serving %s (engine %s)", worker_id,
                     self.served_model_name, self.options.engine)
@@ -281,6 +286,11 @@ class CarryWorker(LLMEngine):
         assert self.server is not None
         normalize_request_token_ids(request)
         turn = self._turn_request(request)
+        if context.is_stopped() or context.is_killed():  # cancelled before it got here: never start it
+            assert self.metrics is not None
+            self.metrics.record_unadmitted("cancelled")
+            yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+            return
         sink = _StreamSink(asyncio.get_running_loop())
         key = str(context.id())
         self._streams[key] = sink

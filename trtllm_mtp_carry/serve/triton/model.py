@@ -188,7 +188,7 @@ class TritonPythonModel:
             metrics.refresh(engine.runtime.stats())
 
         self._server = SessionServer(engine, options, idle_s, on_turn=on_turn, on_forget=on_forget,
-                                     on_error=metrics.record_error)
+                                     on_error=metrics.record_error, on_unadmitted=metrics.record_unadmitted)
         self._server.start()
         logger.info("%s ready: %s", self._instance, options)
 
