@@ -6,6 +6,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from standin_helpers import model
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
@@ -30,9 +31,19 @@ def test_tp_above_one_is_refused() -> None:
         "tensor parallel size 2: the carry runs in-process with TP=1 only")
 
 
-def test_non_bf16_kv_is_refused() -> None:
-    msg = _refusal(_llm(kv_dtype=DataType.FP8))
-    assert msg.startswith("draft KV cache dtype is FP8: the carry supports BF16 KV only")
+def test_kv_other_than_bf16_or_fp8_is_refused() -> None:
+    msg = _refusal(_llm(kv_dtype=DataType.HALF))
+    assert msg.startswith("draft KV cache dtype is HALF: the carry supports BF16 and FP8 KV only")
+
+
+def test_an_fp8_draft_pool_is_accepted_and_pages_of_another_dtype_are_refused() -> None:
+    llm = _llm(kv_dtype=DataType.FP8)
+    assert llm.executor.paged.buf.dtype == torch.float8_e4m3fn
+    assert attach(llm).armed
+    llm = _llm(kv_dtype=DataType.FP8)
+    llm.executor.paged.buf = llm.executor.paged.buf.view(torch.int8)  # pages of no KV format
+    assert _refusal(llm) == ("draft KV pages are torch.int8: the carry supports BF16 and FP8 "
+                             "(float8_e4m3fn) KV pages only")
 
 
 def test_attention_dp_is_refused() -> None:

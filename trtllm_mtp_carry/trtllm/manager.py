@@ -40,9 +40,12 @@ Invariants:
 - A request deposits only if every key `[0, N - 1)` is valid: a cold turn, or
   a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
   pages hold whatever the pool had; they are never carried.
-- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope;
-  with `carry_row_dtype` fp8 they are packed as they are gathered and unpacked as
-  they are scattered (within FP8's rounding: the target verifies every draft).
+- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope,
+  through the rows' codec (`dataplane/row_codec.py`, chosen from `carry_row_dtype`
+  and the pool's dtype): a BF16 pool's rows as they are, or with `carry_row_dtype`
+  fp8 packed as they are gathered and unpacked as they are scattered (within FP8's
+  rounding: the target verifies every draft); an FP8 KV pool's rows are its own
+  bytes, gathered and scattered exactly whatever `carry_row_dtype` says.
 - The rows wait in `CarriedRows` (trtllm/carried.py), in the arenas reserved at
   install (`reserved`, trtllm/arena.py; the worker reserves them before
   TensorRT-LLM sizes its KV cache, `attach` at attach); a deposit the arena

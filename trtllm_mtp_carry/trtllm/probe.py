@@ -128,7 +128,7 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
 
     Refused (TrtllmAdapterError, one line each): a missing attribute or signature, TP > 1,
     attention data parallelism, a V1 hybrid target manager, a draft manager other than
-    KVCacheManagerV2, a KV dtype other than BF16, the fresh-page fill, and pairing markers
+    KVCacheManagerV2, a KV dtype other than BF16 and FP8, the fresh-page fill, and pairing markers
     that are missing or disagree (`_pairing`). Not refused but not runnable (the carry
     stands aside, `reason` says why and what to set): folded (no draft pool, or its
     entry None), a target that never reuses a prefix (block reuse off, or a hybrid
@@ -287,10 +287,10 @@ def _check_draft(draft: Any) -> None:
                                      "KV cache manager than the adapter supports")
     dtype = _attr(draft, "dtype", owner)
     name = getattr(dtype, "name", str(dtype))
-    if name not in ("BF16", "bfloat16"):
+    if name not in ("BF16", "bfloat16", "FP8"):  # FP8: its pages' own bytes are carried (row_codec fp8_kv)
         raise TrtllmAdapterError(
-            f"draft KV cache dtype is {name}: the carry supports BF16 KV only (kv_cache_config.dtype "
-            "auto with a BF16 model)")
+            f"draft KV cache dtype is {name}: the carry supports BF16 and FP8 KV only (kv_cache_config.dtype "
+            "auto with a BF16 model, or fp8)")
     if getattr(draft, "_fresh_page_fill", None) is not None:  # TRTLLM_KV_FRESH_PAGE_FILL
         raise TrtllmAdapterError(
             "the fresh-page fill is on for the draft pool: it would overwrite the rows the carry "
@@ -305,5 +305,9 @@ def _check_buffer(draft: Any, mtp_layer: int, tpb: int) -> None:
         raise TrtllmAdapterError(
             f"draft get_buffers({mtp_layer}, 'HND') is {None if buf is None else tuple(buf.shape)}: "
             f"expected [pages, 2, kv_heads, {tpb}, head_dim]")
-    if buf.dtype != torch.bfloat16:
-        raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: the carry supports BF16 KV only")
+    # KVCacheManagerV2.get_buffers views the pool as its DataType (kv_cache_manager_v2.py @ 0004396:
+    # `TensorWrapper(addr_key, self.dtype, shape)`; FP8 is torch.float8_e4m3fn, one byte an element,
+    # `_utils.py` @ 000a01de; only NVFP4 is re-typed, to int8 of head_dim // 2)
+    if buf.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: the carry supports BF16 and FP8 "
+                                 "(float8_e4m3fn) KV pages only")

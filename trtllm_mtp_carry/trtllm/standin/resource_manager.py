@@ -35,8 +35,10 @@ class DataType(enum.Enum):
     FP8 = "FP8"
 
 
+# the torch dtype KV pages of each DataType are viewed as (`_utils.py` @ 000a01de
+# `_torch_to_binding_dtype_dict`: float8_e4m3fn <-> DataType.FP8, `_binding_dtype_size` 1 byte)
 _TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
-                 DataType.FLOAT: torch.float32, DataType.FP8: torch.float16}
+                 DataType.FLOAT: torch.float32, DataType.FP8: torch.float8_e4m3fn}
 
 
 class ResourceManagerType(enum.Enum):
