@@ -164,3 +164,11 @@ def test_codecs_that_cannot_hold_a_pool_say_so():
                                                        [0], 0, 1)
     assert isinstance(codec_of(PackedRows(torch.zeros(1, 4, dtype=torch.float8_e4m3fn),
                                           torch.ones(1), torch.bfloat16)), Fp8PackedCodec)
+
+
+@pytest.mark.parametrize("row_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize(("kv_dtype", "pool_dtype"), [("auto", torch.bfloat16), ("fp8", torch.float8_e4m3fn)])
+def test_the_cores_torch_free_format_choice_agrees_with_the_codec_chosen(row_dtype, kv_dtype, pool_dtype):
+    from trtllm_mtp_carry.core.row_format import carried_row_format
+
+    assert carried_row_format(row_dtype, kv_dtype) == codec_for(row_dtype, pool_dtype).name

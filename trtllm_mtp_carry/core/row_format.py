@@ -64,6 +64,23 @@ def check_row_format(value: object, what: str = "row format") -> str:
     return value
 
 
+KV_DTYPES: tuple[str, ...] = ("auto", "fp8")
+"""The draft pool's KV format as `kv_cache_config.dtype` names it: `auto` (the model's dtype,
+BF16 rows) or `fp8` (float8_e4m3fn pages written with the layer's static KV scale)."""
+
+
+def carried_row_format(row_dtype: str, kv_dtype: str = "auto") -> str:
+    """The format carried rows are held in, for `carry_row_dtype` `row_dtype` over a pool of KV
+    format `kv_dtype`: an FP8 pool's rows are its own bytes (`fp8_kv`) whatever `row_dtype`
+    says (never a second quantization); otherwise `row_dtype`. The torch-free twin of
+    `dataplane.row_codec.codec_for` (tests pin that both agree). ValueError names a bad value."""
+    check_row_dtype(row_dtype)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not a KV format the carry holds; expected one of "
+                         f"{', '.join(KV_DTYPES)}")
+    return "fp8_kv" if kv_dtype == "fp8" else row_dtype
+
+
 def vector_nbytes(row_dtype: str, head_dim: int, elem_bytes: int = 2) -> int:
     """Bytes one head vector of `head_dim` elements takes in format `row_dtype` (`ROW_FORMATS`;
     `elem_bytes`: bf16's element, the pool's own)."""
@@ -109,5 +126,6 @@ class RowFormat:
         return check_non_negative("rows", rows) * self.row_nbytes
 
 
-__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "ROW_DTYPES", "ROW_FORMATS",
-           "RowFormat", "check_row_dtype", "check_row_format", "rows_nbytes", "vector_nbytes"]
+__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "KV_DTYPES", "ROW_DTYPES",
+           "ROW_FORMATS", "RowFormat", "carried_row_format", "check_row_dtype", "check_row_format", "rows_nbytes",
+           "vector_nbytes"]
