@@ -37,6 +37,11 @@ prints `FIGURE`/`CHECK` lines (tab-separated) for scripts/gpu_smoke.sh.
 
     python scripts/trtllm_standin_bench.py --history 8192 --sessions 3 --turns 4
     python scripts/trtllm_standin_bench.py --device cuda --history 28000 --fp8
+    python scripts/trtllm_standin_bench.py --kv-dtype fp8 --history 4096   # an FP8 KV draft pool
+
+`--kv-dtype fp8` builds every policy's draft pool with float8_e4m3fn pages (as KV cache manager
+V2 stores FP8 KV): the carry then holds the pages' own bytes, one byte an element, and the
+report says how many rows came back bit for bit and how many bytes a carried row takes.
 """
 
 from __future__ import annotations
@@ -60,10 +65,15 @@ from trtllm_mtp_carry.engine.model import load_reference
 from trtllm_mtp_carry.engine.tokenizer import ChatTokenizer
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
-from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
+from trtllm_mtp_carry.trtllm.standin import ConversationParams, DataType, StandinLLM
 
 POLICIES = ("carry", "blind", "rebuild")
 CARRY_POLICIES = ("carry", "carry-fp8")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or its bytes when it is float8 (compared bit for bit, whatever float8 ops torch has)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class DataPath:
@@ -76,8 +86,7 @@ class DataPath:
     being run."""
 
     def __init__(self, manager: object, device: torch.device, delay_cycles: int | None = None) -> None:
-        from trtllm_mtp_carry.dataplane.row_format import PackedRows, pack_rows, unpack_rows
-        from trtllm_mtp_carry.trtllm import manager as manager_module
+        from trtllm_mtp_carry.dataplane.row_codec import CODECS, codec_of
         from trtllm_mtp_carry.trtllm.layout import gather_rows
 
         self.delay_cycles = delay_cycles  # None: no race check; else delays (cycles; 0 on the CPU)
@@ -90,20 +99,20 @@ class DataPath:
         self._cuda = device.type == "cuda"
         self._deposited: dict[int, torch.Tensor] = {}
         self._taking: int | None = None
+        self.manager = manager
         m, carried = manager, manager.carried  # type: ignore[attr-defined]
         m._deposit = self._timed("deposit_ms", m._deposit, own=True)  # type: ignore[attr-defined]
         m._adopt = self._timed("adopt_ms", m._adopt, own=True)  # type: ignore[attr-defined]
-        if not DataPath._patched:  # the layout functions, once for every manager: `active` times them
+        if not DataPath._patched:  # the codecs' page copies, once for every manager: `active` times them
             DataPath._patched = True
-            for name, key in (("gather_rows", "gather_ms"), ("gather_packed_rows", "gather_ms"),
-                              ("scatter_rows", "scatter_ms"), ("scatter_packed_rows", "scatter_ms")):
-                fn = DataPath._for_active(key, getattr(manager_module, name))
-                if name.startswith("scatter"):
-                    fn = DataPath._checked(fn, gather_rows)
-                else:
-                    fn = DataPath._gathered(fn, gather_rows, name == "gather_packed_rows",
-                                            lambda r: unpack_rows(pack_rows(r)))
-                setattr(manager_module, name, fn)
+            for cls in set(CODECS.values()):
+                for name, key in (("gather_pages", "gather_ms"), ("scatter_pages", "scatter_ms")):
+                    fn = DataPath._for_active(key, getattr(cls, name))
+                    if name.startswith("scatter"):
+                        fn = DataPath._checked(fn, gather_rows)
+                    else:
+                        fn = DataPath._gathered(fn, gather_rows)
+                    setattr(cls, name, fn)
         deposit, judge_and_take = carried.deposit, carried.judge_and_take
 
         def kept(key: int, tokens: object, rows: object, session: object = None) -> bool:
@@ -113,8 +122,7 @@ class DataPath:
                 if self._truth is not None:  # delays: the rows the pages held, not what arrived
                     self._deposited[key], self._truth = self._truth, None
                 else:
-                    self._deposited[key] = (unpack_rows(rows) if isinstance(rows, PackedRows)
-                                            else rows.clone())  # type: ignore[attr-defined]
+                    self._deposited[key] = codec_of(rows).decode(rows).clone()  # the pool's form
             return bool(deposit(key, tokens, rows, session))
 
         def taken(key: int, *args: object, **kwargs: object) -> object:
@@ -188,36 +196,36 @@ class DataPath:
         return timed
 
     @staticmethod
-    def _gathered(gather, gather_rows, packed: bool, round_trip):  # type: ignore[no-untyped-def]
-        def gathered(buf, pages, lo, hi, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _gathered(gather, gather_rows):  # type: ignore[no-untyped-def]
+        def gathered(codec, buf, pages, lo, hi, *args, **kwargs):  # type: ignore[no-untyped-def]
             path = DataPath.active
             if path is not None and path.delay_cycles is not None:
                 path._sync()  # the truth: the pages' rows once every queued write landed
-                truth = gather_rows(buf, pages, lo, hi)
-                path._truth = round_trip(truth) if packed else truth
+                truth = gather_rows(buf, pages, lo, hi)  # a packing codec's: what its round trip gives
+                path._truth = truth if codec.exact else codec.decode(codec.encode(truth))
                 path._sync()
                 path._delay()  # on the draft stream (current here): the gather starts late
-            return gather(buf, pages, lo, hi, *args, **kwargs)
+            return gather(codec, buf, pages, lo, hi, *args, **kwargs)
         return gathered
 
     @staticmethod
     def _checked(scatter, gather_rows):  # type: ignore[no-untyped-def]
-        def checked(buf, pages, lo, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def checked(codec, buf, pages, lo, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
             path = DataPath.active
             if path is not None and path.delay_cycles is not None:
                 path._delay()  # on the draft stream (current here): the scatter lands late
                 want = path._deposited.get(path._taking) if path._taking is not None else None
-                scatter(buf, pages, lo, rows, *args, **kwargs)
+                scatter(codec, buf, pages, lo, rows, *args, **kwargs)
                 path._pending.append((buf, pages, lo, rows.shape[0], None if want is None else want[lo:]))
                 return
-            scatter(buf, pages, lo, rows, *args, **kwargs)
+            scatter(codec, buf, pages, lo, rows, *args, **kwargs)
             if path is None:
                 return
             with path._aside("adopt_aside_ms"):  # read back what landed in the pages
                 n = rows.shape[0]
                 want = path._deposited.get(path._taking) if path._taking is not None else None
-                got = gather_rows(buf, pages, lo, lo + n)
-                path.checks.append((n, want is not None and bool(torch.equal(got, want[lo:lo + n]))))
+                got = gather_rows(_raw(buf), pages, lo, lo + n)  # the pages' bytes, exactly
+                path.checks.append((n, want is not None and bool(torch.equal(got, _raw(want[lo:lo + n])))))
         return checked
 
 
@@ -279,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="where the stand-in's KV pages and the carry's arenas live: cpu, cuda or cuda:N "
                          "(the model computes on the CPU)")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="the draft pool's KV dtype (kv_cache_config.dtype auto with a BF16 model, or fp8: "
+                         "float8_e4m3fn pages, carried as their own bytes)")
     ap.add_argument("--fp8", action="store_true",
                     help="also run carry-fp8: the carry with its rows packed in FP8 (gathered packed, "
                          "scattered unpacked)")
@@ -301,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_cache_config = (RECOMMENDED_KV_CACHE_CONFIG if args.snapshot_placement == "end"
                        else {"enable_block_reuse": True})
     policies = ("carry", "carry-fp8", "blind", "rebuild") if args.fp8 else POLICIES
+    kv_dtype = {"bf16": DataType.BF16, "fp8": DataType.FP8}[args.kv_dtype]
     torch.set_num_threads(1)
     model, tok = load_reference()
     llms = {}
@@ -314,13 +326,13 @@ def main(argv: list[str] | None = None) -> int:
             llms[p] = StandinLLM(model, single_process=p not in CARRY_POLICIES, chunk_size=args.chunk,
                                  max_batch=1, num_pages=16384, prefix_entries=4 * args.sessions,
                                  kv_cache_config=kv_cache_config, enable_block_reuse=p != "rebuild",
-                                 device=str(device))
+                                 device=str(device), kv_dtype=kv_dtype)
             os.environ.pop(worker.ENV, None)
     managers = {p: llms[p].executor.resource_manager.resource_managers.get(CARRY_MANAGER_KEY)
                 for p in policies if p in CARRY_POLICIES}
     paths = {p: DataPath(m, device, args.delay_cycles) for p, m in managers.items() if m is not None}
-    warm = StandinLLM(model, single_process=True, chunk_size=args.chunk,
-                      kv_cache_config=kv_cache_config, device=str(device))  # torch's first calls are slow
+    warm = StandinLLM(model, single_process=True, chunk_size=args.chunk, kv_cache_config=kv_cache_config,
+                      device=str(device), kv_dtype=kv_dtype)  # torch's first calls are slow
     warm.generate_async(tok.render_chat([{"role": "user", "content": "warm up"}]), 8)
     warm.run_until_done()
 
@@ -380,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         return f"{sp.median:.{digits}f} ({sp.p25:.{digits}f}-{sp.p75:.{digits}f})"
 
     print(f"history ~{args.history} tokens, {args.sessions} sessions x {args.turns - 1} warm turns, "
-          f"chunk {args.chunk}, answers up to {args.max_new} tokens, pages on {device}; outputs identical")
+          f"chunk {args.chunk}, answers up to {args.max_new} tokens, pages on {device} "
+          f"({args.kv_dtype} KV); outputs identical")
     print("| policy | warm TTFT ms | reused tokens | acceptance (accepted / verify step) |")
     print("|---|---:|---:|---:|")
     for p in policies:
@@ -410,6 +423,27 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
     return 0 if all(ok for path in paths.values() for _, ok in path.checks) else 1
+
+
+def _rows_carried(policy: str, path: DataPath, suffix: str) -> list[str]:
+    """FIGURE lines: the rows carried bit for bit (read back from the pages after each scatter and
+    compared as bytes with the rows gathered at the previous turn's free) and the bytes a carried
+    row takes in the carry's row format (the codec's; the store charges exactly these)."""
+    stats = path.manager.stats()  # type: ignore[attr-defined]
+    codec = path.manager.carried.codec  # type: ignore[attr-defined]
+    buf = path.manager.draft.get_buffers(path.manager.mtp_layer, kv_layout="HND")  # type: ignore[attr-defined]
+    per_row = codec.row_nbytes(buf.shape[2], buf.shape[4]) if codec is not None else 0
+    equal = sum(n for n, ok in path.checks if ok)
+    total = sum(n for n, _ in path.checks)
+    held = (f", {stats['bytes_held']} B held for {stats['rows_held']} rows"
+            if stats["rows_held"] else "")
+    # a packed codec's rows come back as their unpacked form (within FP8 rounding), never bit for bit
+    bits = (f"{equal} of {total} rows" if codec is None or codec.exact else
+            f"n/a: {codec.name} packs the rows ({equal} of {total} rows equal their unpacked form)")
+    print(f"{policy}: rows carried bit for bit {bits}; {per_row} bytes per row "
+          f"({stats['row_dtype']} rows of {buf.dtype} pages{held})")
+    return [f"FIGURE\tcarried rows bit for bit{suffix}\t{bits} ({policy}, {buf.dtype} pages)\t-\tINFO",
+            f"FIGURE\tcarried bytes per row{suffix}\t{per_row} B ({stats['row_dtype']}, {buf.dtype} pages)\t-\tINFO"]
 
 
 def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, device: torch.device,  # type: ignore[no-untyped-def]
@@ -455,6 +489,7 @@ def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, de
         if share.spread.median is not None:
             lines.append(f"FIGURE\tadapter data path / blind warm ttft{suffix}\t{share.spread.median:.3f}x "
                          f"[{share.spread.p25:.3f}-{share.spread.p75:.3f}] ({p}, {device})\t-\tINFO")
+        lines += _rows_carried(p, paths[p], suffix)
     checks = [c for path in paths.values() for c in path.checks]
     bad = [n for n, ok in checks if not ok]
     verdict = "PASS" if checks and not bad else "FAIL"

@@ -55,3 +55,28 @@ def test_the_same_budget_keeps_more_follow_ups_with_fp8_rows(tmp_path):
     figures = json.loads(out.read_text())
     assert (figures["config"]["row_dtype"], figures["config"]["row_bytes"]) == ("fp8", 1040)
     assert figures["policies"]["returns"]["adopted"] == 22
+
+
+def test_an_fp8_kv_pool_charges_its_own_one_byte_rows_whatever_carry_row_dtype_says(tmp_path):
+    # Qwen3-Next's MTP layer: 4 vectors (K, V x 2 KV heads) of 256 e4m3 bytes, no scales
+    for row_dtype in ("bf16", "fp8"):
+        assert replay_row_bytes(row_dtype, None, None, "fp8") == 4 * 256 == 1024
+        assert replay_row_bytes(row_dtype, 100, None, "fp8") == 100  # the pool's own row bytes, as given
+    cfg = {"num_key_value_heads": 4, "head_dim": 128, "mtp_num_hidden_layers": 2, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert replay_row_bytes("fp8", None, str(tmp_path), "fp8") == 16 * 128 == rows_nbytes("fp8_kv", 16, 128)
+    with pytest.raises(ValueError, match="kv_dtype='nvfp4' is not a KV format the carry holds"):
+        replay_row_bytes("bf16", None, None, "nvfp4")
+
+
+def test_trace_replay_with_an_fp8_kv_pool_reports_its_rows_and_keeps_more_follow_ups(tmp_path):
+    trace = read_trace(SLICE)
+    fp8_kv = replay(trace, "returns", ReplayConfig(256 << 20, workers=2, row_bytes=1024))
+    assert fp8_kv.adopted == 22  # 1024 B rows: here as many as packed fp8's 1040 B rows keep
+    out = tmp_path / "r.json"
+    assert main(["trace-replay", str(SLICE), "--workers", "2", "--carry-memory", "256MiB",
+                 "--kv-dtype", "fp8", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert (figures["config"]["kv_dtype"], figures["config"]["row_format"], figures["config"]["row_bytes"]) == (
+        "fp8", "fp8_kv", 1024)
+    assert figures["policies"]["returns"]["adopted"] == fp8_kv.adopted

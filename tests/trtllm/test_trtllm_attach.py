@@ -6,6 +6,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from standin_helpers import model
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
@@ -36,6 +37,15 @@ def test_a_kv_format_the_carry_does_not_move_stands_aside_in_the_verdict_line() 
     carry = attach(_llm(kv_dtype=DataType.NVFP4))
     assert (carry.armed, carry.topology) == (False, "unpaired")
     assert carry.reason == kv_verdict("nvfp4").line and carry.reason.startswith("NVFP4 KV stands aside: ")
+
+
+def test_an_fp8_draft_pool_is_accepted_and_pages_of_another_dtype_are_refused() -> None:
+    llm = _llm(kv_dtype=DataType.FP8)
+    assert llm.executor.paged.buf.dtype == torch.float8_e4m3fn
+    assert attach(llm).armed
+    llm = _llm(kv_dtype=DataType.FP8)
+    llm.executor.paged.buf = llm.executor.paged.buf.view(torch.int8)  # pages of no KV format
+    assert _refusal(llm) == "draft KV pages are torch.int8: FP8 KV pages are torch.float8_e4m3fn"
 
 
 def test_attention_dp_is_refused() -> None:

@@ -88,13 +88,16 @@ def demoted_from_a_gpu(carried: CarriedRows, key: int) -> None:
     carried._host_device[key] = CUDA0
 
 
-@pytest.mark.parametrize("row_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("row_dtype", ["bf16", "fp8", "fp8_kv"])  # fp8_kv: an FP8 KV pool's own rows
 def test_a_cuda_restore_copies_on_a_side_stream_and_the_reader_waits_for_its_event(monkeypatch, row_dtype):
     cuda = FakeCuda(monkeypatch)
     packed = row_dtype == "fp8"
-    form = (lambda r: pack_rows(r)) if packed else (lambda r: r)
+    form = ((lambda r: pack_rows(r)) if packed else
+            (lambda r: r.to(torch.float8_e4m3fn)) if row_dtype == "fp8_kv" else (lambda r: r))
     per = form(rows_of(1)).nbytes
-    carried = CarriedRows(None, budget_bytes=per, policy="lrd", host_budget_bytes=4 * per, row_dtype=row_dtype)
+    carried = CarriedRows(None, budget_bytes=per, policy="lrd", host_budget_bytes=4 * per,
+                          row_dtype="fp8" if packed else "bf16",
+                          pool_dtype=torch.float8_e4m3fn if row_dtype == "fp8_kv" else torch.bfloat16)
     assert carried.deposit(11, list(range(12)), form(rows_of(1)))
     assert carried.deposit(12, list(range(12)), form(rows_of(2)))  # 11 is demoted
     demoted_from_a_gpu(carried, 11)
@@ -109,8 +112,8 @@ def test_a_cuda_restore_copies_on_a_side_stream_and_the_reader_waits_for_its_eve
     want = form(rows_of(1))
     if packed:
         assert torch.equal(head.payload.view(torch.uint8), want.payload[:4].view(torch.uint8))
-    else:
-        assert torch.equal(head, want[:4])
+    else:  # the pool's rows, bit for bit (float8 compared as bytes)
+        assert torch.equal(head.view(torch.uint8), want[:4].view(torch.uint8))
     carried.check()
 
 

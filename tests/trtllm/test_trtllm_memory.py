@@ -208,6 +208,8 @@ def _arena(rows: int) -> RowArena:
 def test_one_block_is_one_row_in_the_carry_s_format() -> None:
     assert row_nbytes(2, 32, torch.bfloat16, "bf16") == ROW == _rows(1, 0).nbytes
     assert row_nbytes(2, 32, torch.bfloat16, "fp8") == 2 * 2 * 32 + 2 * 2 * 4  # payload + float32 scales
+    for row_dtype in ("bf16", "fp8"):  # an FP8 KV pool: its own bytes, one an element, no scales
+        assert row_nbytes(2, 32, torch.float8_e4m3fn, row_dtype) == 2 * 2 * 32
 
 
 def test_a_full_arena_refuses_the_deposit_as_oom_and_the_carry_keeps_what_it_holds(
@@ -285,11 +287,11 @@ def test_an_injected_allocation_failure_in_the_worker_is_refused_as_oom_and_noth
     real = arena.put
     failures = [1]
 
-    def put(key: int, rows: Any) -> bool:
+    def put(key: int, rows: Any, codec: Any = None) -> bool:
         if failures:
             failures.pop()
             raise torch.OutOfMemoryError("injected")
-        return real(key, rows)
+        return real(key, rows, codec)
 
     monkeypatch.setattr(arena, "put", put)
     convs = [ConversationParams(conversation_id=name) for name in "ab"]
@@ -410,18 +412,22 @@ def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
     assert carry.stats()["reserved_bytes"] == 768
 
 
-@pytest.mark.parametrize(("row_dtype", "row"), [("bf16", ROW), ("fp8", 2 * 2 * 32 + 2 * 2 * 4)])
-def test_both_tiers_serve_from_their_arenas_bit_for_bit_and_outputs_stay_the_same(row_dtype: str, row: int) -> None:
+@pytest.mark.parametrize(("row_dtype", "kv", "row"), [
+    ("bf16", "BF16", ROW), ("fp8", "BF16", 2 * 2 * 32 + 2 * 2 * 4),
+    ("bf16", "FP8", 2 * 2 * 32), ("fp8", "FP8", 2 * 2 * 32)])  # an FP8 pool: its own 1-byte rows
+def test_both_tiers_serve_from_their_arenas_bit_for_bit_and_outputs_stay_the_same(
+        row_dtype: str, kv: str, row: int) -> None:
     """The device arena holds one session's first turn (at most 559 rows), the host arena all
     four: every warm turn adopts, some from the host tier, and the outputs are TensorRT-LLM's."""
     from standin_helpers import make_llm, quote_sessions, run_turns
 
     from trtllm_mtp_carry.trtllm import attach
+    from trtllm_mtp_carry.trtllm.standin import DataType
 
     sessions = quote_sessions(4)
-    blind, _ = make_llm("blind")
+    blind, _ = make_llm("blind", kv_dtype=DataType[kv])
     want = {c: [r.output for r in t] for c, t in run_turns(blind, sessions, 2, 48).items()}
-    llm, _ = make_llm("blind")
+    llm, _ = make_llm("blind", kv_dtype=DataType[kv])
     carry = attach(llm, {"carry_slots": 8, "carry_memory": 560 * row, "carry_host_memory": 4 * 560 * row,
                          "carry_row_dtype": row_dtype})
     got = run_turns(llm, sessions, 2, 48)
@@ -429,7 +435,7 @@ def test_both_tiers_serve_from_their_arenas_bit_for_bit_and_outputs_stay_the_sam
     stats = carry.stats()
     assert stats["outcomes"]["adopted"] == 4 and stats["hits"]["host"] >= 1
     assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (560 * row, 4 * 560 * row)
-    assert stats["refusals"]["oom"] == 0
+    assert stats["refusals"]["oom"] == 0 and stats["bytes_held"] == stats["rows_held"] * row
     carry.manager.carried.check()  # entries and arena extents agree, the extents tile each arena
     llm.executor.check()
 

@@ -31,20 +31,40 @@ def test_a_tiny_cpu_run_prints_the_data_path_figures_and_the_scatter_check_passe
     assert [t[:2] for t in tagged] == [
         ["FIGURE", "adapter gather per warm turn"], ["FIGURE", "adapter scatter per warm turn"],
         ["FIGURE", "adapter data path / blind warm ttft"],
+        ["FIGURE", "carried rows bit for bit"], ["FIGURE", "carried bytes per row"],
         ["FIGURE", "adapter gather per warm turn, fp8"], ["FIGURE", "adapter scatter per warm turn, fp8"],
         ["FIGURE", "adapter data path / blind warm ttft, fp8"],
+        ["FIGURE", "carried rows bit for bit, fp8"], ["FIGURE", "carried bytes per row, fp8"],
         ["CHECK", "adapter scattered rows equal the gathered ones"]]
-    for t in tagged[:6]:
+    for t in tagged[:10]:
         assert len(t) == 5 and t[3:] == ["-", "INFO"]
-    for t in (tagged[0], tagged[1], tagged[3], tagged[4]):
+    for t in (tagged[0], tagged[1], tagged[5], tagged[6]):
         assert re.fullmatch(r"\d+\.\d{3} ms \[\d+\.\d{3}-\d+\.\d{3}\] over 1 warm turns \(carry(-fp8)?, cpu\)",
                             t[2]), t[2]
+    # a BF16 pool: 2 x Hkv x D x 2 bytes a row as held; fp8 packs them (payload plus scales)
+    assert re.fullmatch(r"(\d+) of \1 rows \(carry, torch.bfloat16 pages\)", tagged[3][2]), tagged[3][2]
+    assert tagged[4][2] == "256 B (bf16, torch.bfloat16 pages)"
+    assert tagged[8][2].startswith("n/a: fp8 packs the rows (")
+    assert tagged[9][2] == "144 B (fp8, torch.bfloat16 pages)"
     # one warm turn per carry policy: one scatter each, of the rows the cold turn left
-    check = tagged[6]
+    check = tagged[10]
     assert check[2] == "PASS"
     assert re.fullmatch(r"2 scatters, \d+ rows read back from the pages equal the rows gathered at "
                         r"the previous turn's free", check[3]), check[3]
     assert "pages on cpu" in r.stdout
+
+
+def test_an_fp8_kv_pool_reports_every_row_carried_bit_for_bit_at_one_byte_an_element():
+    r = _run("--device", "cpu", "--history", "300", "--sessions", "1", "--turns", "2",
+             "--max-new", "6", "--chunk", "64", "--fp8", "--kv-dtype", "fp8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    figures = {t[1]: t[2] for t in (line.split("\t") for line in r.stdout.splitlines())
+               if t[0] == "FIGURE"}
+    for suffix, policy in (("", "carry"), (", fp8", "carry-fp8")):  # carry_row_dtype fp8: no second packing
+        got = figures[f"carried rows bit for bit{suffix}"]
+        assert re.fullmatch(rf"(\d+) of \1 rows \({policy}, torch.float8_e4m3fn pages\)", got), got
+        assert figures[f"carried bytes per row{suffix}"] == "128 B (fp8_kv, torch.float8_e4m3fn pages)"
+    assert "(fp8 KV); outputs identical" in r.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -27,6 +27,7 @@ from trtllm_mtp_carry.trtllm.standin import (
     StandinLLM,
 )
 from trtllm_mtp_carry.trtllm.standin.kv_cache_manager_v2 import poison_page
+from trtllm_mtp_carry.trtllm.standin.resource_manager import DataType
 
 SESSIONS = quote_sessions(4)  # the user shows code, then asks to repeat it exactly
 TURNS, MAX_NEW = 2, 48
@@ -78,34 +79,43 @@ def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
         "rows_deposited": len(warm_turn.get_tokens(0)) - 1, "skipped": None}
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A page row's bytes (bf16 and float8 pages compared bit for bit alike)."""
+    return t.contiguous().view(torch.uint8)
+
+
 def _pages(llm: StandinLLM, req: LlmRequest, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     return llm.executor.paged.read(req.py_request_id, 0, hi)
 
 
-def test_warm_turn_draft_pages_hold_exactly_the_rows_a_rebuild_computes() -> None:
+@pytest.mark.parametrize("kv_dtype", [DataType.BF16, DataType.FP8])
+def test_warm_turn_draft_pages_hold_exactly_the_rows_a_rebuild_computes(kv_dtype: DataType) -> None:
     conv = ConversationParams(conversation_id="s")
     rows = {}
     for policy in ("carry", "rebuild", "blind"):
-        llm, _ = make_llm(policy)
+        llm, _ = make_llm(policy, kv_dtype=kv_dtype)
         first = llm.generate_async(user_tokens(0, 6 * CHUNK), MAX_NEW, conversation_params=conv)
         llm.run_until_done()
         second = llm.generate_async(padded(first.get_tokens(0), 500), MAX_NEW, conversation_params=conv)
         reused = 6 * CHUNK
         while second.context_current_position < reused + (CHUNK if policy != "rebuild" else 0):
             llm.executor.step()  # warm: one chunk past R; rebuild: its prefill reached R
-        rows[policy] = _pages(llm, second, reused)
+        rows[policy] = tuple(_bits(t) for t in _pages(llm, second, reused))
         assert second.reused == (0 if policy == "rebuild" else reused)
         llm.run_until_done()
-    assert torch.equal(rows["carry"][0], rows["rebuild"][0])  # bf16 rows, bit for bit
+    pool_dtype = llm.executor.paged.buf.dtype
+    assert pool_dtype == {DataType.BF16: torch.bfloat16, DataType.FP8: torch.float8_e4m3fn}[kv_dtype]
+    assert torch.equal(rows["carry"][0], rows["rebuild"][0])  # the pool's rows, bit for bit
     assert torch.equal(rows["carry"][1], rows["rebuild"][1])
-    assert rows["carry"][0].dtype == torch.bfloat16 and bool(rows["carry"][0].abs().sum() > 0)
+    assert bool(rows["carry"][0].ne(0).any())
     # TensorRT-LLM's fresh pages are never cleared: these were never used, so they hold the
     # pool's poison rows (key k at slot k % tpb), not one row of what the prefill computes
     tpb = llm.executor.paged.tpb
-    poison = poison_page(rows["blind"][0].shape[1], tpb, rows["blind"][0].shape[2], torch.bfloat16)
+    buf = llm.executor.paged.buf  # [pages, 2, Hkv, tpb, D]
+    poison = poison_page(buf.shape[2], tpb, buf.shape[4], pool_dtype)
     slots = torch.arange(reused) % tpb
-    assert torch.equal(rows["blind"][0], poison[0].transpose(0, 1)[slots])
-    assert torch.equal(rows["blind"][1], poison[1].transpose(0, 1)[slots])
+    assert torch.equal(rows["blind"][0], _bits(poison[0].transpose(0, 1)[slots]))
+    assert torch.equal(rows["blind"][1], _bits(poison[1].transpose(0, 1)[slots]))
     assert bool((rows["blind"][0] != rows["rebuild"][0]).flatten(1).any(1).all())
 
 

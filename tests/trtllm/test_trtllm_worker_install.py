@@ -84,12 +84,15 @@ def _llm(**options: Any) -> StandinLLM:
     return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=CHUNK, max_batch=3, num_pages=4096, **options)
 
 
-def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebuild(carry_env) -> None:
-    carry = _llm()  # the default LLM: the executor lives in the worker, the hook installs the carry
+@pytest.mark.parametrize("kv_dtype", [DataType.BF16, DataType.FP8])
+def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebuild(
+        carry_env, kv_dtype: DataType) -> None:
+    # the default LLM: the executor lives in the worker, the hook installs the carry
+    carry = _llm(kv_dtype=kv_dtype)
     assert worker.messages()[-1].startswith(
         f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} (TensorRT-LLM stand-in")
     os.environ.pop(worker.ENV)
-    rebuild = _llm(enable_block_reuse=False)  # TensorRT-LLM as is, every turn prefilled from 0
+    rebuild = _llm(enable_block_reuse=False, kv_dtype=kv_dtype)  # TensorRT-LLM as is, every turn prefilled from 0
     assert _manager(rebuild) is None
     sessions, turns = 3, 4
     got, got_rows = _run(carry, sessions, turns, 24)
@@ -103,7 +106,14 @@ def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebu
     for s_got, s_want in zip(got, want, strict=True):
         assert all(r.reused >= HISTORY for r in s_got[1:])  # every warm turn reused its history
         for r_got, r_want in zip(s_got, s_want, strict=True):
-            assert torch.equal(got_rows[r_got.py_request_id], want_rows[r_want.py_request_id])
+            # every row of [0, N - 1), bytes compared (bf16 and FP8 pages alike)
+            assert torch.equal(got_rows[r_got.py_request_id].view(torch.uint8),
+                               want_rows[r_want.py_request_id].view(torch.uint8))
+    # an FP8 pool carries its own bytes: one byte an element held and charged, never re-scaled
+    hkv, d = carry.executor.paged.buf.shape[2], carry.executor.paged.buf.shape[4]
+    elem = 1 if kv_dtype == DataType.FP8 else 2
+    assert stats["row_dtype"] == ("fp8_kv" if kv_dtype == DataType.FP8 else "bf16")
+    assert stats["bytes_held"] == stats["rows_held"] * 2 * hkv * d * elem
     acc_carry = sum(r.accepted for s in got for r in s[1:])
     acc_rebuild = sum(r.accepted for s in want for r in s[1:])
     assert acc_carry == acc_rebuild

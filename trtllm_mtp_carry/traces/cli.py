@@ -26,7 +26,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_DTYPES, RowFormat
+from ..core.row_format import (
+    DEFAULT_CARRY_ROW_DTYPE,
+    KV_DTYPES,
+    ROW_DTYPES,
+    RowFormat,
+    carried_row_format,
+)
 from ..core.settings import (
     CARRY_EVICTION,
     CARRY_HOST_MEMORY,
@@ -100,17 +106,21 @@ def row_format_from_config(path: str, row_dtype: str = DEFAULT_CARRY_ROW_DTYPE) 
     return RowFormat(row_dtype, layers * 2 * heads, head_dim, _DTYPE_BYTES[dtype])
 
 
-def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | None) -> int:
-    """Bytes of one carried row for the replay: `--model-config`'s geometry, else `--row-bytes`
-    (bf16 only: fp8 needs the geometry), else Qwen3-Next's MTP layer, in `row_dtype`."""
+def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | None,
+                     kv_dtype: str = "auto") -> int:
+    """Bytes of one carried row for the replay, in the format the adapter would hold it
+    (`carried_row_format(row_dtype, kv_dtype)`: an FP8 pool's own 1-byte rows, `fp8_kv`, whatever
+    `row_dtype` says): `--model-config`'s geometry, else `--row-bytes` (the pool's own row bytes:
+    not with packed fp8, whose bytes need the geometry), else Qwen3-Next's MTP layer."""
+    fmt = carried_row_format(row_dtype, kv_dtype)
     if model_config:
-        return row_format_from_config(model_config, row_dtype).row_nbytes
+        return row_format_from_config(model_config, fmt).row_nbytes
     if row_bytes is not None:
-        if row_dtype != "bf16":
+        if fmt == "fp8":
             raise ValueError(f"--row-bytes {row_bytes} with --carry-row-dtype {row_dtype}: packed rows' "
                              "bytes depend on the head geometry; give --model-config instead")
         return row_bytes
-    return RowFormat(row_dtype, QWEN3_NEXT_MTP_VECTORS_PER_ROW, QWEN3_NEXT_MTP_HEAD_DIM).row_nbytes
+    return RowFormat(fmt, QWEN3_NEXT_MTP_VECTORS_PER_ROW, QWEN3_NEXT_MTP_HEAD_DIM).row_nbytes
 
 
 DEFAULT_REPLAY_HOST_MEMORY = "0B"
@@ -195,6 +205,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="the carried rows' format, so their bytes (fp8: e4m3 plus one float32 scale per "
                         f"row, K/V and head); default env {ENV_CARRY_ROW_DTYPE}, else {DEFAULT_CARRY_ROW_DTYPE}")
+    p.add_argument("--kv-dtype", dest="replay_kv_dtype", choices=KV_DTYPES, default="auto",
+                   help="the draft pool's KV format (kv_cache_config.dtype): auto (the model's dtype), or "
+                        "fp8: float8_e4m3fn pages, whose rows the carry holds as their own bytes (one byte "
+                        "an element, no scales, whatever --carry-row-dtype says); --row-bytes then names "
+                        "those bytes")
     p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=positive_float,
                    default=PREFILL_TOKENS_PER_S, metavar="R",
                    help="service model: prompt tokens prefilled per second")
@@ -260,7 +275,9 @@ def run(args: argparse.Namespace) -> int:
     budget = _memory(args.replay_memory, "--carry-memory", allow_unbounded=True)
     host = _memory(args.replay_host_memory, "--carry-host-memory", allow_unbounded=False) or 0
     policies = _policies(args.replay_eviction)
-    row_bytes = replay_row_bytes(args.replay_row_dtype, args.replay_row_bytes, args.replay_model_config)
+    row_bytes = replay_row_bytes(args.replay_row_dtype, args.replay_row_bytes, args.replay_model_config,
+                                 args.replay_kv_dtype)
+    row_format = carried_row_format(args.replay_row_dtype, args.replay_kv_dtype)
     if args.replay_json:
         from ..bench.options import output_path
 
@@ -289,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
           f"{trace.follow_ups} follow-up turns")
     print(f"{config.workers} worker(s), each: carry memory {_fmt_bytes(budget)}, host {_fmt_bytes(host)}, "
           f"idle TTL {args.replay_idle_s or 'never'} s; {row_bytes} B a row "
-          f"({args.replay_row_dtype}); service "
+          f"({row_format}); service "
           f"{config.service.prefill_tokens_per_s:g} prompt tokens/s + {config.service.decode_s_per_token:g} s "
           f"an output token")
     print(f"clairvoyant bound: {bound.adopted} of {bound.follow_ups} follow-ups adopted "
@@ -316,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
                         "conversations": trace.conversations, "follow_ups": trace.follow_ups}
         out["config"] = {"workers": config.workers, "carry_memory_bytes": budget, "host_memory_bytes": host,
                          "idle_s": args.replay_idle_s, "row_bytes": row_bytes,
-                         "row_dtype": args.replay_row_dtype,
+                         "row_dtype": args.replay_row_dtype, "kv_dtype": args.replay_kv_dtype,
+                         "row_format": row_format,
                          "prefill_tokens_per_s": config.service.prefill_tokens_per_s,
                          "decode_s_per_token": config.service.decode_s_per_token,
                          "host_copy_gbps": copy_gbps}

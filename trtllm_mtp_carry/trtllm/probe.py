@@ -330,6 +330,9 @@ def _check_buffer(draft: Any, mtp_layer: int, tpb: int, kv_format: str = "bf16")
         raise TrtllmAdapterError(
             f"draft get_buffers({mtp_layer}, 'HND') is {None if buf is None else tuple(buf.shape)}: "
             f"expected [pages, 2, kv_heads, {tpb}, head_dim]")
+    # KVCacheManagerV2.get_buffers views the pool as its DataType (kv_cache_manager_v2.py @ 0004396:
+    # `TensorWrapper(addr_key, self.dtype, shape)`; FP8 is torch.float8_e4m3fn, one byte an element,
+    # `_utils.py` @ 000a01de; only NVFP4 is re-typed, to int8 of head_dim // 2)
     expected = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_format]
     if buf.dtype != expected:
         raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: {kv_format.upper()} KV pages are "

@@ -117,7 +117,10 @@ class PagedRows:
         return page
 
     def write(self, rid: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys `[lo, lo + n)` get `k` (roped), `v` `[n, Hkv, D]` (the attention kernel's write)."""
+        """Keys `[lo, lo + n)` get `k` (roped), `v` `[n, Hkv, D]` (the attention kernel's write).
+
+        FP8 pages (`DataType.FP8`: float8_e4m3fn) get the rows cast with a static KV scale of 1
+        (the reference checkpoint has none): the carry never reads the scale, it moves bytes."""
         page, slot = self._slots(rid, lo, lo + k.shape[0])
         self.buf[page, 0, :, slot] = k.to(self.buf.device, self.buf.dtype)
         self.buf[page, 1, :, slot] = v.to(self.buf.device, self.buf.dtype)

@@ -36,12 +36,14 @@ class DataType(enum.Enum):
     NVFP4 = "NVFP4"  # `_create_kv_cache_manager` (_util.py @ 38198e34) for an FP4 KV cache
 
 
+# the torch dtype KV pages of each DataType are viewed as (`_utils.py` @ 000a01de
+# `_torch_to_binding_dtype_dict`: float8_e4m3fn <-> DataType.FP8, `_binding_dtype_size` 1 byte)
 _TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
-                 DataType.FLOAT: torch.float32, DataType.FP8: torch.float16,
+                 DataType.FLOAT: torch.float32, DataType.FP8: torch.float8_e4m3fn,
                  DataType.NVFP4: torch.int8}  # get_buffers re-types an NVFP4 pool to int8 (packed
-# e2m1 pairs, head_dim // 2 a row: the codec branch's reading of kv_cache_manager_v2.py @ 0004396; the
-# scales take one FP8 byte per 16 elements, `get_cache_bytes_per_token`); the stand-in keeps head_dim: the
-# carry stands aside on NVFP4 before it reads a page (kv_formats.py), so no page is read
+# e2m1 pairs, head_dim // 2 a row: kv_cache_manager_v2.py @ 0004396; the scales take one FP8 byte per
+# 16 elements, `get_cache_bytes_per_token`); the stand-in keeps head_dim: the carry stands aside on
+# NVFP4 before it reads a page (kv_formats.py), so no page is read
 
 
 class ResourceManagerType(enum.Enum):
