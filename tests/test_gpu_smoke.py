@@ -214,18 +214,17 @@ def test_the_restore_check_reads_every_path_back_and_fails_on_a_corrupt_copy_bac
     assert [ln[:3] for ln in lines] == [
         ["CHECK", f"{name}: read back after restore", "PASS"]
         for name in ("pool host restore", "adapter host restore bf16", "adapter host restore fp8")]
-    from trtllm_mtp_carry.dataplane.row_format import PackedRows
-    from trtllm_mtp_carry.trtllm import carried as carried_mod
+    from trtllm_mtp_carry.dataplane.row_codec import CODECS
 
-    real = carried_mod._host_copy
+    def one_bit_off(real):  # a host copy that lands one element wrong
+        def host_copy(codec, rows):
+            out = real(codec, rows)
+            codec.tensors(out)[0].view(torch.uint8).view(-1)[3] ^= 1
+            return out
+        return host_copy
 
-    def one_bit_off(rows):  # a host copy that lands one element wrong
-        out = real(rows)
-        t = out.payload if isinstance(out, PackedRows) else out
-        t.view(torch.uint8).view(-1)[3] ^= 1
-        return out
-
-    monkeypatch.setattr(carried_mod, "_host_copy", one_bit_off)
+    for cls in set(CODECS.values()):
+        monkeypatch.setattr(cls, "host_copy", one_bit_off(cls.host_copy))
     rc, lines = _restore_check(monkeypatch, capsys, ["--device", "cpu", "--rows", "40"])
     assert rc == 1
     assert [ln[2] for ln in lines] == ["PASS", "FAIL", "FAIL"]

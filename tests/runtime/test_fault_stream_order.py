@@ -150,7 +150,7 @@ def run_turn(eng, model, session, prompt):
 def test_a_fault_adopting_restored_rows_waits_for_their_copy_back_before_freeing_them(model, monkeypatch,
                                                                                       when):
     eng, prompts = host_engine(model)
-    pool, host = eng.drafter_pool, eng.runtime._host
+    pool, host = eng.drafter_pool, eng.runtime._residence.moves
     cuda = FakeCuda(monkeypatch, pool)
     host._stream = FakeStream(cuda.log, "side")  # the copy back "runs" on a side stream
     real = pool.adopt_carried
