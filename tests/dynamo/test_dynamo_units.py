@@ -184,3 +184,24 @@ def test_status_metrics_say_how_many_workers_are_alive_and_how_often_they_restar
                        "mtp_carry_dynamo_worker_deaths_total 4"]
     assert (exit_text(-9), exit_text(1), exit_text(-15)) == (
         "killed by SIGKILL", "exit status 1", "killed by SIGTERM")
+
+
+def test_tally_sums_one_workers_page_as_the_count_invariants_compare_it() -> None:
+    from trtllm_mtp_carry.serve.dynamo.metrics import tally
+
+    page = "\n".join([
+        "# HELP mtp_carry_outcomes_total turns by outcome",
+        'mtp_carry_outcomes_total{instance="a1",kind="adopted"} 5',
+        'mtp_carry_outcomes_total{instance="a1",kind="cancelled"} 2',
+        'mtp_carry_runtime{field="outcomes.adopted"} 5',
+        'mtp_carry_runtime{field="outcomes.no_carry"} 1',
+        'mtp_carry_runtime{field="rows_adopted"} 640',
+        'mtp_carry_drafter_rows_total{source="adopted"} 600',
+        'mtp_carry_drafter_rows_total{source="computed"} 90',
+        'dynamo_component_requests_total{dynamo_endpoint="generate",worker_id="a1"} 7',
+        'dynamo_component_requests_total{dynamo_endpoint="clear_kv_blocks",worker_id="a1"} 3',
+    ])
+    assert tally(page) == ("a1", {"outcomes": 7.0, "cancelled": 2.0, "runtime_outcomes": 6.0, "requests": 7.0,
+                                  "rows_adopted_total": 600.0, "rows_adopted_runtime": 640.0})
+    assert tally("") == ("", dict.fromkeys(("outcomes", "cancelled", "runtime_outcomes", "requests",
+                                            "rows_adopted_total", "rows_adopted_runtime"), 0.0))
