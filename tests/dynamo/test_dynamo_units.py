@@ -158,6 +158,15 @@ def test_dynamo_spec_names_a_bad_supervision_or_migration_value(kwargs, message)
     assert str(info.value) == message
 
 
+def test_dynamo_spec_names_an_ipv6_host_it_cannot_bind() -> None:
+    from trtllm_mtp_carry.serve.dynamo.launcher import DynamoSpec
+
+    for host in ("::", "::1"):  # free_port's IPv4 socket, the URLs and the broker's address would break
+        with pytest.raises(ValueError) as info:
+            DynamoSpec(http_host=host)
+        assert str(info.value) == f"host must be an IPv4 address or a host name, got {host!r}"
+
+
 def test_dynamo_spec_defaults_migrate_soft_affine_sessions_and_bind_loopback() -> None:
     from trtllm_mtp_carry.serve.dynamo.launcher import DEFAULT_MIGRATION_LIMIT, DynamoSpec
 

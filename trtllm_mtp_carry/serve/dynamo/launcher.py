@@ -68,6 +68,9 @@ ON_WORKER_DEATH = ("restart", "exit")
 
 DEFAULT_MODEL_NAME = "mtp-carry"
 
+_WILDCARD_HOSTS = ("0.0.0.0", "")
+"""`--host` values that bind every interface (reached on loopback from this host)."""
+
 DEFAULT_MIGRATION_LIMIT = 3
 """Dynamo's `--migration-limit` for `serve --dynamo`: a stream cut by a dead worker is resent
 (prompt plus the tokens already streamed) to a live worker up to this many times. Dynamo's own
@@ -133,6 +136,8 @@ class DynamoSpec:
         if isinstance(self.worker_restarts, bool) or not isinstance(self.worker_restarts, int) \
                 or self.worker_restarts < 0:
             raise ValueError(f"worker restarts must be an int >= 0, got {self.worker_restarts!r}")
+        if ":" in self.http_host:  # the sockets (free_port), URLs and broker addresses are IPv4's
+            raise ValueError(f"host must be an IPv4 address or a host name, got {self.http_host!r}")
 
     @property
     def base_url(self) -> str:
@@ -143,7 +148,7 @@ class DynamoSpec:
     def connect_host(self) -> str:
         """Where a process on this host reaches a socket bound to `http_host` (a wildcard
         address is reached on loopback)."""
-        return "127.0.0.1" if self.http_host in ("0.0.0.0", "", "::") else self.http_host
+        return "127.0.0.1" if self.http_host in _WILDCARD_HOSTS else self.http_host
 
     def frontend_args(self) -> list[str]:
         args = ["--http-host", self.http_host, "--http-port", str(self.http_port),
@@ -599,7 +604,7 @@ def status_metrics(health: dict[str, object]) -> str:
 
 
 def _zmq_host(host: str) -> str:
-    return "*" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
+    return "*" if host in _WILDCARD_HOSTS else host
 
 
 def _strip_ansi(line: str) -> str:
