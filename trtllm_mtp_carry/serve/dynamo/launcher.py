@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -385,12 +386,17 @@ class DynamoDeployment:
                 on_poll()
             time.sleep(0.2)
 
+    def _dead_core(self) -> list[tuple[str, subprocess.Popen[bytes], str]]:
+        """The frontend and the broker, those that exited: (name, process, log file name). Either
+        one dying ends the deployment (no restart)."""
+        return [(name, p, log) for name, p, log in (("the Dynamo frontend", self.frontend, "frontend.log"),
+                                                    ("the event broker", self.broker, "broker.log"))
+                if p is not None and p.poll() is not None]
+
     def _check_alive(self) -> None:
-        for name, process in (("the Dynamo frontend", self.frontend), ("the event broker", self.broker)):
-            if process is not None and process.poll() is not None:
-                log = "frontend.log" if process is self.frontend else "broker.log"
-                raise DeploymentError(f"{name} exited ({exit_text(process.returncode)}):\n"
-                                      f"{self.log_tail(self.workdir / log)}")
+        for name, process, log in self._dead_core():
+            raise DeploymentError(f"{name} exited ({exit_text(process.returncode)}):\n"
+                                  f"{self.log_tail(self.workdir / log)}")
         if not self.live_workers() and not self._supervising():
             last = self.workers[-1] if self.workers else None
             tail = self.log_tail(last.log_path) if last else ""
@@ -453,9 +459,8 @@ class DynamoDeployment:
         attempts: dict[int, int] = {}  # slot -> restarts so far
         seen: set[int] = set()  # pids already reported dead
         while not self._stopping.wait(interval_s) and not self.failed.is_set():
-            for name, process in (("the Dynamo frontend", self.frontend),
-                                  ("the event broker", self.broker)):
-                if process is not None and process.poll() is not None and not self._stopping.is_set():
+            for name, process, _ in self._dead_core():
+                if not self._stopping.is_set():
                     self._give_up(f"{name} (pid {process.pid}) died: {exit_text(process.returncode)}; "
                                   "stopping the deployment")
             with self._lock:
@@ -607,10 +612,11 @@ def _zmq_host(host: str) -> str:
     return "*" if host in _WILDCARD_HOSTS else host
 
 
-def _strip_ansi(line: str) -> str:
-    import re
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-    return re.sub(r"\x1b\[[0-9;]*m", "", line)
+
+def _strip_ansi(line: str) -> str:
+    return _ANSI.sub("", line)
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
