@@ -67,6 +67,19 @@ def make_llm(policy: str, **options: object) -> tuple[StandinLLM, CarryAttachmen
     return llm, attach(llm, {"carry_slots": 8}) if policy == "carry" else None
 
 
+def cold_then_warm_turn(llm: StandinLLM, carry: CarryAttachment, log: list[str]) -> tuple[list[str], list[str]]:
+    """One session's cold turn, then its warm turn (which must adopt): what `log` recorded during
+    each (the stream-order tests' recorded CUDA calls)."""
+    cold = llm.executor.submit(user_tokens(0, 70), 6, conversation_id="c", client_id=901)
+    llm.run_until_done()
+    first = list(log)
+    log.clear()
+    llm.executor.submit(cold.get_tokens(0) + user_tokens(100, 20), 6, conversation_id="c", client_id=902)
+    llm.run_until_done()
+    assert carry.pop_turn(902)["outcome"] == "adopted"  # type: ignore[index]
+    return first, list(log)
+
+
 def aligned(text: str, prefix_len: int, render: Callable[[str], list[int]]) -> list[int]:
     """`render(text + spaces)`, padded so that `prefix_len` plus it is a multiple of CHUNK."""
     n = len(render(text))
