@@ -67,6 +67,16 @@ def make_llm(policy: str, **options: object) -> tuple[StandinLLM, CarryAttachmen
     return llm, attach(llm, {"carry_slots": 8}) if policy == "carry" else None
 
 
+GATHER_ORDER = ["draft stream waits for the executor stream", "on the draft stream",
+                "cpu waits for the draft stream"]
+"""A deposit's gather on the draft stream, as the stream-order tests record it: ordered after the
+executor's stream, and the CPU waits (its pages go back to the pool at free)."""
+ADOPTION_ORDER = ["draft stream waits for the executor stream", "on the draft stream",  # the scatter
+                  "executor stream waits for the draft stream", *GATHER_ORDER]
+"""A warm turn's: the scatter on the draft stream, the executor's stream after it (no CPU wait),
+then the turn's own deposit's gather."""
+
+
 def cold_then_warm_turn(llm: StandinLLM, carry: CarryAttachment, log: list[str]) -> tuple[list[str], list[str]]:
     """One session's cold turn, then its warm turn (which must adopt): what `log` recorded during
     each (the stream-order tests' recorded CUDA calls)."""
