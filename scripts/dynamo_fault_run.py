@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtllm_mtp_carry.serve.dynamo.launcher import DynamoDeployment, DynamoSpec, _get, free_port  # noqa: E402
+from trtllm_mtp_carry.serve.dynamo.metrics import tally  # noqa: E402
 from trtllm_mtp_carry.serve.dynamo.openai_client import SESSION_HEADER, chat, chat_body  # noqa: E402
 from trtllm_mtp_carry.serve.options import ServeOptions  # noqa: E402
 
@@ -52,31 +53,7 @@ def hang_up(spec: DynamoSpec, session: str, messages: list, after_first_token: b
 
 
 def worker_counts(d: DynamoDeployment) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for w in d.live_workers():
-        page = _get(w.metrics_url, timeout=10)[1]
-        m = dict.fromkeys(("outcomes", "cancelled", "runtime_outcomes", "requests", "rows_adopted_total",
-                           "rows_adopted_runtime"), 0.0)
-        wid = f"worker{w.index}"
-        for ln in page.splitlines():
-            if ln.startswith("#") or " " not in ln:
-                continue
-            head, value = ln.rsplit(" ", 1)
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
-            name, v = head.split("{", 1)[0], float(value)
-            if name == "mtp_carry_outcomes_total":
-                m["outcomes"] += v
-                m["cancelled"] += v if labels["kind"] == "cancelled" else 0
-            elif name == "mtp_carry_runtime" and labels["field"].startswith("outcomes."):
-                m["runtime_outcomes"] += v
-            elif name == "mtp_carry_runtime" and labels["field"] == "rows_adopted":
-                m["rows_adopted_runtime"] = v
-            elif name == "mtp_carry_drafter_rows_total" and labels["source"] == "adopted":
-                m["rows_adopted_total"] += v
-            elif name == "dynamo_component_requests_total" and labels.get("dynamo_endpoint") == "generate":
-                m["requests"] += v
-        out[wid] = m
-    return out
+    return {f"worker{w.index}": tally(_get(w.metrics_url, timeout=10)[1])[1] for w in d.live_workers()}
 
 
 def main() -> None:

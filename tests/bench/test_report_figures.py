@@ -3,7 +3,12 @@
 from test_report import turn
 
 from trtllm_mtp_carry.bench.driver import PolicyRun
-from trtllm_mtp_carry.bench.report import HOST_TTFT_TARGET, PREP_TARGET, figure_lines
+from trtllm_mtp_carry.bench.report import (
+    HOST_TTFT_TARGET,
+    PREP_TARGET,
+    figure_lines,
+    timing_basis_line,
+)
 
 
 def _runs(carry_preps, blind_preps, fp8_preps=None, outputs=(1, 2)):
@@ -82,3 +87,18 @@ def test_the_bench_on_a_cpu_prints_no_miss_with_figures(capsys):
     ratio = [line for line in figures if "/ blind" in line]
     assert len(ratio) == 1 and ratio[0].endswith(f"\t<= {PREP_TARGET}x on a GPU, not judged on cpu\tINFO")
     assert not any(line.endswith("MISS") for line in figures)
+    # the CPU engine runs torch ops: no Triton compile to warm, prep on the CPU's clock
+    assert figures[-1] == ("FIGURE\tbench timing basis\ttorch ops on cpu (no kernel compiled); drafter "
+                           "prep timed with CPU wall time\t-\tINFO")
+
+
+def test_the_timing_basis_claims_a_warm_up_only_where_this_process_compiles_kernels():
+    cuda = "; drafter prep timed with CUDA events on the stream its work runs on\t-\tINFO"
+    assert timing_basis_line(None, "triton") == (
+        "FIGURE\tbench timing basis\tevery Triton kernel variant compiled at engine start, before any "
+        "timed turn" + cuda)
+    assert timing_basis_line(None, "aot") == (
+        "FIGURE\tbench timing basis\taot kernels, compiled ahead of time" + cuda)
+    assert timing_basis_line("a server", "triton") == (
+        "FIGURE\tbench timing basis\tthe server's engine warmed its kernels at its start and timed the "
+        "drafter prep\t-\tINFO")

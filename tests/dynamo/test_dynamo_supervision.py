@@ -43,6 +43,7 @@ from trtllm_mtp_carry.serve.dynamo.launcher import (
     _get,
     free_port,
 )
+from trtllm_mtp_carry.serve.dynamo.metrics import tally
 from trtllm_mtp_carry.serve.dynamo.openai_client import SESSION_HEADER, chat, chat_body
 from trtllm_mtp_carry.serve.options import ServeOptions
 
@@ -76,28 +77,7 @@ def _metrics(d: DynamoDeployment) -> dict[str, dict[str, float]]:
     for w in d.live_workers():
         status, page = _get(w.metrics_url, timeout=10)
         assert status == 200
-        m = {"outcomes": 0.0, "cancelled": 0.0, "runtime_outcomes": 0.0, "requests": 0.0,
-             "rows_adopted_total": 0.0, "rows_adopted_runtime": 0.0}
-        wid = ""
-        for ln in page.splitlines():
-            if ln.startswith("#") or " " not in ln:
-                continue
-            name_labels, value = ln.rsplit(" ", 1)
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', name_labels))
-            name = name_labels.split("{", 1)[0]
-            v = float(value)
-            if name == "mtp_carry_outcomes_total":
-                m["outcomes"] += v
-                m["cancelled"] += v if labels["kind"] == "cancelled" else 0
-            elif name == "mtp_carry_runtime" and labels["field"].startswith("outcomes."):
-                m["runtime_outcomes"] += v
-            elif name == "mtp_carry_runtime" and labels["field"] == "rows_adopted":
-                m["rows_adopted_runtime"] = v
-            elif name == "mtp_carry_drafter_rows_total" and labels["source"] == "adopted":
-                m["rows_adopted_total"] += v
-            elif name == "dynamo_component_requests_total" and labels.get("dynamo_endpoint") == "generate":
-                m["requests"] += v
-                wid = labels["worker_id"]
+        wid, m = tally(page)
         out[wid] = m
     return out
 

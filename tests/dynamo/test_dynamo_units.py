@@ -158,6 +158,15 @@ def test_dynamo_spec_names_a_bad_supervision_or_migration_value(kwargs, message)
     assert str(info.value) == message
 
 
+def test_dynamo_spec_names_an_ipv6_host_it_cannot_bind() -> None:
+    from trtllm_mtp_carry.serve.dynamo.launcher import DynamoSpec
+
+    for host in ("::", "::1"):  # free_port's IPv4 socket, the URLs and the broker's address would break
+        with pytest.raises(ValueError) as info:
+            DynamoSpec(http_host=host)
+        assert str(info.value) == f"host must be an IPv4 address or a host name, got {host!r}"
+
+
 def test_dynamo_spec_defaults_migrate_soft_affine_sessions_and_bind_loopback() -> None:
     from trtllm_mtp_carry.serve.dynamo.launcher import DEFAULT_MIGRATION_LIMIT, DynamoSpec
 
@@ -184,3 +193,24 @@ def test_status_metrics_say_how_many_workers_are_alive_and_how_often_they_restar
                        "mtp_carry_dynamo_worker_deaths_total 4"]
     assert (exit_text(-9), exit_text(1), exit_text(-15)) == (
         "killed by SIGKILL", "exit status 1", "killed by SIGTERM")
+
+
+def test_tally_sums_one_workers_page_as_the_count_invariants_compare_it() -> None:
+    from trtllm_mtp_carry.serve.dynamo.metrics import tally
+
+    page = "\n".join([
+        "# HELP mtp_carry_outcomes_total turns by outcome",
+        'mtp_carry_outcomes_total{instance="a1",kind="adopted"} 5',
+        'mtp_carry_outcomes_total{instance="a1",kind="cancelled"} 2',
+        'mtp_carry_runtime{field="outcomes.adopted"} 5',
+        'mtp_carry_runtime{field="outcomes.no_carry"} 1',
+        'mtp_carry_runtime{field="rows_adopted"} 640',
+        'mtp_carry_drafter_rows_total{source="adopted"} 600',
+        'mtp_carry_drafter_rows_total{source="computed"} 90',
+        'dynamo_component_requests_total{dynamo_endpoint="generate",worker_id="a1"} 7',
+        'dynamo_component_requests_total{dynamo_endpoint="clear_kv_blocks",worker_id="a1"} 3',
+    ])
+    assert tally(page) == ("a1", {"outcomes": 7.0, "cancelled": 2.0, "runtime_outcomes": 6.0, "requests": 7.0,
+                                  "rows_adopted_total": 600.0, "rows_adopted_runtime": 640.0})
+    assert tally("") == ("", dict.fromkeys(("outcomes", "cancelled", "runtime_outcomes", "requests",
+                                            "rows_adopted_total", "rows_adopted_runtime"), 0.0))

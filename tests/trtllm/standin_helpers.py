@@ -67,6 +67,29 @@ def make_llm(policy: str, **options: object) -> tuple[StandinLLM, CarryAttachmen
     return llm, attach(llm, {"carry_slots": 8}) if policy == "carry" else None
 
 
+GATHER_ORDER = ["draft stream waits for the executor stream", "on the draft stream",
+                "cpu waits for the draft stream"]
+"""A deposit's gather on the draft stream, as the stream-order tests record it: ordered after the
+executor's stream, and the CPU waits (its pages go back to the pool at free)."""
+ADOPTION_ORDER = ["draft stream waits for the executor stream", "on the draft stream",  # the scatter
+                  "executor stream waits for the draft stream", *GATHER_ORDER]
+"""A warm turn's: the scatter on the draft stream, the executor's stream after it (no CPU wait),
+then the turn's own deposit's gather."""
+
+
+def cold_then_warm_turn(llm: StandinLLM, carry: CarryAttachment, log: list[str]) -> tuple[list[str], list[str]]:
+    """One session's cold turn, then its warm turn (which must adopt): what `log` recorded during
+    each (the stream-order tests' recorded CUDA calls)."""
+    cold = llm.executor.submit(user_tokens(0, 70), 6, conversation_id="c", client_id=901)
+    llm.run_until_done()
+    first = list(log)
+    log.clear()
+    llm.executor.submit(cold.get_tokens(0) + user_tokens(100, 20), 6, conversation_id="c", client_id=902)
+    llm.run_until_done()
+    assert carry.pop_turn(902)["outcome"] == "adopted"  # type: ignore[index]
+    return first, list(log)
+
+
 def aligned(text: str, prefix_len: int, render: Callable[[str], list[int]]) -> list[int]:
     """`render(text + spaces)`, padded so that `prefix_len` plus it is a multiple of CHUNK."""
     n = len(render(text))

@@ -154,7 +154,7 @@ def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the
     gather reads the forward's pages, a scatter rows a deposit put). Only a deposit's gather,
     whose pages go back to the pool at free, makes the CPU wait. (Before: a `synchronize` after the scatter too, so a host-tier copy back could
     never overlap the prefill.) The CUDA calls are the manager's seam, recorded."""
-    from standin_helpers import make_llm, user_tokens
+    from standin_helpers import ADOPTION_ORDER, GATHER_ORDER, cold_then_warm_turn, make_llm
 
     from trtllm_mtp_carry.trtllm import manager as manager_module
 
@@ -188,16 +188,5 @@ def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the
     llm, carry = make_llm("carry")
     assert carry is not None and carry.manager is not None
     carry.manager.draft._stream = draft_stream
-    prompt = user_tokens(0, 70)
-    cold = llm.executor.submit(prompt, 6, conversation_id="c", client_id=901)
-    llm.run_until_done()
-    assert log == ["draft stream waits for the executor stream", "on the draft stream",
-                   "cpu waits for the draft stream"]  # the deposit's gather
-    log.clear()
-    llm.executor.submit(cold.get_tokens(0) + user_tokens(100, 20), 6, conversation_id="c", client_id=902)
-    llm.run_until_done()
-    assert carry.pop_turn(902)["outcome"] == "adopted"  # type: ignore[index]
-    assert log == ["draft stream waits for the executor stream", "on the draft stream",  # the scatter
-                   "executor stream waits for the draft stream",
-                   "draft stream waits for the executor stream", "on the draft stream",  # the deposit's gather
-                   "cpu waits for the draft stream"]
+    cold_log, warm_log = cold_then_warm_turn(llm, carry, log)
+    assert (cold_log, warm_log) == (GATHER_ORDER, ADOPTION_ORDER)

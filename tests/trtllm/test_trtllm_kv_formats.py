@@ -17,9 +17,9 @@ import pytest
 
 from standin_helpers import model  # isort: skip
 from trtllm_mtp_carry.cli import main
-from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict, resolve_kv_format
+from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict, resolve_kv_format, verdict_of_draft
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG, TrtllmAdapterError
-from trtllm_mtp_carry.trtllm.probe import draft_verdict, probe_managers
+from trtllm_mtp_carry.trtllm.probe import probe_managers
 from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 
 BF16 = "BF16 KV: the drafter's rows are carried as the draft pool holds them"
@@ -95,7 +95,7 @@ def test_info_and_the_worker_give_one_verdict(tmp_path: Path, capsys: pytest.Cap
                      version=profile, kv_dtype=datatype)
     managers = llm.executor.resource_manager.resource_managers
     draft = next(m for k, m in managers.items() if getattr(k, "name", k) == "DRAFT_KV_CACHE_MANAGER")
-    verdict = draft_verdict(draft)
+    verdict = verdict_of_draft(draft)
     assert (verdict.line, verdict.carries) == (want, want_carries)
     if not want_carries:  # the probe stands aside with that line; info says armed no with it
         probe = probe_managers(managers, "stand-in")

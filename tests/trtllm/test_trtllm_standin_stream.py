@@ -47,7 +47,7 @@ def test_with_the_stand_ins_own_stream_the_adapter_orders_its_gather_and_scatter
     """The stream the stand-in made (here recorded: CPU pages standing for CUDA ones) is the one
     the adapter's deposit and adoption use: each orders it after the executor's stream, the
     scatter orders the executor's after it, only the deposit's gather makes the CPU wait."""
-    from standin_helpers import make_llm, user_tokens
+    from standin_helpers import ADOPTION_ORDER, GATHER_ORDER, cold_then_warm_turn, make_llm
 
     from trtllm_mtp_carry.trtllm import manager as manager_module
 
@@ -76,15 +76,5 @@ def test_with_the_stand_ins_own_stream_the_adapter_orders_its_gather_and_scatter
     llm, carry = make_llm("carry")
     assert carry is not None and carry.manager is not None
     assert carry.manager.draft._stream is made[-1]  # the stand-in's own, not set by the test
-    cold = llm.executor.submit(user_tokens(0, 70), 6, conversation_id="c", client_id=901)
-    llm.run_until_done()
-    assert log == ["draft stream waits for the executor stream", "on the draft stream",
-                   "cpu waits for the draft stream"]  # the deposit's gather
-    log.clear()
-    llm.executor.submit(cold.get_tokens(0) + user_tokens(100, 20), 6, conversation_id="c", client_id=902)
-    llm.run_until_done()
-    assert carry.pop_turn(902)["outcome"] == "adopted"  # type: ignore[index]
-    assert log == ["draft stream waits for the executor stream", "on the draft stream",  # the scatter
-                   "executor stream waits for the draft stream",
-                   "draft stream waits for the executor stream", "on the draft stream",  # the deposit's gather
-                   "cpu waits for the draft stream"]
+    cold_log, warm_log = cold_then_warm_turn(llm, carry, log)
+    assert (cold_log, warm_log) == (GATHER_ORDER, ADOPTION_ORDER)

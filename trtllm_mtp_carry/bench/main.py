@@ -489,11 +489,9 @@ def _report(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], firs
         off_gpu = "a server" if remote else None if str(args.device).startswith("cuda") else str(args.device)
         for line in report.figure_lines(runs, first_measured, identical, off_gpu):
             print(line)
-        # what the prep figures mean: no compile inside them, and what clock timed them
-        clock = ("CUDA events on the stream its work runs on" if str(getattr(args, "device", "cpu")).startswith("cuda")
-                 else "CPU wall time")
-        print("FIGURE\tbench timing basis\tevery Triton kernel variant compiled at engine start, before "
-              f"any timed turn; drafter prep timed with {clock}\t-\tINFO")
+        from ..dataplane.ops import cuda_kernels
+
+        print(report.timing_basis_line(off_gpu, cuda_kernels()))
     if args.json:
         data = _json(args, env, runs, summary, ratios, identical, first_measured, partial)
         with open(args.json, "w") as f:

@@ -452,6 +452,23 @@ TARGETS = (
 """(numerator, denominator, per-turn stat, label, target): the paired ratios `figure_lines` judges."""
 
 
+def timing_basis_line(off_gpu: str | None, kernels: str) -> str:
+    """What the prep figures mean, as a `FIGURE` INFO line: whether a kernel compile can fall
+    inside a timed turn and which clock timed the prep. `off_gpu` as `figure_lines` takes it
+    (None: this process ran the engine on CUDA); `kernels`: `ops.cuda_kernels()`. Only an
+    in-process CUDA engine with the Triton backend compiles (every variant at engine start,
+    `dataplane.warm`); the CPU runs torch ops, a server times its own prep."""
+    if off_gpu == "a server":
+        basis = "the server's engine warmed its kernels at its start and timed the drafter prep"
+    elif off_gpu is not None:
+        basis = f"torch ops on {off_gpu} (no kernel compiled); drafter prep timed with CPU wall time"
+    else:
+        warm = ("every Triton kernel variant compiled at engine start, before any timed turn"
+                if kernels == "triton" else f"{kernels} kernels, compiled ahead of time")
+        basis = f"{warm}; drafter prep timed with CUDA events on the stream its work runs on"
+    return f"FIGURE\tbench timing basis\t{basis}\t-\tINFO"
+
+
 def figure_lines(runs: Sequence[PolicyRun], first_measured: int, identical: bool,
                  off_gpu: str | None = None) -> list[str]:
     """The run's headline figures and its check as `FIGURE`/`CHECK` lines (tab-separated; the

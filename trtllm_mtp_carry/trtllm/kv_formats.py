@@ -130,9 +130,13 @@ def kv_format_of_datatype(dtype: object) -> str:
     return _DATATYPE_FORMATS.get(name, name.lower())
 
 
-V1_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager", "KVCacheManager"})
-"""KV cache manager V1 classes (`_util.py` @ 38198e34 routes a hybrid to the first two where
-`use_kv_cache_manager_v2` is false): the carry needs V2, and V1 never pairs."""
+V1_HYBRID_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager"})
+"""Target manager classes of KV cache manager V1 for hybrid models (`_util.py` @ 38198e34 routes a
+hybrid to them where `use_kv_cache_manager_v2` is false, as 1.2.x does with block reuse)."""
+
+V1_MANAGERS = V1_HYBRID_MANAGERS | {"KVCacheManager"}
+"""KV cache manager V1 classes: the hybrid ones and the plain one. The carry needs V2, and V1
+never pairs."""
 
 
 def v1_line(manager: str) -> str:

@@ -53,7 +53,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .kv_formats import KvVerdict, v1_line, verdict_of_draft
+from .kv_formats import V1_HYBRID_MANAGERS, v1_line, verdict_of_draft
 from .options import MAMBA_STATE_FIELDS, TrtllmAdapterError, reuse_stand_aside
 
 DRAFT_KV = "DRAFT_KV_CACHE_MANAGER"
@@ -177,7 +177,7 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
             "layer (one-model MTP, num_nextn_predict_layers=1)")
     mtp_layer = int(next(iter(offsets)))
     tpb = int(_attr(draft, "tokens_per_block", "draft KV cache manager"))
-    verdict = draft_verdict(draft, compression)
+    verdict = verdict_of_draft(draft, compression)
     if not verdict.carries:  # the one verdict `info --llm-config` gives too (kv_formats.py)
         shares = getattr(draft, "enable_joint_kv_cache_reuse", False) is True \
             or getattr(draft, "_can_publish_block_reuse", False) is True
@@ -210,9 +210,6 @@ def parallel_refusal(tp_size: object, enable_attention_dp: bool) -> str | None:
                 "request's draft pages (enable_attention_dp must be false)")
     return None
 
-
-V1_HYBRID_MANAGERS = frozenset({"CppMambaHybridCacheManager", "MixedMambaHybridCacheManager"})
-"""Target manager classes of KV cache manager V1 for hybrid models (`_util.py`, 1.2.x)."""
 
 _MISSING = object()
 
@@ -309,17 +306,11 @@ def _check_draft(draft: Any) -> None:
         if needed not in inspect.signature(fn).parameters:
             raise TrtllmAdapterError(f"{owner}.{method} takes no {needed!r} argument: an older "
                                      "KV cache manager than the adapter supports")
-    _attr(draft, "dtype", owner)  # judged by `draft_verdict`, the verdict info gives too
+    _attr(draft, "dtype", owner)  # judged by `kv_formats.verdict_of_draft`, the verdict info gives too
     if getattr(draft, "_fresh_page_fill", None) is not None:  # TRTLLM_KV_FRESH_PAGE_FILL
         raise TrtllmAdapterError(
             "the fresh-page fill is on for the draft pool: it would overwrite the rows the carry "
             "scatters into fresh pages; turn it off")
-
-
-def draft_verdict(draft: Any, compression: str | None = None) -> KvVerdict:
-    """The worker's side of the one verdict (`kv_formats.verdict_of_draft`): the live draft
-    manager's `dtype` and class, and the executor's KV-cache compression."""
-    return verdict_of_draft(draft, compression)
 
 
 def _check_buffer(draft: Any, mtp_layer: int, tpb: int, kv_format: str = "bf16") -> None:

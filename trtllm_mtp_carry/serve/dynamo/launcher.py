@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -67,6 +68,9 @@ ON_WORKER_DEATH = ("restart", "exit")
 """What the supervisor does when a worker dies (`--on-worker-death`)."""
 
 DEFAULT_MODEL_NAME = "mtp-carry"
+
+_WILDCARD_HOSTS = ("0.0.0.0", "")
+"""`--host` values that bind every interface (reached on loopback from this host)."""
 
 DEFAULT_MIGRATION_LIMIT = 3
 """Dynamo's `--migration-limit` for `serve --dynamo`: a stream cut by a dead worker is resent
@@ -133,6 +137,8 @@ class DynamoSpec:
         if isinstance(self.worker_restarts, bool) or not isinstance(self.worker_restarts, int) \
                 or self.worker_restarts < 0:
             raise ValueError(f"worker restarts must be an int >= 0, got {self.worker_restarts!r}")
+        if ":" in self.http_host:  # the sockets (free_port), URLs and broker addresses are IPv4's
+            raise ValueError(f"host must be an IPv4 address or a host name, got {self.http_host!r}")
 
     @property
     def base_url(self) -> str:
@@ -143,7 +149,7 @@ class DynamoSpec:
     def connect_host(self) -> str:
         """Where a process on this host reaches a socket bound to `http_host` (a wildcard
         address is reached on loopback)."""
-        return "127.0.0.1" if self.http_host in ("0.0.0.0", "", "::") else self.http_host
+        return "127.0.0.1" if self.http_host in _WILDCARD_HOSTS else self.http_host
 
     def frontend_args(self) -> list[str]:
         args = ["--http-host", self.http_host, "--http-port", str(self.http_port),
@@ -380,12 +386,17 @@ class DynamoDeployment:
                 on_poll()
             time.sleep(0.2)
 
+    def _dead_core(self) -> list[tuple[str, subprocess.Popen[bytes], str]]:
+        """The frontend and the broker, those that exited: (name, process, log file name). Either
+        one dying ends the deployment (no restart)."""
+        return [(name, p, log) for name, p, log in (("the Dynamo frontend", self.frontend, "frontend.log"),
+                                                    ("the event broker", self.broker, "broker.log"))
+                if p is not None and p.poll() is not None]
+
     def _check_alive(self) -> None:
-        for name, process in (("the Dynamo frontend", self.frontend), ("the event broker", self.broker)):
-            if process is not None and process.poll() is not None:
-                log = "frontend.log" if process is self.frontend else "broker.log"
-                raise DeploymentError(f"{name} exited ({exit_text(process.returncode)}):\n"
-                                      f"{self.log_tail(self.workdir / log)}")
+        for name, process, log in self._dead_core():
+            raise DeploymentError(f"{name} exited ({exit_text(process.returncode)}):\n"
+                                  f"{self.log_tail(self.workdir / log)}")
         if not self.live_workers() and not self._supervising():
             last = self.workers[-1] if self.workers else None
             tail = self.log_tail(last.log_path) if last else ""
@@ -448,9 +459,8 @@ class DynamoDeployment:
         attempts: dict[int, int] = {}  # slot -> restarts so far
         seen: set[int] = set()  # pids already reported dead
         while not self._stopping.wait(interval_s) and not self.failed.is_set():
-            for name, process in (("the Dynamo frontend", self.frontend),
-                                  ("the event broker", self.broker)):
-                if process is not None and process.poll() is not None and not self._stopping.is_set():
+            for name, process, _ in self._dead_core():
+                if not self._stopping.is_set():
                     self._give_up(f"{name} (pid {process.pid}) died: {exit_text(process.returncode)}; "
                                   "stopping the deployment")
             with self._lock:
@@ -599,13 +609,14 @@ def status_metrics(health: dict[str, object]) -> str:
 
 
 def _zmq_host(host: str) -> str:
-    return "*" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
+    return "*" if host in _WILDCARD_HOSTS else host
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _strip_ansi(line: str) -> str:
-    import re
-
-    return re.sub(r"\x1b\[[0-9;]*m", "", line)
+    return _ANSI.sub("", line)
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:

@@ -24,6 +24,7 @@ stepping thread; a scrape reads plain ints under a lock.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ...metrics import CarryMetrics, MetricRegistry
@@ -66,3 +67,38 @@ class WorkerMetrics:
     def exposition(self) -> str:
         """Every family in Prometheus text format (HELP, TYPE, one line per labelled series)."""
         return self._registry.exposition(self.base_labels)
+
+
+TALLY_KEYS = ("outcomes", "cancelled", "runtime_outcomes", "requests", "rows_adopted_total",
+              "rows_adopted_runtime")
+"""What `tally` sums from one worker's page (the counts the invariants above compare)."""
+
+
+def tally(page: str) -> tuple[str, dict[str, float]]:
+    """One worker's `/metrics` page summed as the module's invariants compare it: (its Dynamo
+    `worker_id`, "" if the page has none; {`outcomes`: sum of `mtp_carry_outcomes_total`,
+    `cancelled`: its kind="cancelled" part, `runtime_outcomes`: the runtime's `outcomes.*`
+    gauges, `requests`: Dynamo's `dynamo_component_requests_total` of `generate`,
+    `rows_adopted_total`: `drafter_rows_total{source="adopted"}`, `rows_adopted_runtime`: the
+    runtime's `rows_adopted`}). For the fault script and the Dynamo tests."""
+    m = dict.fromkeys(TALLY_KEYS, 0.0)
+    worker_id = ""
+    for line in page.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        head, value = line.rsplit(" ", 1)
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', head))
+        name, v = head.split("{", 1)[0], float(value)
+        if name == "mtp_carry_outcomes_total":
+            m["outcomes"] += v
+            m["cancelled"] += v if labels["kind"] == "cancelled" else 0
+        elif name == "mtp_carry_runtime" and labels["field"].startswith("outcomes."):
+            m["runtime_outcomes"] += v
+        elif name == "mtp_carry_runtime" and labels["field"] == "rows_adopted":
+            m["rows_adopted_runtime"] = v
+        elif name == "mtp_carry_drafter_rows_total" and labels["source"] == "adopted":
+            m["rows_adopted_total"] += v
+        elif name == "dynamo_component_requests_total" and labels.get("dynamo_endpoint") == "generate":
+            m["requests"] += v
+            worker_id = labels["worker_id"]
+    return worker_id, m

@@ -79,6 +79,13 @@ class, with V2 and a known draft prompt lookahead); on no other tree read."""
 
 _ALL_SNAPSHOT = MAMBA_STATE_FIELDS
 
+_UNPAIRED_V2_HYBRID: dict[str, Any] = {
+    "target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
+    "pairing_reads": PAIRING_READ_MAIN, "supports": False, "class_attrs": {PAIRING_READ_MAIN: False},
+    "topology": "unpaired", "snapshot_options": _ALL_SNAPSHOT}
+"""The releases with #18093 and main-line alike: the V2 hybrid class opts out of the match
+backoff the creator reads (`VERSIONS` gives each tree its own copy)."""
+
 VERSIONS: dict[str, dict[str, Any]] = {
     # what a hybrid one-model MTP model gets per TensorRT-LLM tree (docs/TRTLLM-CONFORMANCE.md
     # "Versions"): the target manager's class and the draft pool's (None: the plain stand-in
@@ -93,22 +100,13 @@ VERSIONS: dict[str, dict[str, Any]] = {
     "1.2.1": {"target_class": "CppMambaHybridCacheManager", "draft_class": None, "markers": False,
               "pairing_reads": None, "supports": False, "class_attrs": {}, "topology": "unpaired",
               "snapshot_options": None},
-    "1.3.0rc29": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
-                  "pairing_reads": PAIRING_READ_MAIN, "supports": False,
-                  "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
-                  "snapshot_options": _ALL_SNAPSHOT},
-    "1.4.0rc1": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
-                 "pairing_reads": PAIRING_READ_MAIN, "supports": False,
-                 "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
-                 "snapshot_options": _ALL_SNAPSHOT},
+    "1.3.0rc29": dict(_UNPAIRED_V2_HYBRID),
+    "1.4.0rc1": dict(_UNPAIRED_V2_HYBRID),
     # main-line: `kv_cache/mamba_cache_manager.py` @ 003f8d08 sets
     # `MambaHybridCacheManagerV2._supports_reuse_match_backoff = False` ("keep main-like reuse
     # endpoints and the existing unpaired draft path"), the attribute `_util.py` @ 0004396 reads:
     # unpaired, the carry arms
-    "main": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
-             "pairing_reads": PAIRING_READ_MAIN, "supports": False,
-             "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
-             "snapshot_options": _ALL_SNAPSHOT},
+    "main": dict(_UNPAIRED_V2_HYBRID),
     # PR #18843's layout (open): `mamba_cache_manager/mamba_cache_manager_v2.py` @ 28295084 sets
     # nothing, inheriting `KVCacheManagerV2`'s True, under the 0004396 creator: paired markers
     "pr18843": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
