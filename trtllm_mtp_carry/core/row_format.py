@@ -7,10 +7,18 @@ as the pool holds them (`elem_bytes` each); `fp8` packs each vector as
 `head_dim` float8_e4m3fn bytes plus one float32 scale (one scale per row, K/V
 and head: the data plane's `dataplane.row_format.PackedRows`)::
 
-    bf16: | v0: D x 2 B          | v1: D x 2 B          | ...
-    fp8:  | v0: D x 1 B | s0 4 B | v1: D x 1 B | s1 4 B | ...   (scales stored apart)
+    bf16:   | v0: D x 2 B          | v1: D x 2 B          | ...
+    fp8:    | v0: D x 1 B | s0 4 B | v1: D x 1 B | s1 4 B | ...   (scales stored apart)
+    fp8_kv: | v0: D x 1 B | v1: D x 1 B | ...   (an FP8 KV pool's own bytes: static scale, none stored)
+
+`fp8_kv` is not a `carry_row_dtype` choice: it is the format of a pool whose
+rows already are float8_e4m3fn bytes (`dataplane.row_codec.codec_for` picks it
+for such a pool, whatever `carry_row_dtype` says); trace replay takes it to
+charge an FP8 pool's rows (`ROW_FORMATS`).
 
 Invariants:
+- `rows_nbytes(fmt, n, d, e)` equals the data plane codec's bytes held for every
+  format in `ROW_FORMATS` (`dataplane.row_codec`, pinned by its contract suite);
 - `rows_nbytes("fp8", n, d)` equals `dataplane.row_format.packed_nbytes(n, d)`
   (payload plus scales) for every `n`, `d` (tests/dataplane pins it); pure Python,
   no torch.
@@ -28,6 +36,13 @@ ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8")
 
 DEFAULT_CARRY_ROW_DTYPE = ROW_DTYPES[0]
 
+ROW_FORMATS: tuple[str, ...] = (*ROW_DTYPES, "fp8_kv")
+"""Every format a carried row may be held in: the `carry_row_dtype` choices, then `fp8_kv`
+(an FP8 KV pool's own 1-byte rows). Each has a codec in `dataplane.row_codec.CODECS`."""
+
+FP8_KV_ELEM_BYTES = 1
+"""Bytes of one element of an FP8 KV pool's row (float8_e4m3fn)."""
+
 FP8_SCALE_BYTES = 4
 """Bytes of one fp8 vector's scale (float32)."""
 
@@ -40,11 +55,23 @@ def check_row_dtype(value: object, what: str = "carry_row_dtype") -> str:
     return value
 
 
+def check_row_format(value: object, what: str = "row format") -> str:
+    """`value` if it names a format in `ROW_FORMATS`, else a ValueError naming `what`, the value
+    and the choices."""
+    if value not in ROW_FORMATS:
+        raise ValueError(f"{what}={value!r} is not a row format; expected one of {', '.join(ROW_FORMATS)}")
+    assert isinstance(value, str)
+    return value
+
+
 def vector_nbytes(row_dtype: str, head_dim: int, elem_bytes: int = 2) -> int:
-    """Bytes one head vector of `head_dim` elements takes in `row_dtype` (`elem_bytes`: bf16's element)."""
-    check_row_dtype(row_dtype)
+    """Bytes one head vector of `head_dim` elements takes in format `row_dtype` (`ROW_FORMATS`;
+    `elem_bytes`: bf16's element, the pool's own)."""
+    check_row_format(row_dtype)
     if row_dtype == "fp8":
         return head_dim + FP8_SCALE_BYTES
+    if row_dtype == "fp8_kv":
+        return head_dim * FP8_KV_ELEM_BYTES
     return head_dim * elem_bytes
 
 
@@ -66,7 +93,7 @@ class RowFormat:
     elem_bytes: int = 2
 
     def __post_init__(self) -> None:
-        check_row_dtype(self.dtype, "RowFormat.dtype")
+        check_row_format(self.dtype, "RowFormat.dtype")
         for name in ("vectors_per_row", "head_dim", "elem_bytes"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -82,5 +109,5 @@ class RowFormat:
         return check_non_negative("rows", rows) * self.row_nbytes
 
 
-__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_SCALE_BYTES", "ROW_DTYPES", "RowFormat", "check_row_dtype",
-           "rows_nbytes", "vector_nbytes"]
+__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "ROW_DTYPES", "ROW_FORMATS",
+           "RowFormat", "check_row_dtype", "check_row_format", "rows_nbytes", "vector_nbytes"]
