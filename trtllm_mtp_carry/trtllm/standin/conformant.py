@@ -36,6 +36,17 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
         "get_batch_cache_indices", "prepare_resources", "update_resources", "free_resources",
         "add_dummy_requests", "shutdown", "get_max_resource_count",
         "get_needed_resource_to_completion"}),
+    "QSAMambaHybridCacheManagerV2": frozenset({
+        "is_draft", "dtype", "mapping", "enable_block_reuse", "tokens_per_block", "layer_offsets",
+        "enable_joint_kv_cache_reuse", "_can_publish_block_reuse",
+        "_supports_draft_reuse_match_backoff", "_supports_reuse_match_backoff",
+        "_supports_additional_snapshot_offsets", "kv_cache_config",
+        "_fresh_page_fill", "_stream", "get_buffers",
+        "get_batch_cache_indices", "prepare_resources", "update_resources", "free_resources",
+        "add_dummy_requests", "shutdown", "get_max_resource_count",
+        "get_needed_resource_to_completion",
+        "qsa_sparse_layer_ids", "qsa_position_layer_id", "qsa_index_dim", "qsa_index_kv_heads",
+        "get_index_k_buffer", "get_qsa_position_buffer"}),
     "KvCacheConfig": frozenset({"enable_block_reuse", "mamba_state_config"}),
     "KvCacheCreator": frozenset({"try_prepare_estimation", "_llm_args"}),
     "MambaStateConfig": frozenset({
