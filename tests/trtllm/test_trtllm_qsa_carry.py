@@ -4,10 +4,16 @@ coordinates, bit for bit on warm turns (no TensorRT-LLM is run; issue 41 item 3)
 
 from __future__ import annotations
 
-import torch
-from standin_helpers import CHUNK, make_llm, padded, user_tokens
+from pathlib import Path
+from typing import Any
 
+import pytest
+import torch
+from standin_helpers import CHUNK, make_llm, model, padded, user_tokens
+
+from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
 from trtllm_mtp_carry.trtllm.draft_pages import QsaDraftPages, pages_of
+from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
 from trtllm_mtp_carry.trtllm.standin.qsa_cache_manager import COMPRESS_RATIO
 
@@ -73,3 +79,62 @@ def test_a_qsa_pool_is_addressed_by_raw_slot_ids_not_the_scaled_k_v_page_ids() -
     pages = pages_of(draft, draft.mtp_layer)
     assert pages.page_ids(req.py_request_id) == raw
     llm.run_until_done()
+
+
+
+def _capture_at_free(llm: StandinLLM, into: dict[int, tuple[torch.Tensor, ...]]) -> None:
+    """Record each freed request's MTP rows of keys `[0, N - 1)` just before its pages go back."""
+    rm = llm.executor.resource_manager
+    free = rm.free_resources
+
+    def capture(request: LlmRequest) -> None:
+        if request.py_request_id in llm.executor.draft.pool.tables:  # type: ignore[union-attr]
+            into[request.py_request_id] = tuple(
+                t.clone() for t in _rows(llm, request, len(request.get_tokens(0)) - 1))
+        free(request)
+
+    rm.free_resources = capture  # type: ignore[method-assign]
+
+
+def test_the_worker_install_arms_on_a_qsa_pool_and_every_warm_turn_matches_a_rebuild(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the worker install (the executor built by TensorRT-LLM's creator, the carry
+    installed by the hook): the arena's block is one composite row, every warm turn adopts, and
+    at each turn's free the MTP layer's K, V, index keys and positions of every deposited key
+    equal a rebuild's (block reuse off: every turn prefilled from 0)."""
+    config = tmp_path / "carry.yaml"
+    config.write_text("mtp_carry: {carry_slots: 8}\n")
+    monkeypatch.setenv(worker.ENV, str(config))
+    kw: dict[str, Any] = {"kv_cache_config": RECOMMENDED_KV_CACHE_CONFIG, "chunk_size": CHUNK,
+                          "max_batch": 2, "num_pages": 512, "version": QSA}
+    carry = StandinLLM(model(), **kw)
+    assert worker.messages()[-1].startswith(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY}")
+    manager = carry.executor.resource_manager.resource_managers[CARRY_MANAGER_KEY]
+    hkv_d = model().cfg.num_kv_heads * model().cfg.head_dim
+    # one block: K and V in bf16 (2 x 2 B), the positions (3 x 4 B), one bf16 index key of Hkv * D
+    assert manager.reserved.device.block_nbytes == 2 * 2 * hkv_d + 3 * 4 + 2 * hkv_d
+    monkeypatch.delenv(worker.ENV)
+    rebuild = StandinLLM(model(), **{**kw, "enable_block_reuse": False})
+    rows: dict[str, list[tuple[torch.Tensor, ...]]] = {}
+    for name, llm in (("carry", carry), ("rebuild", rebuild)):
+        freed: dict[int, tuple[torch.Tensor, ...]] = {}
+        _capture_at_free(llm, freed)
+        prompt = user_tokens(11, 5 * CHUNK)
+        turns = []
+        for t in range(3):
+            req = llm.generate_async(prompt, MAX_NEW, conversation_params=ConversationParams(conversation_id="w"))
+            llm.run_until_done()
+            turns.append(req)
+            prompt = padded(req.get_tokens(0), 300 + t)
+        reused = [r.reused for r in turns]
+        assert reused[0] == 0 and (name == "rebuild" or min(reused[1:]) > 0)
+        if name == "carry":
+            warm = sum(reused)
+        rows[name] = [freed[r.py_request_id] for r in turns]
+        llm.executor.check()
+    for got, want in zip(rows["carry"], rows["rebuild"], strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)  # K, V, index keys, positions of [0, N - 1): bit for bit
+    stats = manager.stats()
+    assert (stats["outcomes"]["adopted"], stats["row_dtype"]) == (2, "bf16+position+index_k")
+    assert stats["rows_scattered"] == warm
