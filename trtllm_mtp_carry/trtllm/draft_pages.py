@@ -100,22 +100,23 @@ class QsaDraftPages(DraftPages):
 
     def __init__(self, draft: Any, mtp_layer: int) -> None:
         super().__init__(draft, mtp_layer)
-        if draft.qsa_position_layer_id != mtp_layer:
+        qsa = draft  # a QSAMambaHybridCacheManagerV2 (the conformance walk reads `qsa` as one)
+        if qsa.qsa_position_layer_id != mtp_layer:
             # the coordinates live on the pool's first local sparse layer; a draft pool whose MTP
             # layer is not it shares them with another layer, which the carry does not restore
             raise ValueError(f"the QSA draft pool keeps its position coordinates on layer "
-                             f"{draft.qsa_position_layer_id!r}, not on the MTP layer {mtp_layer}")
+                             f"{qsa.qsa_position_layer_id!r}, not on the MTP layer {mtp_layer}")
         self.sides = (SideRows("position", (QSA_POSITION_AXES,), QSA_POSITION_DTYPE),
-                      SideRows("index_k", (int(draft.qsa_index_kv_heads), int(draft.qsa_index_dim)),
+                      SideRows("index_k", (int(qsa.qsa_index_kv_heads), int(qsa.qsa_index_dim)),
                                QSA_INDEX_K_DTYPE))
 
     def views(self) -> Any:
-        return SlotPages(self.kv(), (self.draft.get_qsa_position_buffer(),
-                                     self.draft.get_index_k_buffer(self.mtp_layer)))
+        qsa = self.draft
+        return SlotPages(self.kv(), (qsa.get_qsa_position_buffer(), qsa.get_index_k_buffer(self.mtp_layer)))
 
     def page_ids(self, rid: int) -> list[int]:
-        ids: list[int] = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer,
-                                                            raw_indices=True)[0]
+        qsa = self.draft
+        ids: list[int] = qsa.get_batch_cache_indices([rid], layer_idx=self.mtp_layer, raw_indices=True)[0]
         return ids
 
     def codec(self, row_dtype: str) -> RowCodec:
