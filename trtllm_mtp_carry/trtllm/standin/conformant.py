@@ -64,7 +64,7 @@ docs/TRTLLM-CONFORMANCE.md, pinned equal by tests/trtllm/test_trtllm_conformance
 def _names(cls: type) -> frozenset[str]:
     """The names `cls` answers: its TensorRT-LLM class's and every Conformant parent's (a
     subclass inherits its parent's attributes in TensorRT-LLM too)."""
-    return frozenset().union(*(TRTLLM_NAMES[c.TRTLLM_CLASS] for c in cls.__mro__
+    return frozenset().union(*(TRTLLM_NAMES[c.__dict__["TRTLLM_CLASS"]] for c in cls.__mro__
                                if c.__dict__.get("TRTLLM_CLASS")))
 
 
@@ -80,7 +80,7 @@ class Conformant:
     TRTLLM_CLASS: str = ""
 
     def __getattribute__(self, name: str) -> Any:
-        if name[:2] == "__" or name in _names(type(self)):
+        if name[:2] == "__" or name in _names(object.__getattribute__(self, "__class__")):
             return object.__getattribute__(self, name)
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller.startswith("trtllm_mtp_carry.") and not caller.startswith(STANDIN_PACKAGE):
