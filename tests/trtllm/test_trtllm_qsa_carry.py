@@ -11,7 +11,15 @@ import pytest
 import torch
 from standin_helpers import CHUNK, make_llm, model, padded, user_tokens
 
+from trtllm_mtp_carry.dataplane.row_codec import (
+    CompositeCodec,
+    CompositeRows,
+    SideRows,
+    SlotPages,
+    codec_for,
+)
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
+from trtllm_mtp_carry.trtllm.carried import CarriedRows
 from trtllm_mtp_carry.trtllm.draft_pages import QsaDraftPages, pages_of
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
@@ -138,3 +146,32 @@ def test_the_worker_install_arms_on_a_qsa_pool_and_every_warm_turn_matches_a_reb
     stats = manager.stats()
     assert (stats["outcomes"]["adopted"], stats["row_dtype"]) == (2, "bf16+position+index_k")
     assert stats["rows_scattered"] == warm
+
+
+def _composite(seed: int, n: int = 10) -> CompositeRows:
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(4, 2, 2, 4, 8, generator=gen).to(torch.bfloat16)
+    index = torch.randn(4, 4, 1, 16, generator=gen).to(torch.bfloat16)
+    position = torch.randint(0, 99, (4, 4, 3), generator=gen, dtype=torch.int32)
+    sides = (SideRows("position", (3,), torch.int32), SideRows("index_k", (1, 16), torch.bfloat16))
+    rows = CompositeCodec(codec_for("bf16", torch.bfloat16), sides).gather_pages(
+        SlotPages(kv, (position, index)), [2, 0, 3], 0, n)
+    assert isinstance(rows, CompositeRows)
+    return rows
+
+
+def test_the_store_charges_composite_bytes_and_its_host_tier_gives_them_back_bit_for_bit() -> None:
+    one = _composite(1).nbytes
+    assert one == 10 * (2 * 2 * 8 * 2 + 3 * 4 + 16 * 2)
+    carried = CarriedRows(None, budget_bytes=one, policy="lrd", host_budget_bytes=2 * one, row_dtype="bf16")
+    assert carried.deposit(11, list(range(12)), _composite(1))  # bound to the composite form here
+    assert carried.deposit(12, list(range(12)), _composite(2))  # 11 is demoted to the host tier
+    stats = carried.stats()
+    assert (stats["row_dtype"], stats["bytes_held"], stats["host_bytes_held"]) == (
+        "bf16+position+index_k", one, one)
+    carried.check()
+    taken = carried.take(11)
+    for a, b in zip(taken.codec.tensors(taken.head(10)), taken.codec.tensors(_composite(1)), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=r"a bf16\+position\+index_k codec holds CompositeRows"):
+        carried.deposit(13, list(range(12)), _composite(3).kv)

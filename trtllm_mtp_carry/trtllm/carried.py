@@ -67,7 +67,7 @@ from ..core.outcome import Adopted, CarryOutcome
 from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
-from ..dataplane.row_codec import RowCodec, codec_for, codec_of
+from ..dataplane.row_codec import CompositeCodec, RowCodec, codec_for, codec_of
 from .arena import HeldRows, RowArena, Rows
 
 logger = logging.getLogger("trtllm_mtp_carry")
@@ -232,7 +232,8 @@ class CarriedRows:
         given: `fp8` takes `PackedRows`, `bf16` tensors); TypeError for rows in another form."""
         if self.codec is None:
             codec = codec_of(rows)
-            if codec.name != self.row_dtype and codec.name != "fp8_kv":  # an FP8 pool's own bytes
+            kv_name = codec.main.name if isinstance(codec, CompositeCodec) else codec.name  # K/V's format
+            if kv_name != self.row_dtype and kv_name != "fp8_kv":  # an FP8 pool's own bytes
                 raise TypeError(f"a {self.row_dtype} store keeps "
                                 f"{'PackedRows' if self.row_dtype == 'fp8' else 'tensors'}, got {type(rows).__name__}")
             self.codec = self._rows.codec = self._host.codec = codec

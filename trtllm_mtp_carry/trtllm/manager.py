@@ -379,8 +379,7 @@ class CarryManagerCore:
             pages = self.pages.page_ids(rid)
             buf = self.pages.views()
             with self._draft_stream():
-                codec = self.carried.codec
-                assert codec is not None  # given at construction (`self.pages.codec`)
+                codec = self.carried.codec or self.pages.codec(self.carried.row_dtype)
                 rows = codec.gather_pages(buf, pages, 0, valid)  # [valid, 2, Hkv, D], held form
                 self._sync()
         except Exception as exc:  # the carry may cost acceptance, never the executor
