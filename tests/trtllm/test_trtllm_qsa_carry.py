@@ -175,3 +175,18 @@ def test_the_store_charges_composite_bytes_and_its_host_tier_gives_them_back_bit
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match=r"a bf16\+position\+index_k codec holds CompositeRows"):
         carried.deposit(13, list(range(12)), _composite(3).kv)
+
+
+def test_package_code_reading_a_name_the_qsa_source_lacks_gets_attribute_error() -> None:
+    """The QSA stand-in answers its rows and its parent's; `qsa_index_storage_dim` (main-line's
+    padded layout @ 306f9922, gone @ 38198e34) is refused, as TensorRT-LLM would."""
+    from trtllm_mtp_carry.trtllm import draft_pages
+
+    llm, _ = make_llm("blind", version=QSA)
+    draft = llm.executor.draft
+    scope = vars(draft_pages)
+    read = compile("qsa.qsa_index_kv_heads, qsa.tokens_per_block", draft_pages.__file__, "eval")
+    assert eval(read, scope, {"qsa": draft}) == (1, CHUNK)
+    with pytest.raises(AttributeError, match=r"TensorRT-LLM's QSAMambaHybridCacheManagerV2 has no "
+                                             r"'qsa_index_storage_dim'"):
+        eval(compile("qsa.qsa_index_storage_dim", draft_pages.__file__, "eval"), scope, {"qsa": draft})
