@@ -29,11 +29,10 @@ NVFP4 = ("NVFP4 KV stands aside: the draft pool keeps e2m1 values two to a byte 
          "one E4M3 scale per 16 values in separate KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages, under each "
          "layer's global K/V scale (kv_cache_manager_v2.py @ 38198e34); carrying it needs a row codec "
          "over both pages (issue 43)")
-QSA = ("QSAMambaHybridCacheManagerV2 stands aside: its draft pool keeps the MTP layer's index keys "
-       "(Role.INDEX_KEY) and position coordinates (qsa_index_position) in the same page slot as K/V "
-       "(qsa/cache_manager.py @ 38198e34); the carry moves K/V rows only, and restoring them alone "
-       "would leave the sparse indexer's keys over the reused prefix stale: it needs a row codec over "
-       "K/V, index-K and position rows")
+QSA = ("QSAMambaHybridCacheManagerV2: the drafter's K/V, index-key (Role.INDEX_KEY) and position "
+       "(qsa_index_position) rows share one page slot (qsa/cache_manager.py @ 38198e34) and are carried "
+       "together, one composite row per key, so the sparse indexer reads restored keys over the reused "
+       "prefix")
 
 # (kv_cache_config.dtype, the checkpoint's kv_cache_quant_algo) -> the stand-in's DataType, and the
 # verdict line on a manager that moves K/V pages
@@ -44,7 +43,8 @@ DTYPES: dict[str, tuple[str, str | None, DataType, str, bool]] = {
     "auto+fp8-checkpoint": ("auto", "FP8", DataType.FP8, FP8, True),
     "auto+nvfp4-checkpoint": ("auto", "NVFP4", DataType.NVFP4, NVFP4, False),
 }
-# stand-in profile (a TensorRT-LLM tree and its manager) -> the YAML lines that select that manager
+# stand-in profile (a TensorRT-LLM tree and its manager) -> the YAML lines that select that manager,
+# and what the manager adds before the format's line where the format is carried (QSA: its side rows)
 MANAGERS: dict[str, tuple[str, str | None]] = {
     "main": ("", None),
     "pr18843": ("", None),
@@ -82,8 +82,8 @@ def test_info_and_the_worker_give_one_verdict(tmp_path: Path, capsys: pytest.Cap
                                               case: str, profile: str) -> None:
     dtype, algo, datatype, format_line, carries = DTYPES[case]
     extra, manager_line = MANAGERS[profile]
-    want = manager_line or format_line
-    want_carries = manager_line is None and carries
+    want = f"{manager_line}; {format_line}" if manager_line and carries else format_line
+    want_carries = carries
     args = ["--llm-config", str(_yaml(tmp_path, dtype, extra))]
     checkpoint = _checkpoint(tmp_path, algo)
     if checkpoint is not None:

@@ -24,14 +24,12 @@ from trtllm_mtp_carry.trtllm.standin import VERSIONS, ConversationParams, Standi
 MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
                "False; target MambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=missing, "
                "_supports_reuse_match_backoff=False")
+QSA_MARKERS = ("draft QSAMambaHybridCacheManagerV2.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
+               "False; target QSAMambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=False, "
+               "_supports_reuse_match_backoff=False")
 PAIRED = "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager." \
     "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target MambaHybridCacheManagerV2."
 ASIDE = "); TensorRT-LLM restores the drafter's prefix itself, the carry stands aside"
-QSA_LINE = ("QSAMambaHybridCacheManagerV2 stands aside: its draft pool keeps the MTP layer's index keys "
-            "(Role.INDEX_KEY) and position coordinates (qsa_index_position) in the same page slot as K/V "
-            "(qsa/cache_manager.py @ 38198e34); the carry moves K/V rows only, and restoring them alone "
-            "would leave the sparse indexer's keys over the reused prefix stale: it needs a row codec "
-            "over K/V, index-K and position rows")
 ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reason or refusal)
     "1.2.1": ("refused", False,
               "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as "
@@ -54,8 +52,11 @@ ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reaso
     # PR #19303 (38198e34): the creator reads _supports_draft_reuse_match_backoff, True on the hybrid
     "main+19303": ("paired", False,
                    f"{PAIRED}_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=False{ASIDE}"),
-    # ... and False on the QSA hybrid: unpaired, and its draft pool is one the carry stands aside on
-    "main+19303:qsa": ("unpaired", False, QSA_LINE),
+    # ... and False on the QSA hybrid: unpaired, and the carry restores its draft pool's K/V,
+    # index-key and position rows together (trtllm/draft_pages.py)
+    "main+19303:qsa": ("unpaired", True,
+                       f"unpaired draft pool with block reuse ({QSA_MARKERS}): the carry restores the "
+                       "drafter's rows over the reused prefix"),
 }
 
 

@@ -125,9 +125,6 @@ def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebu
      "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
     ({"version": "pr18843"},  # #18843's layout: the hybrid inherits _supports_reuse_match_backoff = True
      "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
-    ({"version": "main+19303:qsa"},  # unpaired, but the QSA draft pool keeps index keys beside K/V
-     "mtp carry: stands aside: QSAMambaHybridCacheManagerV2 stands aside: its draft pool keeps the "
-     "MTP layer's index keys"),
     ({"kv_dtype": DataType.NVFP4},
      "mtp carry: stands aside: NVFP4 KV stands aside: the draft pool keeps e2m1 values"),
     ({"version": "1.2.1"},

@@ -25,6 +25,7 @@ DOC = ROOT / "docs" / "TRTLLM-CONFORMANCE.md"
 RECEIVERS = {
     "request": "LlmRequest", "req": "LlmRequest",
     "draft": "KVCacheManagerV2", "target": "KVCacheManagerV2", "self.draft": "KVCacheManagerV2",
+    "qsa": "QSAMambaHybridCacheManagerV2",
     "executor": "PyExecutor", "engine": "PyExecutor",
     "llm": "LLM", "self._llm": "LLM",
     "proxy": "GenerationExecutor",
@@ -42,7 +43,7 @@ FILES = [
     "trtllm_mtp_carry/trtllm/__init__.py", "trtllm_mtp_carry/trtllm/probe.py",
     "trtllm_mtp_carry/trtllm/manager.py", "trtllm_mtp_carry/trtllm/identity.py",
     "trtllm_mtp_carry/trtllm/worker.py", "trtllm_mtp_carry/trtllm/carried.py",
-    "trtllm_mtp_carry/trtllm/metrics.py",
+    "trtllm_mtp_carry/trtllm/metrics.py", "trtllm_mtp_carry/trtllm/draft_pages.py",
 ]
 """The adapter: code that runs inside TensorRT-LLM's executor and must lean on nothing else."""
 

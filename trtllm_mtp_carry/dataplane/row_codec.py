@@ -30,6 +30,14 @@ Invariants (tests/dataplane/test_dp_row_codec_contract.py runs one suite over ev
 Adding a codec: subclass `RowCodec`, give it a `name` listed in
 `core.row_format.ROW_FORMATS` (with its `vector_nbytes`), register the class in
 `CODECS`, let `codec_for` choose it, and add it to the contract suite's `CODECS`.
+
+Composite rows (`CompositeCodec`): a draft pool that keeps per-token side rows in
+the same page slot as K/V (the QSA hybrid's index keys and position coordinates,
+`trtllm/draft_pages.py`) carries one row per key made of its K/V row, held by any
+codec above, and its side rows, copied exactly. The pool is then `SlotPages` (the
+K/V pages and one slot-major view per side, all addressed by the same slot ids)
+and the held form `CompositeRows`; bytes a row are the K/V codec's plus the side
+rows' own, laid back to back in an arena block.
 """
 
 from __future__ import annotations
@@ -37,12 +45,13 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..core.row_format import RowFormat
 from .device_ints import device_tensor
-from .hnd_pages import gather_packed_rows, gather_rows, scatter_packed_rows, scatter_rows
+from .hnd_pages import gather_packed_rows, gather_rows, key_slots, scatter_packed_rows, scatter_rows
 from .reference import slots_for_rows
 from .row_format import (
     FP8_DTYPE,
@@ -54,10 +63,77 @@ from .row_format import (
     unpack_rows,
 )
 
-__all__ = ["CODECS", "KV_FP8_DTYPES", "Fp8PackedCodec", "PoolRowsCodec", "RowCodec", "Rows", "codec_for", "codec_of"]
+__all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "Fp8PackedCodec", "PoolRowsCodec",
+           "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
 
-Rows = torch.Tensor | PackedRows
-"""Held rows: a tensor `[n, 2, Hkv, D]` in the pool's dtype, or `PackedRows`."""
+
+@dataclass(frozen=True, slots=True)
+class SideRows:
+    """One kind of per-token side row a draft pool keeps in the K/V page slot: `name` (what
+    stats name it), its per-token `row_shape` and `dtype` (e.g. QSA's index key `(1, 128)`
+    bfloat16, its position coordinates `(3,)` int32)."""
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.row_shape or min(self.row_shape) < 1:
+            raise ValueError(f"a side row needs a name and a non-empty positive shape, got {self!r}")
+        if self.row_nbytes % 4:
+            raise ValueError(f"side row {self.name!r} takes {self.row_nbytes} bytes: a multiple of 4 keeps "
+                             "the arena's float32/int32 views aligned")
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one token's side row."""
+        n = _elem_bytes(self.dtype)
+        for s in self.row_shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class CompositeRows:
+    """Held composite rows: `kv` (`[n, 2, Hkv, D]` in the K/V codec's form) and one tensor
+    `[n, *row_shape]` per side of `spec`, row `r` of each the same key."""
+
+    kv: torch.Tensor | PackedRows
+    sides: tuple[torch.Tensor, ...]
+    spec: tuple[SideRows, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.kv.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kv.nbytes) + sum(int(t.nbytes) for t in self.sides)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPages:
+    """A draft pool's pages for composite rows: `kv` HND `[slots, 2, Hkv, tpb, D]` and one view
+    `[slots, tpb, *row_shape]` per side, every one indexed by the same slot id."""
+
+    kv: torch.Tensor
+    sides: tuple[torch.Tensor, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+
+Rows = torch.Tensor | PackedRows | CompositeRows
+"""Held rows: a tensor `[n, 2, Hkv, D]` in the pool's dtype, `PackedRows`, or `CompositeRows`."""
 
 KV_FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
 """Pool element dtypes whose rows already are FP8 bytes (`fp8_kv`: carried as they are)."""
@@ -113,7 +189,7 @@ class RowCodec(ABC):
         if not self.holds(rows):
             raise TypeError(f"a {self.name} codec holds {self._form()}, got "
                             f"{type(rows).__name__} {getattr(rows, 'dtype', '')}")
-        assert isinstance(rows, (torch.Tensor, PackedRows))
+        assert isinstance(rows, (torch.Tensor, PackedRows, CompositeRows))
         return rows
 
     @abstractmethod
@@ -337,6 +413,127 @@ class Fp8PackedCodec(RowCodec):
         unpack_into_blocks(p, k_cache, v_cache, block_ids)
 
 
+class CompositeCodec(RowCodec):
+    """One row per key of K/V (held by `main`, any codec above) and the side rows `sides` kept in
+    the same page slot, copied exactly: the pool is `SlotPages`, the held form `CompositeRows`.
+    Exact iff `main` is. Its name is `main`'s and the sides', e.g. `bf16+index_k+position`."""
+
+    def __init__(self, main: RowCodec, sides: Sequence[SideRows]) -> None:
+        if isinstance(main, CompositeCodec) or not sides:
+            raise ValueError(f"a composite codec takes a K/V codec and at least one side, got {main!r}, {sides!r}")
+        super().__init__(main.pool_dtype)
+        self.main = main
+        self.sides = tuple(sides)
+        self.name = "+".join((main.name, *(s.name for s in self.sides)))
+        self.exact = main.exact
+
+    def row_nbytes(self, num_kv_heads: int, head_dim: int) -> int:
+        return self.main.row_nbytes(num_kv_heads, head_dim) + sum(s.row_nbytes for s in self.sides)
+
+    def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
+        raise TypeError(f"{self.name} rows carry side rows: the core's RowFormat counts K/V vectors only "
+                        "(charge codec.nbytes / row_nbytes)")
+
+    def holds(self, rows: object) -> bool:
+        return (isinstance(rows, CompositeRows) and rows.spec == self.sides and self.main.holds(rows.kv)
+                and all(t.dtype == s.dtype and tuple(t.shape[1:]) == s.row_shape
+                        and t.shape[0] == rows.kv.shape[0] for t, s in zip(rows.sides, self.sides, strict=True)))
+
+    def _rows(self, rows: object) -> CompositeRows:
+        c = self.check(rows)
+        assert isinstance(c, CompositeRows)
+        return c
+
+    def _form(self) -> str:
+        return f"CompositeRows of {self.main._form()} and {', '.join(s.name for s in self.sides)}"
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        c = self._rows(rows)
+        return (*self.main.tensors(c.kv), *c.sides)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        c = self._rows(rows)
+        return CompositeRows(self.main.head(c.kv, n), tuple(t[:n] for t in c.sides), self.sides)  # type: ignore[arg-type]
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        c = self._rows(rows)
+        return CompositeRows(self.main.to(c.kv, device, non_blocking),  # type: ignore[arg-type]
+                             tuple(t.to(device, non_blocking=non_blocking) for t in c.sides), self.sides)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        c = self._rows(rows)
+        sides = []
+        for t in c.sides:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host.copy_(t)  # blocking, as the K/V codec's
+            sides.append(host)
+        return CompositeRows(self.main.host_copy(c.kv), tuple(sides), self.sides)  # type: ignore[arg-type]
+
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        n = shape[0]
+        offset = n * self.main.row_nbytes(shape[2], shape[3])
+        if offset % 4:
+            raise ValueError(f"{self.main.name} rows {shape} take {offset} bytes: the side rows after "
+                             "them need a multiple of 4")
+        kv = self.main.view(raw[:offset], shape)
+        sides = []
+        for s in self.sides:
+            nbytes = n * s.row_nbytes
+            sides.append(raw[offset:offset + nbytes].view(s.dtype).view(n, *s.row_shape))
+            offset += nbytes
+        return CompositeRows(kv, tuple(sides), self.sides)  # type: ignore[arg-type]
+
+    def encode(self, rows: torch.Tensor) -> Rows:
+        raise TypeError(f"{self.name} rows are gathered from their pages with their side rows "
+                        "(gather_pages), not encoded from K/V rows alone")
+
+    def decode(self, rows: Rows) -> torch.Tensor:
+        return self.main.decode(self._rows(rows).kv)
+
+    def _check_pages(self, buf: object) -> SlotPages:
+        if not isinstance(buf, SlotPages) or len(buf.sides) != len(self.sides):
+            raise RuntimeError(f"a {self.name} codec reads SlotPages with {len(self.sides)} side views, "
+                               f"got {type(buf).__name__}")
+        tpb = buf.kv.shape[3]
+        for view, s in zip(buf.sides, self.sides, strict=True):
+            if view.dtype != s.dtype or tuple(view.shape[2:]) != s.row_shape or view.shape[1] != tpb:
+                raise RuntimeError(f"side view {s.name} is {view.dtype} {tuple(view.shape)}: expected "
+                                   f"{s.dtype} [slots, {tpb}, {', '.join(map(str, s.row_shape))}]")
+        return buf
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+        p = self._check_pages(buf)
+        kv = self.main.gather_pages(p.kv, pages, lo, hi)
+        sides: tuple[torch.Tensor, ...] = ()
+        if p.sides:
+            page, slot = key_slots(pages, lo, hi, p.kv.shape[3], p.kv.device)
+            sides = tuple(v[page, slot].clone() for v in p.sides)  # [n, *row_shape] each
+        return CompositeRows(kv, sides, self.sides)  # type: ignore[arg-type]
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        p = self._check_pages(buf)
+        c = self._rows(rows)
+        # everything checked before the first write: the K/V rows' fit, and the pages held
+        self.main.check_fits(c.kv, p.kv.shape[2], p.kv.shape[4])
+        page, slot = key_slots(pages, lo, lo + c.kv.shape[0], p.kv.shape[3], p.kv.device)
+        self.main.scatter_pages(p.kv, pages, lo, c.kv)
+        for view, t in zip(p.sides, c.sides, strict=True):
+            view[page, slot] = t.to(view.device)
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int) -> Rows:
+        raise TypeError(f"{self.name} rows live in a draft pool's slots; the reference runtime's K/V "
+                        "block caches hold no side rows")
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        raise TypeError(f"{self.name} rows live in a draft pool's slots; the reference runtime's K/V "
+                        "block caches hold no side rows")
+
+    def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
+        self.main.check_fits(self._rows(rows).kv, num_kv_heads, head_dim)
+
+
 CODECS: dict[str, type[RowCodec]] = {"bf16": PoolRowsCodec, "fp8": Fp8PackedCodec, "fp8_kv": PoolRowsCodec}
 """Codec classes by format name (`core.row_format.ROW_FORMATS`)."""
 
@@ -349,6 +546,8 @@ def _codec(cls: type[RowCodec], pool_dtype: torch.dtype) -> RowCodec:
 def codec_of(rows: object) -> RowCodec:
     """The codec whose held form `rows` are (`PackedRows`: fp8; a tensor: its dtype's pool rows);
     TypeError for anything else."""
+    if isinstance(rows, CompositeRows):
+        return CompositeCodec(codec_of(rows.kv), rows.spec)
     if isinstance(rows, PackedRows):
         return _codec(Fp8PackedCodec, rows.dtype)
     if isinstance(rows, torch.Tensor):

@@ -114,15 +114,16 @@ class Reserved:
 
 
 def reserve_arenas(buf: torch.Tensor, row_dtype: str, carry_memory: int, host_memory: int,
-                   allocate: Allocate = torch_allocate, allocate_host: Allocate = torch_allocate) -> Reserved:
+                   allocate: Allocate = torch_allocate, allocate_host: Allocate = torch_allocate,
+                   codec: RowCodec | None = None) -> Reserved:
     """Reserve the carry's memory for rows of the MTP layer's pages `buf` (`[pages, 2, Hkv, tpb, D]`,
     HND): a device arena of `carry_memory` bytes on `buf`'s device and, with `host_memory` > 0,
     a host arena of `host_memory` bytes (pinned when `buf` is on a GPU), each rounded down to
-    whole rows of `row_dtype`, from `allocate` and `allocate_host`. Raises what they raise
-    (`torch.OutOfMemoryError`)."""
+    whole rows of `row_dtype` (`codec`'s rows when given: a QSA pool's carry side rows too), from
+    `allocate` and `allocate_host`. Raises what they raise (`torch.OutOfMemoryError`)."""
     if buf.dim() != 5:
         raise ValueError(f"the MTP layer's pages must be HND [pages, 2, Hkv, tpb, D], got {tuple(buf.shape)}")
-    block = row_nbytes(buf.shape[2], buf.shape[4], buf.dtype, row_dtype)
+    block = _block(buf, row_dtype, codec)
     device = RowArena.reserve(carry_memory, block, buf.device, False, allocate)
     host = (RowArena.reserve(host_memory, block, torch.device("cpu"), buf.device.type == "cuda", allocate_host)
             if host_memory > 0 else None)
@@ -167,7 +168,15 @@ def reserve_early(device_memory: int, host_memory: int, device: torch.device,
     return EarlyReservation(storage, host, free)
 
 
-def arenas_over(early: EarlyReservation, buf: torch.Tensor, row_dtype: str) -> Reserved | None:
+def _block(buf: torch.Tensor, row_dtype: str, codec: RowCodec | None) -> int:
+    """The arena's block: one row of `codec` (None: `row_dtype`'s codec for `buf`'s pool)."""
+    if codec is None:
+        return row_nbytes(buf.shape[2], buf.shape[4], buf.dtype, row_dtype)
+    return codec.row_nbytes(buf.shape[2], buf.shape[4])
+
+
+def arenas_over(early: EarlyReservation, buf: torch.Tensor, row_dtype: str,
+                codec: RowCodec | None = None) -> Reserved | None:
     """The arenas for rows of the MTP layer's pages `buf` (`[pages, 2, Hkv, tpb, D]`, HND) over the
     bytes `early` holds, each cut to whole rows (the rest, under one row, stays reserved and
     unused), as `reserve_arenas` would have sized them; None when `early` is not on `buf`'s device."""
@@ -175,7 +184,7 @@ def arenas_over(early: EarlyReservation, buf: torch.Tensor, row_dtype: str) -> R
         raise ValueError(f"the MTP layer's pages must be HND [pages, 2, Hkv, tpb, D], got {tuple(buf.shape)}")
     if early.device.device != buf.device:
         return None
-    block = row_nbytes(buf.shape[2], buf.shape[4], buf.dtype, row_dtype)
+    block = _block(buf, row_dtype, codec)
 
     def whole_rows(storage: torch.Tensor) -> RowArena:
         return RowArena(storage[: storage.numel() // block * block], block)
@@ -459,7 +468,9 @@ def reserve_for(draft: Any, mtp_layer: int, options: Any, allocate: Allocate = t
     (`CarryOptions`: `carry_memory`, `carry_host_memory`, `carry_row_dtype`; None fields take the
     process settings). Raises `torch.OutOfMemoryError` when the memory is not there."""
     from ..core import carry_row_dtype
+    from .draft_pages import pages_of
 
-    buf = draft.get_buffers(mtp_layer, kv_layout="HND")
+    pages = pages_of(draft, mtp_layer)
     row_dtype = options.carry_row_dtype or carry_row_dtype()
-    return reserve_arenas(buf, row_dtype, options.device_bytes(), options.host_bytes(), allocate)
+    return reserve_arenas(pages.kv(), row_dtype, options.device_bytes(), options.host_bytes(), allocate,
+                          codec=pages.codec(row_dtype))

@@ -68,7 +68,7 @@ from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
 from ..dataplane.pinned import held as pinned_held
-from ..dataplane.row_codec import RowCodec, codec_for, codec_of
+from ..dataplane.row_codec import CompositeCodec, RowCodec, codec_for, codec_of
 from .arena import HeldRows, RowArena, Rows
 
 logger = logging.getLogger("trtllm_mtp_carry")
@@ -140,12 +140,15 @@ class CarriedRows:
     def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent",
                  idle_s: float | None = None, host_budget_bytes: int | None = None,
                  row_dtype: str | None = None, arena: RowArena | None = None,
-                 host_arena: RowArena | None = None, pool_dtype: torch.dtype | None = None) -> None:
+                 host_arena: RowArena | None = None, pool_dtype: torch.dtype | None = None,
+                 codec: RowCodec | None = None) -> None:
         host = carry_host_memory() if host_budget_bytes is None else host_budget_bytes
         self.row_dtype = carry_row_dtype() if row_dtype is None else check_row_dtype(row_dtype, "row_dtype")
-        # the rows' one format: known from the draft pool's dtype (the manager passes it), else
-        # bound at the first deposit from its rows (tests of the store logic)
-        self.codec: RowCodec | None = None if pool_dtype is None else codec_for(self.row_dtype, pool_dtype)
+        # the rows' one format: `codec` (the manager's, from its draft pages: K/V, or K/V with a QSA
+        # pool's side rows), else from the draft pool's dtype, else bound at the first deposit
+        # from its rows (tests of the store logic)
+        self.codec: RowCodec | None = (codec if codec is not None else
+                                       None if pool_dtype is None else codec_for(self.row_dtype, pool_dtype))
         self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s,
                                  host_budget_bytes=host)
         self._rows = HeldRows(arena, self.codec)  # device rows: in the arena when one is reserved
@@ -230,7 +233,8 @@ class CarriedRows:
         given: `fp8` takes `PackedRows`, `bf16` tensors); TypeError for rows in another form."""
         if self.codec is None:
             codec = codec_of(rows)
-            if codec.name != self.row_dtype and codec.name != "fp8_kv":  # an FP8 pool's own bytes
+            kv_name = codec.main.name if isinstance(codec, CompositeCodec) else codec.name  # K/V's format
+            if kv_name != self.row_dtype and kv_name != "fp8_kv":  # an FP8 pool's own bytes
                 raise TypeError(f"a {self.row_dtype} store keeps "
                                 f"{'PackedRows' if self.row_dtype == 'fp8' else 'tensors'}, got {type(rows).__name__}")
             self.codec = self._rows.codec = self._host.codec = codec

@@ -50,13 +50,17 @@ _FORMAT_LINES: dict[str, str] = {
               "carrying it needs a row codec over both pages (issue 43)"),
 }
 
-_MANAGER_LINES: dict[str, str] = {
+_CARRIED_MANAGER_LINES: dict[str, str] = {
     "QSAMambaHybridCacheManagerV2": (
-        "QSAMambaHybridCacheManagerV2 stands aside: its draft pool keeps the MTP layer's index keys "
-        "(Role.INDEX_KEY) and position coordinates (qsa_index_position) in the same page slot as "
-        "K/V (qsa/cache_manager.py @ 38198e34); the carry moves K/V rows only, and restoring them "
-        "alone would leave the sparse indexer's keys over the reused prefix stale: it needs a row "
-        "codec over K/V, index-K and position rows"),
+        "QSAMambaHybridCacheManagerV2: the drafter's K/V, index-key (Role.INDEX_KEY) and position "
+        "(qsa_index_position) rows share one page slot (qsa/cache_manager.py @ 38198e34) and are "
+        "carried together, one composite row per key, so the sparse indexer reads restored keys "
+        "over the reused prefix"),
+}
+"""Draft-pool managers whose side rows the carry moves with K/V (`trtllm/draft_pages.py`);
+the KV format is then judged as for any other manager (an NVFP4 QSA pool stands aside)."""
+
+_MANAGER_LINES: dict[str, str] = {
     "DeepseekV4CacheManager": (
         "DeepseekV4CacheManager stands aside: the MTP layer's KV is MLA latent (SELFKONLY, one head) "
         "with sliding, compressed and indexer pages per layer (deepseek_v4/cache_manager.py @ "
@@ -156,7 +160,11 @@ def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None
     if manager in _MANAGER_LINES:
         return KvVerdict(False, kv_format, manager, _MANAGER_LINES[manager])
     if kv_format in _FORMAT_LINES:
-        return KvVerdict(kv_format in CARRIED_FORMATS, kv_format, manager, _FORMAT_LINES[kv_format])
+        carries = kv_format in CARRIED_FORMATS
+        line = _FORMAT_LINES[kv_format]
+        if carries and manager in _CARRIED_MANAGER_LINES:
+            line = f"{_CARRIED_MANAGER_LINES[manager]}; {line}"
+        return KvVerdict(carries, kv_format, manager, line)
     return KvVerdict(False, kv_format, manager,
                      f"{kv_format.upper()} KV stands aside: the carry moves BF16 or FP8 draft pages only "
                      "(kv_cache_config.dtype auto with a BF16 model, or fp8)")
@@ -196,5 +204,5 @@ def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
     the most derived class of its hierarchy the verdict names (a subclass of a named manager is
     judged as that manager)."""
     names = [c.__name__ for c in type(draft).__mro__]
-    manager = next((n for n in names if n in _MANAGER_LINES), names[0])
+    manager = next((n for n in names if n in _MANAGER_LINES or n in _CARRIED_MANAGER_LINES), names[0])
     return kv_verdict(kv_format_of_datatype(getattr(draft, "dtype", None)), manager, compression)

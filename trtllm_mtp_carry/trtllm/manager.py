@@ -83,13 +83,20 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..core import NO_CARRY_REASONS, OUTCOME_KINDS, carry_eviction, carry_idle_s, carry_slots
+from ..core import (
+    NO_CARRY_REASONS,
+    OUTCOME_KINDS,
+    carry_eviction,
+    carry_idle_s,
+    carry_row_dtype,
+    carry_slots,
+)
 from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from ..dataplane.row_codec import codec_for
 from .arena import Reserved
 from .carried import CarriedRows, _current_stream, _on_stream
+from .draft_pages import pages_of
 from .identity import conversation_session, request_session, request_session_key
 from .options import CarryOptions
 
@@ -192,9 +199,12 @@ class CarryManagerCore:
         idle_s = carry_idle_s() or None  # 0: entries never expire
         # issue 33: the rows live in the arenas reserved at install (trtllm/arena.py)
         self.reserved = reserved
+        # the MTP layer's pages and the codec of their rows (K/V, or K/V with QSA's side rows)
+        self.pages = pages_of(draft, mtp_layer)
         self.carried = CarriedRows(slots, options.device_bytes(), carry_eviction(), idle_s,
                                    host_budget_bytes=options.host_bytes(),
                                    row_dtype=options.carry_row_dtype, pool_dtype=self._pool_dtype(),
+                                   codec=self.pages.codec(options.carry_row_dtype or carry_row_dtype()),
                                    arena=None if reserved is None else reserved.device,
                                    host_arena=None if reserved is None else reserved.host)
         self._tickets = TicketCounter()
@@ -369,10 +379,10 @@ class CarryManagerCore:
         if valid <= 0:
             return False
         try:
-            pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
-            buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
+            pages = self.pages.page_ids(rid)
+            buf = self.pages.views()
             with self._draft_stream():
-                codec = self.carried.codec or codec_for(self.carried.row_dtype, buf.dtype)
+                codec = self.carried.codec or self.pages.codec(self.carried.row_dtype)
                 rows = codec.gather_pages(buf, pages, 0, valid)  # [valid, 2, Hkv, D], held form
                 self._sync()
         except Exception as exc:  # the carry may cost acceptance, never the executor
@@ -481,8 +491,8 @@ class CarryManagerCore:
             return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
         n = min(outcome.rows, live.reused)
         try:
-            pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
-            buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
+            pages = self.pages.page_ids(rid)
+            buf = self.pages.views()
             with self._draft_stream():
                 # head: host-tier rows make the draft stream wait for their copy back (GPU side)
                 taken.codec.scatter_pages(buf, pages, 0, taken.head(n))

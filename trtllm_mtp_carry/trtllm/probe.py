@@ -42,7 +42,8 @@ Topologies:
   layout of PR #18843 (`mamba_cache_manager/mamba_cache_manager_v2.py` @ 28295084) inherits
   True: paired markers. PR #19303 (tree 38198e34) reads `_supports_draft_reuse_match_backoff`:
   hybrids paired, `QSAMambaHybridCacheManagerV2` and `DeepseekV4CacheManager` not (their draft
-  pools are judged by `kv_formats.kv_verdict`).
+  pools are judged by `kv_formats.kv_verdict`: a QSA pool is carried with its index-key and
+  position rows, `draft_pages.py`; DeepSeek-V4's stands aside).
 - `folded`: no separate draft pool (the `DRAFT_KV_CACHE_MANAGER` entry absent or None):
   the MTP layer's KV lives in the target pool and is reused with it. Stands aside.
 """

@@ -299,9 +299,11 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
                 raise early  # try_prepare_estimation could not reserve: nor could this, later
             if isinstance(early, EarlyReservation):
                 from ..core import carry_row_dtype
+                from .draft_pages import pages_of
 
-                buf = probe.draft.get_buffers(probe.mtp_layer, kv_layout="HND")
-                reserved = arenas_over(early, buf, options.carry_row_dtype or carry_row_dtype())
+                pages = pages_of(probe.draft, probe.mtp_layer)  # a QSA pool's rows carry side rows
+                row_dtype = options.carry_row_dtype or carry_row_dtype()
+                reserved = arenas_over(early, pages.kv(), row_dtype, pages.codec(row_dtype))
                 over_early = reserved is not None
                 if not over_early:
                     early.release()  # on another device than the draft pool: before reserving there

@@ -60,7 +60,7 @@ from .kv_cache_manager_v2 import DraftKVManager, PagedRows
 from .llm_args import KvCacheConfig
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
 from .mapping import Mapping
-from .qsa_cache_manager import QSAMambaHybridCacheManagerV2
+from .qsa_cache_manager import QSAMambaHybridCacheManagerV2, qsa_roles
 from .resource_manager import (
     _TORCH_DTYPES,
     DataType,
@@ -183,8 +183,12 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
         raise NotImplementedError("the stand-in models no KV-cache compression "
                                   f"(kv_cache_compression_config={a.kv_cache_compression_config!r})")
     if a.pool is None:
+        dtype = _TORCH_DTYPES[a.kv_dtype]
+        # a QSA draft pool's slot holds its index key too where V2 coalesces it (qsa_cache_manager.py)
+        roles = 2 if profile["draft_class"] is None else qsa_roles(
+            cfg.num_kv_heads, cfg.head_dim, torch.empty((), dtype=dtype).element_size())
         a.pool = PagedRows(a.num_pages, cfg.num_kv_heads, a.tokens_per_block, cfg.head_dim,
-                           _TORCH_DTYPES[a.kv_dtype], device=a.device)
+                           dtype, device=a.device, roles=roles)
     mtp_layer = cfg.num_layers  # the MTP layer's global index is num_hidden_layers
     has_separate = a.max_draft_len > 0 and a.topology != "folded"
     if a.topology is None:

@@ -12,6 +12,7 @@ package) reading a name of a `Conformant` object that is not in
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -36,6 +37,11 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
         "get_batch_cache_indices", "prepare_resources", "update_resources", "free_resources",
         "add_dummy_requests", "shutdown", "get_max_resource_count",
         "get_needed_resource_to_completion"}),
+    # a subclass answers its parents' names too (`Conformant`): these are what QSA's class adds
+    # or reads differently (qsa/cache_manager.py, kv_cache_manager_v2.py @ 38198e34)
+    "QSAMambaHybridCacheManagerV2": frozenset({
+        "qsa_sparse_layer_ids", "qsa_position_layer_id", "qsa_index_dim", "qsa_index_kv_heads",
+        "get_index_k_buffer", "get_qsa_position_buffer", "get_buffers", "get_batch_cache_indices"}),
     "KvCacheConfig": frozenset({"enable_block_reuse", "mamba_state_config"}),
     "KvCacheCreator": frozenset({"try_prepare_estimation", "_llm_args"}),
     "MambaStateConfig": frozenset({
@@ -54,6 +60,14 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
 docs/TRTLLM-CONFORMANCE.md, pinned equal by tests/trtllm/test_trtllm_conformance.py)."""
 
 
+@functools.cache
+def _names(cls: type) -> frozenset[str]:
+    """The names `cls` answers: its TensorRT-LLM class's and every Conformant parent's (a
+    subclass inherits its parent's attributes in TensorRT-LLM too)."""
+    return frozenset().union(*(TRTLLM_NAMES[c.__dict__["TRTLLM_CLASS"]] for c in cls.__mro__
+                               if c.__dict__.get("TRTLLM_CLASS")))
+
+
 class Conformant:
     """Base of the stand-in classes that play a TensorRT-LLM class (`TRTLLM_CLASS`).
 
@@ -66,7 +80,7 @@ class Conformant:
     TRTLLM_CLASS: str = ""
 
     def __getattribute__(self, name: str) -> Any:
-        if name[:2] == "__" or name in TRTLLM_NAMES[type(self).TRTLLM_CLASS]:
+        if name[:2] == "__" or name in _names(object.__getattribute__(self, "__class__")):
             return object.__getattribute__(self, name)
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller.startswith("trtllm_mtp_carry.") and not caller.startswith(STANDIN_PACKAGE):

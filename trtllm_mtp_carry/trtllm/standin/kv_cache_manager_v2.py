@@ -63,9 +63,14 @@ class PagedRows:
     """
 
     def __init__(self, num_pages: int, num_kv_heads: int, tpb: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        self.buf = torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim, dtype=dtype, device=device)
-        self.buf.copy_(poison_page(num_kv_heads, tpb, head_dim, dtype).expand_as(self.buf))
+                 dtype: torch.dtype, device: torch.device | str = "cpu", roles: int = 2) -> None:
+        # `roles` K-sized pages a slot (V2 coalesces buffers of one size and lifecycle into one
+        # slot: a QSA pool's index key joins K and V when it is as large, qsa_cache_manager.py);
+        # `buf` is the slot's K/V, `[slots, roles, ...][:, :2]`, strided when roles > 2
+        self.store = torch.empty(num_pages, roles, num_kv_heads, tpb, head_dim, dtype=dtype, device=device)
+        poison = poison_page(num_kv_heads, tpb, head_dim, dtype)
+        self.store.copy_(poison[torch.arange(roles) % 2].expand_as(self.store))
+        self.buf = self.store[:, :2]
         self.tpb = tpb
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages

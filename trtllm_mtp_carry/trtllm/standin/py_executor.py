@@ -34,6 +34,7 @@ from .conversation_params import ConversationParams
 from .kv_cache_manager_v2 import DraftKVManager
 from .llm_request import FinishReason, LlmRequest, LlmRequestState
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2
+from .qsa_cache_manager import QsaIndexer, QSAMambaHybridCacheManagerV2
 from .resource_manager import ResourceManager, ResourceManagerType
 from .scheduler import ScheduledRequests
 
@@ -79,6 +80,9 @@ class StandinPyExecutor(Conformant):
         self.target: MambaHybridCacheManagerV2 = managers[ResourceManagerType.KV_CACHE_MANAGER]
         assert a.pool is not None
         self.paged = a.pool
+        # a QSA draft pool's MTP layer runs the sparse indexer, which writes its side rows
+        self.indexer = (QsaIndexer(self.draft, self.cfg.hidden_size, self.cfg.rotary_dim, self.cfg.rope_theta)
+                        if isinstance(self.draft, QSAMambaHybridCacheManagerV2) else None)
         self.started = False
         self.waiting: deque[LlmRequest] = deque()
         self.active: list[LlmRequest] = []
@@ -276,8 +280,14 @@ class StandinPyExecutor(Conformant):
 
     def _write_rows(self, req: LlmRequest, lo: int, nxt: torch.Tensor, hidden: torch.Tensor) -> None:
         # nxt: [n] t_{k+1}; hidden: [n, H] hidden_k for keys lo .. lo + n - 1
-        _, _, k, v = self._mtp_qkv(nxt, hidden, torch.arange(lo, lo + nxt.shape[0]))
+        x, _, k, v = self._mtp_qkv(nxt, hidden, torch.arange(lo, lo + nxt.shape[0]))
         self.paged.write(req.py_request_id, lo, k, v)
+        self._index(req, lo, x)
+
+    def _index(self, req: LlmRequest, lo: int, x: torch.Tensor) -> None:
+        # the QSA indexer's projection reads the attention's input (the layer norm of x), as qkv
+        if self.indexer is not None:
+            self.indexer.update(req.py_request_id, lo, self.model.drafter.input_layernorm(x))
 
     def _mtp_qkv(self, nxt: torch.Tensor, hidden: torch.Tensor, keys: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -299,6 +309,7 @@ class StandinPyExecutor(Conformant):
             x, q, k, v = self._mtp_qkv(token, h, torch.tensor([kk]))
             if j:  # later draft steps write their own rows (over drafted tokens) at key + j
                 self.paged.write(req.py_request_id, kk, k, v)
+                self._index(req, kk, x)
             rows_k, rows_v = self.paged.read(req.py_request_id, 0, kk + 1)
             dt = x.dtype
             h, logits = d.finish(x, q, rows_k.to(x.device, dt), rows_v.to(x.device, dt), torch.arange(kk + 1),
