@@ -208,3 +208,19 @@ def test_a_parallel_mapping_the_carry_refuses_is_one_line_in_info_and_the_worker
     with pytest.raises(TrtllmAdapterError) as exc:
         probe_managers(llm.executor.resource_manager.resource_managers, "stand-in")
     assert str(exc.value) == want
+
+
+def test_a_draft_pool_with_qsa_buffers_under_a_class_not_read_stands_aside() -> None:
+    """Fail closed: a manager keeping QSA index-key/position pages (`qsa_position_layer_id` set)
+    under a class the carry does not route (Qwen4ExpHybridCacheManagerV2 keeps them behind
+    `_qsa_enabled`) is not carried K/V-only at K/V-scaled ids."""
+    class Qwen4ExpHybridCacheManagerV2:
+        dtype = DataType.BF16
+        qsa_position_layer_id = 3
+
+    verdict = verdict_of_draft(Qwen4ExpHybridCacheManagerV2())
+    assert (verdict.carries, verdict.manager) == (False, "Qwen4ExpHybridCacheManagerV2")
+    assert verdict.line.startswith("Qwen4ExpHybridCacheManagerV2 stands aside: its draft pool keeps QSA "
+                                   "index-key and position pages (qsa_position_layer_id is set)")
+    Qwen4ExpHybridCacheManagerV2.qsa_position_layer_id = None  # QSA off: judged as the hybrid it is
+    assert verdict_of_draft(Qwen4ExpHybridCacheManagerV2()).carries

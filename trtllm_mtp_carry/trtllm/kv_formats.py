@@ -78,6 +78,13 @@ _MANAGER_LINES: dict[str, str] = {
 "Cache managers"). A manager not named here is judged by the probe's other checks (a V1
 draft manager is refused there: the carry needs KVCacheManagerV2)."""
 
+_UNREAD_QSA_LINE = (
+    "{manager} stands aside: its draft pool keeps QSA index-key and position pages "
+    "(qsa_position_layer_id is set) under a class whose layout the carry has not read; carrying "
+    "K/V alone would leave the sparse indexer's keys over the reused prefix stale (the carry "
+    "restores QSAMambaHybridCacheManagerV2's, qsa/cache_manager.py @ 38198e34)")
+"""A draft manager with QSA buffers the carry does not route (`verdict_of_draft`)."""
+
 _COMPRESSION_LINE = (
     "KV-cache compression ({algorithm}) stands aside: the compression manager rewrites pages the "
     "draft pool holds (cold pages quantized to NVFP4 by the C++ V2 backend's codec, "
@@ -205,4 +212,9 @@ def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
     judged as that manager)."""
     names = [c.__name__ for c in type(draft).__mro__]
     manager = next((n for n in names if n in _MANAGER_LINES or n in _CARRIED_MANAGER_LINES), names[0])
-    return kv_verdict(kv_format_of_datatype(getattr(draft, "dtype", None)), manager, compression)
+    kv_format = kv_format_of_datatype(getattr(draft, "dtype", None))
+    if manager not in _CARRIED_MANAGER_LINES and getattr(draft, "qsa_position_layer_id", None) is not None:
+        # QSA buffers under a class not read (Qwen4ExpHybridCacheManagerV2 keeps them behind
+        # `_qsa_enabled`): carrying K/V alone, at ids scaled for K/V only, would be wrong: fail closed
+        return KvVerdict(False, kv_format, manager, _UNREAD_QSA_LINE.format(manager=manager))
+    return kv_verdict(kv_format, manager, compression)
