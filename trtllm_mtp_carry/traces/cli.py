@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_DTYPES, RowFormat
+from ..core.row_format import DEFAULT_CARRY_ROW_DTYPE, ROW_FORMATS, RowFormat
 from ..core.settings import (
     CARRY_EVICTION,
     CARRY_HOST_MEMORY,
@@ -102,7 +102,7 @@ def row_format_from_config(path: str, row_dtype: str = DEFAULT_CARRY_ROW_DTYPE) 
 
 def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | None) -> int:
     """Bytes of one carried row for the replay: `--model-config`'s geometry, else `--row-bytes`
-    (bf16 only: fp8 needs the geometry), else Qwen3-Next's MTP layer, in `row_dtype`."""
+    (bf16 only: fp8 and nvfp4 need the geometry), else Qwen3-Next's MTP layer, in `row_dtype`."""
     if model_config:
         return row_format_from_config(model_config, row_dtype).row_nbytes
     if row_bytes is not None:
@@ -191,10 +191,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "layer, 2 KV heads x 256 x K and V x bf16)")
     rows.add_argument("--model-config", dest="replay_model_config", metavar="PATH",
                       help="derive --row-bytes from a Hugging Face config.json (or its folder)")
-    p.add_argument("--carry-row-dtype", dest="replay_row_dtype", choices=ROW_DTYPES,
+    p.add_argument("--carry-row-dtype", dest="replay_row_dtype", choices=ROW_FORMATS,
                    default=None,
                    help="the carried rows' format, so their bytes (fp8: e4m3 plus one float32 scale per "
-                        f"row, K/V and head); default env {ENV_CARRY_ROW_DTYPE}, else {DEFAULT_CARRY_ROW_DTYPE}")
+                        "row, K/V and head; nvfp4: e2m1 pairs, one e4m3 scale per 16 values and one e8m0 "
+                        f"byte per row, K/V and head); default env {ENV_CARRY_ROW_DTYPE}, else {DEFAULT_CARRY_ROW_DTYPE}")
     p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=positive_float,
                    default=PREFILL_TOKENS_PER_S, metavar="R",
                    help="service model: prompt tokens prefilled per second")
