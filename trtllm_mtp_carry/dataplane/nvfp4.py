@@ -67,7 +67,8 @@ Exactness: zeros (signed) unpack exactly; a vector already on the grid (every
 nonzero block `q * s_b * 2**k` with `max |q| = 6`, the largest `s_b` in (224, 448])
 round-trips exactly. Error bound (what the tests pin): per value,
 `|unpack - v| <= max(|v|, d) / 4` (e2m1's half spacing is a quarter of the value
-from 1 up, a quarter of `d` below; saturation costs less), plus float32 rounding.
+from 1 up, a quarter of `d` below; saturation costs less), plus float32 rounding; in a
+block whose scale rounds to 0 (its amax <= `2**-10 * 6 * g`) the values unpack to 0.
 
 Non-finite: a vector holding a NaN or inf packs to gscale 0xFF, every block scale
 0x7F (e4m3fn NaN) and zero payload, bits fully defined, and unpacks to all NaN,
@@ -256,7 +257,7 @@ def _pack_torch(rows: torch.Tensor) -> Nvfp4Rows:
     x = rows.float().reshape(*lead, d // NVFP4_BLOCK, NVFP4_BLOCK)
     bad = ~torch.isfinite(x).flatten(-2).all(-1)  # [...]
     amax_b = x.abs().amax(-1)  # [..., NB]; |v| and max are exact
-    y = amax_b.amax(-1) / amax_per_g  # divided by a tensor: correctly rounded
+    y = (amax_b.amax(-1, keepdim=True) / amax_per_g).squeeze(-1)  # by a [1] tensor: correctly rounded
     y = torch.where(y >= G_FLOOR, y, torch.full_like(y, G_FLOOR))  # a NaN quotient too (a bad vector)
     gbits = ((y.view(torch.int32) + 0x7FFFFF) >> 23) & 0xFF  # rounded up to a power of two
     g = (gbits << 23).view(torch.float32)
