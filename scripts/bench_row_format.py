@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool  # noqa: E402
 from trtllm_mtp_carry.dataplane.rope import RopeConfig  # noqa: E402
+from trtllm_mtp_carry.dataplane.row_codec import codec_for  # noqa: E402
 from trtllm_mtp_carry.dataplane.row_format import (  # noqa: E402
     FP8_MAX,
     PackedRows,
@@ -198,7 +199,7 @@ def entry_round_trips(rows: int, hkv: int, d: int, reps: int, warmup: int,
     v = torch.randn(rows, hkv, d, generator=g).to(torch.bfloat16).to(device)
     pool.append_rows(1, torch.arange(rows), k, v)
     pool.move_to_carried(1, 7)
-    carry = PackedCarry(pool)
+    carry = PackedCarry(pool, codec_for("fp8", pool.k_cache.dtype))
     src = torch.randn(rows, 2, hkv, d, generator=g).to(torch.bfloat16).to(device)
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

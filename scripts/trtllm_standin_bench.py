@@ -66,6 +66,11 @@ POLICIES = ("carry", "blind", "rebuild")
 CARRY_POLICIES = ("carry", "carry-fp8")
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or its bytes when it is float8 (compared bit for bit, whatever float8 ops torch has)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 class DataPath:
     """Times one carry executor's adapter data path per turn and checks what it scatters.
 
@@ -76,8 +81,7 @@ class DataPath:
     being run."""
 
     def __init__(self, manager: object, device: torch.device) -> None:
-        from trtllm_mtp_carry.dataplane.row_format import PackedRows, unpack_rows
-        from trtllm_mtp_carry.trtllm import manager as manager_module
+        from trtllm_mtp_carry.dataplane.row_codec import CODECS, codec_of
         from trtllm_mtp_carry.trtllm.layout import gather_rows
 
         self.turn: tuple[int, int] = (0, 0)
@@ -89,22 +93,21 @@ class DataPath:
         m, carried = manager, manager.carried  # type: ignore[attr-defined]
         m._deposit = self._timed("deposit_ms", m._deposit, own=True)  # type: ignore[attr-defined]
         m._adopt = self._timed("adopt_ms", m._adopt, own=True)  # type: ignore[attr-defined]
-        if not DataPath._patched:  # the layout functions, once for every manager: `active` times them
+        if not DataPath._patched:  # the codecs' page copies, once for every manager: `active` times them
             DataPath._patched = True
-            for name, key in (("gather_rows", "gather_ms"), ("gather_packed_rows", "gather_ms"),
-                              ("scatter_rows", "scatter_ms"), ("scatter_packed_rows", "scatter_ms")):
-                fn = DataPath._for_active(key, getattr(manager_module, name))
-                if name.startswith("scatter"):
-                    fn = DataPath._checked(fn, gather_rows)
-                setattr(manager_module, name, fn)
+            for cls in set(CODECS.values()):
+                for name, key in (("gather_pages", "gather_ms"), ("scatter_pages", "scatter_ms")):
+                    fn = DataPath._for_active(key, getattr(cls, name))
+                    if name.startswith("scatter"):
+                        fn = DataPath._checked(fn, gather_rows)
+                    setattr(cls, name, fn)
         deposit, judge_and_take = carried.deposit, carried.judge_and_take
 
         def kept(key: int, tokens: object, rows: object, session: object = None) -> bool:
             # what the pages will hold once scattered: the rows, unpacked when packed (set
             # aside: not part of the deposit's time)
             with self._aside("deposit_aside_ms"):
-                self._deposited[key] = (unpack_rows(rows) if isinstance(rows, PackedRows)
-                                        else rows.clone())  # type: ignore[attr-defined]
+                self._deposited[key] = codec_of(rows).decode(rows).clone()  # the pool's form
             return bool(deposit(key, tokens, rows, session))
 
         def taken(key: int, *args: object, **kwargs: object) -> object:
@@ -163,16 +166,16 @@ class DataPath:
 
     @staticmethod
     def _checked(scatter, gather_rows):  # type: ignore[no-untyped-def]
-        def checked(buf, pages, lo, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
-            scatter(buf, pages, lo, rows, *args, **kwargs)
+        def checked(codec, buf, pages, lo, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+            scatter(codec, buf, pages, lo, rows, *args, **kwargs)
             path = DataPath.active
             if path is None:
                 return
             with path._aside("adopt_aside_ms"):  # read back what landed in the pages
                 n = rows.shape[0]
                 want = path._deposited.get(path._taking) if path._taking is not None else None
-                got = gather_rows(buf, pages, lo, lo + n)
-                path.checks.append((n, want is not None and bool(torch.equal(got, want[lo:lo + n]))))
+                got = gather_rows(_raw(buf), pages, lo, lo + n)  # the pages' bytes, exactly
+                path.checks.append((n, want is not None and bool(torch.equal(got, _raw(want[lo:lo + n])))))
         return checked
 
 

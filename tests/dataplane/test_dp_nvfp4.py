@@ -22,12 +22,15 @@ from dp_helpers import bits, poison
 from triton_modules import load_kernels
 
 from trtllm_mtp_carry.core.row_format import ROW_FORMATS, RowFormat, rows_nbytes
+from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows
 from trtllm_mtp_carry.dataplane.nvfp4 import (
     E2M1_VALUES,
     Nvfp4Rows,
+    gather_pages,
     nvfp4_nbytes,
     pack_blocks,
     pack_rows,
+    scatter_pages,
     unpack_blocks,
     unpack_into_blocks,
     unpack_rows,
@@ -328,6 +331,22 @@ def test_unpack_into_blocks_writes_the_rows_into_the_named_blocks_only(kernel, g
         assert torch.equal(bits(flat[0, 2:]), bits(old[0, 2:]))
         for b in (1, 2, 4):
             assert torch.equal(bits(flat[b]), bits(old[b]))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_page_gather_and_scatter_are_pack_and_unpack_of_the_plain_ones(kernel, gen, device) -> None:
+    buf = mixed_vectors(gen, 6 * 2 * 2 * 8, 32, torch.bfloat16).view(6, 2, 2, 8, 32).to(device)  # HND pages
+    pages = [4, 1, 3]
+    packed = gather_pages(buf, pages, 3, 20, kernel=kernel)  # keys [3, 20) across three pages
+    want = pack_rows(gather_rows(buf, pages, 3, 20), kernel="torch")
+    for name in ("payload", "scales", "gscales"):
+        assert torch.equal(getattr(packed, name), getattr(want, name)), name
+    out = poison(gen, 6, 2, 2, 8, 32, device=device)
+    before = out.clone()
+    scatter_pages(out, [0, 2, 5], 3, packed, kernel=kernel)
+    assert torch.equal(bits(gather_rows(out, [0, 2, 5], 3, 20)), bits(unpack_rows(packed, kernel="torch")))
+    assert torch.equal(bits(out[[1, 3, 4]]), bits(before[[1, 3, 4]]))  # no other page written
+    assert torch.equal(bits(out[0, :, :, :3]), bits(before[0, :, :, :3]))  # nor other keys
 
 
 def test_to_pin_and_host_copy_keep_every_bit(gen) -> None:

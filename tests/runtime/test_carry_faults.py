@@ -224,7 +224,7 @@ def test_a_fault_in_the_deposit_frees_the_rows_once(model, monkeypatch, caplog, 
 
 def test_a_fault_in_the_host_demotion_keeps_the_victim_where_it_was(model, monkeypatch, caplog):
     eng, turns = first_turns(model, "b", blocks=4, host_memory="1MiB")  # a's deposit demotes b's entry
-    inject = Inject(monkeypatch, eng.runtime._host, "demote", RuntimeError("demote"))
+    inject = Inject(monkeypatch, eng.runtime._residence.moves, "demote", RuntimeError("demote"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, "deposit", "RuntimeError", caplog)
@@ -237,7 +237,7 @@ def test_a_fault_in_the_host_demotion_keeps_the_victim_where_it_was(model, monke
 def test_a_fault_in_the_host_restore_costs_the_entry_and_the_turn_runs_without_it(model, monkeypatch, caplog):
     eng, turns = first_turns(model, "ab", blocks=4, host_memory="1MiB")  # a's entry waits in host memory
     assert eng.runtime.stats().host_entries == 1
-    inject = Inject(monkeypatch, eng.runtime._host, "restore", KeyError("restore"))
+    inject = Inject(monkeypatch, eng.runtime._residence.moves, "restore", KeyError("restore"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, "prepare", "KeyError", caplog)
@@ -268,7 +268,7 @@ def test_a_fault_freeing_a_dropped_drafter_is_retried_once_and_nothing_leaks(mod
                                                      ("unpack", KeyError, "prepare")])
 def test_fp8_a_fault_packing_or_unpacking_frees_the_rows_once(model, monkeypatch, caplog, site, error, step):
     eng, turns = first_turns(model, row_dtype="fp8")
-    inject = Inject(monkeypatch, eng.runtime._packed, site, error(site))
+    inject = Inject(monkeypatch, eng.runtime._residence.moves, site, error(site))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, step, error.__name__, caplog)

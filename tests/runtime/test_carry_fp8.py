@@ -111,7 +111,7 @@ def test_the_host_tier_holds_the_packed_form_and_gives_the_same_rows_back(model)
     assert eng.runtime._store.tier(a) == "host" and eng.runtime._store.tier(b) == "device"
     assert (stats.demotions, stats.host_bytes_held, stats.bytes_demoted) == (1, one, one)
     assert stats.evictions == dict.fromkeys(EVICTION_CAUSES, 0)
-    assert eng.runtime._packed.host_keys() == [a] and eng.runtime._packed.get(a).packed.device.type == "cpu"
+    assert eng.runtime._residence.moves.host_keys() == [a] and eng.runtime._residence.moves.get(a).packed.device.type == "cpu"
     check_all(eng)
     got = adopted_rows(eng, a, rows)
     assert all(torch.equal(x, y) for x, y in zip(got, expect, strict=True))
@@ -124,10 +124,10 @@ def test_a_bad_row_dtype_is_one_error_naming_it(model):
     eng = engine(model)
     with pytest.raises(ValueError) as exc:
         CarryRuntime(eng, row_dtype="fp4")
-    assert str(exc.value) == "row_dtype='fp4' is not a row format; expected one of bf16, fp8"
+    assert str(exc.value) == "row_dtype='fp4' is not a row format; expected one of bf16, fp8, nvfp4"
     with pytest.raises(ValueError) as exc:
         engine(model, carry_row_dtype="e5m2")
-    assert str(exc.value) == "EngineConfig.carry_row_dtype='e5m2' is not a row format; expected one of bf16, fp8"
+    assert str(exc.value) == "EngineConfig.carry_row_dtype='e5m2' is not a row format; expected one of bf16, fp8, nvfp4"
 
 
 def test_the_cores_pure_python_bytes_equal_the_codecs():
@@ -154,7 +154,7 @@ def test_an_fp8_entry_the_pool_cannot_take_back_leaves_as_pool_pressure(model, h
     assert build.mode == "blind" and build.outcome.reason == "pool_pressure"
     stats = eng.runtime.stats()
     assert stats.evictions["pool_pressure"] == 1 and stats.entries_held == stats.host_entries == 0
-    assert eng.runtime._packed.keys() == [] and eng.runtime._packed.host_keys() == []
+    assert eng.runtime._residence.moves.keys() == [] and eng.runtime._residence.moves.host_keys() == []
     eng.runtime.release(77)
     pool.free_sequence(500)
     eng.runtime.check()

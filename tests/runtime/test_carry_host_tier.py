@@ -133,9 +133,9 @@ def test_the_host_budget_evicts_host_entries_with_their_cause_and_frees_their_co
     assert [e.session_hash for e in eng.runtime._store.host_entries] == [session_hash("b")]
     stats = eng.runtime.stats()
     assert stats.evictions == zeros(memory=1) and stats.demotions == 2
-    assert eng.runtime._host.keys() == [session_hash("b")]
+    assert eng.runtime._residence.moves.keys() == [session_hash("b")]
     assert eng.runtime.forget_session(session_hash("b")) == 0  # its rows were in host memory only
-    assert eng.runtime._host.keys() == [] and eng.runtime.stats().evictions == zeros(memory=1, session_end=1)
+    assert eng.runtime._residence.moves.keys() == [] and eng.runtime.stats().evictions == zeros(memory=1, session_end=1)
     eng.runtime.clear_slot()
     assert eng.drafter_pool.num_free_blocks == eng.drafter_pool.num_blocks
     check_all(eng)

@@ -33,7 +33,7 @@ def test_an_fp8_store_charges_the_packed_bytes_exactly_and_refuses_unpacked_rows
     assert carried.deposit(12, list(range(12)), packed_of(2))
     stats = carried.stats()
     assert (stats["bytes_held"], stats["entries"], stats["row_dtype"]) == (2 * one, 2, "fp8")
-    with pytest.raises(TypeError, match="a fp8 store keeps PackedRows, got Tensor"):
+    with pytest.raises(TypeError, match="a fp8 codec holds PackedRows of torch.bfloat16, got Tensor"):
         carried.deposit(13, list(range(12)), unpack_rows(packed_of(3)))
     taken = carried.take(11)
     assert same(taken.rows, packed_of(1)) and same(taken.head(4), PackedRows(
@@ -96,4 +96,4 @@ def test_the_mtp_carry_option_takes_a_row_dtype():
     assert parse_carry_options(None) == CarryOptions(True, None, None, None, 0, None)
     with pytest.raises(TrtllmAdapterError) as exc:
         parse_carry_options({"carry_row_dtype": "int8"})
-    assert str(exc.value) == "mtp_carry.carry_row_dtype must be one of bf16, fp8, got 'int8'"
+    assert str(exc.value) == "mtp_carry.carry_row_dtype must be one of bf16, fp8, nvfp4, got 'int8'"

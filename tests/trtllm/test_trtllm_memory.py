@@ -285,11 +285,11 @@ def test_an_injected_allocation_failure_in_the_worker_is_refused_as_oom_and_noth
     real = arena.put
     failures = [1]
 
-    def put(key: int, rows: Any) -> bool:
+    def put(key: int, rows: Any, codec: Any = None) -> bool:
         if failures:
             failures.pop()
             raise torch.OutOfMemoryError("injected")
-        return real(key, rows)
+        return real(key, rows, codec)
 
     monkeypatch.setattr(arena, "put", put)
     convs = [ConversationParams(conversation_id=name) for name in "ab"]

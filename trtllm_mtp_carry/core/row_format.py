@@ -9,19 +9,26 @@ and head: the data plane's `dataplane.row_format.PackedRows`); `nvfp4` packs eac
 vector as `head_dim / 2` bytes of e2m1 pairs, one e4m3 scale byte per 16 elements and
 one e8m0 byte (the vector's power-of-two global scale: `dataplane.nvfp4.Nvfp4Rows`)::
 
-    bf16:  | v0: D x 2 B          | v1: D x 2 B          | ...
-    fp8:   | v0: D x 1 B | s0 4 B | v1: D x 1 B | s1 4 B | ...   (scales stored apart)
-    nvfp4: | v0: D/2 B | D/16 B | 1 B | v1: ...                  (Qwen3-Next's MTP row: 4 x 145 = 580 B)
+    bf16:   | v0: D x 2 B          | v1: D x 2 B          | ...
+    fp8:    | v0: D x 1 B | s0 4 B | v1: D x 1 B | s1 4 B | ...   (scales stored apart)
+    nvfp4:  | v0: D/2 B | D/16 B | 1 B | v1: ...                  (Qwen3-Next's MTP row: 4 x 145 = 580 B)
+    fp8_kv: | v0: D x 1 B | v1: D x 1 B | ...   (an FP8 KV pool's own bytes: static scale, none stored)
+
+`fp8_kv` is not a `carry_row_dtype` choice: it is the format of a pool whose
+rows already are float8_e4m3fn bytes (`dataplane.row_codec.codec_for` picks it
+for such a pool, whatever `carry_row_dtype` says); trace replay takes it to
+charge an FP8 pool's rows (`ROW_FORMATS`).
 
 Invariants:
+- `rows_nbytes(fmt, n, d, e)` equals the data plane codec's bytes held for every
+  format in `ROW_FORMATS` (`dataplane.row_codec`, pinned by its contract suite);
 - `rows_nbytes("fp8", n, d)` equals `dataplane.row_format.packed_nbytes(n, d)`
   (payload plus scales) and `rows_nbytes("nvfp4", n, d)` equals
   `dataplane.nvfp4.nvfp4_nbytes(n, d)` for every `n`, `d` (tests/dataplane pins both);
   pure Python, no torch.
-- `ROW_FORMATS` is every format the store can charge (the trace replay's choices);
-  `ROW_DTYPES` the ones the runtimes carry (`carry_row_dtype`). A format enters
-  `ROW_DTYPES` only once both executors pack and unpack it, so a runtime never charges
-  one format while holding another.
+- A format enters `ROW_DTYPES` (`carry_row_dtype`) only with a codec both executors
+  use (`dataplane.row_codec.CODECS`), so a runtime never charges one format while
+  holding another.
 - A bad dtype name is one ValueError naming the value and the choices.
 """
 
@@ -31,13 +38,18 @@ from dataclasses import dataclass
 
 from ._checks import check_non_negative
 
-ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8")
-"""Row formats the runtimes carry (`carry_row_dtype`); the first is the default (DECISIONS.md "FP8 carried rows")."""
-
-ROW_FORMATS: tuple[str, ...] = ROW_DTYPES + ("nvfp4",)
-"""Every row format the store can charge (`RowFormat`, `rows_nbytes`, the trace replay)."""
+ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
+"""Row formats the runtimes carry (`carry_row_dtype`); the first is the default (DECISIONS.md
+"FP8 carried rows", "NVFP4 carried rows")."""
 
 DEFAULT_CARRY_ROW_DTYPE = ROW_DTYPES[0]
+
+ROW_FORMATS: tuple[str, ...] = (*ROW_DTYPES, "fp8_kv")
+"""Every format a carried row may be held in: the `carry_row_dtype` choices, then `fp8_kv`
+(an FP8 KV pool's own 1-byte rows). Each has a codec in `dataplane.row_codec.CODECS`."""
+
+FP8_KV_ELEM_BYTES = 1
+"""Bytes of one element of an FP8 KV pool's row (float8_e4m3fn)."""
 
 FP8_SCALE_BYTES = 4
 """Bytes of one fp8 vector's scale (float32)."""
@@ -58,7 +70,8 @@ def check_row_dtype(value: object, what: str = "carry_row_dtype") -> str:
 
 
 def check_row_format(value: object, what: str = "row format") -> str:
-    """`value` if it names a format of `ROW_FORMATS`, else a ValueError naming `what`, the value and the choices."""
+    """`value` if it names a format in `ROW_FORMATS`, else a ValueError naming `what`, the value
+    and the choices."""
     if value not in ROW_FORMATS:
         raise ValueError(f"{what}={value!r} is not a row format; expected one of {', '.join(ROW_FORMATS)}")
     assert isinstance(value, str)
@@ -66,12 +79,14 @@ def check_row_format(value: object, what: str = "row format") -> str:
 
 
 def vector_nbytes(row_dtype: str, head_dim: int, elem_bytes: int = 2) -> int:
-    """Bytes one head vector of `head_dim` elements takes in `row_dtype` (`elem_bytes`: bf16's element).
-
-    nvfp4 needs `head_dim` a multiple of `NVFP4_BLOCK` (a ValueError names it otherwise)."""
+    """Bytes one head vector of `head_dim` elements takes in format `row_dtype` (`ROW_FORMATS`;
+    `elem_bytes`: bf16's element, the pool's own). nvfp4 needs `head_dim` a multiple of
+    `NVFP4_BLOCK` (a ValueError names it otherwise)."""
     check_row_format(row_dtype)
     if row_dtype == "fp8":
         return head_dim + FP8_SCALE_BYTES
+    if row_dtype == "fp8_kv":
+        return head_dim * FP8_KV_ELEM_BYTES
     if row_dtype == "nvfp4":
         if head_dim % NVFP4_BLOCK:
             raise ValueError(f"head_dim={head_dim!r} is not a multiple of {NVFP4_BLOCK}: nvfp4 "
@@ -114,5 +129,6 @@ class RowFormat:
         return check_non_negative("rows", rows) * self.row_nbytes
 
 
-__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_SCALE_BYTES", "NVFP4_BLOCK", "NVFP4_GLOBAL_BYTES", "ROW_DTYPES",
-           "ROW_FORMATS", "RowFormat", "check_row_dtype", "check_row_format", "rows_nbytes", "vector_nbytes"]
+__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "NVFP4_BLOCK", "NVFP4_GLOBAL_BYTES",
+           "ROW_DTYPES", "ROW_FORMATS", "RowFormat", "check_row_dtype", "check_row_format", "rows_nbytes",
+           "vector_nbytes"]

@@ -73,6 +73,7 @@ from .device_ints import device_copy, device_tensor
 from .ops import drafter_row_append_direct as drafter_row_append
 from .reference import slots_for_rows
 from .rope import RopeConfig
+from .row_codec import RowCodec, Rows
 from .row_format import PackedRows, unpack_into_blocks
 
 __all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "HostRows", "PoolExhaustedError", "PoolStats",
@@ -681,6 +682,23 @@ class DrafterKVPool:
             raise ValueError(f"key runs {list(runs)} do not count the {rows} packed rows")
         return self._import(key, rows, runs,
                             lambda idx: unpack_into_blocks(packed, self.k_cache, self.v_cache, idx), stream)
+
+    def import_rows(self, key: int, codec: RowCodec, held: Rows, runs: tuple[tuple[int, int], ...],
+                    stream: torch.cuda.Stream | None = None) -> CarriedBlocks:
+        """Carry `codec.gather_blocks`' rows `held` `[rows, 2, Hkv, D]` (keys `runs`) under `key`,
+        written straight into fresh blocks by `codec.scatter_blocks` (fp8: unpacked there, one
+        launch on CUDA; a pool-rows codec: copied exactly). Blocks, eviction, `stream` and
+        refusals as `import_carried`; the last block's tail keeps its bytes."""
+        if key in self._carried:
+            raise RuntimeError(f"carried entry {key} exists already: free_carried({key}) before importing")
+        if codec.pool_dtype != self.k_cache.dtype:
+            raise ValueError(f"a {codec!r} cannot write this pool's {self.k_cache.dtype} blocks")
+        codec.check_fits(held, self.num_kv_heads, self.head_dim)
+        rows = int(held.shape[0])
+        if sum(c for _, c in runs) != rows:
+            raise ValueError(f"key runs {list(runs)} do not count the {rows} held rows")
+        return self._import(key, rows, runs,
+                            lambda idx: codec.scatter_blocks(held, self.k_cache, self.v_cache, idx), stream)
 
     def _import(self, key: int, rows: int, runs: tuple[tuple[int, int], ...],
                 write: Callable[[torch.Tensor], None], stream: torch.cuda.Stream | None) -> CarriedBlocks:

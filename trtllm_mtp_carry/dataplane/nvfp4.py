@@ -84,8 +84,10 @@ Invariants:
   torch elsewhere.
 
 `pack_blocks` / `unpack_blocks` / `unpack_into_blocks` do for the reference pool's
-whole-block K and V caches (`[num_blocks, block_size, Hkv, D]`) what
-`row_format`'s FP8 twins do, with the same addressing (`row_format.VectorLayout`).
+whole-block K and V caches (`[num_blocks, block_size, Hkv, D]`), and `gather_pages` /
+`scatter_pages` for TensorRT-LLM's HND pages, what `row_format`'s and `hnd_pages`' FP8
+twins do, with the same addressing (`row_format.VectorLayout`). `row_codec.Nvfp4Codec`
+is this format as a carried-row codec (both executors, the arena, the host tier).
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ from .row_format import PACKABLE_DTYPES, VectorLayout, block_layout, plain_layou
 __all__ = [
     "E2M1_VALUES",
     "G_FLOOR",
+    "gather_pages",
+    "scatter_pages",
     "NVFP4_BLOCK",
     "Nvfp4Rows",
     "nvfp4_kernel",
@@ -477,3 +481,48 @@ def unpack_into_blocks(packed: Nvfp4Rows, k_cache: torch.Tensor, v_cache: torch.
     slots = slots_for_rows(block_ids, torch.arange(rows, device=block_ids.device), k_cache.shape[1])
     for half, cache in zip(_halves(packed), (k_cache, v_cache), strict=True):
         cache.view(-1, hkv, d).index_copy_(0, slots, unpack_rows(half, kernel="torch"))
+
+
+# ---- TensorRT-LLM's HND pages (the adapter's draft pool) ---------------------------------
+
+
+def gather_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                 kernel: str | None = None) -> Nvfp4Rows:
+    """Rows of keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]`, packed `[hi - lo, 2, Hkv, D]`.
+
+    Bit for bit `pack_rows(hnd_pages.gather_rows(buf, pages, lo, hi))`: the Triton
+    kernel reads the pages through the page table in one launch (no bf16 copy); the
+    torch path packs the indexed read.
+    """
+    from .hnd_pages import hnd_layout, key_slots
+
+    _check_rows(buf)
+    shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
+    if nvfp4_kernel(buf, kernel) == "triton":
+        return _pack_layout_triton(buf, None, hnd_layout(buf, pages, lo, hi), shape)
+    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
+    return _pack_torch(buf[page, :, :, slot])  # the index makes a fresh tensor
+
+
+def scatter_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Nvfp4Rows,
+                  kernel: str | None = None) -> None:
+    """Unpack `packed` `[n, 2, Hkv, D]` straight into keys `[lo, lo + n)` of HND pages `buf`.
+
+    Bit for bit `hnd_pages.scatter_rows(buf, pages, lo, unpack_rows(packed))`, with its
+    checks (shape; the packed rows' dtype must be the pages') before any write.
+    """
+    from .hnd_pages import hnd_layout, key_slots
+
+    if not isinstance(packed, Nvfp4Rows):
+        raise TypeError(f"packed must be Nvfp4Rows, got {type(packed).__name__}")
+    shape = packed.shape
+    if len(shape) != 4 or tuple(shape[1:]) != (buf.shape[1], buf.shape[2], buf.shape[4]):
+        raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
+    if packed.dtype != buf.dtype:
+        raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
+    if nvfp4_kernel(buf, kernel) == "triton":
+        layout = hnd_layout(buf, pages, lo, lo + shape[0])  # checks the pages before any write
+        _unpack_layout_triton(packed.to(buf.device), buf, None, layout)
+        return
+    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
+    buf[page, :, :, slot] = unpack_rows(packed.to(buf.device), kernel="torch")

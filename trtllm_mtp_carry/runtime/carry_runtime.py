@@ -36,11 +36,13 @@ Invariants:
   the store charges a shared block once. Sharing changes no row anyone reads,
   so adoption and its ownership checks are unchanged: an entry is adopted only
   by its own key, and a shared block is copied before anyone writes into it.
-- Row format (`carry_row_dtype`): with `bf16` entries stay in the pool's blocks
-  (below); with `fp8` each is packed out of the pool at deposit, its blocks freed,
-  and unpacked into fresh blocks on adoption (`packed_rows.PackedCarry`): the
-  store is charged the packed bytes, the pool carries nothing, and `check()`
-  proves each tier's entries are exactly the packed copies.
+- Row format (`carry_row_dtype`): the rows' residence (`residence.py`, one
+  object asked every question about the rows) decides where they live: with
+  `bf16` entries stay in the pool's blocks (`PoolResidence`, below); with `fp8`
+  each is packed out of the pool at deposit by its codec, its blocks freed, and
+  unpacked into fresh blocks on adoption (`PackedResidence`): the store is
+  charged the packed bytes, the pool carries nothing, and `check()` proves each
+  tier's entries are exactly the packed copies.
 - The store and the pool carry the same keys in the same order (`check()`);
   live sequences always win: a pool grow that runs short evicts carried
   entries in the store's victim order (counted as `pool_pressure`) before any
@@ -109,15 +111,14 @@ from ..core import (
 )
 from ..core.outcome import Adopted, Fault, NoCarry
 from ..core.plan import chunk_keys
-from ..core.row_format import RowFormat, check_row_dtype
+from ..core.row_format import check_row_dtype
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.device_ints import device_tensor
 from ..dataplane.kv_pool import BlockKeys, CarriedBlocks, PoolExhaustedError
 from .backend import CarryBackend
-from .host_moves import PoolHostMoves
-from .packed_rows import PackedCarry
 from .policy import DrafterPolicy
+from .residence import residence_for
 
 logger = logging.getLogger("trtllm_mtp_carry")
 
@@ -375,17 +376,16 @@ class CarryRuntime:
         self.memory = carry_memory() if memory is None else parse_carry_memory(memory)
         self.share = carry_share() if share is None else bool(share)
         self.row_dtype = carry_row_dtype() if row_dtype is None else check_row_dtype(row_dtype, "row_dtype")
-        fp8 = self.row_dtype == "fp8"
-        self._packed = PackedCarry(pool) if fp8 else None  # fp8: entries packed outside the pool
+        host_budget = (carry_host_memory() if host_memory is None
+                       else parse_carry_host_memory(host_memory, "host_memory"))
+        # where carried rows live (in the pool's blocks, or packed out of them): every question
+        # about the rows goes to it, never a branch on the row format here
+        self._residence = residence_for(self.row_dtype, pool, host_budget)
         self._store = CarryStore(slots, self.memory.resolve(pool.nbytes),
                                  carry_eviction() if eviction is None else eviction, idle_s, clock,
-                                 block_nbytes=None if fp8 else pool.block_nbytes,
-                                 host_budget_bytes=carry_host_memory() if host_memory is None
-                                 else parse_carry_host_memory(host_memory, "host_memory"),
-                                 row_format=RowFormat("fp8", 2 * pool.num_kv_heads, pool.head_dim,
-                                                      pool.k_cache.element_size()) if fp8 else None)
-        self._host = PoolHostMoves(pool) if self._store.host_budget_bytes and not fp8 else None
-        self._store.host_moves = self._packed if fp8 else self._host
+                                 block_nbytes=self._residence.block_nbytes, host_budget_bytes=host_budget,
+                                 row_format=self._residence.row_format)
+        self._store.host_moves = self._residence.host_moves
         self._counters = _Counters()
         self._adopted: dict[int, int] = {}  # seq_id -> carry key whose rows it adopted (a lease)
         self._lock = threading.RLock()  # stats() may be read from another thread; pool evictions re-enter
@@ -547,16 +547,11 @@ class CarryRuntime:
         rows = pool.sequence(seq_id)
         if policy is DrafterPolicy.CARRY and self.armed and session_hash != 0 and rows.rows > 0:
             with self._lock:
-                if share is not None and self.share and self._packed is None:
+                if share is not None and self.share and self._residence.shares:
                     t0 = time.perf_counter()
                     pool.share_blocks(seq_id, share)
                     self._counters.share_ms += _ms(t0)
-                if self._packed is None:
-                    blocks = pool.sequence(seq_id).block_table[: -(-rows.rows // pool.block_size)]
-                    table: Sequence[int] | None = blocks
-                    nbytes = len(blocks) * pool.block_nbytes
-                else:  # fp8: charged the packed rows, which share no blocks
-                    table, nbytes = None, self._row_nbytes(rows.rows)
+                table, nbytes = self._residence.charge(seq_id, rows.rows)
                 evicted = self._store.admit(session_hash, nbytes, session, blocks=table)
                 offered = None if evicted is not None else self._deposit_host(
                     seq_id, session_hash, tokens, ticket, session, nbytes)
@@ -733,36 +728,7 @@ class CarryRuntime:
         """Make the store, the pool's carried entries and the host (or packed) copies agree after a
         fault (caller holds the lock): an entry whose rows are gone or differ leaves the store
         (`discard`, counted as evicted for `fault`); rows no entry holds are freed, each once."""
-        store, pool = self._store, self.backend.drafter_pool
-        if self._packed is not None:
-            packed = self._packed
-            for tier, tier_entries, copies in (("device", store.entries(), packed.keys()),
-                                               ("host", store.host_entries, packed.host_keys())):
-                keys = {e.session_hash for e in tier_entries}
-                for k in keys.difference(copies):
-                    store.discard(k, "fault")
-                for k in set(copies).difference(keys):
-                    packed.forget(k, tier)
-            for k in pool.carried_keys():  # fp8 carries nothing in the pool
-                pool.free_carried(k)
-            return
-        entries = {e.session_hash: e for e in store.entries()}
-        for k, e in entries.items():
-            held = pool.carried(k)
-            if held is None or (held.block_table, held.rows, held.last_pair_key) != (
-                    e.block_table, e.rows, e.last_pair_key):
-                store.discard(k, "fault")
-                if held is not None:
-                    pool.free_carried(k)
-        for k in set(pool.carried_keys()).difference(entries):
-            pool.free_carried(k)
-        if self._host is not None:
-            host = {e.session_hash for e in store.host_entries}
-            host_copies = set(self._host.keys())
-            for k in host.difference(host_copies):
-                store.discard(k, "fault")
-            for k in host_copies.difference(host) | set(self._host.staged_keys()):
-                self._host.forget(k)
+        self._residence.repair(self._store)
 
     def clear_slot(self) -> None:
         """Drop every carried entry and free its blocks (counted as `cleared`)."""
@@ -801,48 +767,8 @@ class CarryRuntime:
     def check(self) -> None:
         """Raise RuntimeError unless the store and the pool carry the same entries, in order (and
         the host tier's entries have exactly their host copies)."""
-        pool = self.backend.drafter_pool
         with self._lock:
-            entries = self._store.entries()
-        if self._packed is not None:
-            self._check_packed(entries)
-            return
-        keys = tuple(e.session_hash for e in entries)
-        if keys != pool.carried_keys():
-            raise RuntimeError(f"carry store keys {keys} differ from the pool's {pool.carried_keys()}")
-        for e in entries:
-            held = pool.carried(e.session_hash)
-            if held is None or (held.block_table, held.rows, held.last_pair_key) != (
-                e.block_table, e.rows, e.last_pair_key
-            ):
-                raise RuntimeError(f"carried entry 0x{e.session_hash:016x} differs from the pool's {held}")
-        if self._host is not None:  # the host tier: one host copy per host entry, nothing else
-            with self._lock:
-                host = sorted(e.session_hash for e in self._store.host_entries)
-                copies = self._host.keys()
-            if host != copies:
-                raise RuntimeError(f"host tier entries {host} differ from the host copies held {copies}")
-
-    def _check_packed(self, entries: tuple[CarriedDrafter, ...]) -> None:
-        """`check` for fp8: the pool carries nothing; each tier's entries are exactly the packed
-        copies there, of their rows and bytes."""
-        packed, pool = self._packed, self.backend.drafter_pool
-        assert packed is not None
-        if pool.carried_keys():
-            raise RuntimeError(f"fp8 entries are packed, yet the pool carries {pool.carried_keys()}")
-        with self._lock:
-            host = self._store.host_entries
-        for tier, held, copies in (("device", entries, packed.keys()), ("host", host, packed.host_keys())):
-            if sorted(e.session_hash for e in held) != copies:
-                raise RuntimeError(f"{tier} entries {sorted(e.session_hash for e in held)} differ from "
-                                   f"the packed copies held {copies}")
-            for e in held:
-                copy = packed.get(e.session_hash)
-                assert copy is not None
-                if copy.rows != e.rows or copy.nbytes != self._store.nbytes(e.session_hash):
-                    raise RuntimeError(f"entry 0x{e.session_hash:016x} of {e.rows} rows charged "
-                                       f"{self._store.nbytes(e.session_hash)} B holds {copy.rows} rows, "
-                                       f"{copy.nbytes} B")
+            self._residence.check(self._store)
 
     def stats(self) -> CarryStats:
         """A frozen snapshot of every counter (zeros listed for outcomes never seen)."""
@@ -891,26 +817,22 @@ class CarryRuntime:
     def pack_times(self) -> tuple[list[float], list[float]]:
         """Wall ms of every pack (deposit) and unpack (adoption) so far (fp8; both empty with bf16)."""
         with self._lock:
-            if self._packed is None:
-                return [], []
-            return list(self._packed.pack_ms_each), list(self._packed.unpack_ms_each)
+            return self._residence.pack_times()
 
     def wait_restored(self, seq_id: int) -> None:
         """Order the device's next use of `seq_id`'s pool rows after their copy back from the host
         tier, if one is in flight (CUDA: a GPU-side wait, counted; otherwise nothing to do). The
         runtime calls it before it touches the sequence's rows; an engine calls it before its
         first draft step reads or writes them."""
-        if self._host is None:
-            return
         key = self._adopted.get(seq_id)
         if key is not None:
             with self._lock:
-                self._host.ready(key)
+                self._residence.ready(key)
 
     def _tier_fields(self) -> dict[str, Any]:
         """CarryStats' host tier fields (caller holds the lock)."""
         t = self._store.tier_stats()
-        wait_ms = self._host.gpu_wait()[0] if self._host is not None else 0.0
+        wait_ms = self._residence.gpu_wait_ms()
         return dict(
             carry_host_memory_bytes=t.host_budget_bytes, hits_device=t.hits["device"],
             hits_host=t.hits["host"], demotions=t.demotions, host_deposits=t.host_deposits,
@@ -918,10 +840,7 @@ class CarryRuntime:
             host_bytes_held=t.host_bytes_held, bytes_demoted=t.bytes_demoted,
             bytes_restored=t.bytes_restored, peak_device_bytes=t.peak_bytes["device"],
             peak_host_bytes=t.peak_bytes["host"], demote_ms=t.demote_ms, restore_ms=t.restore_ms,
-            restore_wait_ms=wait_ms, row_dtype=self.row_dtype,
-            **({} if self._packed is None else dict(
-                packs=len(self._packed.pack_ms_each), unpacks=len(self._packed.unpack_ms_each),
-                pack_ms=sum(self._packed.pack_ms_each), unpack_ms=sum(self._packed.unpack_ms_each))),
+            restore_wait_ms=wait_ms, row_dtype=self.row_dtype, **self._residence.stats_fields(),
         )
 
     def _deposit_host(self, seq_id: int, key: int, tokens: Sequence[int], ticket: int,
@@ -942,38 +861,23 @@ class CarryRuntime:
 
     def _carry_out(self, seq_id: int, key: int, tokens: Sequence[int]) -> CarriedDrafter:
         """End `seq_id` as carried entry `key`: its blocks move to the pool's carried set (zero copy),
-        or with fp8 its rows are packed out of them and the blocks freed (caller holds the lock)."""
-        carried = self.backend.drafter_pool.move_to_carried(seq_id, key)
-        if self._packed is None:
-            return CarriedDrafter(carried.block_table, carried.rows, carried.last_pair_key, tokens, key)
-        self._packed.pack(key)
-        return CarriedDrafter((), carried.rows, carried.last_pair_key, tokens, key)
+        or its rows are packed out of them and the blocks freed (the residence; caller holds the lock)."""
+        return self._residence.carry_out(seq_id, key, tokens)
 
     def _free(self, entry: CarriedDrafter) -> None:
         """Free the device rows of an entry that left the store (its pool blocks, or its packed copy)."""
-        if self._packed is None:
-            self.backend.drafter_pool.free_carried(entry.session_hash)
-        else:
-            self._packed.discard(entry.session_hash)
-
-    def _row_nbytes(self, rows: int) -> int:
-        """What `rows` rows cost in the store's row format (fp8 only)."""
-        fmt = self._store.row_format
-        assert fmt is not None
-        return fmt.nbytes(rows)
+        self._residence.free(entry)
 
     def _unreachable_host_entry(self, key: int) -> None:
         """Drop `key`'s entry (`pool_pressure`) when it must come back into the pool (a host entry, or
         any fp8 entry) and even every carried block could not take its rows: live sequences hold
         the pool (caller holds the lock)."""
-        tier = self._store.tier(key)
-        if tier is None or (tier != "host" and self._packed is None):
+        if not self._residence.comes_back(self._store.tier(key)):
             return
         entry = self._store.get(key)
         pool = self.backend.drafter_pool
         assert entry is not None
-        blocks = len(entry.block_table) if self._packed is None else -(-entry.rows // pool.block_size)
-        if blocks > pool.num_free_blocks + pool.num_carried_blocks:
+        if self._residence.blocks_needed(entry) > pool.num_free_blocks + pool.num_carried_blocks:
             gone = self._store.evict(key, "pool_pressure")
             if gone is not None:  # an fp8 device entry: its packed copy goes with it
                 self._free(gone)
@@ -1003,24 +907,7 @@ class CarryRuntime:
                 raise RuntimeError(
                     f"no carried entry of session 0x{session_hash:016x} for sequence {seq_id} to take"
                 )
-            if self._packed is not None:  # fp8: (a host entry comes back packed first) unpack, then adopt
-                self._store.take(session_hash)
-                try:
-                    self._packed.unpack(session_hash)
-                except BaseException:  # the rows never came back: gone, as a host restore that failed
-                    self._packed.discard(session_hash)
-                    self._store.end_lease(session_hash, "pool_pressure")
-                    raise
-                held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
-            elif self._store.tier(session_hash) == "host":  # the take copies its rows back first
-                restored = self._store.take(session_hash)
-                held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
-                if self._host is not None and len(held.block_table) < len(restored.block_table):
-                    # the truncation freed restored blocks: their next owner writes after the copy
-                    self._host.ready(session_hash)
-            else:
-                held = self.backend.drafter_pool.adopt_carried(session_hash, seq_id, rows_kept=rows_kept)
-                self._store.take(session_hash)
+            held = self._residence.take(self._store, session_hash, seq_id, rows_kept)
             self._adopted[seq_id] = session_hash
         return held
 
@@ -1030,8 +917,7 @@ class CarryRuntime:
         with self._lock:
             try:
                 self._store.evict(session_hash, "pool_pressure")  # with a host tier: demoted
-                if self._host is not None:
-                    self._host.unstage(session_hash)
+                self._residence.unstage(session_hash)
             except Exception:
                 self._repair()
                 raise
@@ -1041,8 +927,8 @@ class CarryRuntime:
         tier its rows are copied out first: the pool releases them before the store hears)."""
         with self._lock:
             key = self._store.victim()
-            if self._host is not None and key is not None:
-                self._host.stage(key)
+            if key is not None:
+                self._residence.stage(key)
             return key
 
     def _expire(self) -> int:

@@ -5,21 +5,23 @@ What it is for: an fp8 entry costs its rows in the FP8 row format
 head), about half its bf16 blocks, so it cannot stay in the drafter pool's
 blocks. At deposit its live rows are packed out of its blocks and the blocks
 are freed; on adoption they are unpacked straight into fresh pool blocks
-(`DrafterKVPool.import_packed`, one launch on CUDA), which the adopter then
-takes as a carried entry's (zero copy)::
+(`DrafterKVPool.import_rows`, one launch on CUDA), which the adopter then
+takes as a carried entry's (zero copy). The format is the entry's codec
+(`dataplane/row_codec.py`: `gather_blocks` packs, `scatter_blocks` unpacks),
+so any codec's rows can be held here (`residence.PackedResidence`)::
 
-    finish:  pool blocks --pack_blocks--> PackedEntry (device)   blocks freed
-    adopt:   PackedEntry --import_packed (unpacked into them)--> fresh pool blocks --adopt_carried--> sequence
+    finish:  pool blocks --codec.gather_blocks--> PackedEntry (device)   blocks freed
+    adopt:   PackedEntry --import_rows (codec.scatter_blocks)--> fresh pool blocks --adopt_carried--> sequence
     host tier (HostMoves): PackedEntry device <--> host memory (pinned on CUDA), still packed
 
 Invariants:
 - A key has at most one packed copy, on the device or in host memory; the
   carry store's entries of each tier are exactly these copies (`CarryRuntime.check`).
-- An entry's bytes are `PackedRows.nbytes` (payload plus scales), what the
+- An entry's bytes are `codec.nbytes(rows)` (fp8: payload plus scales), what the
   store charges (`RowFormat.nbytes(rows)`).
 - Unpacked rows and keys are the packed ones: `unpack(pack(rows))` is within
   FP8's rounding of the rows, and deterministic.
-- No block another owner holds is written: `import_packed` writes fresh blocks only.
+- No block another owner holds is written: `import_rows` writes fresh blocks only.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ from dataclasses import dataclass
 
 from ..core import CarriedDrafter
 from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool
-from ..dataplane.row_format import PackedRows, pack_blocks
+from ..dataplane.row_codec import RowCodec, Rows
 
 
 @dataclass(frozen=True)
 class PackedEntry:
-    """One carried entry's rows `[rows, 2, Hkv, D]` in the FP8 row format, and its keys as runs."""
+    """One carried entry's rows `[rows, 2, Hkv, D]` held in `codec`'s form, and its keys as runs."""
 
-    packed: PackedRows
+    packed: Rows
     runs: tuple[tuple[int, int], ...]
+    codec: RowCodec
 
     @property
     def rows(self) -> int:
@@ -45,7 +48,7 @@ class PackedEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes
+        return self.codec.nbytes(self.packed)
 
 
 class PackedCarry:
@@ -55,8 +58,9 @@ class PackedCarry:
     their launch and the copies that wait on them).
     """
 
-    def __init__(self, pool: DrafterKVPool) -> None:
+    def __init__(self, pool: DrafterKVPool, codec: RowCodec) -> None:
         self.pool = pool
+        self.codec = codec
         self._device: dict[int, PackedEntry] = {}
         self._host: dict[int, PackedEntry] = {}
         self._pin = pool.device.type == "cuda"
@@ -71,6 +75,10 @@ class PackedCarry:
         """Keys of the host copies, sorted."""
         return sorted(self._host)
 
+    def nbytes(self, tier: str) -> int:
+        """Bytes of the copies held in `tier` (`device` or `host`)."""
+        return sum(e.nbytes for e in (self._device if tier == "device" else self._host).values())
+
     def get(self, key: int) -> PackedEntry | None:
         """`key`'s packed copy, on the device or the host, or None."""
         return self._device.get(key) or self._host.get(key)
@@ -81,8 +89,9 @@ class PackedCarry:
         held = self.pool.carried(key)
         if held is None:
             raise RuntimeError(f"nothing carried under {key}: nothing to pack")
-        entry = PackedEntry(pack_blocks(self.pool.k_cache, self.pool.v_cache, held.block_table, held.rows),
-                            self.pool.carried_runs(key))
+        entry = PackedEntry(self.codec.gather_blocks(self.pool.k_cache, self.pool.v_cache, held.block_table,
+                                                     held.rows),
+                            self.pool.carried_runs(key), self.codec)
         self.pool.free_carried(key)
         self._device[key] = entry
         self.pack_ms_each.append((time.perf_counter() - t0) * 1e3)
@@ -93,7 +102,7 @@ class PackedCarry:
         is freed); PoolExhaustedError leaves the copy in place."""
         t0 = time.perf_counter()
         entry = self._device[key]
-        held = self.pool.import_packed(key, entry.packed, entry.runs)  # unpacked into the fresh blocks
+        held = self.pool.import_rows(key, self.codec, entry.packed, entry.runs)  # unpacked into fresh blocks
         del self._device[key]
         self.unpack_ms_each.append((time.perf_counter() - t0) * 1e3)
         return held
@@ -113,8 +122,8 @@ class PackedCarry:
         if packed is None:
             return False
         # on a GPU one pass into pinned memory; a CPU pool's popped copy is host memory already
-        host = packed.packed.host_copy() if self._pin else packed.packed
-        self._host[entry.session_hash] = PackedEntry(host, packed.runs)
+        host = self.codec.host_copy(packed.packed) if self._pin else packed.packed
+        self._host[entry.session_hash] = PackedEntry(host, packed.runs, self.codec)
         return True
 
     def restore(self, entry: CarriedDrafter) -> None:
@@ -122,8 +131,8 @@ class PackedCarry:
         # from pinned memory on the current stream, without the CPU waiting: the unpack that
         # reads it (`unpack`, on the same stream) is ordered after it; the caching host
         # allocator keeps the pinned source until the copy is done
-        self._device[entry.session_hash] = PackedEntry(packed.packed.to(self.pool.device, non_blocking=True),
-                                                       packed.runs)
+        self._device[entry.session_hash] = PackedEntry(
+            self.codec.to(packed.packed, self.pool.device, non_blocking=True), packed.runs, self.codec)
 
     def drop(self, entry: CarriedDrafter) -> None:
         self._host.pop(entry.session_hash, None)

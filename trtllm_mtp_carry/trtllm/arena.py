@@ -34,8 +34,8 @@ pinned memory is one arena of `carry_host_memory` bytes the same way.
 
 Invariants:
 - One block is one row of the carry's format, so an entry of `n` rows costs
-  exactly `n` blocks and the bytes the store charges (`CarriedRows`: the rows'
-  bytes, `PackedRows.nbytes` for fp8): the store's byte budget is the arena's
+  exactly `n` blocks and the bytes the store charges (`CarriedRows`: the codec's
+  `nbytes`, payload plus scales for fp8): the store's byte budget is the arena's
   capacity, and whatever the store admits fits in the arena's free blocks.
 - Each entry holds one contiguous extent (zero-copy views for the scatter). Free
   extents are kept sorted and merged; when no free extent is long enough but the
@@ -50,17 +50,16 @@ Invariants:
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..core.row_format import RowFormat
-from ..dataplane.row_format import FP8_DTYPE, PackedRows
+from ..dataplane.row_codec import RowCodec, Rows, codec_for, codec_of
 
-Rows = torch.Tensor | PackedRows
+__all__ = ["Allocate", "EarlyReservation", "HeldRows", "Reserved", "RowArena", "Rows", "arenas_over",
+           "reserve_arenas", "reserve_early", "reserve_for", "row_nbytes", "torch_allocate"]
 
 Allocate = Callable[[int, torch.device, bool], torch.Tensor]
 """`allocate(nbytes, device, pinned)`: a 1-D uint8 tensor of `nbytes` (raises `torch.OutOfMemoryError`)."""
@@ -74,11 +73,10 @@ def torch_allocate(nbytes: int, device: torch.device, pinned: bool) -> torch.Ten
 
 
 def row_nbytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, row_dtype: str) -> int:
-    """Bytes of one carried row `[2, Hkv, D]` (K and V) in `row_dtype` (`bf16`: as gathered, in
-    `dtype`; `fp8`: payload plus scales), as the store charges it (`core.row_format.RowFormat`):
-    the arena's block size."""
-    elem_bytes = torch.empty((), dtype=dtype).element_size()
-    return RowFormat(row_dtype, 2 * num_kv_heads, head_dim, elem_bytes).row_nbytes
+    """Bytes of one carried row `[2, Hkv, D]` (K and V) of a `dtype` pool under `row_dtype`, as its
+    codec holds it and the store charges it (`row_codec.codec_for`: bf16 as gathered, fp8 payload
+    plus scales, an FP8 KV pool's own bytes): the arena's block size."""
+    return codec_for(row_dtype, dtype).row_nbytes(num_kv_heads, head_dim)
 
 
 @dataclass(frozen=True)
@@ -185,8 +183,7 @@ class _Extent:
     start: int  # first block
     blocks: int
     shape: tuple[int, ...]  # the rows' shape [n, 2, Hkv, D]
-    dtype: torch.dtype  # bf16 rows: their dtype; fp8: the dtype before packing
-    packed: bool
+    codec: RowCodec  # the rows' format (the view's form)
 
 
 class RowArena:
@@ -242,8 +239,9 @@ class RowArena:
                              "(a carried row is one block)")
         return nbytes // self.block_nbytes
 
-    def put(self, key: int, rows: Rows) -> bool:
-        """Copy `rows` into an extent held under `key` (any older extent of `key` released first).
+    def put(self, key: int, rows: Rows, codec: RowCodec | None = None) -> bool:
+        """Copy `rows` (held in `codec`'s form; None: `codec_of(rows)`) into an extent held under
+        `key` (any older extent of `key` released first).
 
         False when the free blocks do not suffice; compacts when they do but no free extent
         is long enough. `torch.OutOfMemoryError` from a compaction's staging copy leaves the
@@ -258,21 +256,15 @@ class RowArena:
             start = self._find(n)
             assert start is not None  # after compaction the free blocks are one extent
         self._take(start, n)
-        extent = _Extent(start, n, tuple(rows.shape), rows.dtype, isinstance(rows, PackedRows))
+        codec = codec_of(rows) if codec is None else codec
+        extent = _Extent(start, n, tuple(rows.shape), codec)
         self._held[key] = extent
-        view = self._view(extent)
-        if isinstance(rows, PackedRows):
-            assert isinstance(view, PackedRows)
-            view.payload.copy_(rows.payload)
-            view.scales.copy_(rows.scales)
-        else:
-            assert isinstance(view, torch.Tensor)
-            view.copy_(rows)
+        codec.copy_(self._view(extent), rows)
         if self.storage.is_cuda:
             # the rows were gathered on the draft pool's stream and are copied here on the
             # current one: the allocator must not hand their memory out again before it ran
             stream = torch.cuda.current_stream(self.storage.device)
-            for t in (rows.payload, rows.scales) if isinstance(rows, PackedRows) else (rows,):
+            for t in codec.tensors(rows):
                 if t.is_cuda:
                     t.record_stream(stream)
         return True
@@ -307,7 +299,7 @@ class RowArena:
                     if extent.start < cursor + extent.blocks:  # overlapping: stage this extent
                         src = src.clone()
                     self._bytes(cursor, extent.blocks).copy_(src)
-                    self._held[key] = _Extent(cursor, extent.blocks, extent.shape, extent.dtype, extent.packed)
+                    self._held[key] = _Extent(cursor, extent.blocks, extent.shape, extent.codec)
                 cursor += extent.blocks
         finally:
             self._rebuild_free()
@@ -364,13 +356,7 @@ class RowArena:
         return self.storage[start * self.block_nbytes:(start + blocks) * self.block_nbytes]
 
     def _view(self, e: _Extent) -> Rows:
-        raw = self._bytes(e.start, e.blocks)
-        if not e.packed:
-            return raw.view(e.dtype).view(e.shape)
-        payload_nbytes = math.prod(e.shape)  # one e4m3 byte an element
-        payload = raw[:payload_nbytes].view(FP8_DTYPE).view(e.shape)
-        scales = raw[payload_nbytes:].view(torch.float32).view(e.shape[:-1])
-        return PackedRows(payload, scales, e.dtype)
+        return e.codec.view(self._bytes(e.start, e.blocks), e.shape)
 
 
 class HeldRows:
@@ -384,8 +370,9 @@ class HeldRows:
     scatter has read the extent before a `put` overwrites it.
     """
 
-    def __init__(self, arena: RowArena | None = None) -> None:
+    def __init__(self, arena: RowArena | None = None, codec: RowCodec | None = None) -> None:
         self.arena = arena
+        self.codec = codec  # the rows' format (None: each `put`'s own, `codec_of`)
         self._kept: dict[int, Rows] = {}
         self._popped: list[int] = []  # arena keys taken, released at the next put
 
@@ -399,7 +386,7 @@ class HeldRows:
         for k in self._popped:
             self.arena.release(k)
         self._popped.clear()
-        if not self.arena.put(key, rows):
+        if not self.arena.put(key, rows, self.codec):
             raise torch.OutOfMemoryError(
                 f"the carry's arena has no room for {rows.nbytes} bytes "
                 f"({self.arena.capacity_blocks - self.arena.blocks_held} of {self.arena.capacity_blocks} "

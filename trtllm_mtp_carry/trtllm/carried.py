@@ -37,11 +37,12 @@ Invariants:
   reading host rows. On the CPU the copy is a plain synchronous one. The store
   counts the copy's issue time as `restore_ms`. Each entry's rows are in exactly
   one tier.
-- Row format (`row_dtype`, `carry_row_dtype()`): `bf16` entries hold the rows as
-  gathered, `fp8` entries their `PackedRows` (`dataplane/row_format.py`: the
-  manager gathers packed and scatters unpacked, fused with the page copy); the
-  store charges what is held, `PackedRows.nbytes` (payload plus scales), and the
-  host tier holds the same packed form.
+- Row format: one codec (`codec`, `dataplane/row_codec.py`, chosen from
+  `carry_row_dtype()` and the draft pool's dtype) holds every entry: `bf16` the
+  rows as gathered, `fp8` their `PackedRows` (the manager gathers packed and
+  scatters unpacked, fused with the page copy), `fp8_kv` an FP8 KV pool's own
+  bytes (gathered and scattered exactly, never re-scaled); the store charges
+  what is held (`codec.nbytes`), and the host tier holds the same form.
 - Memory (`arena`, `host_arena`: `trtllm/arena.py`, reserved when the carry is
   installed): a deposit copies its rows into the device arena and a demotion into
   the host arena, one block per row, so the store's budget is the arena's size; an
@@ -66,7 +67,7 @@ from ..core.outcome import Adopted, CarryOutcome
 from ..core.row_format import check_row_dtype
 from ..core.store_range import StoreRange
 from ..core.tokens import Tokens
-from ..dataplane.row_format import PackedRows
+from ..dataplane.row_codec import RowCodec, codec_for, codec_of
 from .arena import HeldRows, RowArena, Rows
 
 logger = logging.getLogger("trtllm_mtp_carry")
@@ -93,27 +94,18 @@ def _on_stream(stream: torch.cuda.Stream) -> AbstractContextManager[object]:
 
 def _copy_to(rows: Rows, device: torch.device) -> Rows:
     """`rows` (pinned host memory) copied to `device` without the CPU waiting."""
-    return rows.to(device, non_blocking=True)
+    return codec_of(rows).to(rows, device, non_blocking=True)
 
 
 def _record_stream(rows: Rows, stream: torch.cuda.Stream) -> None:
     """Tell the caching allocator `stream` reads `rows` (not freed for reuse before it did)."""
-    for t in (rows.payload, rows.scales) if isinstance(rows, PackedRows) else (rows,):
+    for t in codec_of(rows).tensors(rows):
         t.record_stream(stream)
-
-
-def _host_copy(rows: Rows) -> Rows:
-    """`rows` copied to host memory (pinned when they are on a GPU), blocking."""
-    if isinstance(rows, PackedRows):
-        return rows.host_copy()
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
-    host.copy_(rows)  # blocking: the device rows may be reused as soon as they are dropped
-    return host
 
 
 @dataclass(frozen=True, slots=True)
 class TakenRows:
-    """An adopted entry: its bookkeeping and its rows `[n, 2, Hkv, D]` (packed with fp8).
+    """An adopted entry: its bookkeeping and its rows `[n, 2, Hkv, D]`, held in `codec`'s form.
 
     `copied`: for rows just copied back from the host tier on CUDA, the event recorded
     after that copy (on a side stream); None for rows served from the device, or on the CPU.
@@ -122,6 +114,7 @@ class TakenRows:
 
     entry: CarriedDrafter
     rows: Rows
+    codec: RowCodec
     copied: torch.cuda.Event | None = None
 
     def ready(self) -> None:
@@ -137,9 +130,7 @@ class TakenRows:
         """The first `n` rows, in the form they are held (a view, no copy), once the current
         stream waits for their copy back (`ready`)."""
         self.ready()
-        if isinstance(self.rows, PackedRows):
-            return PackedRows(self.rows.payload[:n], self.rows.scales[:n], self.rows.dtype)
-        return self.rows[:n]
+        return self.codec.head(self.rows, n)
 
 
 class CarriedRows:
@@ -148,13 +139,16 @@ class CarriedRows:
     def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent",
                  idle_s: float | None = None, host_budget_bytes: int | None = None,
                  row_dtype: str | None = None, arena: RowArena | None = None,
-                 host_arena: RowArena | None = None) -> None:
+                 host_arena: RowArena | None = None, pool_dtype: torch.dtype | None = None) -> None:
         host = carry_host_memory() if host_budget_bytes is None else host_budget_bytes
         self.row_dtype = carry_row_dtype() if row_dtype is None else check_row_dtype(row_dtype, "row_dtype")
+        # the rows' one format: known from the draft pool's dtype (the manager passes it), else
+        # bound at the first deposit from its rows (tests of the store logic)
+        self.codec: RowCodec | None = None if pool_dtype is None else codec_for(self.row_dtype, pool_dtype)
         self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s,
                                  host_budget_bytes=host)
-        self._rows = HeldRows(arena)  # device rows: in the arena when one is reserved
-        self._host = HeldRows(host_arena)  # host tier rows: in the pinned arena when one is reserved
+        self._rows = HeldRows(arena, self.codec)  # device rows: in the arena when one is reserved
+        self._host = HeldRows(host_arena, self.codec)  # host tier rows: in the pinned arena when one is reserved
         self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # CUDA: the side stream copies back run on
         self._copied: dict[int, torch.cuda.Event] = {}  # restored key -> its copy's event, until taken
@@ -191,8 +185,8 @@ class CarriedRows:
         with self._lock:
             entry = self._store.take(key)  # a host entry is copied back here (`restore`)
             rows = self._rows.pop(key)
-            assert rows is not None
-            return TakenRows(entry, rows, self._copied.pop(key, None))
+            assert rows is not None and self.codec is not None
+            return TakenRows(entry, rows, self.codec, self._copied.pop(key, None))
 
     def end_lease(self, key: int, reason: str = "not_deposited") -> None:
         """The request that adopted `key`'s rows ended without depositing them."""
@@ -200,21 +194,20 @@ class CarriedRows:
             self._store.end_lease(key, reason)
 
     @property
-    def packed(self) -> bool:
-        """Whether entries are held packed (`row_dtype` fp8): deposit `PackedRows`, scatter them unpacked."""
-        return self.row_dtype == "fp8"
+    def row_format(self) -> str:
+        """The held rows' format name (`core.row_format.ROW_FORMATS`): the codec's, else `row_dtype`
+        until the first deposit binds one."""
+        return self.row_dtype if self.codec is None else self.codec.name
 
     def deposit(self, key: int, tokens: Sequence[int], rows: Rows,
                 session: int | None = None) -> bool:
-        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`; `PackedRows` exactly when
-        `packed`) under `key`, an entry of conversation `session` (None: `key` itself), charged
-        the bytes held; False if refused."""
+        """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`, held in `codec`'s form) under
+        `key`, an entry of conversation `session` (None: `key` itself), charged the bytes held;
+        False if refused. TypeError for rows in another form."""
         # rows: [n, 2, Hkv, D], a copy owned by the store from now on
-        if isinstance(rows, PackedRows) != self.packed:
-            raise TypeError(f"a {self.row_dtype} store keeps {'PackedRows' if self.packed else 'tensors'}, "
-                            f"got {type(rows).__name__}")
+        codec = self._bind(rows)
         n = rows.shape[0]
-        nbytes = rows.nbytes  # a tensor's numel x element size; packed: payload plus scales
+        nbytes = codec.nbytes(rows)  # the bytes held: elements x element size; fp8: payload plus scales
         with self._lock:
             self._expire()
             evicted = self._store.admit(key, nbytes, session) if n > 0 else None
@@ -230,6 +223,18 @@ class CarriedRows:
                 return False
             self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes, session)
             return True
+
+    def _bind(self, rows: Rows) -> RowCodec:
+        """The codec `rows` must be held in (bound here from the first rows when no pool dtype was
+        given: `fp8` takes `PackedRows`, `bf16` tensors); TypeError for rows in another form."""
+        if self.codec is None:
+            codec = codec_of(rows)
+            if codec.name != self.row_dtype and codec.name != "fp8_kv":  # an FP8 pool's own bytes
+                raise TypeError(f"a {self.row_dtype} store keeps "
+                                f"{'PackedRows' if self.row_dtype == 'fp8' else 'tensors'}, got {type(rows).__name__}")
+            self.codec = self._rows.codec = self._host.codec = codec
+        self.codec.check(rows)
+        return self.codec
 
     def _refuse_oom(self, key: int, exc: BaseException) -> None:
         """An allocation for `key`'s deposit failed: refused as `oom` (counted; logged once), the
@@ -271,7 +276,7 @@ class CarriedRows:
                 "deposits": self._store.deposits,
                 "adoptions": self._store.adoptions,
                 "evictions": self._store.evictions(),
-                "row_dtype": self.row_dtype,
+                "row_dtype": self.row_format,
                 "refusals": self._store.refusals(),
                 "reserved_bytes": 0 if self._rows.arena is None else self._rows.arena.nbytes,
                 "host_reserved_bytes": 0 if self._host.arena is None else self._host.arena.nbytes,
@@ -322,7 +327,8 @@ class CarriedRows:
             if self._host.arena is not None:
                 self._host.put(key, rows)  # a blocking copy into the pinned arena
             else:
-                self._host.keep(key, _host_copy(rows))
+                assert self.codec is not None  # rows are held: the first deposit bound it
+                self._host.keep(key, self.codec.host_copy(rows))
         except torch.OutOfMemoryError:  # no pinned memory for it: the store evicts it instead
             return False
         self._host_device[key] = rows.device
@@ -338,8 +344,9 @@ class CarriedRows:
         host = self._host.pop(key)
         assert host is not None
         device = self._host_device.pop(key)
+        assert self.codec is not None
         if device.type != "cuda":
-            self._rows.keep(key, host.to(device))
+            self._rows.keep(key, self.codec.to(host, device))
             return
         stream = self._streams.get(device)
         if stream is None:

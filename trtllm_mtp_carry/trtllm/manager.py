@@ -84,10 +84,10 @@ from ..core import NO_CARRY_REASONS, OUTCOME_KINDS, carry_eviction, carry_idle_s
 from ..core.outcome import Adopted, NoCarry
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
+from ..dataplane.row_codec import codec_for
 from .arena import Reserved
 from .carried import CarriedRows, _current_stream, _on_stream
 from .identity import conversation_session, request_session, request_session_key
-from .layout import gather_packed_rows, gather_rows, scatter_packed_rows, scatter_rows
 from .options import CarryOptions
 
 logger = logging.getLogger("trtllm_mtp_carry")
@@ -191,7 +191,7 @@ class CarryManagerCore:
         self.reserved = reserved
         self.carried = CarriedRows(slots, options.device_bytes(), carry_eviction(), idle_s,
                                    host_budget_bytes=options.host_bytes(),
-                                   row_dtype=options.carry_row_dtype,
+                                   row_dtype=options.carry_row_dtype, pool_dtype=self._pool_dtype(),
                                    arena=None if reserved is None else reserved.device,
                                    host_arena=None if reserved is None else reserved.host)
         self._tickets = TicketCounter()
@@ -369,8 +369,8 @@ class CarryManagerCore:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
             buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
             with self._draft_stream():
-                gather = gather_packed_rows if self.carried.packed else gather_rows  # fp8: packed as gathered
-                rows = gather(buf, pages, 0, valid)  # [valid, 2, Hkv, D]
+                codec = self.carried.codec or codec_for(self.carried.row_dtype, buf.dtype)
+                rows = codec.gather_pages(buf, pages, 0, valid)  # [valid, 2, Hkv, D], held form
                 self._sync()
         except Exception as exc:  # the carry may cost acceptance, never the executor
             self._fault("deposit", exc, rid)
@@ -481,9 +481,8 @@ class CarryManagerCore:
             pages = self.draft.get_batch_cache_indices([rid], layer_idx=self.mtp_layer)[0]
             buf = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
             with self._draft_stream():
-                scatter = scatter_packed_rows if self.carried.packed else scatter_rows  # fp8: unpacked as scattered
                 # head: host-tier rows make the draft stream wait for their copy back (GPU side)
-                scatter(buf, pages, 0, taken.head(n))  # type: ignore[arg-type]  # head's form is scatter's
+                taken.codec.scatter_pages(buf, pages, 0, taken.head(n))
             self._forward_waits_for_draft_stream()
         except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
             self._fault("scatter", exc, rid)
@@ -543,6 +542,12 @@ class CarryManagerCore:
         """KVCacheManagerV2._stream (a torch stream) where CUDA runs, else None."""
         stream = getattr(self.draft, "_stream", None)
         return stream if stream is not None and _cuda_available() else None
+
+    def _pool_dtype(self) -> torch.dtype:
+        """The draft pool's element dtype (the MTP layer's HND pages): with `carry_row_dtype` it
+        chooses the carried rows' codec (`row_codec.codec_for`: an FP8 pool carries its own bytes)."""
+        dtype: torch.dtype = self.draft.get_buffers(self.mtp_layer, kv_layout="HND").dtype
+        return dtype
 
     def _draft_stream(self) -> AbstractContextManager[Any]:
         stream = self._cuda_draft_stream()

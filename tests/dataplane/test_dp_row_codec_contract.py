@@ -1,0 +1,168 @@
+"""One contract suite over every row codec (`dataplane/row_codec.py`) and every place rows are held.
+
+Each codec (bf16, fp8 and nvfp4 over a bf16 pool, fp8_kv over a float8_e4m3fn pool) is run
+through the same checks, in the way trio runs one suite over every lock: the bytes held
+are the bytes the core charges, gather/scatter round-trip bit for bit where the format is
+exact (fp8, nvfp4: the codec's own deterministic round trip), and every holder (the plain rows,
+the device arena, a host copy, a copy back) keeps the held bytes unchanged. A new codec
+joins by adding one entry to `CODECS`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_mtp_carry.core.row_format import ROW_FORMATS, RowFormat, rows_nbytes
+from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows
+from trtllm_mtp_carry.dataplane.row_codec import (
+    CODECS,
+    Fp8PackedCodec,
+    PoolRowsCodec,
+    RowCodec,
+    codec_for,
+    codec_of,
+)
+from trtllm_mtp_carry.dataplane.row_format import PackedRows
+from trtllm_mtp_carry.trtllm.arena import RowArena
+
+HKV, D, TPB = 2, 16, 8
+
+CODEC_CASES = {  # id -> (carry_row_dtype, pool dtype, the format it must resolve to)
+    "bf16": ("bf16", torch.bfloat16, "bf16"),
+    "fp8": ("fp8", torch.bfloat16, "fp8"),
+    "nvfp4": ("nvfp4", torch.bfloat16, "nvfp4"),
+    "fp8_kv": ("bf16", torch.float8_e4m3fn, "fp8_kv"),
+    "fp8_kv/fp8": ("fp8", torch.float8_e4m3fn, "fp8_kv"),  # no second quantization of an FP8 pool
+}
+
+
+@pytest.fixture(params=sorted(CODEC_CASES))
+def case(request):
+    row_dtype, pool_dtype, name = CODEC_CASES[request.param]
+    return codec_for(row_dtype, pool_dtype), pool_dtype, name
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (float8 compared bit for bit, whatever float8 ops torch has)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def held_bytes(codec: RowCodec, rows) -> list[torch.Tensor]:
+    return [raw(t) for t in codec.tensors(rows)]
+
+
+def same_held(codec: RowCodec, a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(held_bytes(codec, a), held_bytes(codec, b), strict=True))
+
+
+def pool_values(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random pool contents: bf16 values, or every float8 byte but NaN (an FP8 pool's own codes)."""
+    if dtype == torch.float8_e4m3fn:
+        codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x3C  # e4m3fn's NaN codes: a finite code instead
+        return codes.view(dtype)
+    return (torch.randn(shape, generator=gen) * 3).to(dtype)
+
+
+def hnd_pages(gen: torch.Generator, pages: int, dtype: torch.dtype) -> torch.Tensor:
+    return pool_values(gen, (pages, 2, HKV, TPB, D), dtype)  # [pages, 2, Hkv, tpb, D]
+
+
+def expected_rows(codec: RowCodec, rows: torch.Tensor) -> torch.Tensor:
+    """What a scatter of `rows` must write: the rows (exact codecs), else the codec's round trip."""
+    return rows if codec.exact else codec.decode(codec.encode(rows))
+
+
+def test_every_format_has_a_codec_and_codec_for_picks_the_pools_own_bytes_for_an_fp8_pool(case):
+    codec, pool_dtype, name = case
+    assert codec.name == name and codec.pool_dtype == pool_dtype
+    assert set(CODECS) == set(ROW_FORMATS)
+    assert codec_for("fp8", torch.float8_e4m3fn) is codec_for("bf16", torch.float8_e4m3fn)  # one object
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 20])
+def test_bytes_held_equal_the_bytes_the_core_charges(case, n):
+    codec, pool_dtype, name = case
+    gen = torch.Generator().manual_seed(n)
+    buf = hnd_pages(gen, 4, pool_dtype)
+    rows = codec.gather_pages(buf, [3, 0, 2], 0, n)
+    elem = torch.empty((), dtype=pool_dtype).element_size()
+    per_row = {"bf16": 2 * HKV * D * 2, "fp8": 2 * HKV * (D + 4), "nvfp4": 2 * HKV * (D // 2 + D // 16 + 1),
+               "fp8_kv": 2 * HKV * D}[name]
+    assert codec.row_nbytes(HKV, D) == per_row == RowFormat(name, 2 * HKV, D, elem).row_nbytes
+    assert codec.nbytes(rows) == n * per_row == rows_nbytes(name, n * 2 * HKV, D, elem)
+
+
+def test_pages_round_trip_exactly_where_the_format_is_exact(case):
+    codec, pool_dtype, _ = case
+    gen = torch.Generator().manual_seed(3)
+    src, dst = hnd_pages(gen, 5, pool_dtype), hnd_pages(gen, 6, pool_dtype)
+    before = dst.clone()
+    rows = codec.gather_pages(src, [4, 1, 3], 2, 19)  # keys [2, 19) across three pages
+    codec.scatter_pages(dst, [5, 0, 2], 2, rows)
+    want = expected_rows(codec, gather_rows(src, [4, 1, 3], 2, 19))
+    assert torch.equal(raw(gather_rows(dst, [5, 0, 2], 2, 19)), raw(want))
+    untouched = torch.ones(6, dtype=torch.bool)
+    untouched[[5, 0, 2]] = False
+    assert torch.equal(raw(dst[untouched]), raw(before[untouched]))  # no other page written
+    if codec.exact:  # the held rows are the pool's bytes
+        assert torch.equal(raw(codec.decode(rows)), raw(gather_rows(src, [4, 1, 3], 2, 19)))
+
+
+def test_blocks_round_trip_exactly_where_the_format_is_exact(case):
+    codec, pool_dtype, _ = case
+    gen = torch.Generator().manual_seed(4)
+    k, v = (pool_values(gen, (6, 4, HKV, D), pool_dtype) for _ in range(2))  # [blocks, block_size, Hkv, D]
+    rows = codec.gather_blocks(k, v, [5, 1, 3], 10)  # rows 0..9 over blocks 5, 1, 3
+    k2, v2 = (pool_values(gen, (6, 4, HKV, D), pool_dtype) for _ in range(2))
+    tail = raw(k2[2, 2:]).clone()
+    codec.scatter_blocks(rows, k2, v2, torch.tensor([0, 4, 2]))
+    src = torch.stack([c[[5, 1, 3]].flatten(0, 1)[:10] for c in (k, v)], dim=1)  # [10, 2, Hkv, D]
+    got = torch.stack([c[[0, 4, 2]].flatten(0, 1)[:10] for c in (k2, v2)], dim=1)
+    assert torch.equal(raw(got), raw(expected_rows(codec, src)))
+    assert torch.equal(raw(k2[2, 2:]), tail)  # the last block's tail keeps its bytes
+
+
+def test_every_holder_keeps_the_held_bytes(case):
+    codec, pool_dtype, _ = case
+    gen = torch.Generator().manual_seed(5)
+    rows = codec.gather_pages(hnd_pages(gen, 3, pool_dtype), [0, 1, 2], 0, 13)
+    block = codec.row_nbytes(HKV, D)
+    arena = RowArena(torch.zeros(20 * block, dtype=torch.uint8), block)
+    assert arena.blocks_for(rows) == 13  # one block a row: the arena's bytes are the charge
+    assert arena.put(7, rows, codec) and same_held(codec, arena.get(7), rows)
+    arena.put(8, codec.head(rows, 3), codec)
+    arena.release(7)
+    arena.compact()  # the extent moves: its bytes do not change
+    assert same_held(codec, arena.get(8), codec.head(rows, 3))
+    host = codec.host_copy(rows)
+    assert all(t.device.type == "cpu" for t in codec.tensors(host)) and same_held(codec, host, rows)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(codec.tensors(host), codec.tensors(rows), strict=True))
+    assert same_held(codec, codec.to(host, torch.device("cpu")), rows)
+    assert codec_of(rows) is codec  # the held form names its codec
+
+
+def test_a_codec_refuses_rows_of_another_form_before_any_write(case):
+    codec, pool_dtype, _ = case
+    other = (torch.zeros(2, 2, HKV, D, dtype=torch.float32) if not isinstance(codec, Fp8PackedCodec)
+             else torch.zeros(2, 2, HKV, D, dtype=pool_dtype))
+    buf = hnd_pages(torch.Generator().manual_seed(6), 2, pool_dtype)
+    before = buf.clone()
+    with pytest.raises(TypeError, match=f"a {codec.name} codec holds"):
+        codec.scatter_pages(buf, [0, 1], 0, other)
+    assert torch.equal(raw(buf), raw(before))
+
+
+def test_codecs_that_cannot_hold_a_pool_say_so():
+    with pytest.raises(ValueError, match="fp8 packs rows of"):
+        Fp8PackedCodec(torch.float8_e4m3fn)  # an FP8 pool is never packed a second time
+    with pytest.raises(ValueError, match="pool dtype must be one of"):
+        PoolRowsCodec(torch.int8)
+    with pytest.raises(ValueError, match="carry_row_dtype='nvfp5' is not a row format"):
+        codec_for("nvfp5", torch.bfloat16)
+    with pytest.raises(RuntimeError, match="got torch.float8_e4m3fn pages"):
+        codec_for("bf16", torch.bfloat16).gather_pages(hnd_pages(torch.Generator(), 1, torch.float8_e4m3fn),
+                                                       [0], 0, 1)
+    assert isinstance(codec_of(PackedRows(torch.zeros(1, 4, dtype=torch.float8_e4m3fn),
+                                          torch.ones(1), torch.bfloat16)), Fp8PackedCodec)

@@ -1,0 +1,445 @@
+"""Row codecs: one object per format of carried drafter rows (issue 41 item 7).
+
+What it is for: a carried entry's rows `[n, 2, Hkv, D]` (K and V, per KV head)
+leave the drafter's KV (the adapter's HND pages, the reference runtime's K/V
+block caches) and come back later. How they are held in between is the row
+format, and every place that touches held rows (gather, scatter, the arena, the
+host tier, the byte charge) asks the entry's codec instead of branching on the
+rows' type. A codec is chosen once per pool (`codec_for`) from the configured
+`carry_row_dtype` and the pool's own element dtype:
+
+    codec      pool dtype        held form                              bytes a row (2*Hkv vectors of D)
+    bf16       bf16/fp16/fp32    the pool's rows, as the pool holds them 2*Hkv*D*elem
+    fp8        bf16/fp16/fp32    PackedRows: e4m3 payload + f32 scales   2*Hkv*(D + 4)
+    nvfp4      bf16/fp16/fp32    Nvfp4Rows: e2m1 pairs + e4m3 per 16     2*Hkv*(D/2 + D/16 + 1)
+                                 + one e8m0 byte a vector (`nvfp4.py`)
+    fp8_kv     float8_e4m3fn     the pool's own bytes (static KV scale)  2*Hkv*D
+
+An FP8 KV pool's rows are float8_e4m3fn bytes written with the layer's static
+KV scale: they are carried as they are, gathered and scattered exactly, never
+re-scaled, whatever `carry_row_dtype` says (a second quantization could only
+lose bits; an upcast would double the bytes for nothing).
+
+Invariants (tests/dataplane/test_dp_row_codec_contract.py runs one suite over every codec):
+- `codec.nbytes(rows) == codec.row_nbytes(Hkv, D) * n`, which equals
+  `core.row_format.RowFormat(codec.name, 2 * Hkv, D, elem_bytes).nbytes(n)`: the
+  bytes a store charges are the bytes held (core's accounting stays torch-free).
+- `exact` codecs round-trip bit for bit (gather then scatter writes the same
+  bytes); `fp8` round-trips within `row_format`'s error bound, deterministically.
+- Every method is vectorized (no Python loop over rows, vectors or heads) and
+  checks shape and dtype before any write.
+
+Adding a codec: subclass `RowCodec`, give it a `name` listed in
+`core.row_format.ROW_FORMATS` (with its `vector_nbytes`), register the class in
+`CODECS`, let `codec_for` choose it, and add it to the contract suite's `CODECS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from ..core.row_format import RowFormat
+from . import nvfp4
+from .device_ints import device_tensor
+from .hnd_pages import gather_packed_rows, gather_rows, scatter_packed_rows, scatter_rows
+from .nvfp4 import Nvfp4Rows
+from .reference import slots_for_rows
+from .row_format import (
+    FP8_DTYPE,
+    PACKABLE_DTYPES,
+    PackedRows,
+    pack_blocks,
+    pack_rows,
+    unpack_into_blocks,
+    unpack_rows,
+)
+
+__all__ = ["CODECS", "KV_FP8_DTYPES", "Fp8PackedCodec", "Nvfp4Codec", "PoolRowsCodec", "RowCodec", "Rows", "codec_for", "codec_of"]
+
+Rows = torch.Tensor | PackedRows | Nvfp4Rows
+"""Held rows: a tensor `[n, 2, Hkv, D]` in the pool's dtype, `PackedRows` or `Nvfp4Rows`."""
+
+KV_FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
+"""Pool element dtypes whose rows already are FP8 bytes (`fp8_kv`: carried as they are)."""
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or a uint8 view of a float8 tensor (indexed copies on raw bytes: exact, and
+    independent of which float8 ops a torch build implements)."""
+    return t.view(torch.uint8) if t.dtype in KV_FP8_DTYPES else t
+
+
+class RowCodec(ABC):
+    """One row format: its bytes a row, gather and scatter (HND pages, K/V blocks), encode and
+    decode, host copy, arena views. `pool_dtype` is the dtype the drafter's KV holds."""
+
+    name: str
+    """The format's name in `core.row_format.ROW_FORMATS` (what stats and metrics report)."""
+    exact: bool
+    """Whether held rows decode to the pool's bytes exactly."""
+
+    def __init__(self, pool_dtype: torch.dtype) -> None:
+        self.pool_dtype = pool_dtype
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name}, pool {self.pool_dtype})"
+
+    # ---- bytes -----------------------------------------------------------------------
+
+    def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
+        """The core's (torch-free) accounting of this format for rows `[2, Hkv, D]`."""
+        return RowFormat(self.name, 2 * num_kv_heads, head_dim, _elem_bytes(self.pool_dtype))
+
+    def row_nbytes(self, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes one row `[2, Hkv, D]` takes held: the arena's block, the store's charge a row."""
+        return self.format(num_kv_heads, head_dim).row_nbytes
+
+    def nbytes(self, rows: Rows) -> int:
+        """Bytes `rows` hold (every tensor's bytes): what the store charges."""
+        return sum(t.nbytes for t in self.tensors(rows))
+
+    # ---- the held form ---------------------------------------------------------------
+
+    @abstractmethod
+    def holds(self, rows: object) -> bool:
+        """Whether `rows` are in this codec's held form."""
+
+    def check(self, rows: object) -> Rows:
+        """`rows` if held in this form, else a TypeError naming the form and what came."""
+        if not self.holds(rows):
+            raise TypeError(f"a {self.name} codec holds {self._form()}, got "
+                            f"{type(rows).__name__} {getattr(rows, 'dtype', '')}")
+        assert isinstance(rows, (torch.Tensor, PackedRows, Nvfp4Rows))
+        return rows
+
+    @abstractmethod
+    def _form(self) -> str: ...
+
+    @abstractmethod
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        """The tensors holding `rows` (for stream bookkeeping and byte counts)."""
+
+    @abstractmethod
+    def head(self, rows: Rows, n: int) -> Rows:
+        """The first `n` rows, a view in the held form."""
+
+    @abstractmethod
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        """`rows` on `device` (the same tensors when there already)."""
+
+    @abstractmethod
+    def host_copy(self, rows: Rows) -> Rows:
+        """A blocking copy in host memory (pinned when the rows are on a GPU); always a copy."""
+
+    @abstractmethod
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        """Rows of `shape` `[n, 2, Hkv, D]` viewed in `raw` (uint8, exactly `n` rows' bytes)."""
+
+    def copy_(self, dst: Rows, src: Rows) -> None:
+        """Copy `src` into `dst` (same form and shape), tensor by tensor."""
+        for d, s in zip(self.tensors(dst), self.tensors(src), strict=True):
+            d.copy_(s)
+
+    # ---- rows in and out of the drafter's KV ---------------------------------------
+
+    @abstractmethod
+    def encode(self, rows: torch.Tensor) -> Rows:
+        """Pool-dtype rows `[n, 2, Hkv, D]` in the held form."""
+
+    @abstractmethod
+    def decode(self, rows: Rows) -> torch.Tensor:
+        """Held rows back in the pool's dtype."""
+
+    @abstractmethod
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+        """Keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]` (a request's `pages`), held."""
+
+    @abstractmethod
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        """Write held `rows` at keys `[lo, lo + n)` of HND pages `buf` (checked before any write)."""
+
+    @abstractmethod
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int) -> Rows:
+        """The first `rows` rows of blocks `block_ids` of K/V caches `[blocks, block_size, Hkv, D]`, held."""
+
+    @abstractmethod
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        """Write held `rows` into blocks `block_ids` (int64, the caches' device), row `r` at slot
+        `r % block_size` of block `block_ids[r // block_size]`; nothing else is written."""
+
+    def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
+        """ValueError unless `rows` are held `[n, 2, Hkv, D]` rows of this codec's pool."""
+        self.check(rows)
+        if len(rows.shape) != 4 or tuple(rows.shape[1:]) != (2, num_kv_heads, head_dim):
+            raise ValueError(f"{self.name} rows {tuple(rows.shape)} do not fit rows [n, 2, {num_kv_heads}, "
+                             f"{head_dim}]")
+
+
+class PoolRowsCodec(RowCodec):
+    """Rows as the pool holds them: `bf16` for a bf16/fp16/fp32 pool, `fp8_kv` for a float8_e4m3fn
+    pool (its own bytes, static KV scale, never re-scaled). Exact: copies only."""
+
+    exact = True
+
+    def __init__(self, pool_dtype: torch.dtype) -> None:
+        if pool_dtype not in PACKABLE_DTYPES + KV_FP8_DTYPES:
+            raise ValueError(f"pool dtype must be one of {PACKABLE_DTYPES + KV_FP8_DTYPES}, got {pool_dtype}")
+        super().__init__(pool_dtype)
+        self.name = "fp8_kv" if pool_dtype in KV_FP8_DTYPES else "bf16"
+
+    def holds(self, rows: object) -> bool:
+        return isinstance(rows, torch.Tensor) and rows.dtype == self.pool_dtype
+
+    def _tensor(self, rows: object) -> torch.Tensor:
+        t = self.check(rows)
+        assert isinstance(t, torch.Tensor)
+        return t
+
+    def _form(self) -> str:
+        return f"{self.pool_dtype} tensors"
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        return (self._tensor(rows),)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        return self._tensor(rows)[:n]
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        return self._tensor(rows).to(device, non_blocking=non_blocking)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        t = self._tensor(rows)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t)  # blocking: the device rows may be reused as soon as they are dropped
+        return host
+
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        return raw.view(self.pool_dtype).view(shape)
+
+    def copy_(self, dst: Rows, src: Rows) -> None:
+        assert isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
+        _bytes_view(dst).copy_(_bytes_view(self._tensor(src)))
+
+    def encode(self, rows: torch.Tensor) -> Rows:
+        return self._tensor(rows).clone()
+
+    def decode(self, rows: Rows) -> torch.Tensor:
+        return self._tensor(rows)  # already the pool's rows
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+        self._check_pool(buf)
+        return gather_rows(_bytes_view(buf), pages, lo, hi).view(self.pool_dtype)
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        self._check_pool(buf)
+        src = self._tensor(rows)
+        scatter_rows(_bytes_view(buf), pages, lo, _bytes_view(src))
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int) -> Rows:
+        self._check_pool(k_cache)
+        block_size = k_cache.shape[1]
+        idx = device_tensor(block_ids[: -(-rows // block_size)], torch.int64, k_cache.device)
+        k, v = (_bytes_view(c).index_select(0, idx).flatten(0, 1)[:rows] for c in (k_cache, v_cache))
+        return torch.stack((k, v), dim=1).view(self.pool_dtype)
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        self._check_pool(k_cache)
+        src = self._tensor(rows)
+        n, _, hkv, d = src.shape
+        src = _bytes_view(src.to(k_cache.device))
+        slots = slots_for_rows(block_ids, torch.arange(n, device=block_ids.device), k_cache.shape[1])
+        for i, cache in enumerate((k_cache, v_cache)):
+            _bytes_view(cache).view(-1, hkv, d).index_copy_(0, slots, src[:, i])
+
+    def _check_pool(self, buf: torch.Tensor) -> None:
+        if buf.dtype != self.pool_dtype:
+            raise RuntimeError(f"a {self.name} codec of a {self.pool_dtype} pool got {buf.dtype} pages")
+
+
+class Fp8PackedCodec(RowCodec):
+    """`fp8`: a bf16/fp16/fp32 pool's rows packed as `PackedRows` (e4m3 payload, one float32 scale
+    a vector: `dataplane/row_format.py`), packed as gathered and unpacked as scattered."""
+
+    name = "fp8"
+    exact = False
+
+    def __init__(self, pool_dtype: torch.dtype) -> None:
+        if pool_dtype not in PACKABLE_DTYPES:
+            raise ValueError(f"fp8 packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
+        super().__init__(pool_dtype)
+
+    def holds(self, rows: object) -> bool:
+        return isinstance(rows, PackedRows) and rows.dtype == self.pool_dtype
+
+    def _form(self) -> str:
+        return f"PackedRows of {self.pool_dtype}"
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        p = self.check(rows)
+        assert isinstance(p, PackedRows)
+        return (p.payload, p.scales)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        p = self.check(rows)
+        assert isinstance(p, PackedRows)
+        return PackedRows(p.payload[:n], p.scales[:n], p.dtype)
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        p = self.check(rows)
+        assert isinstance(p, PackedRows)
+        return p.to(device, non_blocking=non_blocking)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        p = self.check(rows)
+        assert isinstance(p, PackedRows)
+        return p.host_copy()
+
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        payload_nbytes = 1
+        for s in shape:
+            payload_nbytes *= s  # one e4m3 byte an element, then the float32 scales
+        payload = raw[:payload_nbytes].view(FP8_DTYPE).view(shape)
+        scales = raw[payload_nbytes:].view(torch.float32).view(shape[:-1])
+        return PackedRows(payload, scales, self.pool_dtype)
+
+    def encode(self, rows: torch.Tensor) -> Rows:
+        return pack_rows(rows)
+
+    def decode(self, rows: Rows) -> torch.Tensor:
+        p = self.check(rows)
+        assert isinstance(p, PackedRows)
+        return unpack_rows(p)
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+        return gather_packed_rows(buf, pages, lo, hi)
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        p = self.check(rows)
+        assert isinstance(p, PackedRows)
+        scatter_packed_rows(buf, pages, lo, p)
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int) -> Rows:
+        return pack_blocks(k_cache, v_cache, block_ids, rows)
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        p = self.check(rows)
+        assert isinstance(p, PackedRows)
+        unpack_into_blocks(p, k_cache, v_cache, block_ids)
+
+
+class Nvfp4Codec(RowCodec):
+    """`nvfp4`: a bf16/fp16/fp32 pool's rows packed as `Nvfp4Rows` (e2m1 pairs, one e4m3 scale per
+    16 values, one e8m0 global scale a vector: `dataplane/nvfp4.py`), packed as gathered and
+    unpacked as scattered."""
+
+    name = "nvfp4"
+    exact = False
+
+    def __init__(self, pool_dtype: torch.dtype) -> None:
+        if pool_dtype not in PACKABLE_DTYPES:
+            raise ValueError(f"nvfp4 packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
+        super().__init__(pool_dtype)
+
+    def holds(self, rows: object) -> bool:
+        return isinstance(rows, Nvfp4Rows) and rows.dtype == self.pool_dtype
+
+    def _form(self) -> str:
+        return f"Nvfp4Rows of {self.pool_dtype}"
+
+    def _rows(self, rows: object) -> Nvfp4Rows:
+        if not self.holds(rows):
+            self.check(rows)  # the TypeError naming the form
+        assert isinstance(rows, Nvfp4Rows)
+        return rows
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        p = self._rows(rows)
+        return (p.payload, p.scales, p.gscales)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        p = self._rows(rows)
+        return Nvfp4Rows(p.payload[:n], p.scales[:n], p.gscales[:n], p.dtype)
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        return self._rows(rows).to(device, non_blocking=non_blocking)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        return self._rows(rows).host_copy()
+
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        # payload (D/2 bytes a vector), then the block scales (D/16), then the global scales (1):
+        # all bytes, so no alignment within the extent
+        lead, d = tuple(shape[:-1]), shape[-1]
+        vectors = math.prod(lead)
+        a, b = vectors * (d // 2), vectors * (d // 2 + d // 16)
+        return Nvfp4Rows(raw[:a].view(*lead, d // 2), raw[a:b].view(*lead, d // 16),
+                         raw[b:b + vectors].view(lead), self.pool_dtype)
+
+    def encode(self, rows: torch.Tensor) -> Rows:
+        return nvfp4.pack_rows(rows)
+
+    def decode(self, rows: Rows) -> torch.Tensor:
+        return nvfp4.unpack_rows(self._rows(rows))
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+        return nvfp4.gather_pages(buf, pages, lo, hi)
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        nvfp4.scatter_pages(buf, pages, lo, self._rows(rows))
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int) -> Rows:
+        return nvfp4.pack_blocks(k_cache, v_cache, block_ids, rows)
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        nvfp4.unpack_into_blocks(self._rows(rows), k_cache, v_cache, block_ids)
+
+
+CODECS: dict[str, type[RowCodec]] = {"bf16": PoolRowsCodec, "fp8": Fp8PackedCodec, "nvfp4": Nvfp4Codec,
+                                     "fp8_kv": PoolRowsCodec}
+"""Codec classes by format name (`core.row_format.ROW_FORMATS`)."""
+
+
+@functools.cache
+def _codec(cls: type[RowCodec], pool_dtype: torch.dtype) -> RowCodec:
+    return cls(pool_dtype)  # one instance per (format, pool dtype): codecs hold no state
+
+
+def codec_of(rows: object) -> RowCodec:
+    """The codec whose held form `rows` are (`PackedRows`: fp8; `Nvfp4Rows`: nvfp4; a tensor: its
+    dtype's pool rows); TypeError for anything else."""
+    if isinstance(rows, PackedRows):
+        return _codec(Fp8PackedCodec, rows.dtype)
+    if isinstance(rows, Nvfp4Rows):
+        return _codec(Nvfp4Codec, rows.dtype)
+    if isinstance(rows, torch.Tensor):
+        return _codec(PoolRowsCodec, rows.dtype)
+    raise TypeError(f"carried rows are a tensor, PackedRows or Nvfp4Rows, got {type(rows).__name__}")
+
+
+def codec_for(row_dtype: str, pool_dtype: torch.dtype) -> RowCodec:
+    """The codec carrying a `pool_dtype` pool's rows under `carry_row_dtype` `row_dtype`: an FP8 KV
+    pool carries its own bytes (`fp8_kv`) whatever `row_dtype` says; otherwise `row_dtype`'s
+    codec (`bf16`: the pool's rows as held; `fp8`: packed). ValueError names a bad pair."""
+    from ..core.row_format import check_row_dtype
+
+    check_row_dtype(row_dtype)
+    if pool_dtype in KV_FP8_DTYPES:
+        return _codec(PoolRowsCodec, pool_dtype)
+    return _codec(CODECS[row_dtype], pool_dtype)
