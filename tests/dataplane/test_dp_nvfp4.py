@@ -397,3 +397,22 @@ def test_nvfp4_kernels_compile_for_ampere_hopper_and_gb10_with_ieee_division_and
         assert not any("e4m3" in op or "e2m1" in op for op in pack + unpack)  # codes by integer arithmetic
         assert any(op.startswith("sub.f32") for op in pack)  # (a + M) - M, the e4m3 rounding, not folded
         assert "cvt.rn.bf16.f32" in unpack
+
+
+def test_the_torch_paths_never_divide_by_a_cpu_scalar(gen) -> None:
+    # CUDA computes `t / python_float` as `t * (1 / b)`, one rounding more: every torch path of
+    # the format (rows, pages, blocks) must divide by tensors on the rows' device only
+    from test_dp_row_format import ScalarDivisions
+
+    rows = mixed_vectors(gen, 8, 32, torch.bfloat16).view(2, 2, 2, 32)
+    buf = mixed_vectors(gen, 4 * 2 * 2 * 8, 32, torch.bfloat16).view(4, 2, 2, 8, 32)
+    k, v = (mixed_vectors(gen, 5 * 4 * 2, 32, torch.bfloat16).view(5, 4, 2, 32) for _ in range(2))
+    with ScalarDivisions() as mode:
+        packed = pack_rows(rows, kernel="torch")
+        unpack_rows(packed, out=torch.empty_like(rows), kernel="torch")
+        scatter_pages(buf, [3, 1], 2, pack_rows(rows, kernel="torch"), kernel="torch")
+        gather_pages(buf, [3, 1, 0], 2, 12, kernel="torch")
+        blocks = pack_blocks(k, v, [4, 0, 2], 9, kernel="torch")
+        unpack_blocks(blocks, 4, kernel="torch")
+        unpack_into_blocks(blocks, k, v, torch.tensor([1, 3, 0]), kernel="torch")
+    assert mode.seen == []
