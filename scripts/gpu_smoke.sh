@@ -14,7 +14,7 @@
 #                  time vs a D2D copy (scripts/bench_kernels.py)
 #   fp8-codec      the FP8 row codec against a plain copy (scripts/bench_row_format.py)
 #   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py)
-#   session-28k    the session bench at a 28k-token history: carry, carry-fp8, rebuild, blind
+#   session-28k    the session bench at a 28k-token history: carry, carry-fp8, carry-nvfp4, rebuild, blind
 #   host-hits      the same history with every carry-host warm turn adopted from the host tier
 #   sessions-64    64 sessions at concurrency 32
 #   standin-cuda   the TensorRT-LLM adapter's data path on the stand-in with CUDA pages
@@ -110,8 +110,8 @@ step fp8-codec correctness 90 python3 scripts/bench_row_format.py
 step host-tier correctness 90 python3 scripts/bench_host_tier.py --device cuda
 
 # 4. the session bench (outputs must be identical across policies)
-step session-28k correctness 200 $CARRY bench --device cuda --history 28000 --new-span 512 \
-    --policies carry,carry-fp8,rebuild,blind --no-progress --figures --json "$OUT/session-28k.json"
+step session-28k correctness 260 $CARRY bench --device cuda --history 28000 --new-span 512 \
+    --policies carry,carry-fp8,carry-nvfp4,rebuild,blind --no-progress --figures --json "$OUT/session-28k.json"
 $TABLE json-check "session bench 28k outputs identical" "$OUT/session-28k.json" "$OUT/session-28k.log"
 # host-tier hits: one device slot, two interleaved sessions, so every carry-host warm turn adopts
 # from host memory (FIGURE carry-host ttft / carry, target <= 1.05x)
