@@ -26,7 +26,8 @@ The definition followed (NVIDIA's NVFP4, as its public source writes it):
 - TensorRT-LLM `cpp/tensorrt_llm/kernels/quantization.cuh`
   @0193dbd4189221d0fd5e9f20cdb384d3da8dbc24 (`cvt_warp_fp16_to_fp4`: `SF = SFScale *
   vecMax / 6` to e4m3, `cvt.rn.satfinite.e2m1x2.f32 byte, x[1], x[0]`: the same nibble
-  order), and its NVFP4 KV cache,
+  order; its KV test `cpp/tests/unit_tests/kernels/ropeTest.cu`@e1b4ce4e2725c9c463cab1a25ce0818e80b7ac29
+  packs "even elements in low bits"), and its NVFP4 KV cache,
   `cpp/tensorrt_llm/kernels/unfusedAttentionKernels/unfusedAttentionKernels_2_template.h`
   @0097566bd62be830bcbb29fb4782de9564020cda (`quantizeAndWriteFP4KVCache`): each
   (token, head) vector's `D` values as `D/2` bytes in the KV pool, its `D/16` e4m3 block
