@@ -21,7 +21,7 @@
 #   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py)
 #   restore-check  rows read back after a host restore equal the demoted ones, unsynced, with
 #                  and without delays queued on each stream (scripts/gpu_check_restore.py)
-#   session-28k    the session bench at a 28k-token history: carry, carry-fp8, rebuild, blind
+#   session-28k    the session bench at a 28k-token history: carry, carry-fp8, carry-nvfp4, rebuild, blind
 #   host-hits      the same history with every carry-host warm turn adopted from the host tier;
 #                  per warm turn carry-host's accepted/drafted must equal carry's exactly
 #   sessions-64    64 sessions at concurrency 32
@@ -128,8 +128,8 @@ step host-tier correctness 90 python3 scripts/bench_host_tier.py --device cuda
 step restore-check correctness 90 python3 scripts/gpu_check_restore.py --device cuda --delay-cycles 20000000
 
 # 4. the session bench (outputs must be identical across policies)
-step session-28k correctness 200 $CARRY bench --device cuda --history 28000 --new-span 512 \
-    --policies carry,carry-fp8,rebuild,blind --no-progress --figures --json "$OUT/session-28k.json"
+step session-28k correctness 260 $CARRY bench --device cuda --history 28000 --new-span 512 \
+    --policies carry,carry-fp8,carry-nvfp4,rebuild,blind --no-progress --figures --json "$OUT/session-28k.json"
 $TABLE json-check "session bench 28k outputs identical" "$OUT/session-28k.json" "$OUT/session-28k.log"
 # host-tier hits: one device slot, two interleaved sessions, so every carry-host warm turn adopts
 # from host memory (FIGURE carry-host ttft / carry, target <= 1.05x)

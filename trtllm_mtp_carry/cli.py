@@ -68,7 +68,8 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         choices=settings.ROW_DTYPES,
         help="how carried drafter rows are stored (fp8: e4m3 with one float32 scale per row, K/V "
         "and head, about half the bytes of bf16, so the same carry memory holds about twice the "
-        f"sessions); default env {settings.ENV_CARRY_ROW_DTYPE}, else {settings.DEFAULT_CARRY_ROW_DTYPE}",
+        "sessions; nvfp4: e2m1 with one e4m3 scale per 16 values and one e8m0 byte per row, K/V "
+        f"and head, 0.28x the bytes of bf16 at head_dim 256); default env {settings.ENV_CARRY_ROW_DTYPE}, else {settings.DEFAULT_CARRY_ROW_DTYPE}",
     )
     p.add_argument(
         "--carry-eviction",

@@ -14,12 +14,13 @@ from trtllm_mtp_carry.runtime.policy import DrafterPolicy
 
 def test_bench_policies_name_a_row_format_variant_of_carry():
     assert BenchPolicy.parse("carry-fp8") == BenchPolicy("carry-fp8", DrafterPolicy.CARRY, "fp8")
+    assert BenchPolicy.parse("carry-nvfp4") == BenchPolicy("carry-nvfp4", DrafterPolicy.CARRY, "nvfp4")
     assert BenchPolicy.parse("blind") == BenchPolicy("blind", DrafterPolicy.BLIND, None)
     assert BenchPolicy.parse(DrafterPolicy.CARRY) == BenchPolicy("carry", DrafterPolicy.CARRY, None)
     with pytest.raises(ValueError) as exc:
         BenchPolicy.parse("blind-fp8")
     assert str(exc.value) == ("unknown drafter policy 'blind-fp8'; expected one of carry, carry-bf16, "
-                              "carry-fp8, carry-host, rebuild, blind, paired, off")
+                              "carry-fp8, carry-nvfp4, carry-host, rebuild, blind, paired, off")
 
 
 def turn(session, n, acceptance, ttft, kind="adopted", accepted=4, steps=4):

@@ -25,9 +25,9 @@ def test_fp8_rows_cost_one_byte_an_element_plus_a_float32_scale_per_vector():
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("fp4", "carry_row_dtype='fp4' is not a row format; expected one of bf16, fp8"),
-    ("FP8", "carry_row_dtype='FP8' is not a row format; expected one of bf16, fp8"),
-    (8, "carry_row_dtype=8 is not a row format; expected one of bf16, fp8"),
+    ("fp4", "carry_row_dtype='fp4' is not a row format; expected one of bf16, fp8, nvfp4"),
+    ("FP8", "carry_row_dtype='FP8' is not a row format; expected one of bf16, fp8, nvfp4"),
+    (8, "carry_row_dtype=8 is not a row format; expected one of bf16, fp8, nvfp4"),
 ])
 def test_a_bad_row_dtype_is_one_error_naming_it(value, message):
     with pytest.raises(ValueError) as exc:
@@ -45,7 +45,7 @@ def test_carry_row_dtype_defaults_to_bf16_and_env_or_setter_pins_it():
     code = "import trtllm_mtp_carry as t\nprint(t.set_carry_row_dtype('fp8'), t.carry_row_dtype())"
     assert run_py(code, TRTLLM_MTP_CARRY_ROW_DTYPE="bf16").stdout.split() == ["True", "fp8"]
     out = run_py("import trtllm_mtp_carry as t; t.set_carry_row_dtype('int4')")
-    assert "ValueError: carry_row_dtype='int4' is not a row format; expected one of bf16, fp8" in out.stderr
+    assert "ValueError: carry_row_dtype='int4' is not a row format; expected one of bf16, fp8, nvfp4" in out.stderr
 
 
 def test_info_reports_the_row_format_and_refuses_a_bad_one_with_one_line():
@@ -56,7 +56,7 @@ def test_info_reports_the_row_format_and_refuses_a_bad_one_with_one_line():
     out = run_cli("info", TRTLLM_MTP_CARRY_ROW_DTYPE="fp16")
     assert out.returncode == 2 and out.stderr.strip() == (
         "trtllm-mtp-carry: error: environment variable TRTLLM_MTP_CARRY_ROW_DTYPE='fp16' is not a row "
-        "format; expected one of bf16, fp8")
+        "format; expected one of bf16, fp8, nvfp4")
     out = run_cli("info", "--carry-row-dtype", "fp16")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "argument --carry-row-dtype: invalid choice: 'fp16'" in out.stderr

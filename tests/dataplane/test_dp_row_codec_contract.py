@@ -1,9 +1,9 @@
 """One contract suite over every row codec (`dataplane/row_codec.py`) and every place rows are held.
 
-Each codec (bf16 and fp8 over a bf16 pool, fp8_kv over a float8_e4m3fn pool) is run
+Each codec (bf16, fp8 and nvfp4 over a bf16 pool, fp8_kv over a float8_e4m3fn pool) is run
 through the same checks, in the way trio runs one suite over every lock: the bytes held
 are the bytes the core charges, gather/scatter round-trip bit for bit where the format is
-exact (fp8: the codec's own deterministic round trip), and every holder (the plain rows,
+exact (fp8, nvfp4: the codec's own deterministic round trip), and every holder (the plain rows,
 the device arena, a host copy, a copy back) keeps the held bytes unchanged. A new codec
 joins by adding one entry to `CODECS`.
 """
@@ -23,7 +23,7 @@ from trtllm_mtp_carry.dataplane.row_codec import (
     codec_for,
     codec_of,
 )
-from trtllm_mtp_carry.dataplane.row_format import PackedRows, pack_rows, unpack_rows
+from trtllm_mtp_carry.dataplane.row_format import PackedRows
 from trtllm_mtp_carry.trtllm.arena import RowArena
 
 HKV, D, TPB = 2, 16, 8
@@ -31,6 +31,7 @@ HKV, D, TPB = 2, 16, 8
 CODEC_CASES = {  # id -> (carry_row_dtype, pool dtype, the format it must resolve to)
     "bf16": ("bf16", torch.bfloat16, "bf16"),
     "fp8": ("fp8", torch.bfloat16, "fp8"),
+    "nvfp4": ("nvfp4", torch.bfloat16, "nvfp4"),
     "fp8_kv": ("bf16", torch.float8_e4m3fn, "fp8_kv"),
     "fp8_kv/fp8": ("fp8", torch.float8_e4m3fn, "fp8_kv"),  # no second quantization of an FP8 pool
 }
@@ -70,7 +71,7 @@ def hnd_pages(gen: torch.Generator, pages: int, dtype: torch.dtype) -> torch.Ten
 
 def expected_rows(codec: RowCodec, rows: torch.Tensor) -> torch.Tensor:
     """What a scatter of `rows` must write: the rows (exact codecs), else the codec's round trip."""
-    return rows if codec.exact else unpack_rows(pack_rows(rows))
+    return rows if codec.exact else codec.decode(codec.encode(rows))
 
 
 def test_every_format_has_a_codec_and_codec_for_picks_the_pools_own_bytes_for_an_fp8_pool(case):
@@ -87,7 +88,8 @@ def test_bytes_held_equal_the_bytes_the_core_charges(case, n):
     buf = hnd_pages(gen, 4, pool_dtype)
     rows = codec.gather_pages(buf, [3, 0, 2], 0, n)
     elem = torch.empty((), dtype=pool_dtype).element_size()
-    per_row = {"bf16": 2 * HKV * D * 2, "fp8": 2 * HKV * (D + 4), "fp8_kv": 2 * HKV * D}[name]
+    per_row = {"bf16": 2 * HKV * D * 2, "fp8": 2 * HKV * (D + 4), "nvfp4": 2 * HKV * (D // 2 + D // 16 + 1),
+               "fp8_kv": 2 * HKV * D}[name]
     assert codec.row_nbytes(HKV, D) == per_row == RowFormat(name, 2 * HKV, D, elem).row_nbytes
     assert codec.nbytes(rows) == n * per_row == rows_nbytes(name, n * 2 * HKV, D, elem)
 

@@ -124,10 +124,10 @@ def test_a_bad_row_dtype_is_one_error_naming_it(model):
     eng = engine(model)
     with pytest.raises(ValueError) as exc:
         CarryRuntime(eng, row_dtype="fp4")
-    assert str(exc.value) == "row_dtype='fp4' is not a row format; expected one of bf16, fp8"
+    assert str(exc.value) == "row_dtype='fp4' is not a row format; expected one of bf16, fp8, nvfp4"
     with pytest.raises(ValueError) as exc:
         engine(model, carry_row_dtype="e5m2")
-    assert str(exc.value) == "EngineConfig.carry_row_dtype='e5m2' is not a row format; expected one of bf16, fp8"
+    assert str(exc.value) == "EngineConfig.carry_row_dtype='e5m2' is not a row format; expected one of bf16, fp8, nvfp4"
 
 
 def test_the_cores_pure_python_bytes_equal_the_codecs():

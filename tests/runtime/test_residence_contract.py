@@ -3,7 +3,7 @@
 Each residence (rows left in the pool with prefix sharing, rows packed out of it) runs the
 same turns, with and without a host tier: the bytes it really holds equal the bytes the
 store charges in each tier, an adopted entry's rows are the deposited ones bit for bit
-where the format is exact (the codec's deterministic round trip for fp8), and `check`
+where the format is exact (the codec's deterministic round trip for fp8 and nvfp4), and `check`
 holds after every step. A new residence or codec joins by adding one entry to `RESIDENCES`.
 """
 
@@ -14,13 +14,14 @@ import torch
 from engine_factories import engine, random_prompt, tiny_model
 
 from trtllm_mtp_carry import session_hash
-from trtllm_mtp_carry.dataplane.row_format import pack_rows, unpack_rows
+from trtllm_mtp_carry.dataplane.row_codec import codec_for
 from trtllm_mtp_carry.runtime import CarryRuntime
 from trtllm_mtp_carry.runtime.residence import PackedResidence, PoolResidence
 
 RESIDENCES = {  # id -> (carry_row_dtype, residence class, sharing)
     "pool": ("bf16", PoolResidence, True),
     "packed-fp8": ("fp8", PackedResidence, False),
+    "packed-nvfp4": ("nvfp4", PackedResidence, False),
 }
 
 
@@ -35,7 +36,11 @@ def setup(request, model):
     name, host = request.param
     row_dtype, cls, share = RESIDENCES[name]
     eng = engine(model)
-    per_entry = 3 * eng.drafter_pool.block_nbytes  # room for about one entry on the device
+    pool = eng.drafter_pool
+    # room for about one entry on the device, in the residence's row format
+    per_entry = 3 * pool.block_nbytes * codec_for(row_dtype, pool.k_cache.dtype).row_nbytes(
+        pool.num_kv_heads, pool.head_dim) // codec_for("bf16", pool.k_cache.dtype).row_nbytes(
+        pool.num_kv_heads, pool.head_dim)
     eng.runtime = CarryRuntime(eng, eng.config.policy, slots=None, memory=per_entry if host else None,
                                eviction="lrd", host_memory=16 * per_entry if host else 0, share=share,
                                row_dtype=row_dtype)
@@ -92,6 +97,6 @@ def test_adopted_rows_are_the_deposited_ones_exactly_where_the_format_is(setup):
     got = torch.stack((k, v), dim=1)
     assert torch.equal(got, want)
     if not residence.codec.exact:  # and that is the codec's round trip of the pool's rows
-        assert torch.equal(got, unpack_rows(pack_rows(got)))
+        assert torch.equal(got, residence.codec.decode(residence.codec.encode(got)))
     eng.runtime.release(99)
     held_matches_charge(eng)

@@ -15,7 +15,7 @@ def test_the_row_dtype_parameter_round_trips():
 def test_a_bad_row_dtype_parameter_names_itself():
     with pytest.raises(ValueError) as exc:
         ServeOptions.from_parameters({"carry_row_dtype": "fp4"})
-    assert str(exc.value) == "parameter carry_row_dtype='fp4' is not a row format; expected one of bf16, fp8"
+    assert str(exc.value) == "parameter carry_row_dtype='fp4' is not a row format; expected one of bf16, fp8, nvfp4"
 
 
 def test_serve_takes_the_row_dtype_for_the_reference_engine_only():

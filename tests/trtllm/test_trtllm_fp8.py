@@ -96,4 +96,4 @@ def test_the_mtp_carry_option_takes_a_row_dtype():
     assert parse_carry_options(None) == CarryOptions(True, None, None, None, 0, None)
     with pytest.raises(TrtllmAdapterError) as exc:
         parse_carry_options({"carry_row_dtype": "int8"})
-    assert str(exc.value) == "mtp_carry.carry_row_dtype must be one of bf16, fp8, got 'int8'"
+    assert str(exc.value) == "mtp_carry.carry_row_dtype must be one of bf16, fp8, nvfp4, got 'int8'"

@@ -75,10 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options (no torch needed to build the parser)."""
     p.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                    help="comma-separated drafter policies to compare, first is the numerator of "
-                        "every ratio (carry, carry-fp8, carry-host, rebuild, blind, paired, off; "
-                        "paired models TensorRT-LLM's paired draft reuse, as its main branch pairs "
-                        "a hybrid's draft pool; carry-fp8 is carry with its entries stored in FP8, "
-                        "carry-host is carry adopting from the host tier (one device slot); both "
+                        "every ratio (carry, carry-fp8, carry-nvfp4, carry-host, rebuild, blind, paired, "
+                        "off; paired models TensorRT-LLM's paired draft reuse, as its main branch pairs "
+                        "a hybrid's draft pool; carry-fp8 / carry-nvfp4 are carry with its entries stored "
+                        "in FP8 / NVFP4, "
+                        "carry-host is carry adopting from the host tier (one device slot); all "
                         "are over carry in the ratios)")
     p.add_argument("--sessions", type=positive_int, metavar="N", default=4, help="number of built-in sessions")
     p.add_argument("--turns", type=positive_int, metavar="N", default=4,

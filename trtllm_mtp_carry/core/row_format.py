@@ -5,10 +5,13 @@ take in the tier that holds them. A row is `vectors_per_row` head vectors of
 `head_dim` elements (K and V, per KV head, per MTP layer). `bf16` keeps them
 as the pool holds them (`elem_bytes` each); `fp8` packs each vector as
 `head_dim` float8_e4m3fn bytes plus one float32 scale (one scale per row, K/V
-and head: the data plane's `dataplane.row_format.PackedRows`)::
+and head: the data plane's `dataplane.row_format.PackedRows`); `nvfp4` packs each
+vector as `head_dim / 2` bytes of e2m1 pairs, one e4m3 scale byte per 16 elements and
+one e8m0 byte (the vector's power-of-two global scale: `dataplane.nvfp4.Nvfp4Rows`)::
 
     bf16:   | v0: D x 2 B          | v1: D x 2 B          | ...
     fp8:    | v0: D x 1 B | s0 4 B | v1: D x 1 B | s1 4 B | ...   (scales stored apart)
+    nvfp4:  | v0: D/2 B | D/16 B | 1 B | v1: ...                  (Qwen3-Next's MTP row: 4 x 145 = 580 B)
     fp8_kv: | v0: D x 1 B | v1: D x 1 B | ...   (an FP8 KV pool's own bytes: static scale, none stored)
 
 `fp8_kv` is not a `carry_row_dtype` choice: it is the format of a pool whose
@@ -20,8 +23,12 @@ Invariants:
 - `rows_nbytes(fmt, n, d, e)` equals the data plane codec's bytes held for every
   format in `ROW_FORMATS` (`dataplane.row_codec`, pinned by its contract suite);
 - `rows_nbytes("fp8", n, d)` equals `dataplane.row_format.packed_nbytes(n, d)`
-  (payload plus scales) for every `n`, `d` (tests/dataplane pins it); pure Python,
-  no torch.
+  (payload plus scales) and `rows_nbytes("nvfp4", n, d)` equals
+  `dataplane.nvfp4.nvfp4_nbytes(n, d)` for every `n`, `d` (tests/dataplane pins both);
+  pure Python, no torch.
+- A format enters `ROW_DTYPES` (`carry_row_dtype`) only with a codec both executors
+  use (`dataplane.row_codec.CODECS`), so a runtime never charges one format while
+  holding another.
 - A bad dtype name is one ValueError naming the value and the choices.
 """
 
@@ -31,8 +38,9 @@ from dataclasses import dataclass
 
 from ._checks import check_non_negative
 
-ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8")
-"""Row formats of carried entries; the first is the default (DECISIONS.md "FP8 carried rows")."""
+ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
+"""Row formats the runtimes carry (`carry_row_dtype`); the first is the default (DECISIONS.md
+"FP8 carried rows", "NVFP4 carried rows")."""
 
 DEFAULT_CARRY_ROW_DTYPE = ROW_DTYPES[0]
 
@@ -45,6 +53,12 @@ FP8_KV_ELEM_BYTES = 1
 
 FP8_SCALE_BYTES = 4
 """Bytes of one fp8 vector's scale (float32)."""
+
+NVFP4_BLOCK = 16
+"""Elements sharing one nvfp4 block scale (an e4m3 byte); `head_dim` must be a multiple."""
+
+NVFP4_GLOBAL_BYTES = 1
+"""Bytes of one nvfp4 vector's global scale (an e8m0 exponent byte)."""
 
 
 def check_row_dtype(value: object, what: str = "carry_row_dtype") -> str:
@@ -83,17 +97,23 @@ def carried_row_format(row_dtype: str, kv_dtype: str = "auto") -> str:
 
 def vector_nbytes(row_dtype: str, head_dim: int, elem_bytes: int = 2) -> int:
     """Bytes one head vector of `head_dim` elements takes in format `row_dtype` (`ROW_FORMATS`;
-    `elem_bytes`: bf16's element, the pool's own)."""
+    `elem_bytes`: bf16's element, the pool's own). nvfp4 needs `head_dim` a multiple of
+    `NVFP4_BLOCK` (a ValueError names it otherwise)."""
     check_row_format(row_dtype)
     if row_dtype == "fp8":
         return head_dim + FP8_SCALE_BYTES
     if row_dtype == "fp8_kv":
         return head_dim * FP8_KV_ELEM_BYTES
+    if row_dtype == "nvfp4":
+        if head_dim % NVFP4_BLOCK:
+            raise ValueError(f"head_dim={head_dim!r} is not a multiple of {NVFP4_BLOCK}: nvfp4 "
+                             f"holds one scale per {NVFP4_BLOCK} elements")
+        return head_dim // 2 + head_dim // NVFP4_BLOCK + NVFP4_GLOBAL_BYTES
     return head_dim * elem_bytes
 
 
 def rows_nbytes(row_dtype: str, num_vectors: int, head_dim: int, elem_bytes: int = 2) -> int:
-    """Bytes `num_vectors` head vectors take in `row_dtype` (fp8: payload plus one scale each)."""
+    """Bytes `num_vectors` head vectors take in `row_dtype` (fp8, nvfp4: payload plus scales)."""
     check_non_negative("num_vectors", num_vectors)
     return num_vectors * vector_nbytes(row_dtype, head_dim, elem_bytes)
 
@@ -126,6 +146,7 @@ class RowFormat:
         return check_non_negative("rows", rows) * self.row_nbytes
 
 
-__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "KV_DTYPES", "ROW_DTYPES",
-           "ROW_FORMATS", "RowFormat", "carried_row_format", "check_row_dtype", "check_row_format", "rows_nbytes",
+__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "KV_DTYPES", "NVFP4_BLOCK",
+           "NVFP4_GLOBAL_BYTES", "ROW_DTYPES", "ROW_FORMATS", "RowFormat", "carried_row_format", "check_row_dtype",
+           "check_row_format", "rows_nbytes",
            "vector_nbytes"]

@@ -11,6 +11,8 @@ rows' type. A codec is chosen once per pool (`codec_for`) from the configured
     codec      pool dtype        held form                              bytes a row (2*Hkv vectors of D)
     bf16       bf16/fp16/fp32    the pool's rows, as the pool holds them 2*Hkv*D*elem
     fp8        bf16/fp16/fp32    PackedRows: e4m3 payload + f32 scales   2*Hkv*(D + 4)
+    nvfp4      bf16/fp16/fp32    Nvfp4Rows: e2m1 pairs + e4m3 per 16     2*Hkv*(D/2 + D/16 + 1)
+                                 + one e8m0 byte a vector (`nvfp4.py`)
     fp8_kv     float8_e4m3fn     the pool's own bytes (static KV scale)  2*Hkv*D
 
 An FP8 KV pool's rows are float8_e4m3fn bytes written with the layer's static
@@ -43,6 +45,7 @@ rows' own, laid back to back in an arena block.
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,8 +53,10 @@ from dataclasses import dataclass
 import torch
 
 from ..core.row_format import RowFormat
+from . import nvfp4
 from .device_ints import device_tensor
 from .hnd_pages import gather_packed_rows, gather_rows, key_slots, scatter_packed_rows, scatter_rows
+from .nvfp4 import Nvfp4Rows
 from .reference import slots_for_rows
 from .row_format import (
     FP8_DTYPE,
@@ -63,8 +68,8 @@ from .row_format import (
     unpack_rows,
 )
 
-__all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "Fp8PackedCodec", "PoolRowsCodec",
-           "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
+__all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "Fp8PackedCodec", "Nvfp4Codec",
+           "PoolRowsCodec", "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +103,7 @@ class CompositeRows:
     """Held composite rows: `kv` (`[n, 2, Hkv, D]` in the K/V codec's form) and one tensor
     `[n, *row_shape]` per side of `spec`, row `r` of each the same key."""
 
-    kv: torch.Tensor | PackedRows
+    kv: torch.Tensor | PackedRows | Nvfp4Rows
     sides: tuple[torch.Tensor, ...]
     spec: tuple[SideRows, ...]
 
@@ -132,8 +137,9 @@ class SlotPages:
         return self.kv.dtype
 
 
-Rows = torch.Tensor | PackedRows | CompositeRows
-"""Held rows: a tensor `[n, 2, Hkv, D]` in the pool's dtype, `PackedRows`, or `CompositeRows`."""
+Rows = torch.Tensor | PackedRows | Nvfp4Rows | CompositeRows
+"""Held rows: a tensor `[n, 2, Hkv, D]` in the pool's dtype, `PackedRows`, `Nvfp4Rows` or
+`CompositeRows`."""
 
 KV_FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
 """Pool element dtypes whose rows already are FP8 bytes (`fp8_kv`: carried as they are)."""
@@ -189,7 +195,7 @@ class RowCodec(ABC):
         if not self.holds(rows):
             raise TypeError(f"a {self.name} codec holds {self._form()}, got "
                             f"{type(rows).__name__} {getattr(rows, 'dtype', '')}")
-        assert isinstance(rows, (torch.Tensor, PackedRows, CompositeRows))
+        assert isinstance(rows, (torch.Tensor, PackedRows, Nvfp4Rows, CompositeRows))
         return rows
 
     @abstractmethod
@@ -534,7 +540,77 @@ class CompositeCodec(RowCodec):
         self.main.check_fits(self._rows(rows).kv, num_kv_heads, head_dim)
 
 
-CODECS: dict[str, type[RowCodec]] = {"bf16": PoolRowsCodec, "fp8": Fp8PackedCodec, "fp8_kv": PoolRowsCodec}
+class Nvfp4Codec(RowCodec):
+    """`nvfp4`: a bf16/fp16/fp32 pool's rows packed as `Nvfp4Rows` (e2m1 pairs, one e4m3 scale per
+    16 values, one e8m0 global scale a vector: `dataplane/nvfp4.py`), packed as gathered and
+    unpacked as scattered."""
+
+    name = "nvfp4"
+    exact = False
+
+    def __init__(self, pool_dtype: torch.dtype) -> None:
+        if pool_dtype not in PACKABLE_DTYPES:
+            raise ValueError(f"nvfp4 packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
+        super().__init__(pool_dtype)
+
+    def holds(self, rows: object) -> bool:
+        return isinstance(rows, Nvfp4Rows) and rows.dtype == self.pool_dtype
+
+    def _form(self) -> str:
+        return f"Nvfp4Rows of {self.pool_dtype}"
+
+    def _rows(self, rows: object) -> Nvfp4Rows:
+        if not self.holds(rows):
+            self.check(rows)  # the TypeError naming the form
+        assert isinstance(rows, Nvfp4Rows)
+        return rows
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        p = self._rows(rows)
+        return (p.payload, p.scales, p.gscales)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        p = self._rows(rows)
+        return Nvfp4Rows(p.payload[:n], p.scales[:n], p.gscales[:n], p.dtype)
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        return self._rows(rows).to(device, non_blocking=non_blocking)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        return self._rows(rows).host_copy()
+
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        # payload (D/2 bytes a vector), then the block scales (D/16), then the global scales (1):
+        # all bytes, so no alignment within the extent
+        lead, d = tuple(shape[:-1]), shape[-1]
+        vectors = math.prod(lead)
+        a, b = vectors * (d // 2), vectors * (d // 2 + d // 16)
+        return Nvfp4Rows(raw[:a].view(*lead, d // 2), raw[a:b].view(*lead, d // 16),
+                         raw[b:b + vectors].view(lead), self.pool_dtype)
+
+    def encode(self, rows: torch.Tensor) -> Rows:
+        return nvfp4.pack_rows(rows)
+
+    def decode(self, rows: Rows) -> torch.Tensor:
+        return nvfp4.unpack_rows(self._rows(rows))
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+        return nvfp4.gather_pages(buf, pages, lo, hi)
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        nvfp4.scatter_pages(buf, pages, lo, self._rows(rows))
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int) -> Rows:
+        return nvfp4.pack_blocks(k_cache, v_cache, block_ids, rows)
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        nvfp4.unpack_into_blocks(self._rows(rows), k_cache, v_cache, block_ids)
+
+
+CODECS: dict[str, type[RowCodec]] = {"bf16": PoolRowsCodec, "fp8": Fp8PackedCodec, "nvfp4": Nvfp4Codec,
+                                     "fp8_kv": PoolRowsCodec}
 """Codec classes by format name (`core.row_format.ROW_FORMATS`)."""
 
 
@@ -544,15 +620,18 @@ def _codec(cls: type[RowCodec], pool_dtype: torch.dtype) -> RowCodec:
 
 
 def codec_of(rows: object) -> RowCodec:
-    """The codec whose held form `rows` are (`PackedRows`: fp8; a tensor: its dtype's pool rows);
-    TypeError for anything else."""
+    """The codec whose held form `rows` are (`CompositeRows`: a composite of its K/V rows' codec;
+    `PackedRows`: fp8; `Nvfp4Rows`: nvfp4; a tensor: its dtype's pool rows); TypeError for anything
+    else."""
     if isinstance(rows, CompositeRows):
         return CompositeCodec(codec_of(rows.kv), rows.spec)
     if isinstance(rows, PackedRows):
         return _codec(Fp8PackedCodec, rows.dtype)
+    if isinstance(rows, Nvfp4Rows):
+        return _codec(Nvfp4Codec, rows.dtype)
     if isinstance(rows, torch.Tensor):
         return _codec(PoolRowsCodec, rows.dtype)
-    raise TypeError(f"carried rows are a tensor or PackedRows, got {type(rows).__name__}")
+    raise TypeError(f"carried rows are a tensor, PackedRows or Nvfp4Rows, got {type(rows).__name__}")
 
 
 def codec_for(row_dtype: str, pool_dtype: torch.dtype) -> RowCodec:

@@ -116,7 +116,7 @@ def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | 
     if model_config:
         return row_format_from_config(model_config, fmt).row_nbytes
     if row_bytes is not None:
-        if fmt == "fp8":
+        if fmt in ("fp8", "nvfp4"):
             raise ValueError(f"--row-bytes {row_bytes} with --carry-row-dtype {row_dtype}: packed rows' "
                              "bytes depend on the head geometry; give --model-config instead")
         return row_bytes
@@ -204,7 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--carry-row-dtype", dest="replay_row_dtype", choices=ROW_DTYPES,
                    default=None,
                    help="the carried rows' format, so their bytes (fp8: e4m3 plus one float32 scale per "
-                        f"row, K/V and head); default env {ENV_CARRY_ROW_DTYPE}, else {DEFAULT_CARRY_ROW_DTYPE}")
+                        "row, K/V and head; nvfp4: e2m1 pairs, one e4m3 scale per 16 values and one e8m0 "
+                        f"byte per row, K/V and head); default env {ENV_CARRY_ROW_DTYPE}, else {DEFAULT_CARRY_ROW_DTYPE}")
     p.add_argument("--kv-dtype", dest="replay_kv_dtype", choices=KV_DTYPES, default="auto",
                    help="the draft pool's KV format (kv_cache_config.dtype): auto (the model's dtype), or "
                         "fp8: float8_e4m3fn pages, whose rows the carry holds as their own bytes (one byte "
