@@ -159,6 +159,7 @@ class CarriedRows:
         self._reading_host: list[torch.cuda.Event] = []  # copies back that may still read host rows
         self._oom_logged = False
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
+        self._room: list[int] = []  # host keys the store drops if the demotion in progress copies
         if host:
             self._store.host_moves = self
         self.budget_bytes = budget_bytes
@@ -322,15 +323,22 @@ class CarriedRows:
 
     # ---- HostMoves (the store calls these under our lock) --------------------------------
 
+    def make_room(self, victims: list[CarriedDrafter]) -> None:
+        """The store drops `victims` (host entries) if the next `demote` copies: it may reuse their
+        host arena blocks (the arena is the host budget exactly; untouched when it returns False)."""
+        self._room = [e.session_hash for e in victims]
+
     def demote(self, entry: CarriedDrafter) -> bool:
         """Copy `entry`'s rows to host memory (pinned when they are on a GPU); drop the device tensor."""
         key = entry.session_hash
+        room, self._room = self._room, []
         rows = self._rows[key] if key in self._rows else None
         if rows is None:
             return False
         self._settle_copies_back()  # host rows popped by a restore may be overwritten from here
         try:
             if self._host.arena is not None:
+                self._host_room(rows, room)
                 self._host.put(key, rows)  # a blocking copy into the pinned arena
             else:
                 assert self.codec is not None  # rows are held: the first deposit bound it
@@ -340,6 +348,18 @@ class CarriedRows:
         self._host_device[key] = rows.device
         del self._rows[key]  # the device blocks go only once the rows are on the host
         return True
+
+    def _host_room(self, rows: Rows, room: list[int]) -> None:
+        """Free the store's victims' host blocks (`make_room`) when the host arena holds `rows` only
+        with them: the store drops those entries once the copy is made."""
+        arena = self._host.arena
+        assert arena is not None
+        need, free = arena.blocks_for(rows), self._host.free_blocks()
+        victims = [k for k in room if k in self._host]
+        if free < need <= free + sum(arena.blocks_for(self._host[k]) for k in victims):
+            for k in victims:
+                del self._host[k]
+                self._host_device.pop(k, None)
 
     def restore(self, entry: CarriedDrafter) -> None:
         """Copy `entry`'s rows back to their device: on CUDA asynchronously on a side stream, an
