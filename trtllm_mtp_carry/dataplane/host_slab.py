@@ -84,15 +84,24 @@ class HostSlab:
         """Bytes a `take` may use without releasing anything: free, and released after an event."""
         return sum(n for _, n in self._free) + sum(n for _, _, n in self._pending)
 
-    def take(self, key: Hashable, nbytes: int, spare: Iterable[Hashable] = ()) -> torch.Tensor | None:
+    def take(self, key: Hashable, nbytes: int, spare: Iterable[Hashable] = (),
+             wait: bool = True) -> torch.Tensor | None:
         """A range of exactly `nbytes` held under `key` (a 1-D uint8 view), or None when the slab
-        cannot hold it (after reusing released ranges and compacting). `spare`: held keys whose
+        cannot hold it (after reusing released ranges and compacting; without `wait`, only a free
+        range or one whose event completed: the CPU never blocks). `spare`: held keys whose
         ranges may be released for it (the host tier's victims, dropped if this copy is made): all
         of them are released when the room without them is short and with them suffices (a caller
         sees which by `in`), none otherwise. ValueError if `key` holds one already."""
         if key in self._held:
             raise ValueError(f"{key!r} holds a host range already")
         need = _up(nbytes)
+        if not wait:
+            start = self._find(need)
+            if start is None:
+                return None
+            self._cut(start, need)
+            self._held[key] = (start, nbytes)
+            return self.storage[start:start + nbytes]
         if self.room < need:
             spare = [k for k in spare if k in self._held]
             if self.room + sum(_up(self._held[k][1]) for k in spare) < need:

@@ -52,6 +52,7 @@ import torch
 from ..core import CarriedDrafter
 from ..dataplane.host_slab import HostSlab, host_slab_for
 from ..dataplane.kv_pool import DrafterKVPool, HostRows
+from ..dataplane.pinned import pinned_empty
 
 
 @dataclass
@@ -76,6 +77,7 @@ class PoolHostMoves:
         if self.slab is not None:
             self.slab.on_move = self._moved
         self._room: list[int] = []  # host keys the store drops if the demotion in progress copies
+        self._outside: set[int] = set()  # host copies outside the slab (staged while it was full)
         self._stream = _side_stream(pool.device) if self._cuda else None
         self._inflight: dict[int, _Restore] = {}  # carry key -> its copy back, until `ready`
         self._waiting: list[_Restore] = []  # ready, their times not read yet
@@ -89,13 +91,13 @@ class PoolHostMoves:
 
     @property
     def pinned_nbytes(self) -> int:
-        """Page-locked bytes the host tier holds: its slab (the host budget, exactly) and any staged
-        copy outside it (exactly its bytes); 0 on the CPU."""
-        slab = self.slab.nbytes if self.slab is not None and self.slab.pinned else 0
-        if not self._cuda:
-            return slab
-        outside = [r for k, r in self._staged.items() if self.slab is None or ("staged", k) not in self.slab]
-        return slab + sum(r.nbytes for r in outside)
+        """Page-locked bytes the host tier holds: its slab (the host budget, exactly) and any copy
+        outside it (staged while it was full: exactly its bytes); 0 without a pinned slab (the CPU)."""
+        if self.slab is None or not self.slab.pinned:
+            return 0
+        slab = self.slab.nbytes
+        staged = [r for k, r in self._staged.items() if self.slab is None or ("staged", k) not in self.slab]
+        return slab + sum(r.nbytes for r in staged) + sum(self._host[k].nbytes for k in self._outside)
 
     def __contains__(self, key: object) -> bool:
         return key in self._host
@@ -116,19 +118,12 @@ class PoolHostMoves:
         room, self._room = self._room, []
         staged = self._staged.pop(key, None)
         if staged is not None:  # a pressure victim: the pool released its blocks already
+            self._host[key] = staged
             if self.slab is not None:
                 if ("staged", key) in self.slab:
                     self.slab.rename(("staged", key), ("host", key))
-                else:  # staged while the slab was full: into the slab now, once its export is done
-                    raw = self._take(key, staged.nbytes, room)
-                    if raw is None:
-                        return False
-                    self.slab.sync()
-                    half = raw.numel() // 2
-                    raw[:half].copy_(_bytes(staged.k))
-                    raw[half:].copy_(_bytes(staged.v))
-                    staged = _rows_in(raw, staged)
-            self._host[key] = staged
+                else:  # staged while the slab was full (a range a copy back still reads, or the
+                    self._outside.add(key)  # victims'): moved in once a range is free
             return True
         if self.pool.carried(key) is None:
             return False
@@ -157,11 +152,13 @@ class PoolHostMoves:
                 copy.source = rows
         else:
             self._release(key)
+        self._move_in()
         return entry.with_block_table(held.block_table)
 
     def drop(self, entry: CarriedDrafter) -> None:
         self._host.pop(entry.session_hash, None)
         self._release(entry.session_hash)
+        self._move_in()
 
     # ---- the runtime's side --------------------------------------------------
 
@@ -169,7 +166,12 @@ class PoolHostMoves:
         """Copy `key`'s rows to host memory now: the pool is about to release them for pressure
         (into the slab when it has room; else memory of exactly their bytes until `demote`)."""
         if key not in self._staged and self.pool.carried(key) is not None:
-            out = None if self.slab is None else self.slab.take(("staged", key), self.pool.export_nbytes(key))
+            out = None
+            if self.slab is not None:
+                nbytes = self.pool.export_nbytes(key)
+                out = self.slab.take(("staged", key), nbytes)
+                if out is None and self.slab.pinned:  # full: pinned for exactly its bytes, moved in later
+                    out = pinned_empty(nbytes)
             self._staged[key] = self.pool.export_carried(key, out)
 
     def unstage(self, key: int) -> None:
@@ -183,6 +185,7 @@ class PoolHostMoves:
         self._host.pop(key, None)
         self._release(key)
         self.unstage(key)
+        self._move_in()
 
     def staged_keys(self) -> list[int]:
         """Keys of the staged copies, sorted (empty between pool grows)."""
@@ -208,15 +211,36 @@ class PoolHostMoves:
         """A slab range for `key`'s host copy, using the store's victims `room` if it must (their
         copies are dropped here then: the store drops their entries once the copy is made)."""
         assert self.slab is not None
-        raw = self.slab.take(("host", key), nbytes, [("host", k) for k in room])
-        for k in room:
-            if raw is not None and ("host", k) not in self.slab:
-                self._host.pop(k, None)
+        spare = [("host", k) for k in room if ("host", k) in self.slab]
+        raw = self.slab.take(("host", key), nbytes, spare)
+        for k in spare:
+            if raw is not None and k not in self.slab:
+                self._host.pop(k[1], None)
         return raw
 
     def _release(self, key: int, after: torch.cuda.Event | None = None) -> bool:
         """Free `key`'s slab range (after event `after`); False when it holds none."""
+        self._outside.discard(key)
         return self.slab is not None and self.slab.release(("host", key), after)
+
+    def _move_in(self) -> None:
+        """Move host copies held outside the slab into it where a range is free now (the CPU never
+        waits for a copy back; it waits for the device once, for their exports, when one moves)."""
+        synced = False
+        for key in sorted(self._outside):
+            assert self.slab is not None
+            rows = self._host[key]
+            raw = self.slab.take(("host", key), rows.nbytes, wait=False)
+            if raw is None:
+                continue
+            if not synced:  # the staged export may still be writing it
+                self.slab.sync()
+                synced = True
+            half = raw.numel() // 2
+            raw[:half].copy_(_bytes(rows.k))
+            raw[half:].copy_(_bytes(rows.v))
+            self._host[key] = _rows_in(raw, rows)
+            self._outside.discard(key)
 
     def _moved(self, slab_key: object) -> None:
         """The slab compacted: view `slab_key`'s copy where its bytes are now."""
@@ -248,6 +272,8 @@ class PoolHostMoves:
             else:
                 keep.append(copy)
         self._waiting = keep
+        if self._outside:
+            self._move_in()
         return self.wait_gpu_ms, self.waits
 
 
