@@ -156,7 +156,9 @@ class CarriedRows:
         self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # CUDA: the side stream copies back run on
         self._copied: dict[int, torch.cuda.Event] = {}  # restored key -> its copy's event, until taken
-        self._reading_host: list[torch.cuda.Event] = []  # copies back that may still read host rows
+        # copies back that may still read host rows, with those rows: a host copy outside the arena
+        # (memory registered for exactly its bytes, freed with its last reference) lives until read
+        self._reading_host: list[tuple[torch.cuda.Event, Rows]] = []
         self._oom_logged = False
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
         self._room: list[int] = []  # host keys the store drops if the demotion in progress copies
@@ -384,12 +386,12 @@ class CarriedRows:
             done = _new_event()
             done.record(stream)
         self._copied[key] = done
-        self._reading_host = [e for e in self._reading_host if not e.query()] + [done]
+        self._reading_host = [(e, h) for e, h in self._reading_host if not e.query()] + [(done, host)]
         self._rows.keep(key, rows)
 
     def _settle_copies_back(self) -> None:
         """Wait (CPU) for copies back that may still read host rows about to be overwritten."""
-        for done in self._reading_host:
+        for done, _ in self._reading_host:
             done.synchronize()
         self._reading_host.clear()
 
