@@ -12,11 +12,11 @@ ranges of it by key: first fit over a sorted free list of `(start, length)`
 ranges, merged on release; `compact` slides every range down when the free
 bytes suffice but no free range is long enough.
 
-Ranges start on `ALIGN` bytes (a float32 scale after a payload, and DMA,
-want aligned starts), so a range takes its bytes rounded up to `ALIGN`: every
-row format of the supported models has entry sizes that are multiples of 16
-(a K/V row of `2 * Hkv * D` bf16 or e4m3 elements, float32 scales), so a full
-budget fits.
+Ranges start on `ALIGN` (4) bytes, so a codec's float32 scales viewed after
+its payload stay aligned, and a range takes its bytes rounded up to 4: every
+carried row is a multiple of 4 bytes (the adapter's arena's rule: bf16 and fp8
+rows, an nvfp4 row for an even number of KV heads, a pool's whole blocks), so
+ranges tile with no padding and whatever the store admits fits the budget.
 
 Asynchronous users: a range released `after` an event (a copy back still
 reading it) is reused only once that event completed (queried, or waited for
@@ -42,7 +42,7 @@ from .pinned import pinned_empty
 
 __all__ = ["ALIGN", "HostSlab", "host_slab_for"]
 
-ALIGN = 16
+ALIGN = 4
 
 
 def _up(n: int) -> int:
