@@ -48,3 +48,19 @@ def test_host_entries_keep_rotating_through_a_full_host_arena():
     assert (s["demotions"], s["host_entries"], s["evictions"]["memory"]) == (6, 2, 4)
     for key in (5, 6):  # the two newest demoted: in the host arena, rows intact
         assert torch.equal(c.take(key).head(N), rows_of(key))
+
+
+def test_a_copy_that_fails_after_its_victims_blocks_were_freed_loses_them_as_a_fault(monkeypatch):
+    c = carried()
+    for key in (1, 2):
+        assert c.deposit(key, list(range(N + 1)), rows_of(key))
+
+    def no_room(key, rows):  # a compaction that could not stage
+        raise torch.OutOfMemoryError("staging")
+
+    monkeypatch.setattr(c._host, "put", no_room)
+    assert c.deposit(3, list(range(N + 1)), rows_of(3))
+    s = c.stats()
+    # 2 could not be copied (evicted for memory); 1's blocks were freed for it: gone, counted a fault
+    assert (s["host_entries"], s["entries"], s["evictions"]["memory"], s["evictions"]["fault"]) == (0, 1, 1, 1)
+    c.check()  # the store holds exactly the rows held

@@ -338,30 +338,35 @@ class CarriedRows:
         if rows is None:
             return False
         self._settle_copies_back()  # host rows popped by a restore may be overwritten from here
+        released: list[int] = []
         try:
             if self._host.arena is not None:
-                self._host_room(rows, room)
+                released = self._host_room(rows, room)
                 self._host.put(key, rows)  # a blocking copy into the pinned arena
             else:
                 assert self.codec is not None  # rows are held: the first deposit bound it
                 self._host.keep(key, self.codec.host_copy(rows))
         except torch.OutOfMemoryError:  # no pinned memory for it: the store evicts it instead
+            for k in released:  # (a compaction could not stage) their blocks are free: gone as a fault
+                self._store.discard(k, "fault")
             return False
         self._host_device[key] = rows.device
         del self._rows[key]  # the device blocks go only once the rows are on the host
         return True
 
-    def _host_room(self, rows: Rows, room: list[int]) -> None:
+    def _host_room(self, rows: Rows, room: list[int]) -> list[int]:
         """Free the store's victims' host blocks (`make_room`) when the host arena holds `rows` only
-        with them: the store drops those entries once the copy is made."""
+        with them (the store drops those entries once the copy is made); returns the keys freed."""
         arena = self._host.arena
         assert arena is not None
         need, free = arena.blocks_for(rows), self._host.free_blocks()
         victims = [k for k in room if k in self._host]
-        if free < need <= free + sum(arena.blocks_for(self._host[k]) for k in victims):
-            for k in victims:
-                del self._host[k]
-                self._host_device.pop(k, None)
+        if not free < need <= free + sum(arena.blocks_for(self._host[k]) for k in victims):
+            return []
+        for k in victims:
+            del self._host[k]
+            self._host_device.pop(k, None)
+        return victims
 
     def restore(self, entry: CarriedDrafter) -> None:
         """Copy `entry`'s rows back to their device: on CUDA asynchronously on a side stream, an
