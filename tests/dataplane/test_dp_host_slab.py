@@ -117,3 +117,14 @@ def test_a_key_holds_one_range_and_a_bad_size_is_one_error_line():
         slab.take("a", 16)
     with pytest.raises(ValueError, match=r"^nbytes must be a non-negative int, got -1$"):
         HostSlab(-1, pinned=False)
+
+
+def test_compaction_moves_a_range_over_its_own_bytes_intact():
+    slab = HostSlab(160, pinned=False)
+    slab.take("a", 32)
+    pattern = torch.arange(96, dtype=torch.uint8)
+    slab.take("b", 96).copy_(pattern)  # at 32: its move to 0 overlaps itself
+    slab.release("a")
+    assert slab.take("c", 64) is not None  # 32 + 32 free bytes, in two ranges
+    assert (at(slab, "b"), at(slab, "c")) == (0, 96) and torch.equal(slab.view("b"), pattern)
+    slab.check()

@@ -22,7 +22,8 @@ Asynchronous users: a range released `after` an event (a copy back still
 reading it) is reused only once that event completed (queried, or waited for
 when nothing else fits). `compact` first calls `sync` (the owner's: all device
 work that may read or write the slab is done) and then moves bytes with the
-CPU; the owner hears each moved key (`on_move`) and views it again.
+CPU (`memmove`: nothing is allocated, so a take never fails half way); the
+owner hears each moved key (`on_move`) and views it again.
 
 Invariants:
 - `nbytes` is the storage's size (the budget given), never more: what is pinned.
@@ -33,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import ctypes
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -157,11 +159,9 @@ class HostSlab:
         cursor = 0
         moved = []
         for key, (start, n) in sorted(self._held.items(), key=lambda kv: kv[1][0]):
-            if start != cursor:
-                src = self.storage[start:start + n]
-                if start < cursor + n:  # overlapping: stage through a copy
-                    src = src.clone()
-                self.storage[cursor:cursor + n].copy_(src)
+            if start != cursor:  # memmove: overlapping ranges, and no allocation that could fail
+                base = self.storage.data_ptr()
+                ctypes.memmove(base + cursor, base + start, n)
                 self._held[key] = (cursor, n)
                 moved.append(key)
             cursor += _up(n)
