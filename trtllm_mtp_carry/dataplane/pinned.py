@@ -77,7 +77,7 @@ def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, pin: boo
     `torch.empty(..., pin_memory=True)`, which torch rounds up to a power of two."""
     if not pin:
         return torch.empty(shape, dtype=dtype)
-    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
     return pinned_empty(nbytes).view(dtype).view(shape)
 
 
