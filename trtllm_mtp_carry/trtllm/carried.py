@@ -46,7 +46,8 @@ Invariants:
 - Memory (`arena`, `host_arena`: `trtllm/arena.py`, reserved when the carry is
   installed): a deposit copies its rows into the device arena and a demotion into
   the host arena, one block per row, so the store's budget is the arena's size; an
-  entry's rows are views of its extent. A deposit whose rows cannot be placed (an
+  entry's rows are views of its extent. A demotion into a full host arena takes the blocks
+  of the host victims the store names first (`make_room`), which it drops after the copy. A deposit whose rows cannot be placed (an
   allocation failure) is refused as `oom` (`CarryStore.refuse`: counted, logged
   once), never raised; what the store holds stays adoptable. Without arenas the
   entries hold the tensors given (as before; tests of the store logic).
