@@ -19,9 +19,18 @@ gives here. The TensorRT-LLM adapter's host tier (`trtllm/carried.py`: `demote` 
 pinned memory, `restore` back on its side stream, timed to the copy's end) is timed
 the same way on the same bytes (`[rows, 2, Hkv, D]` rows, bf16).
 
+Pinned memory (issue 42 item 6): every pinned buffer here is registered for exactly its
+bytes: the runtime's host tier is one slab of its host budget (`dataplane/host_slab.py`),
+the adapter's a pinned host arena (`trtllm/arena.py`, as installed), the ceiling's buffer
+`pinned.pinned_empty`. The adapter runs with its arenas, as installed.
+
 Headline lines (tab-separated; scripts/gpu_smoke.sh collects them), per size:
   FIGURE host tier <move> at <MiB>: the move's rate over the same-run pinned copy's,
          target >= 0.85 (PASS/MISS on CUDA; INFO on the CPU, where no host link is crossed).
+  CHECK  pinned bytes held equal the budgets at <MiB>: the bytes registered while the moves
+         run are exactly the runtime's host budget, the adapter's host arena and the ceiling's
+         buffer (0 on the CPU), the host tier reports its budget (`pinned_nbytes`), and torch's
+         pinned pool does not grow by a host copy after a demotion.
 
     python scripts/bench_host_tier.py [--rows 1024 8192 32768] [--repeat 30] [--device cpu|cuda]
 """
@@ -29,15 +38,18 @@ Headline lines (tab-separated; scripts/gpu_smoke.sh collects them), per size:
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
 import torch
 
 from trtllm_mtp_carry.core import CarriedDrafter
+from trtllm_mtp_carry.dataplane import pinned
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
 from trtllm_mtp_carry.runtime.host_moves import PoolHostMoves
+from trtllm_mtp_carry.trtllm.arena import RowArena
 from trtllm_mtp_carry.trtllm.carried import CarriedRows
 
 BLOCK, HEADS, HEAD_DIM, KEY = 16, 2, 256, 0x5EED
@@ -64,13 +76,23 @@ def measure(rows: int, repeat: int, warmup: int, device: torch.device) -> dict[s
     assert held is not None
     entry = CarriedDrafter(held.block_table, rows, rows - 1, list(range(rows + 1)), KEY)
     before = [t.clone() for t in pool.gather_carried(KEY)]
-    moves = PoolHostMoves(pool)
     nbytes = blocks * pool.block_nbytes
+    cuda = device.type == "cuda"
+    gc.collect()  # an earlier size's buffers unregister now, not while this one counts
+    registered0 = pinned.registered_bytes()
+    moves = PoolHostMoves(pool, nbytes)  # a host budget of the entry: its slab, pinned on CUDA
     # the ceiling: the same bytes between a device tensor and a pinned host tensor
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    # the adapter's host tier on the same bytes: one entry's rows [rows, 2, Hkv, D]
-    adapter = CarriedRows(None, budget_bytes=nbytes, host_budget_bytes=nbytes)
+    host_buf = pinned.pinned_empty(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
+    # the adapter's host tier on the same bytes: one entry's rows [rows, 2, Hkv, D], in its arenas
+    row = 2 * HEADS * HEAD_DIM * 2
+    adapter = CarriedRows(None, budget_bytes=nbytes, host_budget_bytes=nbytes, pool_dtype=torch.bfloat16,
+                          arena=RowArena.reserve(nbytes, row, device),
+                          host_arena=RowArena.reserve(nbytes, row, "cpu", pinned=cuda))
+    expected = 3 * nbytes if cuda else 0  # the slab, the adapter's host arena, the ceiling's buffer
+    registered = pinned.registered_bytes() - registered0
+    pool0 = pinned.held()["torch_pool"]
+    pool_growth = 0
     a_rows = torch.randn(blocks * BLOCK, 2, HEADS, HEAD_DIM, device=device).to(torch.bfloat16)
     tokens = list(range(a_rows.shape[0] + 1))
     assert adapter.deposit(KEY, tokens, a_rows.clone())
@@ -86,6 +108,11 @@ def measure(rows: int, repeat: int, warmup: int, device: torch.device) -> dict[s
         if i >= warmup:
             times[name].append((time.perf_counter() - t0) * 1e3)
 
+    def pool_demote() -> None:
+        nonlocal pool_growth
+        moves.demote(entry)
+        pool_growth = max(pool_growth, pinned.held()["torch_pool"] - pool0)  # while the host copy lives
+
     def pool_restore() -> None:
         nonlocal entry
         entry = moves.restore(entry)
@@ -93,7 +120,7 @@ def measure(rows: int, repeat: int, warmup: int, device: torch.device) -> dict[s
 
     for i in range(warmup + repeat):
         timed("d2h", i, lambda: host_buf.copy_(dev_buf, non_blocking=True))
-        timed("demote", i, lambda: moves.demote(entry))
+        timed("demote", i, pool_demote)
         timed("h2d", i, lambda: dev_buf.copy_(host_buf, non_blocking=True))
         timed("restore", i, pool_restore)
         timed("a_demote", i, lambda: adapter.demote(a_entry))
@@ -103,7 +130,9 @@ def measure(rows: int, repeat: int, warmup: int, device: torch.device) -> dict[s
     taken = adapter.take(KEY)
     taken.ready()
     assert torch.equal(taken.rows, a_rows), "adapter rows changed"
-    out: dict[str, float] = {"rows": rows, "mib": nbytes / 2**20}
+    out: dict[str, float] = {"rows": rows, "mib": nbytes / 2**20, "registered": registered,
+                             "registered_expected": expected, "host_tier_pinned": moves.pinned_nbytes,
+                             "host_tier_budget": nbytes if cuda else 0, "torch_pool_growth": pool_growth}
     for name, xs in times.items():
         q = statistics.quantiles(xs, n=4)
         med = statistics.median(xs)
@@ -129,7 +158,7 @@ def main() -> None:
     print("moves: demote/restore = the reference runtime's (PoolHostMoves), a_demote/a_restore = the "
           "TensorRT-LLM adapter's (CarriedRows); d2h/h2d = a pinned copy_ of the same bytes (the ceiling)")
     print(f"{'rows':>7} {'MiB':>7} {'move':>10} {'ms [p25-p75]':>24} {'GB/s':>7} {'/ceiling':>9}")
-    figures = []
+    figures, checks = [], []
     for rows in args.rows:
         r = measure(rows, args.repeat, args.warmup, device)
         for name, ceiling in (("d2h", "d2h"), ("demote", "d2h"), ("a_demote", "d2h"),
@@ -143,8 +172,18 @@ def main() -> None:
                     "FIGURE", f"host tier {name} at {r['mib']:.1f} MiB / pinned {ceiling} copy",
                     f"{frac:.2f}x ({r[f'{name}_gbps']:.1f} of {r[f'{ceiling}_gbps']:.1f} GB/s)",
                     f">= {CEILING_FRACTION}x copy", "INFO" if ok is None else "PASS" if ok else "MISS")))
-    for line in figures:
+        ok = (r["registered"] == r["registered_expected"] and r["host_tier_pinned"] == r["host_tier_budget"]
+              and r["torch_pool_growth"] < r["mib"] * 2**20)
+        checks.append("\t".join((
+            "CHECK", f"pinned bytes held equal the budgets at {r['mib']:.1f} MiB", "PASS" if ok else "FAIL",
+            f"registered {int(r['registered'])} B, expected {int(r['registered_expected'])} (host tier slab, "
+            f"adapter host arena, ceiling buffer); host tier pinned_nbytes {int(r['host_tier_pinned'])} of "
+            f"budget {int(r['host_tier_budget'])}; torch pinned pool grew {int(r['torch_pool_growth'])} B "
+            f"after a demotion ({device.type})")))
+    for line in figures + checks:
         print(line)
+    if any("\tFAIL\t" in line for line in checks):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

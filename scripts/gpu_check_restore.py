@@ -70,7 +70,7 @@ def pool_restore(device: torch.device, delay: Delays, gen: torch.Generator, rows
     held = pool.carried(5)
     truth = [t.clone() for t in pool.gather_carried(5)]
     _sync(device)
-    moves = PoolHostMoves(pool)
+    moves = PoolHostMoves(pool, pool.export_nbytes(5))  # a host budget of the entry: its pinned slab on CUDA
     entry = CarriedDrafter(held.block_table, held.rows, held.last_pair_key,
                            list(range(held.last_pair_key + 2)), 5)
     assert moves.demote(entry)

@@ -18,7 +18,9 @@
 #   kernels        both kernels at 512 / 4k / 64k / 256k rows: per call vs index_copy_, kernel
 #                  time vs a D2D copy (scripts/bench_kernels.py)
 #   fp8-codec      the FP8 row codec against a plain copy (scripts/bench_row_format.py)
-#   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py)
+#   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py);
+#                  CHECK: the pinned bytes held are exactly the host budgets (registered once,
+#                  no host copy in torch's power-of-two pinned pool)
 #   restore-check  rows read back after a host restore equal the demoted ones, unsynced, with
 #                  and without delays queued on each stream (scripts/gpu_check_restore.py)
 #   session-28k    the session bench at a 28k-token history: carry, carry-fp8, carry-nvfp4, rebuild, blind

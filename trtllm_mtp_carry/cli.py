@@ -320,7 +320,9 @@ def cmd_info(args: argparse.Namespace) -> int:
          report["carry_host_memory_source"]),
         ("carry row format (carry_row_dtype)", report["carry_row_dtype"], report["carry_row_dtype_source"]),
         ("TensorRT-LLM worker reserves", _reserve_value(report),
-         f"{RESERVE_RULE}; reserved before KV cache estimation measures free memory; KV cache size: "
+         f"{RESERVE_RULE}; reserved before KV cache estimation measures free memory"
+         + ("; the host bytes exactly, page-locked once on a GPU" if report["trtllm_reserved_host_bytes"] else "")
+         + "; KV cache size: "
          + str(report["trtllm_kv_cache_size"])),
         ("carry eviction (carry_eviction)", report["carry_eviction"], report["carry_eviction_source"]),
         ("carry idle TTL s (carry_idle_s)", report["carry_idle_s"] or "never",

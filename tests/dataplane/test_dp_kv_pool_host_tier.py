@@ -109,3 +109,5 @@ def test_bench_host_tier_prints_each_move_against_the_same_run_pinned_copy() -> 
     assert [f[1] for f in figures] == [f"host tier {m} at 0.1 MiB / pinned {c} copy" for m, c in (
         ("demote", "d2h"), ("a_demote", "d2h"), ("restore", "h2d"), ("a_restore", "h2d"))]
     assert all(f[3] == ">= 0.85x copy" and f[4] == "INFO" for f in figures)  # the CPU crosses no host link
+    checks = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("CHECK\t")]
+    assert [(c[1], c[2]) for c in checks] == [("pinned bytes held equal the budgets at 0.1 MiB", "PASS")]

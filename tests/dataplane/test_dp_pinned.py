@@ -79,3 +79,26 @@ def test_a_pinned_host_arena_locks_exactly_its_whole_blocks(monkeypatch, cudart)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pinned.held() == {"registered": pinned.registered_bytes(), "torch_pool": 0}
     assert pinned.registered_bytes() >= 9984
+
+
+def test_page_locked_host_copies_register_exactly_their_tensors_bytes(cudart):
+    from trtllm_mtp_carry.dataplane import nvfp4
+    from trtllm_mtp_carry.dataplane.row_format import pack_rows
+
+    def registered():
+        return [c[2] for c in cudart.calls if c[0] == "register"]
+
+    rows = torch.randn(5, 2, 2, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    t = pinned.host_empty((3, 7), torch.bfloat16, True)
+    assert (t.shape, t.dtype) == ((3, 7), torch.bfloat16) and registered() == [42]
+    copy = pinned.pinned_copy(rows)
+    assert torch.equal(copy, rows) and registered()[-1] == rows.nbytes == 1280
+    fp8 = pack_rows(rows)
+    pinned_fp8 = fp8.pin_memory()  # was torch's t.pin_memory(): a power-of-two block each
+    assert registered()[-2:] == [fp8.payload.nbytes, fp8.scales.nbytes] == [640, 80]
+    assert torch.equal(pinned_fp8.payload.view(torch.uint8), fp8.payload.view(torch.uint8))
+    fp4 = nvfp4.pack_rows(rows)
+    fp4.pin_memory()
+    assert registered()[-3:] == [fp4.payload.nbytes, fp4.scales.nbytes, fp4.gscales.nbytes]
+    assert sum(registered()[-3:]) == fp4.nbytes
+    assert pinned.host_empty((3, 7), torch.bfloat16, False).shape == (3, 7) and len(registered()) == 7

@@ -350,6 +350,7 @@ def test_info_reports_what_the_worker_reserves_and_how_the_kv_cache_is_sized(
     assert main(["info", "--llm-config", str(path)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("TensorRT-LLM worker reserves"))
     assert "1GiB device, 2GiB host" in line and size in line
+    assert "; the host bytes exactly, page-locked once on a GPU;" in line  # no power-of-two round-up
 
 
 def test_info_s_reservation_follows_the_memory_flags_for_both_arenas_by_one_rule(
@@ -370,7 +371,7 @@ def test_info_s_reservation_follows_the_memory_flags_for_both_arenas_by_one_rule
            "(flag, env), else 1GiB / no host tier;" in line
     report, line = info()
     assert (report["trtllm_reserved_device_bytes"], report["trtllm_reserved_host_bytes"]) == (1 << 30, 0)
-    assert "1GiB device, no host tier  each:" in line
+    assert "1GiB device, no host tier  each:" in line and "page-locked" not in line
     report, line = info("--carry-memory", "0.5")  # a pool fraction: no pool to apply it to there
     assert (report["trtllm_reserved_device_bytes"], report["trtllm_reserved_refused"]) == (
         None, "carry_memory=50% of the drafter pool (--carry-memory): the carry inside TensorRT-LLM reserves "

@@ -673,6 +673,9 @@ class CarryStore:
         if dropped is None:
             return "no_room"
         if self.host_moves is not None:
+            make_room = getattr(self.host_moves, "make_room", None)
+            if make_room is not None:  # the copy may reuse the victims' host memory (a budget-sized slab)
+                make_room([host.entries[k].entry for k in dropped])
             t0 = time.perf_counter()
             moved = self.host_moves.demote(held.entry)
             self._counts.demote_ms += (time.perf_counter() - t0) * 1e3
@@ -848,6 +851,10 @@ class HostMoves(Protocol):
     Each is called once per move, under the caller's lock. The store is consistent
     during each call: `restore` may make room on the device, and the executor's
     pool-pressure evictions (`CarryStore.evict`) may re-enter the store meanwhile.
+    An executor may also define `make_room(victims)`: called just before a `demote`
+    with the host entries the store drops (`drop`) if that demotion succeeds, so the
+    copy may reuse their host memory (host memory of exactly the budget); a demotion
+    that returns False must leave their copies intact.
     """
 
     def demote(self, entry: CarriedDrafter) -> bool:

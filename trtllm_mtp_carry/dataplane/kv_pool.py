@@ -71,6 +71,7 @@ import torch
 from .checks import CACHE_DTYPES
 from .device_ints import device_copy, device_tensor
 from .ops import drafter_row_append_direct as drafter_row_append
+from .pinned import pinned_empty
 from .reference import slots_for_rows
 from .rope import RopeConfig
 from .row_codec import RowCodec, Rows
@@ -614,22 +615,36 @@ class DrafterKVPool:
 
     # ---- host tier (the carry store's second tier) ----------------------------
 
-    def export_carried(self, key: int) -> HostRows:
-        """A host-memory copy of entry `key`'s blocks and bookkeeping; the entry stays carried.
-
-        On CUDA the copy lands in pinned memory, issued on the current stream without
-        waiting: kernels queued after it (a later write into the blocks, once freed)
-        run after it, and the copy back (`import_carried`) is ordered after it too.
-        RuntimeError if nothing is carried under `key`.
-        """
+    def export_nbytes(self, key: int) -> int:
+        """Bytes `export_carried(key)` copies out (K and V of its whole blocks); RuntimeError if
+        nothing is carried under `key`."""
         state = self._carried.get(key)
         if state is None:
             raise RuntimeError(f"nothing carried under {key}: nothing to export")
+        return len(state.block_table) * self.block_nbytes
+
+    def export_carried(self, key: int, out: torch.Tensor | None = None) -> HostRows:
+        """A host-memory copy of entry `key`'s blocks and bookkeeping; the entry stays carried.
+
+        `out`: a 1-D uint8 CPU tensor of exactly `export_nbytes(key)` to copy into (K's blocks
+        then V's: a host slab's range, pinned on CUDA), else fresh host memory, page-locked for
+        exactly its bytes on CUDA (`pinned.pinned_empty`). On CUDA the copy is issued on the
+        current stream without waiting: kernels queued after it (a later write into the blocks,
+        once freed) run after it, and the copy back (`import_carried`) is ordered after it too.
+        RuntimeError if nothing is carried under `key`, ValueError for an `out` of another size.
+        """
+        nbytes = self.export_nbytes(key)
+        state = self._carried[key]
         pin = self.device.type == "cuda"
+        if out is None:
+            out = pinned_empty(nbytes) if pin else torch.empty(nbytes, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes or out.device.type != "cpu":
+            raise ValueError(f"out must be a 1-D uint8 CPU tensor of {nbytes} bytes, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
         idx = device_tensor(state.block_table, torch.int64, self.device)  # no sync (torch.tensor(device=) would wait)
         shape = (len(state.block_table), *self.k_cache.shape[1:])
-        k = torch.empty(shape, dtype=self.k_cache.dtype, pin_memory=pin)
-        v = torch.empty(shape, dtype=self.v_cache.dtype, pin_memory=pin)
+        k = out[:nbytes // 2].view(self.k_cache.dtype).view(shape)
+        v = out[nbytes // 2:].view(self.v_cache.dtype).view(shape)
         if pin:  # gathered on the device, then one copy each into pinned memory
             k.copy_(self.k_cache.index_select(0, idx), non_blocking=True)
             v.copy_(self.v_cache.index_select(0, idx), non_blocking=True)

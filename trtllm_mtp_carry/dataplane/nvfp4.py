@@ -102,6 +102,7 @@ import torch
 from ..core.row_format import NVFP4_BLOCK, rows_nbytes
 from .device_ints import device_tensor
 from .ops import cuda_kernels
+from .pinned import host_empty, pinned_copy
 from .reference import slots_for_rows
 from .row_format import PACKABLE_DTYPES, VectorLayout, block_layout, plain_layout
 
@@ -206,7 +207,7 @@ class Nvfp4Rows:
 
     def pin_memory(self) -> Nvfp4Rows:
         """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return self._map(lambda t: t.pin_memory())
+        return self._map(lambda t: pinned_copy(t))
 
     def host_copy(self) -> Nvfp4Rows:
         """A copy in host memory, page-locked when the rows are on a GPU; always a copy, one
@@ -214,7 +215,7 @@ class Nvfp4Rows:
         pin = self.device.type == "cuda"
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host = host_empty(t.shape, t.dtype, pin)  # pinned for exactly its bytes (torch's rounds up)
             host.copy_(t)
             return host
 

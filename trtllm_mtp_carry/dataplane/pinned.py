@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["held", "pinned_empty", "registered_bytes"]
+__all__ = ["held", "host_empty", "pinned_copy", "pinned_empty", "registered_bytes"]
 
 _lock = threading.Lock()
 _registered = 0  # bytes page-locked by `pinned_empty` and not yet unregistered
@@ -68,6 +68,23 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     done = weakref.finalize(base, _unregister, ptr, nbytes)
     done.atexit = False  # at exit the process's page locks go with it; CUDA may be torn down
     return torch.from_numpy(array)
+
+
+def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor of `shape` and `dtype`; with `pin`, page-locked for
+    exactly its bytes (`pinned_empty`, one registration: for a host copy made once, off a hot
+    loop), else plain memory. What a pinned host copy is made of instead of
+    `torch.empty(..., pin_memory=True)`, which torch rounds up to a power of two."""
+    if not pin:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    return pinned_empty(nbytes).view(dtype).view(shape)
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` in host memory page-locked for exactly its bytes (what
+    `t.pin_memory()` is, without torch's power-of-two rounding); one blocking pass."""
+    return host_empty(t.shape, t.dtype, True).copy_(t)
 
 
 def registered_bytes() -> int:

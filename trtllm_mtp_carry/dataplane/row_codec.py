@@ -57,6 +57,7 @@ from . import nvfp4
 from .device_ints import device_tensor
 from .hnd_pages import gather_packed_rows, gather_rows, key_slots, scatter_packed_rows, scatter_rows
 from .nvfp4 import Nvfp4Rows
+from .pinned import host_empty
 from .reference import slots_for_rows
 from .row_format import (
     FP8_DTYPE,
@@ -297,7 +298,7 @@ class PoolRowsCodec(RowCodec):
 
     def host_copy(self, rows: Rows) -> Rows:
         t = self._tensor(rows)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host = host_empty(t.shape, t.dtype, t.is_cuda)  # pinned for exactly its bytes (torch's rounds up)
         host.copy_(t)  # blocking: the device rows may be reused as soon as they are dropped
         return host
 
@@ -470,7 +471,7 @@ class CompositeCodec(RowCodec):
         c = self._rows(rows)
         sides = []
         for t in c.sides:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host = host_empty(t.shape, t.dtype, t.is_cuda)  # pinned exactly, as the K/V codec's
             host.copy_(t)  # blocking, as the K/V codec's
             sides.append(host)
         return CompositeRows(self.main.host_copy(c.kv), tuple(sides), self.sides)  # type: ignore[arg-type]

@@ -72,6 +72,7 @@ import torch
 
 from .device_ints import device_tensor
 from .ops import cuda_kernels
+from .pinned import host_empty, pinned_copy
 from .reference import slots_for_rows
 
 __all__ = [
@@ -166,7 +167,7 @@ class PackedRows:
 
     def pin_memory(self) -> PackedRows:
         """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return PackedRows(self.payload.pin_memory(), self.scales.pin_memory(), self.dtype)
+        return PackedRows(pinned_copy(self.payload), pinned_copy(self.scales), self.dtype)
 
     def host_copy(self) -> PackedRows:
         """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
@@ -175,7 +176,7 @@ class PackedRows:
         pin = self.device.type == "cuda"
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host = host_empty(t.shape, t.dtype, pin)  # pinned for exactly its bytes (torch's rounds up)
             host.copy_(t)
             return host
 

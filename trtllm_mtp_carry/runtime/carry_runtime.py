@@ -116,7 +116,6 @@ from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.device_ints import device_tensor
 from ..dataplane.kv_pool import BlockKeys, CarriedBlocks, PoolExhaustedError
-from ..dataplane.pinned import held as pinned_held
 from .backend import CarryBackend
 from .policy import DrafterPolicy
 from .residence import residence_for
@@ -209,8 +208,9 @@ class CarryStats:
     tier holds, `peak_device_bytes`/`peak_host_bytes` the most each tier held;
     `restore_wait_ms` is how long the GPU stream waited for an asynchronous copy
     back (CUDA; 0 on the CPU, where `restore_ms` is the copy itself). `pinned_pool_bytes`
-    is what torch's pinned allocator holds now (the host copies each rounded up to a power
-    of two, freed blocks kept cached): the pinned memory really held, beside the budget.
+    is the page-locked host memory the host tier really holds: its slab of exactly
+    `carry_host_memory_bytes` (registered once; 0 on the CPU), plus a pressure victim's
+    copy waiting for room, if any (exactly its bytes).
     `row_dtype` is the carried rows' format (`carry_row_dtype`); with `fp8`, `packs`/
     `pack_ms` are the deposits packed out of the pool and `unpacks`/`unpack_ms` the
     adoptions unpacked into fresh blocks (`packed_rows.PackedCarry`).
@@ -268,7 +268,7 @@ class CarryStats:
     demote_ms: float = 0.0
     restore_ms: float = 0.0
     restore_wait_ms: float = 0.0
-    pinned_pool_bytes: int = 0  # torch's pinned pool now (the host copies: rounded up, cached kept)
+    pinned_pool_bytes: int = 0  # page-locked by the host tier: its slab (the budget, exactly)
     row_dtype: str = "bf16"
     packs: int = 0
     unpacks: int = 0
@@ -845,7 +845,7 @@ class CarryRuntime:
             host_bytes_held=t.host_bytes_held, bytes_demoted=t.bytes_demoted,
             bytes_restored=t.bytes_restored, peak_device_bytes=t.peak_bytes["device"],
             peak_host_bytes=t.peak_bytes["host"], demote_ms=t.demote_ms, restore_ms=t.restore_ms,
-            restore_wait_ms=wait_ms, row_dtype=self.row_dtype, pinned_pool_bytes=pinned_held()["torch_pool"],
+            restore_wait_ms=wait_ms, row_dtype=self.row_dtype, pinned_pool_bytes=self._residence.pinned_nbytes,
             **self._residence.stats_fields(),
         )
 

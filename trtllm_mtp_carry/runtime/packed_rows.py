@@ -14,6 +14,13 @@ so any codec's rows can be held here (`residence.PackedResidence`)::
     adopt:   PackedEntry --import_rows (codec.scatter_blocks)--> fresh pool blocks --adopt_carried--> sequence
     host tier (HostMoves): PackedEntry device <--> host memory (pinned on CUDA), still packed
 
+Host memory (issue 42 item 6): on CUDA the host copies are ranges of one `HostSlab`
+of exactly the host budget, page-locked once (`dataplane/host_slab.py`), so the pinned
+bytes held (`pinned_nbytes`) are the budget's; a demotion may reuse the ranges of the
+host victims the store names first (`make_room`). Every write into the slab is a
+blocking copy (or follows a device sync: a compaction), and a range a copy back
+read is reused only once an event recorded after that copy completed.
+
 Invariants:
 - A key has at most one packed copy, on the device or in host memory; the
   carry store's entries of each tier are exactly these copies (`CarryRuntime.check`).
@@ -29,7 +36,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..core import CarriedDrafter
+from ..dataplane.host_slab import HostSlab, host_slab_for
 from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool
 from ..dataplane.row_codec import RowCodec, Rows
 
@@ -58,12 +68,18 @@ class PackedCarry:
     their launch and the copies that wait on them).
     """
 
-    def __init__(self, pool: DrafterKVPool, codec: RowCodec) -> None:
+    def __init__(self, pool: DrafterKVPool, codec: RowCodec, host_budget_bytes: int = 0,
+                 slab: HostSlab | None = None) -> None:
         self.pool = pool
         self.codec = codec
         self._device: dict[int, PackedEntry] = {}
         self._host: dict[int, PackedEntry] = {}
         self._pin = pool.device.type == "cuda"
+        # the host copies' memory: the budget page-locked once on CUDA (None on the CPU)
+        self.slab = slab if slab is not None else host_slab_for(host_budget_bytes, pool.device)
+        if self.slab is not None:
+            self.slab.on_move = self._moved
+        self._room: list[int] = []  # host keys the store drops if the demotion in progress copies
         self.pack_ms_each: list[float] = []  # wall ms of every pack, in order
         self.unpack_ms_each: list[float] = []  # wall ms of every unpack, in order
 
@@ -74,6 +90,11 @@ class PackedCarry:
     def host_keys(self) -> list[int]:
         """Keys of the host copies, sorted."""
         return sorted(self._host)
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Page-locked bytes the host tier holds: its slab, the host budget exactly (0 on the CPU)."""
+        return self.slab.nbytes if self.slab is not None and self.slab.pinned else 0
 
     def nbytes(self, tier: str) -> int:
         """Bytes of the copies held in `tier` (`device` or `host`)."""
@@ -114,25 +135,67 @@ class PackedCarry:
     def forget(self, key: int, tier: str) -> None:
         """Free `key`'s copy in `tier` (`device` or `host`): a fault left it without a store entry."""
         (self._device if tier == "device" else self._host).pop(key, None)
+        if tier == "host" and self.slab is not None:
+            self.slab.release(key)
 
     # ---- HostMoves: the packed form between the device and host memory ------------------
 
+    def make_room(self, victims: list[CarriedDrafter]) -> None:
+        """The store drops `victims` (host entries) if the next `demote` copies: it may use their
+        slab ranges (they are dropped right after it; untouched when it returns False)."""
+        self._room = [e.session_hash for e in victims]
+
     def demote(self, entry: CarriedDrafter) -> bool:
-        packed = self._device.pop(entry.session_hash, None)
+        key = entry.session_hash
+        room, self._room = self._room, []
+        packed = self._device.get(key)
         if packed is None:
             return False
-        # on a GPU one pass into pinned memory; a CPU pool's popped copy is host memory already
-        host = self.codec.host_copy(packed.packed) if self._pin else packed.packed
-        self._host[entry.session_hash] = PackedEntry(host, packed.runs, self.codec)
+        if self.slab is not None:  # one blocking pass into the pinned slab
+            raw = self.slab.take(key, packed.nbytes, [k for k in room if k in self._host])
+            if raw is None:  # more than the host budget holds
+                return False
+            for k in room:
+                if k not in self.slab:
+                    self._host.pop(k, None)  # its range went to this copy: the store drops it next
+            host = self.codec.view(raw, tuple(packed.packed.shape))
+            self.codec.copy_(host, packed.packed)
+        elif self._pin:  # a GPU without a slab: memory page-locked for exactly the copy's bytes
+            host = self.codec.host_copy(packed.packed)
+        else:  # a CPU pool's copy is host memory already
+            host = packed.packed
+        del self._device[key]
+        self._host[key] = PackedEntry(host, packed.runs, self.codec)
         return True
 
     def restore(self, entry: CarriedDrafter) -> None:
-        packed = self._host.pop(entry.session_hash)
-        # from pinned memory on the current stream, without the CPU waiting: the unpack that
-        # reads it (`unpack`, on the same stream) is ordered after it; the caching host
-        # allocator keeps the pinned source until the copy is done
-        self._device[entry.session_hash] = PackedEntry(
-            self.codec.to(packed.packed, self.pool.device, non_blocking=True), packed.runs, self.codec)
+        key = entry.session_hash
+        packed = self._host.pop(key)
+        # from pinned memory on the current stream, without the CPU waiting, when the slab holds
+        # it: the unpack that reads it (`unpack`, on the same stream) is ordered after it, and so
+        # is any later write into its range (its event); a copy outside a slab is
+        # freed with its last reference, so that copy waits
+        self._device[key] = PackedEntry(
+            self.codec.to(packed.packed, self.pool.device, non_blocking=self.slab is not None),
+            packed.runs, self.codec)
+        if self.slab is not None:  # reused once the copy back read it (an event on its stream)
+            self.slab.release(key, _copied(self.pool.device) if self._pin else None)
 
     def drop(self, entry: CarriedDrafter) -> None:
         self._host.pop(entry.session_hash, None)
+        if self.slab is not None:
+            self.slab.release(entry.session_hash)
+
+    def _moved(self, key: object) -> None:
+        """The slab compacted: view `key`'s host copy where its bytes are now."""
+        assert self.slab is not None and isinstance(key, int)
+        e = self._host[key]
+        self._host[key] = PackedEntry(self.codec.view(self.slab.view(key), tuple(e.packed.shape)), e.runs,
+                                      self.codec)
+
+
+def _copied(device: torch.device) -> torch.cuda.Event:
+    """An event on `device`'s current stream after the copies queued so far (the CUDA seam)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return done

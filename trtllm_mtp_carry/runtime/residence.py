@@ -118,6 +118,13 @@ class Residence(ABC):
         """How long the GPU waited for copies back (CUDA host tier; 0 elsewhere)."""
         return 0.0
 
+    @property
+    def pinned_nbytes(self) -> int:
+        """Page-locked host bytes the host tier holds (its slab: the host budget exactly; 0 without
+        one or on the CPU)."""
+        moves = self.host_moves
+        return 0 if moves is None else int(getattr(moves, "pinned_nbytes", 0))
+
     def pack_times(self) -> tuple[list[float], list[float]]:
         """Wall ms of every pack (deposit) and unpack (adoption); both empty when rows stay in the pool."""
         return [], []
@@ -158,7 +165,7 @@ class PoolResidence(Residence):
     def __init__(self, pool: DrafterKVPool, host_budget_bytes: int = 0) -> None:
         super().__init__(pool)
         self.codec = codec_for("bf16", pool.k_cache.dtype)
-        self.moves = PoolHostMoves(pool) if host_budget_bytes else None
+        self.moves = PoolHostMoves(pool, host_budget_bytes) if host_budget_bytes else None
 
     @property
     def block_nbytes(self) -> int | None:
@@ -275,10 +282,10 @@ class PackedResidence(Residence):
 
     shares = False
 
-    def __init__(self, pool: DrafterKVPool, codec: RowCodec) -> None:
+    def __init__(self, pool: DrafterKVPool, codec: RowCodec, host_budget_bytes: int = 0) -> None:
         super().__init__(pool)
         self.codec = codec
-        self.moves = PackedCarry(pool, codec)
+        self.moves = PackedCarry(pool, codec, host_budget_bytes)
 
     @property
     def block_nbytes(self) -> int | None:
@@ -369,4 +376,4 @@ def residence_for(row_dtype: str, pool: DrafterKVPool, host_budget_bytes: int) -
     codec = codec_for(row_dtype, pool.k_cache.dtype)
     if codec.name == "bf16":
         return PoolResidence(pool, host_budget_bytes)
-    return PackedResidence(pool, codec)
+    return PackedResidence(pool, codec, host_budget_bytes)

@@ -406,6 +406,12 @@ class HeldRows:
                 f"({self.arena.capacity_blocks - self.arena.blocks_held} of {self.arena.capacity_blocks} "
                 "blocks free)")
 
+    def free_blocks(self) -> int:
+        """Arena blocks the next `put` may use: free ones and popped entries' (released then)."""
+        assert self.arena is not None
+        popped = sum(self.arena.blocks_for(self.arena.get(k)) for k in self._popped if k in self.arena)
+        return self.arena.capacity_blocks - self.arena.blocks_held + popped
+
     def keep(self, key: int, rows: Rows) -> None:
         """Hold `rows` themselves (not copied into the arena)."""
         if self.arena is not None:

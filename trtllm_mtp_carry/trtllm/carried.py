@@ -46,7 +46,8 @@ Invariants:
 - Memory (`arena`, `host_arena`: `trtllm/arena.py`, reserved when the carry is
   installed): a deposit copies its rows into the device arena and a demotion into
   the host arena, one block per row, so the store's budget is the arena's size; an
-  entry's rows are views of its extent. A deposit whose rows cannot be placed (an
+  entry's rows are views of its extent. A demotion into a full host arena takes the blocks
+  of the host victims the store names first (`make_room`), which it drops after the copy. A deposit whose rows cannot be placed (an
   allocation failure) is refused as `oom` (`CarryStore.refuse`: counted, logged
   once), never raised; what the store holds stays adoptable. Without arenas the
   entries hold the tensors given (as before; tests of the store logic).
@@ -156,9 +157,12 @@ class CarriedRows:
         self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # CUDA: the side stream copies back run on
         self._copied: dict[int, torch.cuda.Event] = {}  # restored key -> its copy's event, until taken
-        self._reading_host: list[torch.cuda.Event] = []  # copies back that may still read host rows
+        # copies back that may still read host rows, with those rows: a host copy outside the arena
+        # (memory registered for exactly its bytes, freed with its last reference) lives until read
+        self._reading_host: list[tuple[torch.cuda.Event, Rows]] = []
         self._oom_logged = False
         self._host_rows_dropped = 0  # rows of host entries that left the store (forget counts them)
+        self._room: list[int] = []  # host keys the store drops if the demotion in progress copies
         if host:
             self._store.host_moves = self
         self.budget_bytes = budget_bytes
@@ -322,24 +326,48 @@ class CarriedRows:
 
     # ---- HostMoves (the store calls these under our lock) --------------------------------
 
+    def make_room(self, victims: list[CarriedDrafter]) -> None:
+        """The store drops `victims` (host entries) if the next `demote` copies: it may reuse their
+        host arena blocks (the arena is the host budget exactly; untouched when it returns False)."""
+        self._room = [e.session_hash for e in victims]
+
     def demote(self, entry: CarriedDrafter) -> bool:
         """Copy `entry`'s rows to host memory (pinned when they are on a GPU); drop the device tensor."""
         key = entry.session_hash
+        room, self._room = self._room, []
         rows = self._rows[key] if key in self._rows else None
         if rows is None:
             return False
         self._settle_copies_back()  # host rows popped by a restore may be overwritten from here
+        released: list[int] = []
         try:
             if self._host.arena is not None:
+                released = self._host_room(rows, room)
                 self._host.put(key, rows)  # a blocking copy into the pinned arena
             else:
                 assert self.codec is not None  # rows are held: the first deposit bound it
                 self._host.keep(key, self.codec.host_copy(rows))
         except torch.OutOfMemoryError:  # no pinned memory for it: the store evicts it instead
+            for k in released:  # (a compaction could not stage) their blocks are free: gone as a fault
+                self._store.discard(k, "fault")
             return False
         self._host_device[key] = rows.device
         del self._rows[key]  # the device blocks go only once the rows are on the host
         return True
+
+    def _host_room(self, rows: Rows, room: list[int]) -> list[int]:
+        """Free the store's victims' host blocks (`make_room`) when the host arena holds `rows` only
+        with them (the store drops those entries once the copy is made); returns the keys freed."""
+        arena = self._host.arena
+        assert arena is not None
+        need, free = arena.blocks_for(rows), self._host.free_blocks()
+        victims = [k for k in room if k in self._host]
+        if not free < need <= free + sum(arena.blocks_for(self._host[k]) for k in victims):
+            return []
+        for k in victims:
+            del self._host[k]
+            self._host_device.pop(k, None)
+        return victims
 
     def restore(self, entry: CarriedDrafter) -> None:
         """Copy `entry`'s rows back to their device: on CUDA asynchronously on a side stream, an
@@ -364,12 +392,12 @@ class CarriedRows:
             done = _new_event()
             done.record(stream)
         self._copied[key] = done
-        self._reading_host = [e for e in self._reading_host if not e.query()] + [done]
+        self._reading_host = [(e, h) for e, h in self._reading_host if not e.query()] + [(done, host)]
         self._rows.keep(key, rows)
 
     def _settle_copies_back(self) -> None:
         """Wait (CPU) for copies back that may still read host rows about to be overwritten."""
-        for done in self._reading_host:
+        for done, _ in self._reading_host:
             done.synchronize()
         self._reading_host.clear()
 
