@@ -55,7 +55,7 @@ import torch
 
 from .hnd_pages import key_slots
 
-__all__ = ["NVFP4_KV_DTYPE", "Nvfp4KvPages", "Nvfp4KvRows", "gather_kv_pages", "scale_offsets",
+__all__ = ["FP4_BLOCK", "NVFP4_KV_DTYPE", "Nvfp4KvPages", "Nvfp4KvRows", "gather_kv_pages", "scale_offsets",
            "scatter_kv_pages"]
 
 NVFP4_KV_DTYPE = torch.float4_e2m1fn_x2
