@@ -124,7 +124,7 @@ def test_bytes_held_equal_the_bytes_the_core_charges(case, n):
     gen = torch.Generator().manual_seed(n)
     buf = hnd_pages(gen, 4, pool_dtype)
     rows = codec.gather_pages(buf, [3, 0, 2], 0, n)
-    elem = torch.empty((), dtype=pool_dtype).element_size()
+    elem = 1 if pool_dtype == NVFP4_KV_DTYPE else torch.empty((), dtype=pool_dtype).element_size()
     per_row = {"bf16": 2 * HKV * D * 2, "fp8": 2 * HKV * (D + 4), "nvfp4": 2 * HKV * (D // 2 + D // 16 + 1),
                "fp8_kv": 2 * HKV * D, "nvfp4_kv": 2 * HKV * (D // 2 + D // 16)}[name]
     assert codec.row_nbytes(HKV, D) == per_row == RowFormat(name, 2 * HKV, D, elem).row_nbytes

@@ -104,6 +104,8 @@ def test_a_negative_delay_is_one_error_line_and_exit_2():
 
 
 def test_an_nvfp4_kv_pool_reports_every_row_carried_bit_for_bit_at_its_payload_and_scale_bytes():
+    from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE
+
     r = _run("--device", "cpu", "--history", "300", "--sessions", "1", "--turns", "2",
              "--max-new", "6", "--chunk", "64", "--fp8", "--kv-dtype", "nvfp4")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -111,7 +113,7 @@ def test_an_nvfp4_kv_pool_reports_every_row_carried_bit_for_bit_at_its_payload_a
                if t[0] == "FIGURE"}
     for suffix, policy in (("", "carry"), (", fp8", "carry-fp8")):  # carry_row_dtype fp8: the pool's bytes
         got = figures[f"carried rows bit for bit{suffix}"]
-        assert re.fullmatch(rf"([1-9]\d*) of \1 rows \({policy}, torch.float4_e2m1fn_x2 pages\)", got), got
+        assert re.fullmatch(rf"([1-9]\d*) of \1 rows \({policy}, {re.escape(str(NVFP4_KV_DTYPE))} pages\)", got), got
         # the reference model's MTP layer: 2 x Hkv x (D/2 + D/16) bytes, no global scale
-        assert figures[f"carried bytes per row{suffix}"] == "72 B (nvfp4_kv, torch.float4_e2m1fn_x2 pages)"
+        assert figures[f"carried bytes per row{suffix}"] == f"72 B (nvfp4_kv, {NVFP4_KV_DTYPE} pages)"
     assert "(nvfp4 KV); outputs identical" in r.stdout

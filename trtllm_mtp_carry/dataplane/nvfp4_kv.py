@@ -58,9 +58,11 @@ from .hnd_pages import key_slots
 __all__ = ["FP4_BLOCK", "NVFP4_KV_DTYPE", "Nvfp4KvPages", "Nvfp4KvRows", "gather_kv_pages", "scale_offsets",
            "scatter_kv_pages"]
 
-NVFP4_KV_DTYPE = torch.float4_e2m1fn_x2
+NVFP4_KV_DTYPE: torch.dtype = getattr(torch, "float4_e2m1fn_x2", torch.quint4x2)
 """The pool dtype naming an NVFP4 KV pool to `row_codec.codec_for` (its pages are int8 or uint8
-views of e2m1 pairs: TensorRT-LLM's `get_buffers` gives int8)."""
+views of e2m1 pairs: TensorRT-LLM's `get_buffers` gives int8, which an INT8 KV pool would give
+too): torch's e2m1 pair dtype (torch >= 2.7), else its other two-4-bit-values-a-byte dtype. A
+marker only: no tensor of it is made."""
 
 FP4_BLOCK = 16
 """Elements per e4m3 block scale (`SF_VEC_SIZE = 16` in `quantizeAndWriteFP4KVCache`)."""

@@ -630,6 +630,9 @@ class Nvfp4KvPagesCodec(RowCodec):
             raise ValueError(f"nvfp4_kv carries an NVFP4 pool ({NVFP4_KV_DTYPE}), got a {pool_dtype} pool")
         super().__init__(pool_dtype)
 
+    def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
+        return RowFormat(self.name, 2 * num_kv_heads, head_dim, 1)  # bytes: no element of the marker dtype
+
     def holds(self, rows: object) -> bool:
         return isinstance(rows, Nvfp4KvRows)
 
