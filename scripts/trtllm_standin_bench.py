@@ -42,6 +42,8 @@ prints `FIGURE`/`CHECK` lines (tab-separated) for scripts/gpu_smoke.sh.
 `--kv-dtype fp8` builds every policy's draft pool with float8_e4m3fn pages (as KV cache manager
 V2 stores FP8 KV): the carry then holds the pages' own bytes, one byte an element, and the
 report says how many rows came back bit for bit and how many bytes a carried row takes.
+`--kv-dtype nvfp4` builds NVFP4 pools (e2m1 payload pages and e4m3 block-scale pages): the
+carry holds their own bytes, `head_dim/2 + head_dim/16` a vector, compared byte for byte.
 """
 
 from __future__ import annotations
@@ -76,6 +78,29 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def _key_rows(buf, pages, lo: int, hi: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Keys `[lo, hi)` of the pages as the carry's checks compare them: the rows (bf16, FP8 pages),
+    or an NVFP4 pool's payload and scale bytes, each read at its writer's address."""
+    from trtllm_mtp_carry.dataplane.nvfp4_kv import Nvfp4KvPages, gather_kv_pages
+    from trtllm_mtp_carry.trtllm.layout import gather_rows
+
+    if isinstance(buf, Nvfp4KvPages):
+        held = gather_kv_pages(buf, pages, lo, hi)
+        return torch.cat((held.payload, held.scales), dim=-1)
+    return gather_rows(buf, pages, lo, hi)
+
+
+def _pool_rows(rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """What the pages will hold once held `rows` are scattered, in `_key_rows`' form: the rows
+    (unpacked when packed), or an NVFP4 pool's own bytes."""
+    from trtllm_mtp_carry.dataplane.nvfp4_kv import Nvfp4KvRows
+    from trtllm_mtp_carry.dataplane.row_codec import codec_of
+
+    if isinstance(rows, Nvfp4KvRows):
+        return torch.cat((rows.payload, rows.scales), dim=-1)
+    return codec_of(rows).decode(rows).clone()
+
+
 class DataPath:
     """Times one carry executor's adapter data path per turn and checks what it scatters.
 
@@ -86,9 +111,9 @@ class DataPath:
     being run."""
 
     def __init__(self, manager: object, device: torch.device, delay_cycles: int | None = None) -> None:
-        from trtllm_mtp_carry.dataplane.row_codec import CODECS, codec_of
-        from trtllm_mtp_carry.trtllm.layout import gather_rows
+        from trtllm_mtp_carry.dataplane.row_codec import CODECS
 
+        gather_rows = _key_rows
         self.delay_cycles = delay_cycles  # None: no race check; else delays (cycles; 0 on the CPU)
         self._gather_rows = gather_rows
         self._truth: torch.Tensor | None = None  # delays: the pages' rows at the gather, read after a sync
@@ -122,7 +147,7 @@ class DataPath:
                 if self._truth is not None:  # delays: the rows the pages held, not what arrived
                     self._deposited[key], self._truth = self._truth, None
                 else:
-                    self._deposited[key] = codec_of(rows).decode(rows).clone()  # the pool's form
+                    self._deposited[key] = _pool_rows(rows)  # the pool's form
             return bool(deposit(key, tokens, rows, session))
 
         def taken(key: int, *args: object, **kwargs: object) -> object:
@@ -224,7 +249,8 @@ class DataPath:
             with path._aside("adopt_aside_ms"):  # read back what landed in the pages
                 n = rows.shape[0]
                 want = path._deposited.get(path._taking) if path._taking is not None else None
-                got = gather_rows(_raw(buf), pages, lo, lo + n)  # the pages' bytes, exactly
+                got = gather_rows(buf if not isinstance(buf, torch.Tensor) else _raw(buf), pages, lo,
+                                  lo + n)  # the pages' bytes, exactly
                 path.checks.append((n, want is not None and bool(torch.equal(got, _raw(want[lo:lo + n])))))
         return checked
 
@@ -287,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="where the stand-in's KV pages and the carry's arenas live: cpu, cuda or cuda:N "
                          "(the model computes on the CPU)")
-    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
-                    help="the draft pool's KV dtype (kv_cache_config.dtype auto with a BF16 model, or fp8: "
-                         "float8_e4m3fn pages, carried as their own bytes)")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8", "nvfp4"), default="bf16",
+                    help="the draft pool's KV dtype (kv_cache_config.dtype auto with a BF16 model, fp8: "
+                         "float8_e4m3fn pages, or nvfp4: e2m1 payload and e4m3 block-scale pages; both "
+                         "carried as their own bytes)")
     ap.add_argument("--fp8", action="store_true",
                     help="also run carry-fp8: the carry with its rows packed in FP8 (gathered packed, "
                          "scattered unpacked)")
@@ -312,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_cache_config = (RECOMMENDED_KV_CACHE_CONFIG if args.snapshot_placement == "end"
                        else {"enable_block_reuse": True})
     policies = ("carry", "carry-fp8", "blind", "rebuild") if args.fp8 else POLICIES
-    kv_dtype = {"bf16": DataType.BF16, "fp8": DataType.FP8}[args.kv_dtype]
+    kv_dtype = {"bf16": DataType.BF16, "fp8": DataType.FP8, "nvfp4": DataType.NVFP4}[args.kv_dtype]
     torch.set_num_threads(1)
     model, tok = load_reference()
     llms = {}
@@ -431,7 +458,7 @@ def _rows_carried(policy: str, path: DataPath, suffix: str) -> list[str]:
     row takes in the carry's row format (the codec's; the store charges exactly these)."""
     stats = path.manager.stats()  # type: ignore[attr-defined]
     codec = path.manager.carried.codec  # type: ignore[attr-defined]
-    buf = path.manager.draft.get_buffers(path.manager.mtp_layer, kv_layout="HND")  # type: ignore[attr-defined]
+    buf = path.manager.pages.kv()  # type: ignore[attr-defined]  # an NVFP4 pool: its logical shape
     per_row = codec.row_nbytes(buf.shape[2], buf.shape[4]) if codec is not None else 0
     equal = sum(n for n, ok in path.checks if ok)
     total = sum(n for n, _ in path.checks)

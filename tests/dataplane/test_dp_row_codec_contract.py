@@ -1,6 +1,7 @@
 """One contract suite over every row codec (`dataplane/row_codec.py`) and every place rows are held.
 
-Each codec (bf16, fp8 and nvfp4 over a bf16 pool, fp8_kv over a float8_e4m3fn pool) is run
+Each codec (bf16, fp8 and nvfp4 over a bf16 pool, fp8_kv over a float8_e4m3fn pool, nvfp4_kv over
+an NVFP4 pool's payload and block-scale pages) is run
 through the same checks, in the way trio runs one suite over every lock: the bytes held
 are the bytes the core charges, gather/scatter round-trip bit for bit where the format is
 exact (fp8, nvfp4: the codec's own deterministic round trip), and every holder (the plain rows,
@@ -15,6 +16,7 @@ import torch
 
 from trtllm_mtp_carry.core.row_format import ROW_FORMATS, RowFormat, rows_nbytes
 from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows
+from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages
 from trtllm_mtp_carry.dataplane.row_codec import (
     CODECS,
     Fp8PackedCodec,
@@ -26,7 +28,7 @@ from trtllm_mtp_carry.dataplane.row_codec import (
 from trtllm_mtp_carry.dataplane.row_format import PackedRows
 from trtllm_mtp_carry.trtllm.arena import RowArena
 
-HKV, D, TPB = 2, 16, 8
+HKV, D, TPB = 2, 32, 8  # D = 32: two block scales a vector, so V's 4-token interleave is no identity
 
 CODEC_CASES = {  # id -> (carry_row_dtype, pool dtype, the format it must resolve to)
     "bf16": ("bf16", torch.bfloat16, "bf16"),
@@ -34,6 +36,8 @@ CODEC_CASES = {  # id -> (carry_row_dtype, pool dtype, the format it must resolv
     "nvfp4": ("nvfp4", torch.bfloat16, "nvfp4"),
     "fp8_kv": ("bf16", torch.float8_e4m3fn, "fp8_kv"),
     "fp8_kv/fp8": ("fp8", torch.float8_e4m3fn, "fp8_kv"),  # no second quantization of an FP8 pool
+    "nvfp4_kv": ("bf16", NVFP4_KV_DTYPE, "nvfp4_kv"),  # an NVFP4 pool's own bytes
+    "nvfp4_kv/nvfp4": ("nvfp4", NVFP4_KV_DTYPE, "nvfp4_kv"),  # nor of an NVFP4 pool
 }
 
 
@@ -65,8 +69,41 @@ def pool_values(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype
     return (torch.randn(shape, generator=gen) * 3).to(dtype)
 
 
-def hnd_pages(gen: torch.Generator, pages: int, dtype: torch.dtype) -> torch.Tensor:
+def hnd_pages(gen: torch.Generator, pages: int, dtype: torch.dtype):
+    if dtype == NVFP4_KV_DTYPE:  # every byte value: payload as get_buffers types it (int8), scales
+        payload = torch.randint(-128, 128, (pages, 2, HKV, TPB, D // 2), generator=gen, dtype=torch.int8)
+        return Nvfp4KvPages(payload, torch.randint(0, 256, (pages, 2, HKV, TPB, D // 16), generator=gen,
+                                                   dtype=torch.uint8))
     return pool_values(gen, (pages, 2, HKV, TPB, D), dtype)  # [pages, 2, Hkv, tpb, D]
+
+
+def page_bytes(buf) -> list[torch.Tensor]:
+    """Every byte a pool holds (an NVFP4 pool: its payload and its scale pages)."""
+    if isinstance(buf, Nvfp4KvPages):
+        return [raw(buf.payload).clone(), buf.scales.clone()]
+    return [raw(buf).clone()]
+
+
+def nvfp4_key_bytes(pages: Nvfp4KvPages, page_ids: list[int], lo: int, hi: int) -> list[list[int]]:
+    """Each key's bytes, read one by one at the addresses `quantizeAndWriteFP4KVCache` (@ 0097566b)
+    writes (an independent rewrite of the layout, loops and all): per role and head, the payload,
+    then the scales in block order: K's at `row * S + s`, V's at `(row // 4) * 4 * S + s * 4 +
+    row % 4` of the role's scale page, `row = head * tpb + slot`."""
+    s_blocks = D // 16
+    out = []
+    for k in range(lo, hi):
+        page, slot = page_ids[k // TPB], k % TPB
+        key: list[int] = []
+        for role in range(2):
+            flat = pages.scales[page, role].reshape(-1).tolist()
+            for head in range(HKV):
+                key += raw(pages.payload[page, role, head, slot]).tolist()
+                row = head * TPB + slot
+                for b in range(s_blocks):
+                    at = row * s_blocks + b if role == 0 else (row // 4) * 4 * s_blocks + b * 4 + row % 4
+                    key.append(flat[at])
+        out.append(key)
+    return out
 
 
 def expected_rows(codec: RowCodec, rows: torch.Tensor) -> torch.Tensor:
@@ -87,9 +124,9 @@ def test_bytes_held_equal_the_bytes_the_core_charges(case, n):
     gen = torch.Generator().manual_seed(n)
     buf = hnd_pages(gen, 4, pool_dtype)
     rows = codec.gather_pages(buf, [3, 0, 2], 0, n)
-    elem = torch.empty((), dtype=pool_dtype).element_size()
+    elem = 1 if pool_dtype == NVFP4_KV_DTYPE else torch.empty((), dtype=pool_dtype).element_size()
     per_row = {"bf16": 2 * HKV * D * 2, "fp8": 2 * HKV * (D + 4), "nvfp4": 2 * HKV * (D // 2 + D // 16 + 1),
-               "fp8_kv": 2 * HKV * D}[name]
+               "fp8_kv": 2 * HKV * D, "nvfp4_kv": 2 * HKV * (D // 2 + D // 16)}[name]
     assert codec.row_nbytes(HKV, D) == per_row == RowFormat(name, 2 * HKV, D, elem).row_nbytes
     assert codec.nbytes(rows) == n * per_row == rows_nbytes(name, n * 2 * HKV, D, elem)
 
@@ -98,14 +135,27 @@ def test_pages_round_trip_exactly_where_the_format_is_exact(case):
     codec, pool_dtype, _ = case
     gen = torch.Generator().manual_seed(3)
     src, dst = hnd_pages(gen, 5, pool_dtype), hnd_pages(gen, 6, pool_dtype)
-    before = dst.clone()
+    before = page_bytes(dst)
     rows = codec.gather_pages(src, [4, 1, 3], 2, 19)  # keys [2, 19) across three pages
     codec.scatter_pages(dst, [5, 0, 2], 2, rows)
+    if isinstance(src, Nvfp4KvPages):  # every key's bytes, at the writer's addresses, both ends
+        assert nvfp4_key_bytes(dst, [5, 0, 2], 2, 19) == nvfp4_key_bytes(src, [4, 1, 3], 2, 19)
+        # the held rows are those bytes, vector by vector (V's scales de-interleaved)
+        held = torch.cat([rows.payload, rows.scales], dim=3).flatten(1).tolist()
+        assert held == nvfp4_key_bytes(src, [4, 1, 3], 2, 19)
+        # nothing else written: other pages, and the keys of pages 5 and 2 outside [2, 19)
+        # (V's scales of a 4-token group share bytes: the copy writes single bytes)
+        after = nvfp4_key_bytes(dst, [5, 0, 2], 0, 24)
+        want = nvfp4_key_bytes(Nvfp4KvPages(before[0].view(torch.int8), before[1]), [5, 0, 2], 0, 24)
+        assert after[:2] == want[:2] and after[19:] == want[19:]
+        for got, old in zip(page_bytes(dst), before, strict=True):
+            assert torch.equal(got[[1, 3, 4]], old[[1, 3, 4]])
+        return
     want = expected_rows(codec, gather_rows(src, [4, 1, 3], 2, 19))
     assert torch.equal(raw(gather_rows(dst, [5, 0, 2], 2, 19)), raw(want))
     untouched = torch.ones(6, dtype=torch.bool)
     untouched[[5, 0, 2]] = False
-    assert torch.equal(raw(dst[untouched]), raw(before[untouched]))  # no other page written
+    assert torch.equal(raw(dst[untouched]), before[0][untouched])  # no other page written
     if codec.exact:  # the held rows are the pool's bytes
         assert torch.equal(raw(codec.decode(rows)), raw(gather_rows(src, [4, 1, 3], 2, 19)))
 
@@ -113,6 +163,10 @@ def test_pages_round_trip_exactly_where_the_format_is_exact(case):
 def test_blocks_round_trip_exactly_where_the_format_is_exact(case):
     codec, pool_dtype, _ = case
     gen = torch.Generator().manual_seed(4)
+    if pool_dtype == NVFP4_KV_DTYPE:  # the reference runtime's caches are never NVFP4: said, not guessed
+        with pytest.raises(TypeError, match="never NVFP4"):
+            codec.gather_blocks(torch.zeros(1, 4, HKV, D), torch.zeros(1, 4, HKV, D), [0], 1)
+        return
     k, v = (pool_values(gen, (6, 4, HKV, D), pool_dtype) for _ in range(2))  # [blocks, block_size, Hkv, D]
     rows = codec.gather_blocks(k, v, [5, 1, 3], 10)  # rows 0..9 over blocks 5, 1, 3
     k2, v2 = (pool_values(gen, (6, 4, HKV, D), pool_dtype) for _ in range(2))
@@ -148,10 +202,10 @@ def test_a_codec_refuses_rows_of_another_form_before_any_write(case):
     other = (torch.zeros(2, 2, HKV, D, dtype=torch.float32) if not isinstance(codec, Fp8PackedCodec)
              else torch.zeros(2, 2, HKV, D, dtype=pool_dtype))
     buf = hnd_pages(torch.Generator().manual_seed(6), 2, pool_dtype)
-    before = buf.clone()
+    before = page_bytes(buf)
     with pytest.raises(TypeError, match=f"a {codec.name} codec holds"):
         codec.scatter_pages(buf, [0, 1], 0, other)
-    assert torch.equal(raw(buf), raw(before))
+    assert all(torch.equal(a, b) for a, b in zip(page_bytes(buf), before, strict=True))
 
 
 def test_codecs_that_cannot_hold_a_pool_say_so():
@@ -168,8 +222,9 @@ def test_codecs_that_cannot_hold_a_pool_say_so():
                                           torch.ones(1), torch.bfloat16)), Fp8PackedCodec)
 
 
-@pytest.mark.parametrize("row_dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize(("kv_dtype", "pool_dtype"), [("auto", torch.bfloat16), ("fp8", torch.float8_e4m3fn)])
+@pytest.mark.parametrize("row_dtype", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize(("kv_dtype", "pool_dtype"), [("auto", torch.bfloat16), ("fp8", torch.float8_e4m3fn),
+                                                      ("nvfp4", NVFP4_KV_DTYPE)])
 def test_the_cores_torch_free_format_choice_agrees_with_the_codec_chosen(row_dtype, kv_dtype, pool_dtype):
     from trtllm_mtp_carry.core.row_format import carried_row_format
 

@@ -65,8 +65,8 @@ def test_an_fp8_kv_pool_charges_its_own_one_byte_rows_whatever_carry_row_dtype_s
     cfg = {"num_key_value_heads": 4, "head_dim": 128, "mtp_num_hidden_layers": 2, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert replay_row_bytes("fp8", None, str(tmp_path), "fp8") == 16 * 128 == rows_nbytes("fp8_kv", 16, 128)
-    with pytest.raises(ValueError, match="kv_dtype='nvfp4' is not a KV format the carry holds"):
-        replay_row_bytes("bf16", None, None, "nvfp4")
+    with pytest.raises(ValueError, match="kv_dtype='turboquant4' is not a KV format the carry holds"):
+        replay_row_bytes("bf16", None, None, "turboquant4")  # nvfp4 is one now (its own bytes, 576 B)
 
 
 def test_trace_replay_with_an_fp8_kv_pool_reports_its_rows_and_keeps_more_follow_ups(tmp_path):

@@ -38,3 +38,11 @@ def test_the_same_budget_keeps_more_follow_ups_with_nvfp4_rows(tmp_path):
     figures = json.loads(out.read_text())
     assert (figures["config"]["row_dtype"], figures["config"]["row_bytes"]) == ("nvfp4", 580)
     assert figures["policies"]["returns"]["adopted"] == nvfp4.adopted
+
+
+def test_an_nvfp4_kv_pool_charges_its_own_payload_and_scale_bytes_whatever_carry_row_dtype_says():
+    # Qwen3-Next's MTP row: 2 x 2 vectors of 256, each 128 payload bytes and 16 block scales, no
+    # global byte (the pool's global scale is the layer's)
+    for row_dtype in ("bf16", "fp8", "nvfp4"):
+        assert replay_row_bytes(row_dtype, None, None, "nvfp4") == 4 * (128 + 16) == 576
+    assert rows_nbytes("nvfp4_kv", 4, 256) == 576

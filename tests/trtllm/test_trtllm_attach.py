@@ -33,10 +33,22 @@ def test_tp_above_one_is_refused() -> None:
 
 
 def test_a_kv_format_the_carry_does_not_move_stands_aside_in_the_verdict_line() -> None:
-    """NVFP4 KV: not refused, not armed; the reason is `kv_formats`' line (info gives the same)."""
-    carry = attach(_llm(kv_dtype=DataType.NVFP4))
+    """FP16 KV: not refused, not armed; the reason is `kv_formats`' line (info gives the same)."""
+    carry = attach(_llm(kv_dtype=DataType.HALF))
     assert (carry.armed, carry.topology) == (False, "unpaired")
-    assert carry.reason == kv_verdict("nvfp4").line and carry.reason.startswith("NVFP4 KV stands aside: ")
+    assert carry.reason == kv_verdict("fp16").line and carry.reason.startswith("FP16 KV stands aside: ")
+
+
+def test_an_nvfp4_draft_pool_is_armed_and_its_scale_pages_must_be_reachable() -> None:
+    """NVFP4 KV is carried; a pool whose block-scale pages cannot be viewed as get_buffers views
+    K/V (here: the scale roles' page stride disagrees with [pages, 2, Hkv, tpb, D/16]) is refused
+    with one line naming it."""
+    assert attach(_llm(kv_dtype=DataType.NVFP4)).armed
+    llm = _llm(kv_dtype=DataType.NVFP4)
+    paged = llm.executor.paged
+    paged.page_stride = lambda role: 7  # type: ignore[method-assign]
+    assert _refusal(llm).startswith("the NVFP4 draft pool's block-scale pages cannot be viewed: the NVFP4 "
+                                    "draft pool's scale pages are not [pages, 2, ")
 
 
 def test_an_fp8_draft_pool_is_accepted_and_pages_of_another_dtype_are_refused() -> None:

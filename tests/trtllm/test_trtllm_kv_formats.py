@@ -25,10 +25,14 @@ from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 BF16 = "BF16 KV: the drafter's rows are carried as the draft pool holds them"
 FP8 = ("FP8 KV (float8_e4m3fn pages written with the layer's static scale): the drafter's rows are "
        "carried bit for bit, never re-scaled")
-NVFP4 = ("NVFP4 KV stands aside: the draft pool keeps e2m1 values two to a byte in its K/V pages and "
-         "one E4M3 scale per 16 values in separate KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages, under each "
-         "layer's global K/V scale (kv_cache_manager_v2.py @ 38198e34); carrying it needs a row codec "
-         "over both pages (issue 43)")
+NVFP4 = ("NVFP4 KV (e2m1 pairs in the K/V pages, one E4M3 scale per 16 values in KEY_BLOCK_SCALE/"
+         "VALUE_BLOCK_SCALE pages at the same page index, kv_cache_manager_v2.py @ 00be09f7; written by "
+         "quantizeAndWriteFP4KVCache @ 0097566b under each layer's static global K/V scale): the "
+         "drafter's rows are carried as their own payload and scale bytes, bit for bit, never re-scaled")
+QSA_NVFP4 = ("QSAMambaHybridCacheManagerV2 with NVFP4 KV stands aside: its slot-major views coalesce the "
+             "MTP layer's K/V with its index key (qsa/cache_manager.py @ 38198e34), and where the NVFP4 "
+             "KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages sit in those slots was not read; carrying needs that "
+             "geometry (a get_buffers-like view of the scale pages at the base slot ids)")
 QSA = ("QSAMambaHybridCacheManagerV2: the drafter's K/V, index-key (Role.INDEX_KEY) and position "
        "(qsa_index_position) rows share one page slot (qsa/cache_manager.py @ 38198e34) and are carried "
        "together, one composite row per key, so the sparse indexer reads restored keys over the reused "
@@ -39,9 +43,9 @@ QSA = ("QSAMambaHybridCacheManagerV2: the drafter's K/V, index-key (Role.INDEX_K
 DTYPES: dict[str, tuple[str, str | None, DataType, str, bool]] = {
     "auto": ("auto", None, DataType.BF16, BF16, True),
     "fp8": ("fp8", None, DataType.FP8, FP8, True),
-    "nvfp4": ("nvfp4", None, DataType.NVFP4, NVFP4, False),
+    "nvfp4": ("nvfp4", None, DataType.NVFP4, NVFP4, True),
     "auto+fp8-checkpoint": ("auto", "FP8", DataType.FP8, FP8, True),
-    "auto+nvfp4-checkpoint": ("auto", "NVFP4", DataType.NVFP4, NVFP4, False),
+    "auto+nvfp4-checkpoint": ("auto", "NVFP4", DataType.NVFP4, NVFP4, True),
 }
 # stand-in profile (a TensorRT-LLM tree and its manager) -> the YAML lines that select that manager,
 # and what the manager adds before the format's line where the format is carried (QSA: its side rows)
@@ -84,6 +88,8 @@ def test_info_and_the_worker_give_one_verdict(tmp_path: Path, capsys: pytest.Cap
     extra, manager_line = MANAGERS[profile]
     want = f"{manager_line}; {format_line}" if manager_line and carries else format_line
     want_carries = carries
+    if manager_line and datatype == DataType.NVFP4:  # QSA's NVFP4 scale slots were not read
+        want, want_carries = QSA_NVFP4, False
     args = ["--llm-config", str(_yaml(tmp_path, dtype, extra))]
     checkpoint = _checkpoint(tmp_path, algo)
     if checkpoint is not None:
@@ -107,12 +113,14 @@ def test_info_and_the_worker_give_one_verdict(tmp_path: Path, capsys: pytest.Cap
         assert report["carry_armed_reason"].startswith(f"under {args[1]}: {want}; ")
 
 
-def test_an_nvfp4_yaml_is_no_longer_armed_in_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The contradiction of issue 41: info said `carry armed yes` for a YAML the worker refused."""
+def test_an_nvfp4_yaml_is_armed_in_info_as_the_worker_arms_it(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41's contradiction stays closed the other way round: both carry an NVFP4 pool now."""
     path = _yaml(tmp_path, "nvfp4", "")
     assert main(["info", "--llm-config", str(path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]  # the verdict first (issue 44)
-    assert first.split(None, 3) == ["carry", "armed", "no", f"stands aside under {path}: {NVFP4}"]
+    assert first.split(None, 3) == ["carry", "armed", "yes", f"under {path}: {NVFP4}; the worker's probe "
+                                    "reads pairing from the live executor at start"]
 
 
 def test_compression_is_one_verdict_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,8 +162,8 @@ def test_an_unknown_dtype_is_one_line_naming_it(tmp_path: Path, capsys: pytest.C
 
 
 def test_a_format_the_carry_does_not_move_names_itself() -> None:
-    assert kv_verdict("fp16").line == ("FP16 KV stands aside: the carry moves BF16 or FP8 draft pages only "
-                                       "(kv_cache_config.dtype auto with a BF16 model, or fp8)")
+    assert kv_verdict("fp16").line == ("FP16 KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages "
+                                       "only (kv_cache_config.dtype auto with a BF16 model, fp8 or nvfp4)")
 
 
 def test_the_configuration_page_shows_infos_real_first_line(tmp_path: Path,

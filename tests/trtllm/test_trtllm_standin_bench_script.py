@@ -101,3 +101,19 @@ def test_a_negative_delay_is_one_error_line_and_exit_2():
     r = _run("--delay-cycles", "-1")
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == "trtllm_standin_bench.py: error: --delay-cycles must be >= 0, got -1\n"
+
+
+def test_an_nvfp4_kv_pool_reports_every_row_carried_bit_for_bit_at_its_payload_and_scale_bytes():
+    from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE
+
+    r = _run("--device", "cpu", "--history", "300", "--sessions", "1", "--turns", "2",
+             "--max-new", "6", "--chunk", "64", "--fp8", "--kv-dtype", "nvfp4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    figures = {t[1]: t[2] for t in (line.split("\t") for line in r.stdout.splitlines())
+               if t[0] == "FIGURE"}
+    for suffix, policy in (("", "carry"), (", fp8", "carry-fp8")):  # carry_row_dtype fp8: the pool's bytes
+        got = figures[f"carried rows bit for bit{suffix}"]
+        assert re.fullmatch(rf"([1-9]\d*) of \1 rows \({policy}, {re.escape(str(NVFP4_KV_DTYPE))} pages\)", got), got
+        # the reference model's MTP layer: 2 x Hkv x (D/2 + D/16) bytes, no global scale
+        assert figures[f"carried bytes per row{suffix}"] == f"72 B (nvfp4_kv, {NVFP4_KV_DTYPE} pages)"
+    assert "(nvfp4 KV); outputs identical" in r.stdout

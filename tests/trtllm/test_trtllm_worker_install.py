@@ -55,10 +55,8 @@ def _run(llm: StandinLLM, sessions: int, turns: int, max_new: int) -> tuple[list
 
     def capture(request: LlmRequest) -> None:
         n = len(request.get_tokens(0)) - 1
-        keys = torch.arange(n)
-        table = torch.tensor(paged.tables[request.py_request_id], dtype=torch.int64)
-        at_free[request.py_request_id] = paged.buf[table[keys // paged.tpb], :, :,
-                                                   keys % paged.tpb].clone()
+        # every byte of each key (an NVFP4 pool: its payload and its block scales)
+        at_free[request.py_request_id] = paged.key_bytes(request.py_request_id, 0, n)
         free(request)
 
     rm.free_resources = capture  # type: ignore[method-assign]
@@ -84,7 +82,7 @@ def _llm(**options: Any) -> StandinLLM:
     return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=CHUNK, max_batch=3, num_pages=4096, **options)
 
 
-@pytest.mark.parametrize("kv_dtype", [DataType.BF16, DataType.FP8])
+@pytest.mark.parametrize("kv_dtype", [DataType.BF16, DataType.FP8, DataType.NVFP4])
 def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebuild(
         carry_env, kv_dtype: DataType) -> None:
     # the default LLM: the executor lives in the worker, the hook installs the carry
@@ -106,14 +104,15 @@ def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebu
     for s_got, s_want in zip(got, want, strict=True):
         assert all(r.reused >= HISTORY for r in s_got[1:])  # every warm turn reused its history
         for r_got, r_want in zip(s_got, s_want, strict=True):
-            # every row of [0, N - 1), bytes compared (bf16 and FP8 pages alike)
-            assert torch.equal(got_rows[r_got.py_request_id].view(torch.uint8),
-                               want_rows[r_want.py_request_id].view(torch.uint8))
-    # an FP8 pool carries its own bytes: one byte an element held and charged, never re-scaled
-    hkv, d = carry.executor.paged.buf.shape[2], carry.executor.paged.buf.shape[4]
-    elem = 1 if kv_dtype == DataType.FP8 else 2
-    assert stats["row_dtype"] == ("fp8_kv" if kv_dtype == DataType.FP8 else "bf16")
-    assert stats["bytes_held"] == stats["rows_held"] * 2 * hkv * d * elem
+            # every row of [0, N - 1), bytes compared (bf16, FP8 and NVFP4 pages alike)
+            assert torch.equal(got_rows[r_got.py_request_id], want_rows[r_want.py_request_id])
+    # an FP8 or NVFP4 pool carries its own bytes (one byte an element; D/2 + D/16 a vector), never
+    # re-scaled: held and charged so
+    cfg = carry.executor.model.cfg
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    vector = {DataType.BF16: 2 * d, DataType.FP8: d, DataType.NVFP4: d // 2 + d // 16}[kv_dtype]
+    assert stats["row_dtype"] == {DataType.BF16: "bf16", DataType.FP8: "fp8_kv", DataType.NVFP4: "nvfp4_kv"}[kv_dtype]
+    assert stats["bytes_held"] == stats["rows_held"] * 2 * hkv * vector
     acc_carry = sum(r.accepted for s in got for r in s[1:])
     acc_rebuild = sum(r.accepted for s in want for r in s[1:])
     assert acc_carry == acc_rebuild
@@ -125,8 +124,8 @@ def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebu
      "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
     ({"version": "pr18843"},  # #18843's layout: the hybrid inherits _supports_reuse_match_backoff = True
      "mtp carry: stands aside: paired: the draft pool publishes and reuses its own blocks"),
-    ({"kv_dtype": DataType.NVFP4},
-     "mtp carry: stands aside: NVFP4 KV stands aside: the draft pool keeps e2m1 values"),
+    ({"kv_dtype": DataType.HALF},
+     "mtp carry: stands aside: FP16 KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages only"),
     ({"version": "1.2.1"},
      "mtp carry: stands aside: the target KV cache manager is CppMambaHybridCacheManager (KV "
      "cache manager V1"),

@@ -26,6 +26,7 @@ RECEIVERS = {
     "request": "LlmRequest", "req": "LlmRequest",
     "draft": "KVCacheManagerV2", "target": "KVCacheManagerV2", "self.draft": "KVCacheManagerV2",
     "qsa": "QSAMambaHybridCacheManagerV2",
+    "impl": "KVCacheManagerPy", "v2": "tensorrt_llm._torch.pyexecutor.kv_cache_manager_v2", "role": "Role",
     "executor": "PyExecutor", "engine": "PyExecutor",
     "llm": "LLM", "self._llm": "LLM",
     "proxy": "GenerationExecutor",

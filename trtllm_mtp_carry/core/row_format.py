@@ -13,11 +13,17 @@ one e8m0 byte (the vector's power-of-two global scale: `dataplane.nvfp4.Nvfp4Row
     fp8:    | v0: D x 1 B | s0 4 B | v1: D x 1 B | s1 4 B | ...   (scales stored apart)
     nvfp4:  | v0: D/2 B | D/16 B | 1 B | v1: ...                  (Qwen3-Next's MTP row: 4 x 145 = 580 B)
     fp8_kv: | v0: D x 1 B | v1: D x 1 B | ...   (an FP8 KV pool's own bytes: static scale, none stored)
+    nvfp4_kv: | v0: D/2 B | D/16 B | v1: ...         (an NVFP4 KV pool's own bytes: e2m1 pairs and e4m3
+                                                       block scales; the per-layer global scale is not stored;
+                                                       Qwen3-Next's MTP row: 4 x 144 = 576 B)
 
-`fp8_kv` is not a `carry_row_dtype` choice: it is the format of a pool whose
-rows already are float8_e4m3fn bytes (`dataplane.row_codec.codec_for` picks it
-for such a pool, whatever `carry_row_dtype` says); trace replay takes it to
-charge an FP8 pool's rows (`ROW_FORMATS`).
+`fp8_kv` and `nvfp4_kv` are not `carry_row_dtype` choices: they are the formats
+of a pool whose rows already are float8_e4m3fn bytes, or NVFP4 payload and block
+scale bytes (`dataplane.row_codec.codec_for` picks them for such a pool, whatever
+`carry_row_dtype` says); trace replay takes them to charge such a pool's rows
+(`ROW_FORMATS`). An NVFP4 pool's second-level (global) K and V scales are one
+float32 each per layer, constant across requests (`kv_scale_orig_quant`), so a
+carried row holds none.
 
 Invariants:
 - `rows_nbytes(fmt, n, d, e)` equals the data plane codec's bytes held for every
@@ -44,9 +50,10 @@ ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
 
 DEFAULT_CARRY_ROW_DTYPE = ROW_DTYPES[0]
 
-ROW_FORMATS: tuple[str, ...] = (*ROW_DTYPES, "fp8_kv")
+ROW_FORMATS: tuple[str, ...] = (*ROW_DTYPES, "fp8_kv", "nvfp4_kv")
 """Every format a carried row may be held in: the `carry_row_dtype` choices, then `fp8_kv`
-(an FP8 KV pool's own 1-byte rows). Each has a codec in `dataplane.row_codec.CODECS`."""
+(an FP8 KV pool's own 1-byte rows) and `nvfp4_kv` (an NVFP4 KV pool's own payload and block
+scale bytes). Each has a codec in `dataplane.row_codec.CODECS`."""
 
 FP8_KV_ELEM_BYTES = 1
 """Bytes of one element of an FP8 KV pool's row (float8_e4m3fn)."""
@@ -78,37 +85,41 @@ def check_row_format(value: object, what: str = "row format") -> str:
     return value
 
 
-KV_DTYPES: tuple[str, ...] = ("auto", "fp8")
+KV_DTYPES: tuple[str, ...] = ("auto", "fp8", "nvfp4")
 """The draft pool's KV format as `kv_cache_config.dtype` names it: `auto` (the model's dtype,
-BF16 rows) or `fp8` (float8_e4m3fn pages written with the layer's static KV scale)."""
+BF16 rows), `fp8` (float8_e4m3fn pages written with the layer's static KV scale) or `nvfp4`
+(e2m1 payload pages and e4m3 block-scale pages under the layer's static global scales)."""
+
+_POOL_FORMATS = {"fp8": "fp8_kv", "nvfp4": "nvfp4_kv"}
 
 
 def carried_row_format(row_dtype: str, kv_dtype: str = "auto") -> str:
     """The format carried rows are held in, for `carry_row_dtype` `row_dtype` over a pool of KV
-    format `kv_dtype`: an FP8 pool's rows are its own bytes (`fp8_kv`) whatever `row_dtype`
-    says (never a second quantization); otherwise `row_dtype`. The torch-free twin of
+    format `kv_dtype`: an FP8 or NVFP4 pool's rows are its own bytes (`fp8_kv`, `nvfp4_kv`)
+    whatever `row_dtype` says (never a second quantization); otherwise `row_dtype`. The torch-free twin of
     `dataplane.row_codec.codec_for` (tests pin that both agree). ValueError names a bad value."""
     check_row_dtype(row_dtype)
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r} is not a KV format the carry holds; expected one of "
                          f"{', '.join(KV_DTYPES)}")
-    return "fp8_kv" if kv_dtype == "fp8" else row_dtype
+    return _POOL_FORMATS.get(kv_dtype, row_dtype)
 
 
 def vector_nbytes(row_dtype: str, head_dim: int, elem_bytes: int = 2) -> int:
     """Bytes one head vector of `head_dim` elements takes in format `row_dtype` (`ROW_FORMATS`;
-    `elem_bytes`: bf16's element, the pool's own). nvfp4 needs `head_dim` a multiple of
+    `elem_bytes`: bf16's element, the pool's own). nvfp4 and nvfp4_kv need `head_dim` a multiple of
     `NVFP4_BLOCK` (a ValueError names it otherwise)."""
     check_row_format(row_dtype)
     if row_dtype == "fp8":
         return head_dim + FP8_SCALE_BYTES
     if row_dtype == "fp8_kv":
         return head_dim * FP8_KV_ELEM_BYTES
-    if row_dtype == "nvfp4":
+    if row_dtype in ("nvfp4", "nvfp4_kv"):
         if head_dim % NVFP4_BLOCK:
             raise ValueError(f"head_dim={head_dim!r} is not a multiple of {NVFP4_BLOCK}: nvfp4 "
                              f"holds one scale per {NVFP4_BLOCK} elements")
-        return head_dim // 2 + head_dim // NVFP4_BLOCK + NVFP4_GLOBAL_BYTES
+        # nvfp4_kv: the pool's own bytes, no per-vector global scale (the layer's is static)
+        return head_dim // 2 + head_dim // NVFP4_BLOCK + (NVFP4_GLOBAL_BYTES if row_dtype == "nvfp4" else 0)
     return head_dim * elem_bytes
 
 

@@ -14,11 +14,16 @@ rows' type. A codec is chosen once per pool (`codec_for`) from the configured
     nvfp4      bf16/fp16/fp32    Nvfp4Rows: e2m1 pairs + e4m3 per 16     2*Hkv*(D/2 + D/16 + 1)
                                  + one e8m0 byte a vector (`nvfp4.py`)
     fp8_kv     float8_e4m3fn     the pool's own bytes (static KV scale)  2*Hkv*D
+    nvfp4_kv   NVFP4 (`Nvfp4KvPages`) the pool's own payload + block-scale  2*Hkv*(D/2 + D/16)
+                                 bytes (`nvfp4_kv.py`; static global scale)
 
 An FP8 KV pool's rows are float8_e4m3fn bytes written with the layer's static
 KV scale: they are carried as they are, gathered and scattered exactly, never
 re-scaled, whatever `carry_row_dtype` says (a second quantization could only
-lose bits; an upcast would double the bytes for nothing).
+lose bits; an upcast would double the bytes for nothing). An NVFP4 KV pool's rows
+(`nvfp4_kv`) likewise: its e2m1 payload and e4m3 block-scale bytes, addressed as
+TensorRT-LLM's writer addresses them (`dataplane/nvfp4_kv.py`), under the layer's
+static global scales.
 
 Invariants (tests/dataplane/test_dp_row_codec_contract.py runs one suite over every codec):
 - `codec.nbytes(rows) == codec.row_nbytes(Hkv, D) * n`, which equals
@@ -57,6 +62,7 @@ from . import nvfp4
 from .device_ints import device_tensor
 from .hnd_pages import gather_packed_rows, gather_rows, key_slots, scatter_packed_rows, scatter_rows
 from .nvfp4 import Nvfp4Rows
+from .nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages, Nvfp4KvRows, gather_kv_pages, scatter_kv_pages
 from .pinned import host_empty
 from .reference import slots_for_rows
 from .row_format import (
@@ -70,7 +76,7 @@ from .row_format import (
 )
 
 __all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "Fp8PackedCodec", "Nvfp4Codec",
-           "PoolRowsCodec", "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
+           "Nvfp4KvPagesCodec", "PoolRowsCodec", "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +110,7 @@ class CompositeRows:
     """Held composite rows: `kv` (`[n, 2, Hkv, D]` in the K/V codec's form) and one tensor
     `[n, *row_shape]` per side of `spec`, row `r` of each the same key."""
 
-    kv: torch.Tensor | PackedRows | Nvfp4Rows
+    kv: torch.Tensor | PackedRows | Nvfp4Rows | Nvfp4KvRows
     sides: tuple[torch.Tensor, ...]
     spec: tuple[SideRows, ...]
 
@@ -138,9 +144,9 @@ class SlotPages:
         return self.kv.dtype
 
 
-Rows = torch.Tensor | PackedRows | Nvfp4Rows | CompositeRows
-"""Held rows: a tensor `[n, 2, Hkv, D]` in the pool's dtype, `PackedRows`, `Nvfp4Rows` or
-`CompositeRows`."""
+Rows = torch.Tensor | PackedRows | Nvfp4Rows | Nvfp4KvRows | CompositeRows
+"""Held rows: a tensor `[n, 2, Hkv, D]` in the pool's dtype, `PackedRows`, `Nvfp4Rows`,
+`Nvfp4KvRows` or `CompositeRows`."""
 
 KV_FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
 """Pool element dtypes whose rows already are FP8 bytes (`fp8_kv`: carried as they are)."""
@@ -196,7 +202,7 @@ class RowCodec(ABC):
         if not self.holds(rows):
             raise TypeError(f"a {self.name} codec holds {self._form()}, got "
                             f"{type(rows).__name__} {getattr(rows, 'dtype', '')}")
-        assert isinstance(rows, (torch.Tensor, PackedRows, Nvfp4Rows, CompositeRows))
+        assert isinstance(rows, (torch.Tensor, PackedRows, Nvfp4Rows, Nvfp4KvRows, CompositeRows))
         return rows
 
     @abstractmethod
@@ -610,8 +616,89 @@ class Nvfp4Codec(RowCodec):
         nvfp4.unpack_into_blocks(self._rows(rows), k_cache, v_cache, block_ids)
 
 
+class Nvfp4KvPagesCodec(RowCodec):
+    """`nvfp4_kv`: an NVFP4 KV pool's own rows, its e2m1 payload and e4m3 block-scale bytes
+    (`Nvfp4KvRows`), gathered from and scattered to `Nvfp4KvPages` at the addresses
+    TensorRT-LLM's writer gives each byte (`dataplane/nvfp4_kv.py`). Exact: copies only, never
+    dequantized or re-scaled (the layer's global scales are static). Its rows live in a
+    draft pool's pages only: the reference runtime's K/V block caches are never NVFP4."""
+
+    name = "nvfp4_kv"
+    exact = True
+
+    def __init__(self, pool_dtype: torch.dtype) -> None:
+        if pool_dtype != NVFP4_KV_DTYPE:
+            raise ValueError(f"nvfp4_kv carries an NVFP4 pool ({NVFP4_KV_DTYPE}), got a {pool_dtype} pool")
+        super().__init__(pool_dtype)
+
+    def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
+        return RowFormat(self.name, 2 * num_kv_heads, head_dim, 1)  # bytes: no element of the marker dtype
+
+    def holds(self, rows: object) -> bool:
+        return isinstance(rows, Nvfp4KvRows)
+
+    def _rows(self, rows: object) -> Nvfp4KvRows:
+        if not self.holds(rows):
+            self.check(rows)  # the TypeError naming the form
+        assert isinstance(rows, Nvfp4KvRows)
+        return rows
+
+    def _form(self) -> str:
+        return "Nvfp4KvRows (an NVFP4 pool's payload and block-scale bytes)"
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        r = self._rows(rows)
+        return (r.payload, r.scales)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        return self._rows(rows).head(n)
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        return self._rows(rows).to(device, non_blocking=non_blocking)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        return self._rows(rows).host_copy()
+
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        # the payload (D/2 bytes a vector), then the block scales (D/16): bytes, no alignment
+        lead, d = tuple(shape[:-1]), shape[-1]
+        a = math.prod(lead) * (d // 2)
+        return Nvfp4KvRows(raw[:a].view(*lead, d // 2), raw[a:a + math.prod(lead) * (d // 16)].view(*lead, d // 16))
+
+    def encode(self, rows: torch.Tensor) -> Rows:
+        raise TypeError("nvfp4_kv rows are an NVFP4 pool's own bytes, gathered from its pages "
+                        "(gather_pages), never encoded from other rows")
+
+    def decode(self, rows: Rows) -> torch.Tensor:
+        raise TypeError("nvfp4_kv rows are scattered back as the pool's own bytes; decoding them "
+                        "needs the layer's global K/V scales, which the carry never reads")
+
+    def _pages(self, buf: object) -> Nvfp4KvPages:
+        if not isinstance(buf, Nvfp4KvPages):
+            raise RuntimeError(f"a nvfp4_kv codec reads Nvfp4KvPages (payload and scale pages), got "
+                               f"{type(buf).__name__} {getattr(buf, 'dtype', '')}")
+        return buf
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+        return gather_kv_pages(self._pages(buf), pages, lo, hi)
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        r = self._rows(rows)
+        scatter_kv_pages(self._pages(buf), pages, lo, r)
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int) -> Rows:
+        raise TypeError("nvfp4_kv rows live in an NVFP4 draft pool's pages; the reference runtime's "
+                        "K/V block caches are never NVFP4")
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        raise TypeError("nvfp4_kv rows live in an NVFP4 draft pool's pages; the reference runtime's "
+                        "K/V block caches are never NVFP4")
+
+
 CODECS: dict[str, type[RowCodec]] = {"bf16": PoolRowsCodec, "fp8": Fp8PackedCodec, "nvfp4": Nvfp4Codec,
-                                     "fp8_kv": PoolRowsCodec}
+                                     "fp8_kv": PoolRowsCodec, "nvfp4_kv": Nvfp4KvPagesCodec}
 """Codec classes by format name (`core.row_format.ROW_FORMATS`)."""
 
 
@@ -630,18 +717,23 @@ def codec_of(rows: object) -> RowCodec:
         return _codec(Fp8PackedCodec, rows.dtype)
     if isinstance(rows, Nvfp4Rows):
         return _codec(Nvfp4Codec, rows.dtype)
+    if isinstance(rows, Nvfp4KvRows):
+        return _codec(Nvfp4KvPagesCodec, NVFP4_KV_DTYPE)
     if isinstance(rows, torch.Tensor):
         return _codec(PoolRowsCodec, rows.dtype)
-    raise TypeError(f"carried rows are a tensor, PackedRows or Nvfp4Rows, got {type(rows).__name__}")
+    raise TypeError(f"carried rows are a tensor, PackedRows, Nvfp4Rows or Nvfp4KvRows, got {type(rows).__name__}")
 
 
 def codec_for(row_dtype: str, pool_dtype: torch.dtype) -> RowCodec:
     """The codec carrying a `pool_dtype` pool's rows under `carry_row_dtype` `row_dtype`: an FP8 KV
-    pool carries its own bytes (`fp8_kv`) whatever `row_dtype` says; otherwise `row_dtype`'s
-    codec (`bf16`: the pool's rows as held; `fp8`: packed). ValueError names a bad pair."""
+    pool carries its own bytes (`fp8_kv`), an NVFP4 one (`NVFP4_KV_DTYPE`) its own payload and
+    block-scale bytes (`nvfp4_kv`), whatever `row_dtype` says; otherwise `row_dtype`'s codec
+    (`bf16`: the pool's rows as held; `fp8`, `nvfp4`: packed). ValueError names a bad pair."""
     from ..core.row_format import check_row_dtype
 
     check_row_dtype(row_dtype)
+    if pool_dtype == NVFP4_KV_DTYPE:
+        return _codec(Nvfp4KvPagesCodec, pool_dtype)
     if pool_dtype in KV_FP8_DTYPES:
         return _codec(PoolRowsCodec, pool_dtype)
     return _codec(CODECS[row_dtype], pool_dtype)

@@ -209,8 +209,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", dest="replay_kv_dtype", choices=KV_DTYPES, default="auto",
                    help="the draft pool's KV format (kv_cache_config.dtype): auto (the model's dtype), or "
                         "fp8: float8_e4m3fn pages, whose rows the carry holds as their own bytes (one byte "
-                        "an element, no scales, whatever --carry-row-dtype says); --row-bytes then names "
-                        "those bytes")
+                        "an element, no scales, whatever --carry-row-dtype says), or nvfp4: e2m1 payload "
+                        "and e4m3 block-scale pages, held as their own bytes (head_dim/2 + head_dim/16 a "
+                        "vector, 576 B a Qwen3-Next MTP row); --row-bytes then names those bytes")
     p.add_argument("--prefill-tokens-per-s", dest="replay_prefill_rate", type=positive_float,
                    default=PREFILL_TOKENS_PER_S, metavar="R",
                    help="service model: prompt tokens prefilled per second")

@@ -238,7 +238,7 @@ class CarriedRows:
         if self.codec is None:
             codec = codec_of(rows)
             kv_name = codec.main.name if isinstance(codec, CompositeCodec) else codec.name  # K/V's format
-            if kv_name != self.row_dtype and kv_name != "fp8_kv":  # an FP8 pool's own bytes
+            if kv_name != self.row_dtype and kv_name not in ("fp8_kv", "nvfp4_kv"):  # a pool's own bytes
                 raise TypeError(f"a {self.row_dtype} store keeps "
                                 f"{'PackedRows' if self.row_dtype == 'fp8' else 'tensors'}, got {type(rows).__name__}")
             self.codec = self._rows.codec = self._host.codec = codec

@@ -9,6 +9,13 @@ the draft pool's manager class; this module decides it once per draft manager
   `get_buffers(mtp, "HND")` (`[pages, 2, Hkv, tpb, D]`) addressed by
   `get_batch_cache_indices([rid], layer_idx=mtp)`; the row codec is
   `codec_for(carry_row_dtype, pool dtype)`.
+- `Nvfp4DraftPages` (an NVFP4 pool, `draft.dtype` `DataType.NVFP4`, base V2 or the
+  hybrid): the payload pages `get_buffers(mtp, "HND")` (int8 `[pages, 2, Hkv, tpb, D/2]`,
+  as `get_buffers` re-types NVFP4) and the block-scale pages beside them (`nvfp4_scale_pages`:
+  uint8 `[pages, 2, Hkv, tpb, D/16]`, K's then V's scale page of each page index), both
+  addressed by the same `get_batch_cache_indices` ids; the row codec is `nvfp4_kv` (the
+  pool's own bytes, `dataplane/nvfp4_kv.py` says what the source shows) whatever
+  `carry_row_dtype` says.
 - `QsaDraftPages` (`QSAMambaHybridCacheManagerV2`, the QSA hybrid's draft pool;
   `tensorrt_llm/_torch/attention/backends/sparse/qsa/cache_manager.py` @
   38198e34582cf777ecc72062f477987284ba9999): the MTP layer keeps, in the same V2
@@ -45,13 +52,16 @@ to exactly the views, at exactly the ids, that TensorRT-LLM's kernels index.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
+from ..dataplane.nvfp4_kv import FP4_BLOCK, NVFP4_KV_DTYPE, Nvfp4KvPages
 from ..dataplane.row_codec import CompositeCodec, RowCodec, SideRows, SlotPages, codec_for
+from .kv_formats import kv_format_of_datatype
 
-__all__ = ["QSA_MANAGER", "DraftPages", "QsaDraftPages", "pages_of"]
+__all__ = ["QSA_MANAGER", "DraftPages", "Nvfp4DraftPages", "QsaDraftPages", "nvfp4_scale_pages", "pages_of"]
 
 QSA_MANAGER = "QSAMambaHybridCacheManagerV2"
 """The QSA hybrid's draft pool class (`qsa/cache_manager.py` @ 38198e34)."""
@@ -71,8 +81,8 @@ class DraftPages:
         self.draft = draft
         self.mtp_layer = mtp_layer
 
-    def kv(self) -> torch.Tensor:
-        """The K/V pages `[pages, 2, Hkv, tpb, D]` (HND)."""
+    def kv(self) -> Any:
+        """The K/V pages `[pages, 2, Hkv, tpb, D]` (HND: a tensor; an NVFP4 pool's `Nvfp4KvPages`)."""
         buf: torch.Tensor = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
         return buf
 
@@ -93,6 +103,53 @@ class DraftPages:
         """Bytes one carried row takes held (the arena's block)."""
         buf = self.kv()
         return self.codec(row_dtype).row_nbytes(buf.shape[2], buf.shape[4])
+
+
+def _v2_module(draft: Any) -> Any:
+    """The module defining `draft`'s `KVCacheManagerV2` class: it has `Role` and the
+    `TensorWrapper` / `convert_to_torch_tensor` its `get_buffers` views the pool with
+    (kv_cache_manager_v2.py @ 00be09f7 defines the one and imports the others)."""
+    cls = next(c for c in type(draft).__mro__ if c.__name__ == "KVCacheManagerV2")
+    return sys.modules[cls.__module__]
+
+
+def nvfp4_scale_pages(draft: Any, mtp_layer: int, payload: torch.Tensor) -> torch.Tensor:
+    """The MTP layer's block-scale pages of NVFP4 draft pool `draft`: uint8 `[pages, 2, Hkv, tpb,
+    D/16]` over the `KEY_BLOCK_SCALE` pool, K's then V's scale page of each page index.
+
+    Viewed as `get_buffers` views K/V (kv_cache_manager_v2.py @ 00be09f7): the role's base address
+    (`impl.get_mem_pool_base_address(layer_offset, role)`), V's one page on from K's and pages
+    of `get_page_stride` bytes (the checks `get_buffers` makes of K/V, made of the scale roles),
+    the page count and geometry of the payload view `payload` (`_build_pool_mapping_tensors`
+    asserts the scale pages' offset equals the data's: one page index for both). RuntimeError,
+    naming the numbers, where the pool does not look so."""
+    v2 = _v2_module(draft)
+    role = v2.Role
+    impl = draft.impl
+    layer = draft.layer_offsets[mtp_layer]
+    k_addr = impl.get_mem_pool_base_address(layer, role.KEY_BLOCK_SCALE)
+    v_addr = impl.get_mem_pool_base_address(layer, role.VALUE_BLOCK_SCALE)
+    stride = impl.get_page_stride(layer, role.KEY_BLOCK_SCALE)
+    pages, _, heads, tpb, half = payload.shape
+    blocks = half * 2 // FP4_BLOCK
+    if (stride != heads * tpb * blocks or impl.get_page_stride(layer, role.VALUE_BLOCK_SCALE) != stride
+            or v_addr != k_addr + stride):
+        raise RuntimeError(f"the NVFP4 draft pool's scale pages are not [pages, 2, {heads}, {tpb}, {blocks}] "
+                           f"bytes: K at {k_addr:#x}, V at {v_addr:#x}, page stride {stride}")
+    scales: torch.Tensor = v2.convert_to_torch_tensor(
+        v2.TensorWrapper(k_addr, torch.uint8, [pages, 2, heads, tpb, blocks]))
+    return scales
+
+
+class Nvfp4DraftPages(DraftPages):
+    """An NVFP4 draft pool's MTP-layer pages: payload and block-scale pages, one page index."""
+
+    def kv(self) -> Nvfp4KvPages:
+        payload: torch.Tensor = self.draft.get_buffers(self.mtp_layer, kv_layout="HND")
+        return Nvfp4KvPages(payload, nvfp4_scale_pages(self.draft, self.mtp_layer, payload))
+
+    def codec(self, row_dtype: str) -> RowCodec:
+        return codec_for(row_dtype, NVFP4_KV_DTYPE)  # the pool's own bytes, whatever row_dtype says
 
 
 class QsaDraftPages(DraftPages):
@@ -125,6 +182,11 @@ class QsaDraftPages(DraftPages):
 
 def pages_of(draft: Any, mtp_layer: int) -> DraftPages:
     """The layout of draft manager `draft`'s MTP layer pages, by its class (a subclass of the QSA
-    hybrid's manager is judged as it, as `kv_formats.verdict_of_draft` judges it)."""
+    hybrid's manager is judged as it, as `kv_formats.verdict_of_draft` judges it) and its KV
+    format (an NVFP4 pool's payload and scale pages; the verdict stands aside on a QSA one)."""
     names = {c.__name__ for c in type(draft).__mro__}
-    return QsaDraftPages(draft, mtp_layer) if QSA_MANAGER in names else DraftPages(draft, mtp_layer)
+    if QSA_MANAGER in names:
+        return QsaDraftPages(draft, mtp_layer)
+    if kv_format_of_datatype(getattr(draft, "dtype", None)) == "nvfp4":
+        return Nvfp4DraftPages(draft, mtp_layer)
+    return DraftPages(draft, mtp_layer)

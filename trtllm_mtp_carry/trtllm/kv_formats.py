@@ -37,17 +37,19 @@ KV_DTYPES = ("auto", "fp8", "nvfp4")
 """The `kv_cache_config.dtype` values the verdict names (TensorRT-LLM accepts more: `float16`,
 `bfloat16`, `turboquant4`, `fp8_ds_mla`; they resolve through the same function)."""
 
-CARRIED_FORMATS = ("bf16", "fp8")
-"""KV formats whose draft-pool rows the carry moves: BF16 as gathered, FP8 bit for bit."""
+CARRIED_FORMATS = ("bf16", "fp8", "nvfp4")
+"""KV formats whose draft-pool rows the carry moves: BF16 as gathered, FP8 and NVFP4 bit for bit
+(an NVFP4 pool's payload and block-scale bytes, `dataplane/nvfp4_kv.py`)."""
 
 _FORMAT_LINES: dict[str, str] = {
     "bf16": "BF16 KV: the drafter's rows are carried as the draft pool holds them",
     "fp8": ("FP8 KV (float8_e4m3fn pages written with the layer's static scale): the drafter's "
             "rows are carried bit for bit, never re-scaled"),
-    "nvfp4": ("NVFP4 KV stands aside: the draft pool keeps e2m1 values two to a byte in its K/V "
-              "pages and one E4M3 scale per 16 values in separate KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE "
-              "pages, under each layer's global K/V scale (kv_cache_manager_v2.py @ 38198e34); "
-              "carrying it needs a row codec over both pages (issue 43)"),
+    "nvfp4": ("NVFP4 KV (e2m1 pairs in the K/V pages, one E4M3 scale per 16 values in KEY_BLOCK_SCALE/"
+              "VALUE_BLOCK_SCALE pages at the same page index, kv_cache_manager_v2.py @ 00be09f7; "
+              "written by quantizeAndWriteFP4KVCache @ 0097566b under each layer's static global "
+              "K/V scale): the drafter's rows are carried as their own payload and scale bytes, bit "
+              "for bit, never re-scaled"),
 }
 
 _CARRIED_MANAGER_LINES: dict[str, str] = {
@@ -58,7 +60,17 @@ _CARRIED_MANAGER_LINES: dict[str, str] = {
         "over the reused prefix"),
 }
 """Draft-pool managers whose side rows the carry moves with K/V (`trtllm/draft_pages.py`);
-the KV format is then judged as for any other manager (an NVFP4 QSA pool stands aside)."""
+the KV format is then judged as for any other manager, but an NVFP4 one stands aside
+(`_NVFP4_SLOT_LINES`)."""
+
+_NVFP4_SLOT_LINES: dict[str, str] = {
+    "QSAMambaHybridCacheManagerV2": (
+        "QSAMambaHybridCacheManagerV2 with NVFP4 KV stands aside: its slot-major views coalesce the "
+        "MTP layer's K/V with its index key (qsa/cache_manager.py @ 38198e34), and where the NVFP4 "
+        "KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages sit in those slots was not read; carrying needs "
+        "that geometry (a get_buffers-like view of the scale pages at the base slot ids)"),
+}
+"""Carried managers whose NVFP4 block-scale page geometry was not read: their NVFP4 pools stand aside."""
 
 _MANAGER_LINES: dict[str, str] = {
     "DeepseekV4CacheManager": (
@@ -166,6 +178,8 @@ def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None
         return KvVerdict(False, kv_format, manager, _COMPRESSION_LINE.format(algorithm=compression))
     if manager in _MANAGER_LINES:
         return KvVerdict(False, kv_format, manager, _MANAGER_LINES[manager])
+    if kv_format == "nvfp4" and manager in _NVFP4_SLOT_LINES:
+        return KvVerdict(False, kv_format, manager, _NVFP4_SLOT_LINES[manager])
     if kv_format in _FORMAT_LINES:
         carries = kv_format in CARRIED_FORMATS
         line = _FORMAT_LINES[kv_format]
@@ -173,8 +187,8 @@ def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None
             line = f"{_CARRIED_MANAGER_LINES[manager]}; {line}"
         return KvVerdict(carries, kv_format, manager, line)
     return KvVerdict(False, kv_format, manager,
-                     f"{kv_format.upper()} KV stands aside: the carry moves BF16 or FP8 draft pages only "
-                     "(kv_cache_config.dtype auto with a BF16 model, or fp8)")
+                     f"{kv_format.upper()} KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages "
+                     "only (kv_cache_config.dtype auto with a BF16 model, fp8 or nvfp4)")
 
 
 def manager_of_options(options: Mapping[str, Any]) -> str:

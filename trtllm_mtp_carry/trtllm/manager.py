@@ -559,7 +559,7 @@ class CarryManagerCore:
     def _pool_dtype(self) -> torch.dtype:
         """The draft pool's element dtype (the MTP layer's HND pages): with `carry_row_dtype` it
         chooses the carried rows' codec (`row_codec.codec_for`: an FP8 pool carries its own bytes)."""
-        dtype: torch.dtype = self.draft.get_buffers(self.mtp_layer, kv_layout="HND").dtype
+        dtype: torch.dtype = self.pages.kv().dtype  # an NVFP4 pool: its marker dtype (not int8)
         return dtype
 
     def _draft_stream(self) -> AbstractContextManager[Any]:

@@ -15,7 +15,7 @@ kv_cache_config:
   mamba_state_config:             # the hybrid target reuses a prefix only at its snapshot points:
     additional_snapshot_offsets_from_end: [0]   # one at each prompt's end (RECOMMENDED_KV_CACHE_CONFIG)
   use_kv_cache_manager_v2: true   # V2 only ('auto' resolves to V2 for Qwen3-Next)
-  dtype: auto                     # BF16 KV (fp8: carried bit for bit; nvfp4 stands aside: kv_formats.py)
+  dtype: auto                     # BF16 KV (fp8, nvfp4: carried as the pool's own bytes: kv_formats.py)
   block_reuse_config: {policy: per_conversation, max_num_turns: 2}
 mtp_carry: {enable: true, carry_memory: 2GiB, carry_host_memory: 8GiB, carry_row_dtype: fp8}
 # and: tensor_parallel_size 1, enable_attention_dp false, no kv_connector_config (V2 refuses one),

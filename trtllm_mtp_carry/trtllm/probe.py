@@ -325,7 +325,14 @@ def _check_buffer(draft: Any, mtp_layer: int, tpb: int, kv_format: str = "bf16")
     # KVCacheManagerV2.get_buffers views the pool as its DataType (kv_cache_manager_v2.py @ 0004396:
     # `TensorWrapper(addr_key, self.dtype, shape)`; FP8 is torch.float8_e4m3fn, one byte an element,
     # `_utils.py` @ 000a01de; only NVFP4 is re-typed, to int8 of head_dim // 2)
-    expected = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_format]
+    expected = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": torch.int8}[kv_format]
     if buf.dtype != expected:
         raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: {kv_format.upper()} KV pages are "
                                  f"{expected}")
+    if kv_format == "nvfp4":  # the block-scale pages beside the payload, viewed as get_buffers views K/V
+        from .draft_pages import nvfp4_scale_pages
+
+        try:
+            nvfp4_scale_pages(draft, mtp_layer, buf)
+        except (AttributeError, KeyError, StopIteration, RuntimeError, ValueError) as exc:
+            raise TrtllmAdapterError(f"the NVFP4 draft pool's block-scale pages cannot be viewed: {exc}") from exc

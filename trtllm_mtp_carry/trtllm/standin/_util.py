@@ -56,7 +56,7 @@ import torch
 from ...engine.model import HybridLM
 from ..options import MAMBA_STATE_FIELDS
 from .conformant import Conformant
-from .kv_cache_manager_v2 import DraftKVManager, PagedRows
+from .kv_cache_manager_v2 import DraftKVManager, Nvfp4PagedRows, PagedRows
 from .llm_args import KvCacheConfig
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
 from .mapping import Mapping
@@ -182,6 +182,10 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
         # create_kv_cache_compression_manager: the stand-in models no compression algorithm
         raise NotImplementedError("the stand-in models no KV-cache compression "
                                   f"(kv_cache_compression_config={a.kv_cache_compression_config!r})")
+    if a.pool is None and a.kv_dtype == DataType.NVFP4:
+        # a QSA draft pool over it keeps its index key apart (a BF16 key page is not the size of an
+        # e2m1 K page, qsa_roles); the carry stands aside on NVFP4 QSA pools (kv_formats.py)
+        a.pool = Nvfp4PagedRows(a.num_pages, cfg.num_kv_heads, a.tokens_per_block, cfg.head_dim, device=a.device)
     if a.pool is None:
         dtype = _TORCH_DTYPES[a.kv_dtype]
         # a QSA draft pool's slot holds its index key too where V2 coalesces it (qsa_cache_manager.py)
@@ -218,6 +222,8 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
 def page_nbytes(llm_args: StandinLlmArgs) -> int:
     """Bytes of one page of the stand-in's pool `[2, Hkv, tpb, D]` (the KV cache it models)."""
     cfg = llm_args.model.cfg
+    if llm_args.kv_dtype == DataType.NVFP4:  # D/2 payload bytes and D/16 block scales a vector
+        return 2 * cfg.num_kv_heads * llm_args.tokens_per_block * (cfg.head_dim // 2 + cfg.head_dim // 16)
     elt = torch.empty((), dtype=_TORCH_DTYPES[llm_args.kv_dtype]).element_size()
     return 2 * cfg.num_kv_heads * llm_args.tokens_per_block * cfg.head_dim * elt
 

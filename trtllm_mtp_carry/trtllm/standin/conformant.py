@@ -33,10 +33,12 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
         "enable_joint_kv_cache_reuse", "_can_publish_block_reuse",
         "_supports_draft_reuse_match_backoff", "_supports_reuse_match_backoff",
         "_supports_additional_snapshot_offsets", "kv_cache_config",
-        "_fresh_page_fill", "_stream", "get_buffers",
+        "_fresh_page_fill", "_stream", "get_buffers", "impl",
         "get_batch_cache_indices", "prepare_resources", "update_resources", "free_resources",
         "add_dummy_requests", "shutdown", "get_max_resource_count",
         "get_needed_resource_to_completion"}),
+    # a V2 manager's `impl` (kv_cache_manager_v2.py @ 00be09f7: `KVCacheManager as KVCacheManagerPy`)
+    "KVCacheManagerPy": frozenset({"get_mem_pool_base_address", "get_page_stride"}),
     # a subclass answers its parents' names too (`Conformant`): these are what QSA's class adds
     # or reads differently (qsa/cache_manager.py, kv_cache_manager_v2.py @ 38198e34)
     "QSAMambaHybridCacheManagerV2": frozenset({

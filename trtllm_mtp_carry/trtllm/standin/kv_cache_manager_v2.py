@@ -27,6 +27,7 @@ Invariant: every page is owned by live requests and tree entries with a referenc
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,55 @@ POISON_SEED = 0x5EED
 """Seed of the pattern a page holds before any request wrote it (see `PagedRows`)."""
 
 
+class Role:
+    """`Role` (`kv_cache_manager_v2.py` @ 00be09f78ecf0691f2b8e15dea518d1d6468679e): the V2 data
+    roles of a layer's buffers (`DataRole` strings); `_build_cache_config` adds the two block-scale
+    roles beside K/V when `kv_cache_config.dtype == "nvfp4"`."""
+
+    KEY = "key"
+    VALUE = "value"
+    KEY_BLOCK_SCALE = "key_block_scale"
+    VALUE_BLOCK_SCALE = "value_block_scale"
+    INDEX_KEY = "index_key"
+    ALL = "all"
+
+
+_MEMORY: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""The stand-in's addressable memory: every pool tensor by its `data_ptr()` (what V2's
+`get_mem_pool_base_address` hands out and `convert_to_torch_tensor` views)."""
+
+
+def _register(t: torch.Tensor) -> torch.Tensor:
+    _MEMORY[t.data_ptr()] = t
+    return t
+
+
+@dataclass(frozen=True)
+class TensorWrapper:
+    """`tensorrt_llm._utils.TensorWrapper` as `kv_cache_manager_v2.py` @ 00be09f7 builds it for
+    `get_buffers`: `TensorWrapper(address, dtype, shape)` (positional)."""
+
+    data_ptr: int
+    dtype: torch.dtype
+    shape: Sequence[int]
+
+
+def convert_to_torch_tensor(wrapper: TensorWrapper) -> torch.Tensor:
+    """`tensorrt_llm._utils.convert_to_torch_tensor` (imported by `kv_cache_manager_v2.py` @
+    00be09f7): a tensor of `wrapper.dtype` and `shape` over the memory at `wrapper.data_ptr`. The
+    stand-in views the registered pool tensor holding those bytes; an address or extent outside
+    every pool is a ValueError (on a GPU it would read foreign memory)."""
+    nbytes = torch.empty((), dtype=wrapper.dtype).element_size()
+    for s in wrapper.shape:
+        nbytes *= int(s)
+    for base, t in list(_MEMORY.items()):
+        if base <= wrapper.data_ptr and wrapper.data_ptr + nbytes <= base + t.nbytes:
+            off = wrapper.data_ptr - base
+            raw = t.view(-1).view(torch.uint8)[off:off + nbytes]
+            return raw.view(wrapper.dtype).view([int(s) for s in wrapper.shape])
+    raise ValueError(f"no stand-in pool holds {nbytes} bytes at {wrapper.data_ptr:#x}")
+
+
 class PagedRows:
     """One layer's paged HND KV `[pages, 2, kv_heads, tpb, head_dim]`, pages reference-counted.
 
@@ -67,7 +117,8 @@ class PagedRows:
         # `roles` K-sized pages a slot (V2 coalesces buffers of one size and lifecycle into one
         # slot: a QSA pool's index key joins K and V when it is as large, qsa_cache_manager.py);
         # `buf` is the slot's K/V, `[slots, roles, ...][:, :2]`, strided when roles > 2
-        self.store = torch.empty(num_pages, roles, num_kv_heads, tpb, head_dim, dtype=dtype, device=device)
+        self.store = _register(torch.empty(num_pages, roles, num_kv_heads, tpb, head_dim, dtype=dtype,
+                                           device=device))
         poison = poison_page(num_kv_heads, tpb, head_dim, dtype)
         self.store.copy_(poison[torch.arange(roles) % 2].expand_as(self.store))
         self.buf = self.store[:, :2]
@@ -75,6 +126,21 @@ class PagedRows:
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
         self.tables: dict[int, list[int]] = {}
+
+    def copy_page(self, dst: int, src: int) -> None:
+        """Page `dst` gets page `src`'s K/V bytes (a paired pool's copy on write)."""
+        self.buf[dst] = self.buf[src]
+
+    def page_stride(self, role: str) -> int:
+        """Bytes of one page of `role` (`get_page_stride`): K and V pages alike."""
+        if role not in (Role.KEY, Role.VALUE):
+            raise ValueError(f"a {self.store.dtype} pool has no {role!r} buffer")
+        return self.store[0, 0].nbytes
+
+    def base_address(self, role: str) -> int:
+        """`get_mem_pool_base_address`: K's pages at the pool's start, V's one page on (V2
+        coalesces K and V, one page each, into a slot)."""
+        return self.store.data_ptr() + (self.page_stride(role) if role == Role.VALUE else 0)
 
     def ensure(self, rid: int, num_tokens: int) -> None:
         table = self.tables.setdefault(rid, [])
@@ -135,6 +201,12 @@ class PagedRows:
         page, slot = self._slots(rid, lo, hi)
         return self.buf[page, 0, :, slot], self.buf[page, 1, :, slot]
 
+    def key_bytes(self, rid: int, lo: int, hi: int) -> torch.Tensor:
+        """Every byte keys `[lo, hi)` hold, uint8 `[hi - lo, 2, Hkv, bytes]` (the stand-in's own
+        bookkeeping, for tests: rows compared bit for bit)."""
+        page, slot = self._slots(rid, lo, hi)
+        return self.buf[page, :, :, slot].contiguous().view(torch.uint8)
+
     def _slots(self, rid: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(page, slot)` int64 `[hi - lo]` of keys `[lo, hi)`, on the pages' device."""
         keys = torch.arange(lo, hi)
@@ -152,9 +224,142 @@ def poison_page(num_kv_heads: int, tpb: int, head_dim: int, dtype: torch.dtype) 
     return torch.randn(2, num_kv_heads, tpb, head_dim, generator=gen).to(dtype)
 
 
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""e2m1 magnitudes by code (sign in bit 3), as `cvt.rn.satfinite.e2m1x2.f32` rounds to them."""
+
+NVFP4_GLOBAL_SCALE = 1.0
+"""The stand-in layer's second-level K and V scales (`qkv_scale_orig_quant[1]`, `[2]`): the
+reference checkpoint has none, so 1, one per layer, constant across requests as TensorRT-LLM's."""
+
+
+class Nvfp4PagedRows(PagedRows):
+    """An NVFP4 draft pool (`DataType.NVFP4`): `store` int8 `[pages, 2, Hkv, tpb, D / 2]` of e2m1
+    pairs (as `get_buffers` re-types it, `kv_cache_manager_v2.py` @ 00be09f7) and `scales` uint8
+    `[pages, 2, Hkv, tpb, D / 16]`, the K then V block-scale page of each page index (Role
+    KEY_BLOCK_SCALE / VALUE_BLOCK_SCALE, addressed by the data's page index:
+    `_build_pool_mapping_tensors`' "Block scale offset and offset should be the same").
+
+    `write` is `quantizeAndWriteFP4KVCache`
+    (`unfusedAttentionKernels_2_template.h` @ 0097566bd62be830bcbb29fb4782de9564020cda): per
+    (token, head) vector, per 16 elements, scale `e4m3(amax / 6 * g)` and values `e2m1(x / (s /
+    g))` two to a byte, the even element in the low nibble; K's scales at `row * S + s` of its
+    page, V's at `(row // 4) * 4 * S + s * 4 + row % 4` (`row = head * tpb + slot`, `S = D/16`:
+    the interleave "only used by trtllm-gen kernels"); `g` is `NVFP4_GLOBAL_SCALE`. `read`
+    dequantizes (`e2m1 * s / g`), what the attention kernel computes with. Poison: random bytes
+    (finite scale codes), so a missed restore reads wrong rows."""
+
+    def __init__(self, num_pages: int, num_kv_heads: int, tpb: int, head_dim: int,
+                 device: torch.device | str = "cpu") -> None:
+        if head_dim % 16:
+            raise ValueError(f"NVFP4 KV needs head_dim a multiple of 16, got {head_dim}")
+        self.store = _register(torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim // 2, dtype=torch.int8,
+                                           device=device))
+        self.scales = _register(torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim // 16,
+                                            dtype=torch.uint8, device=device))
+        gen = torch.Generator().manual_seed(POISON_SEED)
+        payload = torch.randint(-128, 128, (2, num_kv_heads, tpb, head_dim // 2), generator=gen, dtype=torch.int8)
+        scales = torch.randint(0x08, 0x50, (2, num_kv_heads, tpb, head_dim // 16), generator=gen, dtype=torch.uint8)
+        self.store.copy_(payload.expand_as(self.store))
+        self.scales.copy_(scales.expand_as(self.scales))
+        self.buf = self.store
+        self.tpb = tpb
+        self.head_dim = head_dim
+        self._free = deque(range(num_pages))
+        self._refs = [0] * num_pages
+        self.tables = {}
+
+    def copy_page(self, dst: int, src: int) -> None:
+        self.store[dst] = self.store[src]
+        self.scales[dst] = self.scales[src]
+
+    def page_stride(self, role: str) -> int:
+        if role in (Role.KEY_BLOCK_SCALE, Role.VALUE_BLOCK_SCALE):
+            return self.scales[0, 0].nbytes
+        return super().page_stride(role)
+
+    def base_address(self, role: str) -> int:
+        if role in (Role.KEY_BLOCK_SCALE, Role.VALUE_BLOCK_SCALE):
+            return self.scales.data_ptr() + (self.page_stride(role) if role == Role.VALUE_BLOCK_SCALE else 0)
+        return super().base_address(role)
+
+    def _scale_at(self, page: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """`[n, 2, Hkv, S]` flat offsets into `scales` of keys at (`page`, `slot`)."""
+        _, _, h, tpb, nb = self.scales.shape
+        row = torch.arange(h, device=slot.device)[None, :, None] * tpb + slot[:, None, None]
+        blk = torch.arange(nb, device=slot.device)
+        k_at = row * nb + blk
+        v_at = (row // 4) * 4 * nb + blk * 4 + row % 4
+        base = page[:, None, None, None] * (2 * h * tpb * nb)
+        return base + torch.stack((k_at, v_at + h * tpb * nb), dim=1)
+
+    def key_bytes(self, rid: int, lo: int, hi: int) -> torch.Tensor:
+        """Each key's payload bytes, then its scale bytes in block order (read at the writer's
+        addresses), uint8 `[hi - lo, 2, Hkv, D/2 + D/16]`."""
+        page, slot = self._slots(rid, lo, hi)
+        payload = self.store[page, :, :, slot].view(torch.uint8)
+        return torch.cat((payload, self.scales.view(-1)[self._scale_at(page, slot)]), dim=-1)
+
+    def write(self, rid: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        page, slot = self._slots(rid, lo, lo + k.shape[0])
+        rows = torch.stack((k, v), dim=1).float().to(self.store.device)  # [n, 2, Hkv, D]
+        blocks = rows.unflatten(-1, (-1, 16))  # [n, 2, Hkv, S, 16]
+        amax = blocks.abs().amax(-1)
+        sf = (amax / 6.0 * NVFP4_GLOBAL_SCALE).to(torch.float8_e4m3fn)
+        dec = sf.float() / NVFP4_GLOBAL_SCALE
+        grid = torch.tensor(E2M1_GRID, device=rows.device)
+        x = torch.where(dec[..., None] > 0, blocks / dec[..., None].clamp_min(1e-30), 0.0)
+        mag = x.abs().clamp_max(6.0)
+        mid = (grid[1:] + grid[:-1]) / 2
+        code = torch.bucketize(mag, mid)  # ties go to the lower code ...
+        tie = (code < 7) & (mag == mid[code.clamp_max(6)]) & (code % 2 == 1)
+        code = code + tie.long()  # ... then to the even one (round to nearest even)
+        nib = (code | ((x < 0).long() << 3)).to(torch.uint8).flatten(-2)  # [n, 2, Hkv, D]
+        packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).view(torch.int8)
+        self.store[page, :, :, slot] = packed
+        self.scales.view(-1)[self._scale_at(page, slot)] = sf.view(torch.uint8)
+
+    def read(self, rid: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        page, slot = self._slots(rid, lo, hi)
+        packed = self.store[page, :, :, slot].view(torch.uint8)  # [n, 2, Hkv, D/2]
+        nib = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()  # [n, 2, Hkv, D]
+        grid = torch.tensor(E2M1_GRID, device=packed.device)
+        val = grid[nib & 7] * torch.where(nib & 8 > 0, -1.0, 1.0)
+        sf = self.scales.view(-1)[self._scale_at(page, slot)].view(torch.float8_e4m3fn).float()
+        rows = (val.unflatten(-1, (-1, 16)) * (sf / NVFP4_GLOBAL_SCALE)[..., None]).flatten(-2)
+        return rows[:, 0], rows[:, 1]
+
+
 def _manager_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The manager's `_stream` for pages on `device`: a fresh CUDA stream there, None on the CPU."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+class KVCacheManager(Conformant):
+    """Stand-in for `tensorrt_llm.runtime.kv_cache_manager_v2.KVCacheManager`, a V2 manager's
+    `impl`: the two calls the carry makes to reach an NVFP4 pool's block-scale pages, as
+    `KVCacheManagerV2._build_pool_mapping_tensors` and `get_buffers` make them
+    (`kv_cache_manager_v2.py` @ 00be09f7; `_storage.get_mem_pool_base_address`: the role's pool
+    at slot 0, "for one layer, multiple buffers of the same size have the same base address" and
+    follow each other; `get_page_stride`: "Currently always equals to page size"). The draft
+    pool's one local layer is 0; another layer, or a role the pool lacks, is a ValueError (V2's
+    `get_buffer_attr` raises for an unknown buffer)."""
+
+    TRTLLM_CLASS = "KVCacheManagerPy"  # as kv_cache_manager_v2.py imports it (`KVCacheManager as KVCacheManagerPy`)
+
+    def __init__(self, paged: PagedRows) -> None:
+        self._paged = paged
+
+    def _check(self, layer_id: int) -> None:
+        if layer_id != 0:
+            raise ValueError(f"the stand-in draft pool holds local layer 0, not {layer_id}")
+
+    def get_mem_pool_base_address(self, layer_id: int, data_role: str, index_mode: object = None) -> int:
+        self._check(layer_id)
+        return self._paged.base_address(data_role)
+
+    def get_page_stride(self, layer_id: int, data_role: str) -> int:
+        self._check(layer_id)
+        return self._paged.page_stride(data_role)
 
 
 class KVCacheManagerV2(Conformant, BaseResourceManager):
@@ -193,6 +398,9 @@ class KVCacheManagerV2(Conformant, BaseResourceManager):
         # the stream prepare_resources runs on. With no executor stream to share, CUDA pages get a
         # stream of their own (so the adapter's stream ordering runs); CPU pages: None (no CUDA).
         self._stream = _manager_stream(paged.buf.device) if paged is not None else None
+        # the V2 runtime manager (`self.impl = KVCacheManagerPy(config)`, kv_cache_manager_v2.py @
+        # 00be09f7): its pool addresses
+        self.impl = KVCacheManager(paged) if paged is not None else None
 
     def get_max_resource_count(self) -> int:
         return 1
@@ -279,7 +487,7 @@ class DraftKVManager(KVCacheManagerV2):
         table = [self.pool.share(p) for p in entry.pages[:full]]
         if depth % tpb:
             page = self.pool.new_page()
-            self.pool.buf[page] = self.pool.buf[entry.pages[full]]  # copy on write
+            self.pool.copy_page(page, entry.pages[full])  # copy on write
             table.append(page)
         self.pool.tables[req.py_request_id] = table
 
@@ -292,7 +500,7 @@ class DraftKVManager(KVCacheManagerV2):
         pages = [self.pool.share(p) for p in table[: n // tpb]]
         if n % tpb:
             page = self.pool.new_page()
-            self.pool.buf[page] = self.pool.buf[table[n // tpb]]
+            self.pool.copy_page(page, table[n // tpb])
             pages.append(page)
         key = ((req.cache_salt, req.lora_task_id), tuple(req.tokens[: n + 1]))
         old = self.tree.pop(key, None)

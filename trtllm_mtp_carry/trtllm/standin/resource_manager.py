@@ -41,9 +41,9 @@ class DataType(enum.Enum):
 _TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
                  DataType.FLOAT: torch.float32, DataType.FP8: torch.float8_e4m3fn,
                  DataType.NVFP4: torch.int8}  # get_buffers re-types an NVFP4 pool to int8 (packed
-# e2m1 pairs, head_dim // 2 a row: kv_cache_manager_v2.py @ 0004396; the scales take one FP8 byte per
-# 16 elements, `get_cache_bytes_per_token`); the stand-in keeps head_dim: the carry stands aside on
-# NVFP4 before it reads a page (kv_formats.py), so no page is read
+# e2m1 pairs, head_dim // 2 a row: kv_cache_manager_v2.py @ 00be09f7); its block scales (one e4m3
+# byte per 16 elements) are separate KEY_BLOCK_SCALE / VALUE_BLOCK_SCALE pages: the stand-in's NVFP4
+# pool is `kv_cache_manager_v2.Nvfp4PagedRows`, not a pool of this dtype
 
 
 class ResourceManagerType(enum.Enum):
