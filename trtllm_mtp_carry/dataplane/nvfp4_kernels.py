@@ -29,8 +29,10 @@ from .triton_kernels import (
     VectorLayout,
     _fp8_vector_offsets,
     _layout_args,
+    _load_vectors,
     _round_to_bf16,
     _round_to_e4m3,
+    _store_vectors,
 )
 
 __all__ = ["nvfp4_pack_kernel", "nvfp4_pack_triton", "nvfp4_unpack_kernel", "nvfp4_unpack_triton"]
@@ -124,18 +126,9 @@ def nvfp4_pack_kernel(
                                   s_row, s_slot, s_group, s_head, PAGED, SPLIT)
     e = blk * 16 + 2 * j  # the pair's first (even) element
     at0 = off[:, None, None] + e * s_d
-    at1 = at0 + s_d
-    if SPLIT:  # each lane reads one of the two tensors (the other load is masked off)
-        first = (g_ == 0)[:, None, None]
-        m0 = m & first
-        m1 = m & (g_ != 0)[:, None, None]
-        x0 = tl.where(first, tl.load(src0_ptr + at0, mask=m0, other=0.0),
-                      tl.load(src1_ptr + at0, mask=m1, other=0.0)).to(tl.float32)
-        x1 = tl.where(first, tl.load(src0_ptr + at1, mask=m0, other=0.0),
-                      tl.load(src1_ptr + at1, mask=m1, other=0.0)).to(tl.float32)
-    else:
-        x0 = tl.load(src0_ptr + at0, mask=m, other=0.0).to(tl.float32)
-        x1 = tl.load(src0_ptr + at1, mask=m, other=0.0).to(tl.float32)
+    first = (g_ == 0)[:, None, None]  # SPLIT: the lane's tensor
+    x0 = _load_vectors(src0_ptr, src1_ptr, at0, m, first, SPLIT)
+    x1 = _load_vectors(src0_ptr, src1_ptr, at0 + s_d, m, first, SPLIT)
     # a vector holding a NaN or inf: x * 0 is NaN there, 0 elsewhere
     bad = tl.sum(tl.sum(x0 * 0.0 + x1 * 0.0, axis=2), axis=1) != 0.0  # NaN != 0 is true
     amax_b = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=2)  # [V, NB]
@@ -195,16 +188,9 @@ def nvfp4_unpack_kernel(
     off, g_ = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
                                   s_row, s_slot, s_group, s_head, PAGED, SPLIT)
     at0 = off[:, None, None] + (blk * 16 + 2 * j) * s_d
-    at1 = at0 + s_d
-    if SPLIT:
-        first = (g_ == 0)[:, None, None]
-        tl.store(dst0_ptr + at0, x0, mask=m & first)
-        tl.store(dst0_ptr + at1, x1, mask=m & first)
-        tl.store(dst1_ptr + at0, x0, mask=m & (g_ != 0)[:, None, None])
-        tl.store(dst1_ptr + at1, x1, mask=m & (g_ != 0)[:, None, None])
-    else:
-        tl.store(dst0_ptr + at0, x0, mask=m)
-        tl.store(dst0_ptr + at1, x1, mask=m)
+    first = (g_ == 0)[:, None, None]  # SPLIT: the lane's tensor
+    _store_vectors(dst0_ptr, dst1_ptr, at0, x0, m, first, SPLIT)
+    _store_vectors(dst0_ptr, dst1_ptr, at0 + s_d, x1, m, first, SPLIT)
 
 
 def _blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
