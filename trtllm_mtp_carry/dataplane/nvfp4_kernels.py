@@ -100,6 +100,21 @@ def _quiet_nan(dtype: tl.constexpr):
         return tl.full([1], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _tile(num_vectors, head_dim, BLOCK_V: tl.constexpr, NB: tl.constexpr):
+    """This program's `[BLOCK_V, NB, 8]` tile of element pairs: `(v, blk2, blk, j, mv, nb, m)` with
+    `v` `[BLOCK_V]` vector indices, `blk2` `[1, NB]` / `blk` `[1, NB, 1]` scale-block indices, `j`
+    `[1, 1, 8]` pair indices, `mv` the live vectors, `nb = head_dim // 16` and `m` the live pairs."""
+    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    blk2 = tl.arange(0, NB)[None, :]
+    blk = blk2[:, :, None]
+    j = tl.arange(0, 8)[None, None, :]
+    mv = v < num_vectors
+    nb = head_dim // 16
+    m = mv[:, None, None] & (blk < nb)
+    return v, blk2, blk, j, mv, nb, m
+
+
 @triton.jit(do_not_specialize=["num_vectors", "first_key"])
 def nvfp4_pack_kernel(
     src0_ptr,  # rows (bf16/f16/f32); the vectors as `_fp8_vector_offsets` places them
@@ -115,13 +130,7 @@ def nvfp4_pack_kernel(
     BLOCK_V: tl.constexpr,
     NB: tl.constexpr,  # scale blocks per program row (next power of two of head_dim // 16)
 ):
-    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    blk2 = tl.arange(0, NB)[None, :]
-    blk = blk2[:, :, None]
-    j = tl.arange(0, 8)[None, None, :]
-    mv = v < num_vectors
-    nb = head_dim // 16
-    m = mv[:, None, None] & (blk < nb)
+    v, blk2, blk, j, mv, nb, m = _tile(num_vectors, head_dim, BLOCK_V, NB)
     off, g_ = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
                                   s_row, s_slot, s_group, s_head, PAGED, SPLIT)
     e = blk * 16 + 2 * j  # the pair's first (even) element
@@ -164,13 +173,7 @@ def nvfp4_unpack_kernel(
     BLOCK_V: tl.constexpr,
     NB: tl.constexpr,
 ):
-    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    blk2 = tl.arange(0, NB)[None, :]
-    blk = blk2[:, :, None]
-    j = tl.arange(0, 8)[None, None, :]
-    mv = v < num_vectors
-    nb = head_dim // 16
-    m = mv[:, None, None] & (blk < nb)
+    v, blk2, blk, j, mv, nb, m = _tile(num_vectors, head_dim, BLOCK_V, NB)
     byte = tl.load(payload_ptr + v[:, None, None] * (head_dim // 2) + blk * 8 + j, mask=m, other=0).to(tl.int32)
     sc = tl.load(scales_ptr + v[:, None] * nb + blk2, mask=mv[:, None] & (blk2 < nb), other=0).to(tl.int32)
     gb = tl.load(gscales_ptr + v, mask=mv, other=127).to(tl.int32)
