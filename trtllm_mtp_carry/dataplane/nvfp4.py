@@ -133,9 +133,7 @@ _NAN_G = 0xFF  # e8m0 NaN
 
 def nvfp4_nbytes(num_vectors: int, head_dim: int) -> int:
     """Bytes of `num_vectors` packed vectors of `head_dim` values: payload, block and global scales, exact."""
-    for name, value in (("num_vectors", num_vectors), ("head_dim", head_dim)):
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    _rl.check_counts(num_vectors, head_dim)
     _check_head_dim(head_dim)
     return rows_nbytes("nvfp4", num_vectors, head_dim)
 
@@ -197,28 +195,18 @@ class Nvfp4Rows:
         """Payload plus block and global scale bytes; equals `nvfp4_nbytes(num_vectors, head_dim)`."""
         return self.payload.nbytes + self.scales.nbytes + self.gscales.nbytes
 
-    def _map(self, fn) -> Nvfp4Rows:  # type: ignore[no-untyped-def]
-        return Nvfp4Rows(fn(self.payload), fn(self.scales), fn(self.gscales), self.dtype)
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Nvfp4Rows:
         """The same packed rows on `device` (sharing the tensors when they are there already)."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        return _rl.map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Nvfp4Rows:
         """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return self._map(lambda t: t.pin_memory())
+        return _rl.map_tensors(self, lambda t: t.pin_memory())
 
     def host_copy(self) -> Nvfp4Rows:
         """A copy in host memory, page-locked when the rows are on a GPU; always a copy, one
         blocking pass, so the source may be reused at once."""
-        pin = self.device.type == "cuda"
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            host.copy_(t)
-            return host
-
-        return self._map(copy)
+        return _rl.host_copy(self)
 
 
 # Every e4m3fn code's float32 value (NaNs included), and every payload byte's two e2m1 values
@@ -246,12 +234,7 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _check_rows(rows: torch.Tensor) -> None:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
-    if rows.dtype not in PACKABLE_DTYPES:
-        raise TypeError(f"rows must be one of {PACKABLE_DTYPES}, got {rows.dtype}")
-    if rows.dim() < 1:
-        raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
+    _rl.check_rows(rows)
     _check_head_dim(rows.shape[-1])
 
 

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import torch
 
 from . import row_layout as _rl
-from .row_layout import VectorLayout, block_layout, plain_layout
+from .row_layout import PACKABLE_DTYPES, VectorLayout, block_layout, plain_layout
 
 __all__ = [
     "FP8_DTYPE",
@@ -102,8 +102,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: float32's smallest normal value: the least scale (keeps zeros exact, scales normal).
 SCALE_FLOOR = 2.0**-126
-#: Row dtypes `pack_rows` accepts (what KV caches hold).
-PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _PAYLOAD_BYTES = 1  # float8_e4m3fn
 _SCALE_BYTES = 4  # float32
@@ -111,9 +109,7 @@ _SCALE_BYTES = 4  # float32
 
 def packed_nbytes(num_vectors: int, head_dim: int) -> int:
     """Bytes of `num_vectors` packed vectors of `head_dim` values: payload plus scales, exact."""
-    for name, value in (("num_vectors", num_vectors), ("head_dim", head_dim)):
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    _rl.check_counts(num_vectors, head_dim)
     return num_vectors * head_dim * _PAYLOAD_BYTES + num_vectors * _SCALE_BYTES
 
 
@@ -163,25 +159,17 @@ class PackedRows:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
         """The same packed rows on `device` (sharing the tensors when they are there already)."""
-        return PackedRows(self.payload.to(device, non_blocking=non_blocking),
-                          self.scales.to(device, non_blocking=non_blocking), self.dtype)
+        return _rl.map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedRows:
         """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return PackedRows(self.payload.pin_memory(), self.scales.pin_memory(), self.dtype)
+        return _rl.map_tensors(self, lambda t: t.pin_memory())
 
     def host_copy(self) -> PackedRows:
         """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
         copies back): one blocking pass over the bytes, so the source may be reused at once;
         always a copy, also of rows already on the host."""
-        pin = self.device.type == "cuda"
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            host.copy_(t)
-            return host
-
-        return PackedRows(copy(self.payload), copy(self.scales), self.dtype)
+        return _rl.host_copy(self)
 
 
 # Every e4m3fn code's float32 value (NaNs included): on CPU, indexing this table is ~10x
@@ -211,15 +199,6 @@ def _fp8_max(device: torch.device) -> torch.Tensor:
     return torch.full((1,), FP8_MAX, dtype=torch.float32, device=device)
 
 
-def _check_rows(rows: torch.Tensor) -> None:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
-    if rows.dtype not in PACKABLE_DTYPES:
-        raise TypeError(f"rows must be one of {PACKABLE_DTYPES}, got {rows.dtype}")
-    if rows.dim() < 1:
-        raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
-
-
 #: The least compute capability whose Triton converts float32 to float8 e4m3 (`cvt...e4m3x2`).
 FP8_TRITON_MIN_CAPABILITY = (8, 9)
 
@@ -243,7 +222,7 @@ def pack_layout_triton(src0: torch.Tensor, src1: torch.Tensor | None, layout: Ve
     """
     from . import triton_kernels as tk
 
-    _check_rows(src0)
+    _rl.check_rows(src0)
     payload = torch.empty((layout.num_vectors, layout.head_dim), dtype=FP8_DTYPE, device=src0.device)
     scales = torch.empty(layout.num_vectors, dtype=torch.float32, device=src0.device)
     tk.fp8_pack_triton(src0, src1, layout, payload, scales)
@@ -268,7 +247,7 @@ def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
 
     Deterministic and loop-free; the result is on `rows`' device; `kernel` as `row_kernel`.
     """
-    _check_rows(rows)
+    _rl.check_rows(rows)
     if row_kernel(rows, kernel) == "triton":
         return _rl.pack_plain_triton(FP8_OPS, rows)
     x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place

@@ -30,6 +30,11 @@ from .ops import cuda_kernels
 from .reference import slots_for_rows
 
 __all__ = [
+    "PACKABLE_DTYPES",
+    "check_counts",
+    "check_rows",
+    "host_copy",
+    "map_tensors",
     "RowFormatOps",
     "VectorLayout",
     "block_layout",
@@ -45,6 +50,55 @@ __all__ = [
     "unpack_plain_triton",
     "check_unpack_out",
 ]
+
+
+#: Row dtypes the formats pack (what KV caches hold).
+PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_rows(rows: torch.Tensor) -> None:
+    """`rows` is a tensor of a `PACKABLE_DTYPES` dtype with a last (head_dim) dimension."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dtype not in PACKABLE_DTYPES:
+        raise TypeError(f"rows must be one of {PACKABLE_DTYPES}, got {rows.dtype}")
+    if rows.dim() < 1:
+        raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
+
+
+def check_counts(num_vectors: int, head_dim: int) -> None:
+    """`num_vectors` and `head_dim` are ints >= 0 (a byte count's arguments)."""
+    for name, value in (("num_vectors", num_vectors), ("head_dim", head_dim)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+P = TypeVar("P")
+
+
+def _tensor_fields(packed: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(packed) if f.name != "dtype"]
+
+
+def map_tensors(packed: P, fn: Callable[[torch.Tensor], torch.Tensor]) -> P:
+    """Packed rows (a format's dataclass: tensor fields, then `dtype`) with `fn` applied to each
+    tensor, rebuilt (so checked) with the same `dtype`."""
+    return dataclasses.replace(packed, **{name: fn(getattr(packed, name))  # type: ignore[type-var]
+                                          for name in _tensor_fields(packed)})
+
+
+def host_copy(packed: P) -> P:
+    """A copy of `packed` in host memory, page-locked when the rows are on a GPU (for asynchronous
+    copies back): one blocking pass over the bytes, so the source may be reused at once; always
+    a copy, also of rows already on the host."""
+    pin = packed.device.type == "cuda"  # type: ignore[attr-defined]
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        host.copy_(t)
+        return host
+
+    return map_tensors(packed, copy)
 
 
 @dataclass(frozen=True)
@@ -114,9 +168,6 @@ def choose_kernel(t: torch.Tensor, kernel: str | None, triton_ok: Callable[[torc
     return kernel
 
 
-P = TypeVar("P")
-
-
 @dataclass(frozen=True)
 class RowFormatOps(Generic[P]):
     """One packed row format as the plumbing here calls it.
@@ -139,20 +190,12 @@ class RowFormatOps(Generic[P]):
 
     def half(self, packed: P, i: int) -> P:
         """K's (`i == 0`) or V's vectors of `[rows, 2, Hkv, D]` packed rows."""
-        return self._map(packed, lambda t: t[:, i])
+        return map_tensors(packed, lambda t: t[:, i])
 
     def stack(self, k: P, v: P) -> P:
         """`[rows, 2, Hkv, D]` packed rows from K's and V's halves (exact: vectors pack independently)."""
         return dataclasses.replace(k, **{name: torch.stack((getattr(k, name), getattr(v, name)), dim=1)  # type: ignore[type-var]
-                                         for name in self._tensor_fields(k)})
-
-    def _map(self, packed: P, fn: Callable[[torch.Tensor], torch.Tensor]) -> P:
-        return dataclasses.replace(packed, **{name: fn(getattr(packed, name))  # type: ignore[type-var]
-                                              for name in self._tensor_fields(packed)})
-
-    @staticmethod
-    def _tensor_fields(packed: Any) -> list[str]:
-        return [f.name for f in dataclasses.fields(packed) if f.name != "dtype"]
+                                         for name in _tensor_fields(k)})
 
 
 def pack_plain_triton(fmt: RowFormatOps[P], rows: torch.Tensor) -> P:
