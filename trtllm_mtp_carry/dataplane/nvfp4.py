@@ -144,7 +144,7 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 @dataclass(frozen=True)
-class Nvfp4Rows:
+class Nvfp4Rows(_rl.PackedRowsBase):
     """Rows in the NVFP4 row format: `payload` `[..., D/2]`, `scales` `[..., D/16]`, `gscales` `[...]`, all uint8.
 
     `dtype` is the rows' dtype before packing, the dtype `unpack_rows` returns.
@@ -182,10 +182,6 @@ class Nvfp4Rows:
         return 2 * self.payload.shape[-1]
 
     @property
-    def device(self) -> torch.device:
-        return self.payload.device
-
-    @property
     def num_vectors(self) -> int:
         """Vectors held: one global scale each."""
         return self.gscales.numel()
@@ -194,19 +190,6 @@ class Nvfp4Rows:
     def nbytes(self) -> int:
         """Payload plus block and global scale bytes; equals `nvfp4_nbytes(num_vectors, head_dim)`."""
         return self.payload.nbytes + self.scales.nbytes + self.gscales.nbytes
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Nvfp4Rows:
-        """The same packed rows on `device` (sharing the tensors when they are there already)."""
-        return _rl.map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> Nvfp4Rows:
-        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return _rl.map_tensors(self, lambda t: t.pin_memory())
-
-    def host_copy(self) -> Nvfp4Rows:
-        """A copy in host memory, page-locked when the rows are on a GPU; always a copy, one
-        blocking pass, so the source may be reused at once."""
-        return _rl.host_copy(self)
 
 
 # Every e4m3fn code's float32 value (NaNs included), and every payload byte's two e2m1 values

@@ -114,7 +114,7 @@ def packed_nbytes(num_vectors: int, head_dim: int) -> int:
 
 
 @dataclass(frozen=True)
-class PackedRows:
+class PackedRows(_rl.PackedRowsBase):
     """Rows in the FP8 row format: `payload` `[..., D]` e4m3fn, `scales` `[...]` float32.
 
     `dtype` is the rows' dtype before packing, the dtype `unpack_rows` returns.
@@ -144,10 +144,6 @@ class PackedRows:
         return self.payload.shape
 
     @property
-    def device(self) -> torch.device:
-        return self.payload.device
-
-    @property
     def num_vectors(self) -> int:
         """Vectors held: one scale each."""
         return self.scales.numel()
@@ -156,20 +152,6 @@ class PackedRows:
     def nbytes(self) -> int:
         """Payload plus scale bytes; equals `packed_nbytes(num_vectors, head_dim)`."""
         return self.payload.nbytes + self.scales.nbytes
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
-        """The same packed rows on `device` (sharing the tensors when they are there already)."""
-        return _rl.map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> PackedRows:
-        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return _rl.map_tensors(self, lambda t: t.pin_memory())
-
-    def host_copy(self) -> PackedRows:
-        """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
-        copies back): one blocking pass over the bytes, so the source may be reused at once;
-        always a copy, also of rows already on the host."""
-        return _rl.host_copy(self)
 
 
 # Every e4m3fn code's float32 value (NaNs included): on CPU, indexing this table is ~10x

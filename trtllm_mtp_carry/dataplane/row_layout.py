@@ -31,6 +31,7 @@ from .reference import slots_for_rows
 
 __all__ = [
     "PACKABLE_DTYPES",
+    "PackedRowsBase",
     "check_counts",
     "check_rows",
     "host_copy",
@@ -99,6 +100,35 @@ def host_copy(packed: P) -> P:
         return host
 
     return map_tensors(packed, copy)
+
+
+_R = TypeVar("_R", bound="PackedRowsBase")
+
+
+class PackedRowsBase:
+    """What every format's packed rows do alike (a frozen dataclass: tensor fields, `payload`
+    first, then `dtype`): where they are, and moving or copying all their tensors together."""
+
+    payload: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.payload.device
+
+    def to(self: _R, device: torch.device | str, non_blocking: bool = False) -> _R:
+        """The same packed rows on `device` (sharing the tensors when they are there already)."""
+        return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self: _R) -> _R:
+        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
+        return map_tensors(self, lambda t: t.pin_memory())
+
+    def host_copy(self: _R) -> _R:
+        """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
+        copies back): one blocking pass over the bytes, so the source may be reused at once;
+        always a copy, also of rows already on the host."""
+        return host_copy(self)
 
 
 @dataclass(frozen=True)
