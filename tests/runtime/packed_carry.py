@@ -1,4 +1,4 @@
-"""Helpers of the reference runtime's packed-row tests (`test_carry_fp8.py`, `test_carry_nvfp4.py`,
+"""Helpers of the reference runtime's packed-row tests (`test_carry_fp8.py`,
 `test_carry_packed.py`): an engine whose runtime packs carried rows, and an adoption probe."""
 
 from __future__ import annotations

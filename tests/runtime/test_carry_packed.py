@@ -1,22 +1,32 @@
 """The reference runtime with each packed `carry_row_dtype` (fp8, issue 31; nvfp4, issue 43), one
 suite over both formats: an entry leaves the drafter pool at deposit and the store is charged its
-packed bytes exactly, outputs never change and warm turns adopt, the host tier holds the packed
+packed bytes exactly, the adopted rows are the codec's round trip of the bf16 rows bit for bit and
+deterministic, outputs never change and warm turns adopt, the host tier holds the packed
 form and gives the same rows back. A packed format joins by adding one entry to `FORMATS`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from engine_factories import greedy_oracle, random_prompt, tiny_model
+from engine_factories import engine, greedy_oracle, random_prompt, tiny_model
 from packed_carry import adopted_rows, check_all, packed_engine
 
 from trtllm_mtp_carry import EVICTION_CAUSES, session_hash
-from trtllm_mtp_carry.dataplane.nvfp4 import Nvfp4Rows, nvfp4_nbytes
-from trtllm_mtp_carry.dataplane.row_format import PackedRows, packed_nbytes
+from trtllm_mtp_carry.dataplane import nvfp4, row_format
 
-FORMATS = {  # row_dtype -> (packed type, its byte count, its bytes a vector of head_dim d)
-    "fp8": (PackedRows, packed_nbytes, lambda d: d + 4),
-    "nvfp4": (Nvfp4Rows, nvfp4_nbytes, lambda d: d // 2 + d // 16 + 1),
+
+def within_fp8_rounding(expect: torch.Tensor, rows: torch.Tensor) -> bool:
+    """`expect` is within FP8's error bound of `rows` (`row_format`'s header)."""
+    scale = rows.abs().amax(-1, keepdim=True) / 448
+    return bool(((expect - rows).abs() <= 2**-4 * rows.abs() + 2**-10 * scale + 1e-6).all())
+
+
+FORMATS = {  # row_dtype -> (packed type, its byte count, its bytes a vector of head_dim d,
+    #                        its pack and unpack, its error bound where pinned here)
+    "fp8": (row_format.PackedRows, row_format.packed_nbytes, lambda d: d + 4,
+            row_format.pack_rows, row_format.unpack_rows, within_fp8_rounding),
+    "nvfp4": (nvfp4.Nvfp4Rows, nvfp4.nvfp4_nbytes, lambda d: d // 2 + d // 16 + 1,
+              nvfp4.pack_rows, nvfp4.unpack_rows, None),
 }
 
 
@@ -27,7 +37,7 @@ def model():
 
 @pytest.mark.parametrize("row_dtype", sorted(FORMATS))
 def test_a_packed_entry_leaves_the_pool_and_is_charged_its_packed_bytes_exactly(model, row_dtype):
-    packed_type, nbytes, vector_bytes = FORMATS[row_dtype]
+    packed_type, nbytes, vector_bytes = FORMATS[row_dtype][:3]
     eng = packed_engine(model, row_dtype)
     eng.generate("a", random_prompt(torch.Generator().manual_seed(5), 40), max_new_tokens=6)
     pool, stats = eng.drafter_pool, eng.runtime.stats()
@@ -37,6 +47,33 @@ def test_a_packed_entry_leaves_the_pool_and_is_charged_its_packed_bytes_exactly(
     assert (stats.row_dtype, stats.packs, stats.unpacks, stats.entries_held) == (row_dtype, 1, 0, 1)
     assert isinstance(eng.runtime._residence.moves.get(session_hash("a")).packed, packed_type)
     check_all(eng)
+
+
+@pytest.mark.parametrize("row_dtype", sorted(FORMATS))
+def test_packed_rows_come_back_as_the_codecs_round_trip_of_the_bf16_rows_bit_for_bit(model, row_dtype):
+    pack_rows, unpack_rows, within_bound = FORMATS[row_dtype][3:]
+    gen = torch.Generator().manual_seed(21)
+    prompt = random_prompt(gen, 40)
+    ref = engine(model)  # the same turn, carried as the pool holds it
+    ref.generate("a", prompt, max_new_tokens=6)
+    a = session_hash("a")
+    k0, v0, keys0 = ref.drafter_pool.gather_carried(a)
+    both = torch.stack((k0, v0), dim=1)  # [rows, 2, Hkv, D], the packed layout
+    expect = unpack_rows(pack_rows(both))
+    if within_bound is not None:
+        assert within_bound(expect, both)
+    runs = []
+    for _ in range(2):
+        eng = packed_engine(model, row_dtype)
+        eng.generate("a", prompt, max_new_tokens=6)
+        k, v, keys = adopted_rows(eng, a, k0.shape[0])
+        runs.append((k, v))
+        assert torch.equal(keys, keys0)
+        assert torch.equal(k, expect[:, 0]) and torch.equal(v, expect[:, 1])
+        assert not torch.equal(k, k0)  # the format's rounding moved them
+        assert eng.runtime.stats().unpacks == 1
+        check_all(eng)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])  # deterministic
 
 
 @pytest.mark.parametrize("row_dtype", sorted(FORMATS))
