@@ -14,7 +14,7 @@ Invariants:
   codes are computed with integer bit operations, so no float8 or float4 conversion
   hardware is needed (any CUDA GPU Triton targets) and the interpreter's float8 cast
   (which carries wrongly) is never met.
-- Vectors are addressed by `row_format.VectorLayout` (plain rows, pages through a
+- Vectors are addressed by `row_layout.VectorLayout` (plain rows, pages through a
   table, the pool's separate K and V caches), as the FP8 kernels do.
 - Grid: `(cdiv(num_vectors, BLOCK_V),)`; `head_dim` a multiple of 16.
 """

@@ -23,7 +23,7 @@ Launch-grid rules (also written to `builders/build_kernels.py`'s manifest):
 
 The FP8 row-format kernels (`row_format.py` defines the format; JIT only, not in
 the AOT manifest) compute each `head_dim` vector's address in the kernel from a
-few strides (`row_format.VectorLayout`: plain rows, TensorRT-LLM's HND pages
+few strides (`row_layout.VectorLayout`: plain rows, TensorRT-LLM's HND pages
 through a page table, the pool's separate K and V caches through a block table),
 so a call is one launch with no per-vector offsets built on the host:
 - `fp8_pack_kernel` / `fp8_unpack_kernel`: grid `(cdiv(num_vectors, BLOCK_V),)`.
@@ -398,7 +398,8 @@ def _fp8_blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
 
 
 class VectorLayout(Protocol):
-    """What the FP8 launchers read of `row_format.VectorLayout` (defined there; see it)."""
+    """What the row-format launchers (FP8 here, NVFP4 in `nvfp4_kernels`) read of
+    `row_layout.VectorLayout` (defined there; see it)."""
 
     @property
     def num_vectors(self) -> int: ...
