@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 
@@ -77,15 +77,24 @@ def check_counts(num_vectors: int, head_dim: int) -> None:
 P = TypeVar("P")
 
 
-def _tensor_fields(packed: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(packed) if f.name != "dtype"]
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _tensor_fields(cls: type) -> tuple[str, ...]:
+    """A packed dataclass's tensor fields, in order (every field but the last, `dtype`); made once a class."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        assert names[-1] == "dtype", names
+        names = _FIELDS[cls] = names[:-1]
+    return names
 
 
 def map_tensors(packed: P, fn: Callable[[torch.Tensor], torch.Tensor]) -> P:
     """Packed rows (a format's dataclass: tensor fields, then `dtype`) with `fn` applied to each
     tensor, rebuilt (so checked) with the same `dtype`."""
-    return dataclasses.replace(packed, **{name: fn(getattr(packed, name))  # type: ignore[type-var]
-                                          for name in _tensor_fields(packed)})
+    p: Any = packed
+    return cast(P, type(p)(*(fn(getattr(p, name)) for name in _tensor_fields(type(p))), p.dtype))
 
 
 def host_copy(packed: P) -> P:
@@ -224,8 +233,10 @@ class RowFormatOps(Generic[P]):
 
     def stack(self, k: P, v: P) -> P:
         """`[rows, 2, Hkv, D]` packed rows from K's and V's halves (exact: vectors pack independently)."""
-        return dataclasses.replace(k, **{name: torch.stack((getattr(k, name), getattr(v, name)), dim=1)  # type: ignore[type-var]
-                                         for name in _tensor_fields(k)})
+        a: Any = k
+        b: Any = v
+        return cast(P, type(a)(*(torch.stack((getattr(a, name), getattr(b, name)), dim=1)
+                                 for name in _tensor_fields(type(a))), a.dtype))
 
 
 def pack_plain_triton(fmt: RowFormatOps[P], rows: torch.Tensor) -> P:
