@@ -33,16 +33,10 @@ from collections.abc import Sequence
 
 import torch
 
+from . import row_layout as _rl
 from .device_ints import device_copy, device_tensor
-from .row_format import (
-    PackedRows,
-    VectorLayout,
-    pack_layout_triton,
-    pack_rows,
-    row_kernel,
-    unpack_layout_triton,
-    unpack_rows,
-)
+from .row_format import FP8_OPS, PackedRows
+from .row_layout import VectorLayout
 
 
 def page_table(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int) -> tuple[list[int], int]:
@@ -113,11 +107,7 @@ def gather_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int
     launch, no bf16 copy, no per-key offsets built on the host; the torch path
     packs the indexed read. `kernel` as `row_format.row_kernel`.
     """
-    shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
-    if row_kernel(buf, kernel) == "triton":
-        return pack_layout_triton(buf, None, hnd_layout(buf, pages, lo, hi), shape)
-    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
-    return pack_rows(buf[page, :, :, slot], kernel="torch")  # the index makes a fresh tensor
+    return _rl.gather_pages_packed(FP8_OPS, buf, pages, lo, hi, kernel)
 
 
 def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: PackedRows,
@@ -128,14 +118,4 @@ def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed
     (shape, dtype: the packed rows' original dtype must be the pages') before any
     write. The Triton kernel writes the pages from the packed form in one launch.
     """
-    shape = packed.shape
-    if len(shape) != 4 or shape[1:] != (buf.shape[1], buf.shape[2], buf.shape[4]):
-        raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
-    if packed.dtype != buf.dtype:
-        raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
-    if row_kernel(buf, kernel) == "triton":
-        layout = hnd_layout(buf, pages, lo, lo + shape[0])  # checks the pages before any write
-        unpack_layout_triton(packed.to(buf.device), buf, None, layout)
-        return
-    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
-    buf[page, :, :, slot] = unpack_rows(packed.to(buf.device), kernel="torch")
+    _rl.scatter_pages_packed(FP8_OPS, buf, pages, lo, packed, kernel)

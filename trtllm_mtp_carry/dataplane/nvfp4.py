@@ -87,7 +87,7 @@ Invariants:
 `pack_blocks` / `unpack_blocks` / `unpack_into_blocks` do for the reference pool's
 whole-block K and V caches (`[num_blocks, block_size, Hkv, D]`), and `gather_pages` /
 `scatter_pages` for TensorRT-LLM's HND pages, what `row_format`'s and `hnd_pages`' FP8
-twins do, with the same addressing (`row_format.VectorLayout`). `row_codec.Nvfp4Codec`
+twins do, through the same code (`row_layout`, with `NVFP4_OPS`). `row_codec.Nvfp4Codec`
 is this format as a carried-row codec (both executors, the arena, the host tier).
 """
 
@@ -100,11 +100,9 @@ from dataclasses import dataclass
 import torch
 
 from ..core.row_format import NVFP4_BLOCK, rows_nbytes
-from .device_ints import device_tensor
-from .ops import cuda_kernels
-from .pinned import host_empty, pinned_copy
-from .reference import slots_for_rows
-from .row_format import PACKABLE_DTYPES, VectorLayout, block_layout, plain_layout
+from . import row_layout as _rl
+from .row_format import PACKABLE_DTYPES
+from .row_layout import VectorLayout
 
 __all__ = [
     "E2M1_VALUES",
@@ -112,6 +110,7 @@ __all__ = [
     "gather_pages",
     "scatter_pages",
     "NVFP4_BLOCK",
+    "NVFP4_OPS",
     "Nvfp4Rows",
     "nvfp4_kernel",
     "nvfp4_nbytes",
@@ -134,9 +133,7 @@ _NAN_G = 0xFF  # e8m0 NaN
 
 def nvfp4_nbytes(num_vectors: int, head_dim: int) -> int:
     """Bytes of `num_vectors` packed vectors of `head_dim` values: payload, block and global scales, exact."""
-    for name, value in (("num_vectors", num_vectors), ("head_dim", head_dim)):
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    _rl.check_counts(num_vectors, head_dim)
     _check_head_dim(head_dim)
     return rows_nbytes("nvfp4", num_vectors, head_dim)
 
@@ -147,7 +144,7 @@ def _check_head_dim(head_dim: int) -> None:
 
 
 @dataclass(frozen=True)
-class Nvfp4Rows:
+class Nvfp4Rows(_rl.PackedRowsBase):
     """Rows in the NVFP4 row format: `payload` `[..., D/2]`, `scales` `[..., D/16]`, `gscales` `[...]`, all uint8.
 
     `dtype` is the rows' dtype before packing, the dtype `unpack_rows` returns.
@@ -185,10 +182,6 @@ class Nvfp4Rows:
         return 2 * self.payload.shape[-1]
 
     @property
-    def device(self) -> torch.device:
-        return self.payload.device
-
-    @property
     def num_vectors(self) -> int:
         """Vectors held: one global scale each."""
         return self.gscales.numel()
@@ -197,29 +190,6 @@ class Nvfp4Rows:
     def nbytes(self) -> int:
         """Payload plus block and global scale bytes; equals `nvfp4_nbytes(num_vectors, head_dim)`."""
         return self.payload.nbytes + self.scales.nbytes + self.gscales.nbytes
-
-    def _map(self, fn) -> Nvfp4Rows:  # type: ignore[no-untyped-def]
-        return Nvfp4Rows(fn(self.payload), fn(self.scales), fn(self.gscales), self.dtype)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Nvfp4Rows:
-        """The same packed rows on `device` (sharing the tensors when they are there already)."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> Nvfp4Rows:
-        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return self._map(lambda t: pinned_copy(t))
-
-    def host_copy(self) -> Nvfp4Rows:
-        """A copy in host memory, page-locked when the rows are on a GPU; always a copy, one
-        blocking pass, so the source may be reused at once."""
-        pin = self.device.type == "cuda"
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host = host_empty(t.shape, t.dtype, pin)  # pinned for exactly its bytes (torch's rounds up)
-            host.copy_(t)
-            return host
-
-        return self._map(copy)
 
 
 # Every e4m3fn code's float32 value (NaNs included), and every payload byte's two e2m1 values
@@ -247,23 +217,14 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _check_rows(rows: torch.Tensor) -> None:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
-    if rows.dtype not in PACKABLE_DTYPES:
-        raise TypeError(f"rows must be one of {PACKABLE_DTYPES}, got {rows.dtype}")
-    if rows.dim() < 1:
-        raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
+    _rl.check_rows(rows)
     _check_head_dim(rows.shape[-1])
 
 
 def nvfp4_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
     """The implementation that packs/unpacks `t`: `kernel` when given, else Triton for CUDA tensors
     (unless the AOT kernels are selected) and torch elsewhere."""
-    if kernel is None:
-        return "triton" if t.is_cuda and cuda_kernels() == "triton" else "torch"
-    if kernel not in ("torch", "triton"):
-        raise ValueError(f"kernel must be 'torch', 'triton' or None, got {kernel!r}")
-    return kernel
+    return _rl.choose_kernel(t, kernel, lambda device: True)  # no float8 hardware needed
 
 
 def _pack_torch(rows: torch.Tensor) -> Nvfp4Rows:
@@ -323,12 +284,7 @@ def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> Nvfp4Rows:
     """
     _check_rows(rows)
     if nvfp4_kernel(rows, kernel) == "triton":
-        layout = plain_layout(rows)
-        if layout is None:  # more than three unmergeable leading dims: read a compact copy
-            rows = rows.contiguous()
-            layout = plain_layout(rows)
-            assert layout is not None
-        return _pack_layout_triton(rows, None, layout, rows.shape)
+        return _rl.pack_plain_triton(NVFP4_OPS, rows)
     return _pack_torch(rows)
 
 
@@ -363,23 +319,9 @@ def unpack_rows(packed: Nvfp4Rows, out: torch.Tensor | None = None, kernel: str 
     `out` must have the rows' shape and dtype (any device: the values are copied
     there; the Triton path writes straight into an `out` on the packed rows' device).
     """
-    if not isinstance(packed, Nvfp4Rows):
-        raise TypeError(f"packed must be Nvfp4Rows, got {type(packed).__name__}")
-    if out is not None and (out.shape != packed.shape or out.dtype != packed.dtype):
-        raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the packed rows "
-                         f"{packed.dtype} {tuple(packed.shape)}")
+    _rl.check_unpack_out(NVFP4_OPS, packed, out)
     if nvfp4_kernel(packed.payload, kernel) == "triton":
-        dst = out if out is not None and out.device == packed.device else None
-        layout = plain_layout(dst) if dst is not None else None
-        if dst is None or layout is None:  # a fresh compact tensor, copied into `out` after
-            dst = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-            layout = plain_layout(dst)
-            assert layout is not None
-        _unpack_layout_triton(packed, dst, None, layout)
-        if out is None or out is dst:
-            return dst
-        out.copy_(dst)
-        return out
+        return _rl.unpack_plain_triton(NVFP4_OPS, packed, out)
     values = _dequant_torch(packed)
     if out is None:
         return values
@@ -388,22 +330,6 @@ def unpack_rows(packed: Nvfp4Rows, out: torch.Tensor | None = None, kernel: str 
 
 
 # ---- the reference runtime's pool: whole blocks of separate K and V caches ----------------
-
-
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
-                         f"{tuple(v_cache.shape)} must both be [num_blocks, block_size, Hkv, D], one dtype")
-    if k_cache.device != v_cache.device or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache and v_cache must share device and strides, got {k_cache.device} "
-                         f"{k_cache.stride()} and {v_cache.device} {v_cache.stride()}")
-    _check_head_dim(k_cache.shape[3])
-
-
-def _halves(packed: Nvfp4Rows) -> tuple[Nvfp4Rows, Nvfp4Rows]:
-    """K's and V's vectors of `[rows, 2, Hkv, D]` packed rows."""
-    return tuple(Nvfp4Rows(packed.payload[:, i], packed.scales[:, i], packed.gscales[:, i], packed.dtype)
-                 for i in (0, 1))  # type: ignore[return-value]
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
@@ -415,26 +341,7 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequenc
     `pack_rows` of those rows stacked `[rows, 2, Hkv, D]`. The Triton path reads K
     and V in place in one launch; the torch path gathers them first.
     """
-    _check_caches(k_cache, v_cache)
-    block_size = k_cache.shape[1]
-    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
-        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
-                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
-    idx = device_tensor(block_ids[:-(-rows // block_size)], torch.int64, k_cache.device)
-    if nvfp4_kernel(k_cache, kernel) == "triton":
-        return _pack_layout_triton(k_cache, v_cache, block_layout(k_cache, idx, rows),
-                                   (rows, 2, *k_cache.shape[2:]))
-    k, v = (_pack_torch(c.index_select(0, idx).flatten(0, 1)[:rows]) for c in (k_cache, v_cache))
-    # K and V vectors pack independently: stacking the packed halves is exact
-    return Nvfp4Rows(torch.stack((k.payload, v.payload), 1), torch.stack((k.scales, v.scales), 1),
-                     torch.stack((k.gscales, v.gscales), 1), k_cache.dtype)
-
-
-def _check_packed_blocks(packed: Nvfp4Rows) -> None:
-    if not isinstance(packed, Nvfp4Rows):
-        raise TypeError(f"packed must be Nvfp4Rows, got {type(packed).__name__}")
-    if packed.payload.dim() != 4 or packed.shape[1] != 2:
-        raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
+    return _rl.pack_blocks(NVFP4_OPS, k_cache, v_cache, block_ids, rows, kernel)
 
 
 def unpack_blocks(packed: Nvfp4Rows, block_size: int,
@@ -444,19 +351,7 @@ def unpack_blocks(packed: Nvfp4Rows, block_size: int,
     Row `r` lands at block `r // block_size`, slot `r % block_size`; the last
     block's tail past the rows is zeros (`HostRows`' shape).
     """
-    _check_packed_blocks(packed)
-    if type(block_size) is not int or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    rows, _, hkv, d = packed.shape
-    nblocks = -(-rows // block_size)
-    k, v = (torch.zeros((nblocks, block_size, hkv, d), dtype=packed.dtype, device=packed.device)
-            for _ in range(2))
-    if nvfp4_kernel(packed.payload, kernel) == "triton":
-        _unpack_layout_triton(packed, k, v, VectorLayout(rows, 2, hkv, d, hkv * d, 0, d, 1, split=True))
-    else:
-        for half, blocks in zip(_halves(packed), (k, v), strict=True):
-            unpack_rows(half, out=blocks.view(-1, hkv, d)[:rows], kernel="torch")
-    return k, v
+    return _rl.unpack_blocks(NVFP4_OPS, packed, block_size, kernel)
 
 
 def unpack_into_blocks(packed: Nvfp4Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -468,21 +363,7 @@ def unpack_into_blocks(packed: Nvfp4Rows, k_cache: torch.Tensor, v_cache: torch.
     `block_ids[r // block_size]`; nothing else is written. Bit for bit `unpack_blocks`
     copied into those blocks (Triton: one launch).
     """
-    _check_caches(k_cache, v_cache)
-    _check_packed_blocks(packed)
-    rows, _, hkv, d = packed.shape
-    if packed.dtype != k_cache.dtype or (hkv, d) != tuple(k_cache.shape[2:]):
-        raise ValueError(f"packed rows {packed.dtype} {tuple(packed.shape)} do not fit blocks "
-                         f"{k_cache.dtype} {tuple(k_cache.shape)}")
-    if block_ids.shape != (-(-rows // k_cache.shape[1]),):
-        raise ValueError(f"{rows} rows need {-(-rows // k_cache.shape[1])} blocks, got {tuple(block_ids.shape)}")
-    packed = packed.to(k_cache.device)
-    if nvfp4_kernel(k_cache, kernel) == "triton":
-        _unpack_layout_triton(packed, k_cache, v_cache, block_layout(k_cache, block_ids, rows))
-        return
-    slots = slots_for_rows(block_ids, torch.arange(rows, device=block_ids.device), k_cache.shape[1])
-    for half, cache in zip(_halves(packed), (k_cache, v_cache), strict=True):
-        cache.view(-1, hkv, d).index_copy_(0, slots, unpack_rows(half, kernel="torch"))
+    _rl.unpack_into_blocks(NVFP4_OPS, packed, k_cache, v_cache, block_ids, kernel)
 
 
 # ---- TensorRT-LLM's HND pages (the adapter's draft pool) ---------------------------------
@@ -496,14 +377,8 @@ def gather_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
     kernel reads the pages through the page table in one launch (no bf16 copy); the
     torch path packs the indexed read.
     """
-    from .hnd_pages import hnd_layout, key_slots
-
     _check_rows(buf)
-    shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
-    if nvfp4_kernel(buf, kernel) == "triton":
-        return _pack_layout_triton(buf, None, hnd_layout(buf, pages, lo, hi), shape)
-    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
-    return _pack_torch(buf[page, :, :, slot])  # the index makes a fresh tensor
+    return _rl.gather_pages_packed(NVFP4_OPS, buf, pages, lo, hi, kernel)
 
 
 def scatter_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Nvfp4Rows,
@@ -513,18 +388,11 @@ def scatter_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Nvfp
     Bit for bit `hnd_pages.scatter_rows(buf, pages, lo, unpack_rows(packed))`, with its
     checks (shape; the packed rows' dtype must be the pages') before any write.
     """
-    from .hnd_pages import hnd_layout, key_slots
-
     if not isinstance(packed, Nvfp4Rows):
         raise TypeError(f"packed must be Nvfp4Rows, got {type(packed).__name__}")
-    shape = packed.shape
-    if len(shape) != 4 or tuple(shape[1:]) != (buf.shape[1], buf.shape[2], buf.shape[4]):
-        raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
-    if packed.dtype != buf.dtype:
-        raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
-    if nvfp4_kernel(buf, kernel) == "triton":
-        layout = hnd_layout(buf, pages, lo, lo + shape[0])  # checks the pages before any write
-        _unpack_layout_triton(packed.to(buf.device), buf, None, layout)
-        return
-    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
-    buf[page, :, :, slot] = unpack_rows(packed.to(buf.device), kernel="torch")
+    _rl.scatter_pages_packed(NVFP4_OPS, buf, pages, lo, packed, kernel)
+
+
+#: This format as `row_layout`'s shared block/page plumbing calls it.
+NVFP4_OPS: _rl.RowFormatOps[Nvfp4Rows] = _rl.RowFormatOps(
+    Nvfp4Rows, nvfp4_kernel, pack_rows, unpack_rows, _pack_layout_triton, _unpack_layout_triton, _check_head_dim)

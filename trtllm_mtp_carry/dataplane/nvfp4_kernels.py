@@ -14,7 +14,7 @@ Invariants:
   codes are computed with integer bit operations, so no float8 or float4 conversion
   hardware is needed (any CUDA GPU Triton targets) and the interpreter's float8 cast
   (which carries wrongly) is never met.
-- Vectors are addressed by `row_format.VectorLayout` (plain rows, pages through a
+- Vectors are addressed by `row_layout.VectorLayout` (plain rows, pages through a
   table, the pool's separate K and V caches), as the FP8 kernels do.
 - Grid: `(cdiv(num_vectors, BLOCK_V),)`; `head_dim` a multiple of 16.
 """
@@ -29,8 +29,10 @@ from .triton_kernels import (
     VectorLayout,
     _fp8_vector_offsets,
     _layout_args,
+    _load_vectors,
     _round_to_bf16,
     _round_to_e4m3,
+    _store_vectors,
 )
 
 __all__ = ["nvfp4_pack_kernel", "nvfp4_pack_triton", "nvfp4_unpack_kernel", "nvfp4_unpack_triton"]
@@ -98,6 +100,21 @@ def _quiet_nan(dtype: tl.constexpr):
         return tl.full([1], 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _tile(num_vectors, head_dim, BLOCK_V: tl.constexpr, NB: tl.constexpr):
+    """This program's `[BLOCK_V, NB, 8]` tile of element pairs: `(v, blk2, blk, j, mv, nb, m)` with
+    `v` `[BLOCK_V]` vector indices, `blk2` `[1, NB]` / `blk` `[1, NB, 1]` scale-block indices, `j`
+    `[1, 1, 8]` pair indices, `mv` the live vectors, `nb = head_dim // 16` and `m` the live pairs."""
+    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    blk2 = tl.arange(0, NB)[None, :]
+    blk = blk2[:, :, None]
+    j = tl.arange(0, 8)[None, None, :]
+    mv = v < num_vectors
+    nb = head_dim // 16
+    m = mv[:, None, None] & (blk < nb)
+    return v, blk2, blk, j, mv, nb, m
+
+
 @triton.jit(do_not_specialize=["num_vectors", "first_key"])
 def nvfp4_pack_kernel(
     src0_ptr,  # rows (bf16/f16/f32); the vectors as `_fp8_vector_offsets` places them
@@ -113,29 +130,14 @@ def nvfp4_pack_kernel(
     BLOCK_V: tl.constexpr,
     NB: tl.constexpr,  # scale blocks per program row (next power of two of head_dim // 16)
 ):
-    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    blk2 = tl.arange(0, NB)[None, :]
-    blk = blk2[:, :, None]
-    j = tl.arange(0, 8)[None, None, :]
-    mv = v < num_vectors
-    nb = head_dim // 16
-    m = mv[:, None, None] & (blk < nb)
+    v, blk2, blk, j, mv, nb, m = _tile(num_vectors, head_dim, BLOCK_V, NB)
     off, g_ = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
                                   s_row, s_slot, s_group, s_head, PAGED, SPLIT)
     e = blk * 16 + 2 * j  # the pair's first (even) element
     at0 = off[:, None, None] + e * s_d
-    at1 = at0 + s_d
-    if SPLIT:  # each lane reads one of the two tensors (the other load is masked off)
-        first = (g_ == 0)[:, None, None]
-        m0 = m & first
-        m1 = m & (g_ != 0)[:, None, None]
-        x0 = tl.where(first, tl.load(src0_ptr + at0, mask=m0, other=0.0),
-                      tl.load(src1_ptr + at0, mask=m1, other=0.0)).to(tl.float32)
-        x1 = tl.where(first, tl.load(src0_ptr + at1, mask=m0, other=0.0),
-                      tl.load(src1_ptr + at1, mask=m1, other=0.0)).to(tl.float32)
-    else:
-        x0 = tl.load(src0_ptr + at0, mask=m, other=0.0).to(tl.float32)
-        x1 = tl.load(src0_ptr + at1, mask=m, other=0.0).to(tl.float32)
+    first = (g_ == 0)[:, None, None]  # SPLIT: the lane's tensor
+    x0 = _load_vectors(src0_ptr, src1_ptr, at0, m, first, SPLIT)
+    x1 = _load_vectors(src0_ptr, src1_ptr, at0 + s_d, m, first, SPLIT)
     # a vector holding a NaN or inf: x * 0 is NaN there, 0 elsewhere
     bad = tl.sum(tl.sum(x0 * 0.0 + x1 * 0.0, axis=2), axis=1) != 0.0  # NaN != 0 is true
     amax_b = tl.max(tl.maximum(tl.abs(x0), tl.abs(x1)), axis=2)  # [V, NB]
@@ -171,13 +173,7 @@ def nvfp4_unpack_kernel(
     BLOCK_V: tl.constexpr,
     NB: tl.constexpr,
 ):
-    v = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    blk2 = tl.arange(0, NB)[None, :]
-    blk = blk2[:, :, None]
-    j = tl.arange(0, 8)[None, None, :]
-    mv = v < num_vectors
-    nb = head_dim // 16
-    m = mv[:, None, None] & (blk < nb)
+    v, blk2, blk, j, mv, nb, m = _tile(num_vectors, head_dim, BLOCK_V, NB)
     byte = tl.load(payload_ptr + v[:, None, None] * (head_dim // 2) + blk * 8 + j, mask=m, other=0).to(tl.int32)
     sc = tl.load(scales_ptr + v[:, None] * nb + blk2, mask=mv[:, None] & (blk2 < nb), other=0).to(tl.int32)
     gb = tl.load(gscales_ptr + v, mask=mv, other=127).to(tl.int32)
@@ -195,16 +191,9 @@ def nvfp4_unpack_kernel(
     off, g_ = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
                                   s_row, s_slot, s_group, s_head, PAGED, SPLIT)
     at0 = off[:, None, None] + (blk * 16 + 2 * j) * s_d
-    at1 = at0 + s_d
-    if SPLIT:
-        first = (g_ == 0)[:, None, None]
-        tl.store(dst0_ptr + at0, x0, mask=m & first)
-        tl.store(dst0_ptr + at1, x1, mask=m & first)
-        tl.store(dst1_ptr + at0, x0, mask=m & (g_ != 0)[:, None, None])
-        tl.store(dst1_ptr + at1, x1, mask=m & (g_ != 0)[:, None, None])
-    else:
-        tl.store(dst0_ptr + at0, x0, mask=m)
-        tl.store(dst0_ptr + at1, x1, mask=m)
+    first = (g_ == 0)[:, None, None]  # SPLIT: the lane's tensor
+    _store_vectors(dst0_ptr, dst1_ptr, at0, x0, m, first, SPLIT)
+    _store_vectors(dst0_ptr, dst1_ptr, at0 + s_d, x1, m, first, SPLIT)
 
 
 def _blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:

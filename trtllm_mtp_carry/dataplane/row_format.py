@@ -53,6 +53,8 @@ The Triton kernels address every vector themselves (`VectorLayout`: plain
 rows, pages or blocks through a block table, the pool's K and V caches
 together), so each call is one launch and builds no per-vector offsets on the
 host; block ids reach the device without a stream sync (`device_ints.device_tensor`).
+`VectorLayout`, the layouts and the block/page plumbing are `row_layout`'s, shared
+with the NVFP4 format (`FP8_OPS` is this format as that plumbing calls it).
 
 The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
@@ -70,14 +72,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .device_ints import device_tensor
-from .ops import cuda_kernels
-from .pinned import host_empty, pinned_copy
-from .reference import slots_for_rows
+from . import row_layout as _rl
+from .row_layout import PACKABLE_DTYPES, VectorLayout, block_layout, plain_layout
 
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "FP8_OPS",
     "FP8_TRITON_MIN_CAPABILITY",
     "PACKABLE_DTYPES",
     "PackedRows",
@@ -101,8 +102,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: float32's smallest normal value: the least scale (keeps zeros exact, scales normal).
 SCALE_FLOOR = 2.0**-126
-#: Row dtypes `pack_rows` accepts (what KV caches hold).
-PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _PAYLOAD_BYTES = 1  # float8_e4m3fn
 _SCALE_BYTES = 4  # float32
@@ -110,14 +109,12 @@ _SCALE_BYTES = 4  # float32
 
 def packed_nbytes(num_vectors: int, head_dim: int) -> int:
     """Bytes of `num_vectors` packed vectors of `head_dim` values: payload plus scales, exact."""
-    for name, value in (("num_vectors", num_vectors), ("head_dim", head_dim)):
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    _rl.check_counts(num_vectors, head_dim)
     return num_vectors * head_dim * _PAYLOAD_BYTES + num_vectors * _SCALE_BYTES
 
 
 @dataclass(frozen=True)
-class PackedRows:
+class PackedRows(_rl.PackedRowsBase):
     """Rows in the FP8 row format: `payload` `[..., D]` e4m3fn, `scales` `[...]` float32.
 
     `dtype` is the rows' dtype before packing, the dtype `unpack_rows` returns.
@@ -147,10 +144,6 @@ class PackedRows:
         return self.payload.shape
 
     @property
-    def device(self) -> torch.device:
-        return self.payload.device
-
-    @property
     def num_vectors(self) -> int:
         """Vectors held: one scale each."""
         return self.scales.numel()
@@ -159,28 +152,6 @@ class PackedRows:
     def nbytes(self) -> int:
         """Payload plus scale bytes; equals `packed_nbytes(num_vectors, head_dim)`."""
         return self.payload.nbytes + self.scales.nbytes
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRows:
-        """The same packed rows on `device` (sharing the tensors when they are there already)."""
-        return PackedRows(self.payload.to(device, non_blocking=non_blocking),
-                          self.scales.to(device, non_blocking=non_blocking), self.dtype)
-
-    def pin_memory(self) -> PackedRows:
-        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return PackedRows(pinned_copy(self.payload), pinned_copy(self.scales), self.dtype)
-
-    def host_copy(self) -> PackedRows:
-        """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
-        copies back): one blocking pass over the bytes, so the source may be reused at once;
-        always a copy, also of rows already on the host."""
-        pin = self.device.type == "cuda"
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host = host_empty(t.shape, t.dtype, pin)  # pinned for exactly its bytes (torch's rounds up)
-            host.copy_(t)
-            return host
-
-        return PackedRows(copy(self.payload), copy(self.scales), self.dtype)
 
 
 # Every e4m3fn code's float32 value (NaNs included): on CPU, indexing this table is ~10x
@@ -210,15 +181,6 @@ def _fp8_max(device: torch.device) -> torch.Tensor:
     return torch.full((1,), FP8_MAX, dtype=torch.float32, device=device)
 
 
-def _check_rows(rows: torch.Tensor) -> None:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
-    if rows.dtype not in PACKABLE_DTYPES:
-        raise TypeError(f"rows must be one of {PACKABLE_DTYPES}, got {rows.dtype}")
-    if rows.dim() < 1:
-        raise ValueError(f"rows need a last (head_dim) dimension, got shape {tuple(rows.shape)}")
-
-
 #: The least compute capability whose Triton converts float32 to float8 e4m3 (`cvt...e4m3x2`).
 FP8_TRITON_MIN_CAPABILITY = (8, 9)
 
@@ -230,61 +192,7 @@ def _has_fp8_cvt(device_index: int) -> bool:
 
 def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
     """The implementation that packs/unpacks `t`: `kernel` when given, else by device (see the header)."""
-    if kernel is None:
-        cuda = t.is_cuda and cuda_kernels() == "triton"
-        return "triton" if cuda and _has_fp8_cvt(t.device.index or 0) else "torch"
-    if kernel not in ("torch", "triton"):
-        raise ValueError(f"kernel must be 'torch', 'triton' or None, got {kernel!r}")
-    return kernel
-
-
-@dataclass(frozen=True)
-class VectorLayout:
-    """Where `rows * groups * heads` vectors of `head_dim` values lie: the FP8 kernels' addressing.
-
-    Vector `(r, g, h)` (index `(r * groups + g) * heads + h`, the packed form's
-    order) starts at element `row(r) + g * s_group + h * s_head` of its tensor, its
-    values `s_d` apart; `row(r)` is `r * s_row`, or, with a `table` (paged), key
-    `k = first_key + r` at block `table[k // rows_per_block]`, slot
-    `k % rows_per_block`: `block * s_row + slot * s_slot`. With `split` (the
-    pool's separate K and V caches, `groups == 2`), group `g` is tensor `g` and
-    `s_group` is unused. The kernels compute these addresses per vector, so a
-    call builds no per-vector offsets on the host.
-    """
-
-    rows: int
-    groups: int
-    heads: int
-    head_dim: int
-    s_row: int
-    s_group: int
-    s_head: int
-    s_d: int
-    table: torch.Tensor | None = None  # [blocks] int64 on the tensors' device
-    first_key: int = 0
-    rows_per_block: int = 1
-    s_slot: int = 0
-    split: bool = False
-
-    @property
-    def num_vectors(self) -> int:
-        return self.rows * self.groups * self.heads
-
-
-def plain_layout(t: torch.Tensor) -> VectorLayout | None:
-    """`t` `[..., D]`'s vectors as a `VectorLayout`, row-major; None when its leading
-    dimensions do not merge into three strided ones (the caller copies such a tensor)."""
-    dims = [(n, st) for n, st in zip(t.shape[:-1], t.stride()[:-1], strict=True) if n != 1]
-    merged: list[tuple[int, int]] = []
-    for n, st in dims:  # merge a dimension into the one before when it continues it
-        if merged and merged[-1][1] == n * st:
-            merged[-1] = (merged[-1][0] * n, st)
-        else:
-            merged.append((n, st))
-    if len(merged) > 3:
-        return None
-    (rows, s_row), (groups, s_group), (heads, s_head) = merged + [(1, 0)] * (3 - len(merged))
-    return VectorLayout(rows, groups, heads, t.shape[-1], s_row, s_group, s_head, t.stride(-1))
+    return _rl.choose_kernel(t, kernel, lambda device: _has_fp8_cvt(device.index or 0))
 
 
 def pack_layout_triton(src0: torch.Tensor, src1: torch.Tensor | None, layout: VectorLayout,
@@ -296,7 +204,7 @@ def pack_layout_triton(src0: torch.Tensor, src1: torch.Tensor | None, layout: Ve
     """
     from . import triton_kernels as tk
 
-    _check_rows(src0)
+    _rl.check_rows(src0)
     payload = torch.empty((layout.num_vectors, layout.head_dim), dtype=FP8_DTYPE, device=src0.device)
     scales = torch.empty(layout.num_vectors, dtype=torch.float32, device=src0.device)
     tk.fp8_pack_triton(src0, src1, layout, payload, scales)
@@ -321,14 +229,9 @@ def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
 
     Deterministic and loop-free; the result is on `rows`' device; `kernel` as `row_kernel`.
     """
-    _check_rows(rows)
+    _rl.check_rows(rows)
     if row_kernel(rows, kernel) == "triton":
-        layout = plain_layout(rows)
-        if layout is None:  # more than three unmergeable leading dims: read a compact copy
-            rows = rows.contiguous()
-            layout = plain_layout(rows)
-            assert layout is not None
-        return pack_layout_triton(rows, None, layout, rows.shape)
+        return _rl.pack_plain_triton(FP8_OPS, rows)
     x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place
     if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
         scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
@@ -348,23 +251,9 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str
     `out` must have the rows' shape and dtype (any device: the values are copied
     there; the Triton path writes straight into an `out` on the packed rows' device).
     """
-    if not isinstance(packed, PackedRows):
-        raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
-    if out is not None and (out.shape != packed.shape or out.dtype != packed.dtype):
-        raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, the packed rows "
-                         f"{packed.dtype} {tuple(packed.shape)}")
+    _rl.check_unpack_out(FP8_OPS, packed, out)
     if row_kernel(packed.payload, kernel) == "triton":
-        dst = out if out is not None and out.device == packed.device else None
-        layout = plain_layout(dst) if dst is not None else None
-        if dst is None or layout is None:  # a fresh compact tensor, copied into `out` after
-            dst = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-            layout = plain_layout(dst)
-            assert layout is not None
-        unpack_layout_triton(packed, dst, None, layout)
-        if out is None or out is dst:
-            return dst
-        out.copy_(dst)
-        return out
+        return _rl.unpack_plain_triton(FP8_OPS, packed, out)
     values = _payload_float(packed.payload).mul_(packed.scales.unsqueeze(-1))
     if out is None:
         return values.to(packed.dtype)
@@ -373,23 +262,6 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str
 
 
 # ---- the reference runtime's pool: whole blocks of separate K and V caches ----------------
-
-
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
-                         f"{tuple(v_cache.shape)} must both be [num_blocks, block_size, Hkv, D], one dtype")
-    if k_cache.device != v_cache.device or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache and v_cache must share device and strides, got {k_cache.device} "
-                         f"{k_cache.stride()} and {v_cache.device} {v_cache.stride()}")
-
-
-def block_layout(cache: torch.Tensor, table: torch.Tensor, rows: int) -> VectorLayout:
-    """The first `rows` rows of blocks `table` of a pool cache `[num_blocks, block_size, Hkv, D]`
-    and of its twin (split: K, then V), as `[rows, 2, Hkv, D]` vectors."""
-    s0, s1, s2, s3 = cache.stride()
-    return VectorLayout(rows, 2, cache.shape[2], cache.shape[3], s0, 0, s2, s3, table=table,
-                        rows_per_block=cache.shape[1], s_slot=s1, split=True)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
@@ -404,26 +276,7 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequenc
     stacked `[rows, 2, Hkv, D]`; the Triton path reads K and V in place in one
     launch (no bf16 copy, no device sync), the torch path gathers them first.
     """
-    _check_caches(k_cache, v_cache)
-    block_size = k_cache.shape[1]
-    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
-        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
-                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
-    need = -(-rows // block_size)
-    idx = device_tensor(block_ids[:need], torch.int64, k_cache.device)
-    if row_kernel(k_cache, kernel) == "triton":
-        return pack_layout_triton(k_cache, v_cache, block_layout(k_cache, idx, rows), (rows, 2, *k_cache.shape[2:]))
-    halves = [pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch") for c in (k_cache, v_cache)]
-    k, v = halves  # K and V vectors pack independently: stacking the packed halves is exact
-    return PackedRows(torch.stack((k.payload, v.payload), dim=1), torch.stack((k.scales, v.scales), dim=1),
-                      k_cache.dtype)
-
-
-def _check_packed_blocks(packed: PackedRows) -> None:
-    if not isinstance(packed, PackedRows):
-        raise TypeError(f"packed must be PackedRows, got {type(packed).__name__}")
-    if packed.payload.dim() != 4 or packed.shape[1] != 2:
-        raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
+    return _rl.pack_blocks(FP8_OPS, k_cache, v_cache, block_ids, rows, kernel)
 
 
 def unpack_blocks(packed: PackedRows, block_size: int,
@@ -434,23 +287,7 @@ def unpack_blocks(packed: PackedRows, block_size: int,
     block's tail past the rows is zeros. Shapes fit `HostRows`. K and V are
     unpacked straight into their blocks (no stacked bf16 copy; Triton: one launch).
     """
-    _check_packed_blocks(packed)
-    if type(block_size) is not int or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    rows, _, hkv, d = packed.shape
-    nblocks = -(-rows // block_size)
-    k, v = (torch.empty((nblocks, block_size, hkv, d), dtype=packed.dtype, device=packed.device)
-            for _ in range(2))
-    if rows % block_size:
-        for blocks in (k, v):
-            blocks.view(-1, hkv, d)[rows:].zero_()
-    if row_kernel(packed.payload, kernel) == "triton":
-        unpack_layout_triton(packed, k, v, VectorLayout(rows, 2, hkv, d, hkv * d, 0, d, 1, split=True))
-    else:
-        for i, blocks in enumerate((k, v)):  # K, then V
-            unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype),
-                        out=blocks.view(-1, hkv, d)[:rows], kernel="torch")
-    return k, v
+    return _rl.unpack_blocks(FP8_OPS, packed, block_size, kernel)
 
 
 def unpack_into_blocks(packed: PackedRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -463,19 +300,9 @@ def unpack_into_blocks(packed: PackedRows, k_cache: torch.Tensor, v_cache: torch
     keeps its bytes). Bit for bit `unpack_blocks` copied into those blocks, but
     one pass (Triton: one launch), no whole-block temporaries.
     """
-    _check_caches(k_cache, v_cache)
-    _check_packed_blocks(packed)
-    rows, _, hkv, d = packed.shape
-    if packed.dtype != k_cache.dtype or (hkv, d) != tuple(k_cache.shape[2:]):
-        raise ValueError(f"packed rows {packed.dtype} {tuple(packed.shape)} do not fit blocks "
-                         f"{k_cache.dtype} {tuple(k_cache.shape)}")
-    if block_ids.shape != (-(-rows // k_cache.shape[1]),):
-        raise ValueError(f"{rows} rows need {-(-rows // k_cache.shape[1])} blocks, got {tuple(block_ids.shape)}")
-    packed = packed.to(k_cache.device)
-    if row_kernel(k_cache, kernel) == "triton":
-        unpack_layout_triton(packed, k_cache, v_cache, block_layout(k_cache, block_ids, rows))
-        return
-    slots = slots_for_rows(block_ids, torch.arange(rows, device=block_ids.device), k_cache.shape[1])
-    for i, cache in enumerate((k_cache, v_cache)):
-        values = unpack_rows(PackedRows(packed.payload[:, i], packed.scales[:, i], packed.dtype), kernel="torch")
-        cache.view(-1, hkv, d).index_copy_(0, slots, values)
+    _rl.unpack_into_blocks(FP8_OPS, packed, k_cache, v_cache, block_ids, kernel)
+
+
+#: This format as `row_layout`'s shared block/page plumbing calls it.
+FP8_OPS: _rl.RowFormatOps[PackedRows] = _rl.RowFormatOps(
+    PackedRows, row_kernel, pack_rows, unpack_rows, pack_layout_triton, unpack_layout_triton)

@@ -23,7 +23,7 @@ Launch-grid rules (also written to `builders/build_kernels.py`'s manifest):
 
 The FP8 row-format kernels (`row_format.py` defines the format; JIT only, not in
 the AOT manifest) compute each `head_dim` vector's address in the kernel from a
-few strides (`row_format.VectorLayout`: plain rows, TensorRT-LLM's HND pages
+few strides (`row_layout.VectorLayout`: plain rows, TensorRT-LLM's HND pages
 through a page table, the pool's separate K and V caches through a block table),
 so a call is one launch with no per-vector offsets built on the host:
 - `fp8_pack_kernel` / `fp8_unpack_kernel`: grid `(cdiv(num_vectors, BLOCK_V),)`.
@@ -299,6 +299,29 @@ def _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_blo
     return off, g
 
 
+@triton.jit
+def _load_vectors(src0_ptr, src1_ptr, at, m, first, SPLIT: tl.constexpr):
+    """The values at element offsets `at` (mask `m`) as float32: SPLIT, a lane where `first` holds
+    reads `src0`, any other `src1` (the other load is masked off); else all read `src0`."""
+    if SPLIT:
+        x = tl.where(first, tl.load(src0_ptr + at, mask=m & first, other=0.0),
+                     tl.load(src1_ptr + at, mask=m & (first == 0), other=0.0))
+    else:
+        x = tl.load(src0_ptr + at, mask=m, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_vectors(dst0_ptr, dst1_ptr, at, x, m, first, SPLIT: tl.constexpr):
+    """Store `x` at element offsets `at` (mask `m`): SPLIT, a lane where `first` holds into `dst0`,
+    any other into `dst1`; else all into `dst0`. Nothing else is written."""
+    if SPLIT:
+        tl.store(dst0_ptr + at, x, mask=m & first)
+        tl.store(dst1_ptr + at, x, mask=m & (first == 0))
+    else:
+        tl.store(dst0_ptr + at, x, mask=m)
+
+
 @triton.jit(do_not_specialize=["num_vectors", "first_key"])
 def fp8_pack_kernel(
     src0_ptr,  # rows (bf16/f16/f32); the vectors as `_fp8_vector_offsets` places them
@@ -324,14 +347,7 @@ def fp8_pack_kernel(
     m = mv[:, None] & (d < head_dim)
     off, g = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
                                  s_row, s_slot, s_group, s_head, PAGED, SPLIT)
-    at = off[:, None] + d * s_d
-    if SPLIT:  # each lane reads one of the two tensors (the other load is masked off)
-        first = (g == 0)[:, None]
-        x0 = tl.load(src0_ptr + at, mask=m & first, other=0.0)
-        x1 = tl.load(src1_ptr + at, mask=m & (g != 0)[:, None], other=0.0)
-        x = tl.where(first, x0, x1).to(tl.float32)
-    else:
-        x = tl.load(src0_ptr + at, mask=m, other=0.0).to(tl.float32)
+    x = _load_vectors(src0_ptr, src1_ptr, off[:, None] + d * s_d, m, (g == 0)[:, None], SPLIT)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), FP8_SCALE_FLOOR)
     # NaN for a vector holding a NaN or inf (x * 0 is NaN there, 0 elsewhere), as torch's path gives
@@ -372,12 +388,7 @@ def fp8_unpack_kernel(
     x = x.to(dst0_ptr.dtype.element_ty)
     off, g = _fp8_vector_offsets(v, mv, table_ptr, heads, groups, first_key, rows_per_block,
                                  s_row, s_slot, s_group, s_head, PAGED, SPLIT)
-    at = off[:, None] + d * s_d
-    if SPLIT:
-        tl.store(dst0_ptr + at, x, mask=m & (g == 0)[:, None])
-        tl.store(dst1_ptr + at, x, mask=m & (g != 0)[:, None])
-    else:
-        tl.store(dst0_ptr + at, x, mask=m)
+    _store_vectors(dst0_ptr, dst1_ptr, off[:, None] + d * s_d, x, m, (g == 0)[:, None], SPLIT)
 
 
 def _fp8_blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
@@ -387,7 +398,8 @@ def _fp8_blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
 
 
 class VectorLayout(Protocol):
-    """What the FP8 launchers read of `row_format.VectorLayout` (defined there; see it)."""
+    """What the row-format launchers (FP8 here, NVFP4 in `nvfp4_kernels`) read of
+    `row_layout.VectorLayout` (defined there; see it)."""
 
     @property
     def num_vectors(self) -> int: ...
