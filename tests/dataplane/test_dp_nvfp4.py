@@ -220,6 +220,10 @@ def test_round_trip_error_is_within_a_quarter_of_the_value_or_of_its_block_scale
     v = rows.double()
     # a block whose scale rounded to 0 holds |v| <= 2**-10 * 6 g: it unpacks to zeros
     bound = torch.where(d > 0, torch.maximum(v.abs(), d) / 4, 6 * g / 1024) * (1 + 2.0**-20)
+    # the block scale is e4m3 rounded to nearest (ModelOpt, TensorRT-LLM): in e4m3's subnormal
+    # range it can round down by up to a third, and then values past 6 d saturate to 6 d, off by
+    # exactly |v| - 6 d (row 3's subnormal-scale block, for some seeds)
+    bound = torch.maximum(bound, torch.where(d > 0, v.abs() - 6 * d, 0.0) * (1 + 2.0**-20))
     if dtype == torch.float16:  # fp16's own rounding of the unpacked value
         bound = bound + out.abs() * 2.0**-11 + 2.0**-25
     assert bool(((out - v).abs() <= bound).all())
