@@ -30,13 +30,13 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from . import row_layout as _rl
 from .device_ints import device_copy, device_tensor
 from .row_format import FP8_OPS, PackedRows
-from .row_layout import VectorLayout
+from .row_layout import P, RowFormatOps, VectorLayout
 
 
 def page_table(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int) -> tuple[list[int], int]:
@@ -107,7 +107,7 @@ def gather_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int
     launch, no bf16 copy, no per-key offsets built on the host; the torch path
     packs the indexed read. `kernel` as `row_format.row_kernel`.
     """
-    return _rl.gather_pages_packed(FP8_OPS, buf, pages, lo, hi, kernel)
+    return gather_pages_packed(FP8_OPS, buf, pages, lo, hi, kernel)
 
 
 def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: PackedRows,
@@ -118,4 +118,34 @@ def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed
     (shape, dtype: the packed rows' original dtype must be the pages') before any
     write. The Triton kernel writes the pages from the packed form in one launch.
     """
-    _rl.scatter_pages_packed(FP8_OPS, buf, pages, lo, packed, kernel)
+    scatter_pages_packed(FP8_OPS, buf, pages, lo, packed, kernel)
+
+
+def gather_pages_packed(fmt: RowFormatOps[P], buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                        kernel: str | None) -> P:
+    """Rows of keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]`, packed by `fmt` as
+    `[hi - lo, 2, Hkv, D]`: bit for bit `fmt.pack_rows(hnd_pages.gather_rows(...))`; Triton reads
+    the pages through the page table in one launch, torch packs the indexed read."""
+    shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
+    if fmt.kernel(buf, kernel) == "triton":
+        return fmt.pack_layout(buf, None, hnd_layout(buf, pages, lo, hi), shape)
+    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
+    return fmt.pack_rows(buf[page, :, :, slot], kernel="torch")  # the index makes a fresh tensor
+
+
+def scatter_pages_packed(fmt: RowFormatOps[Any], buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Any,
+                         kernel: str | None) -> None:
+    """Unpack `packed` `[n, 2, Hkv, D]` straight into keys `[lo, lo + n)` of HND pages `buf`: bit for
+    bit `hnd_pages.scatter_rows(buf, pages, lo, fmt.unpack_rows(packed))`, with its checks (shape;
+    the packed rows' dtype must be the pages') before any write."""
+    shape = packed.shape
+    if len(shape) != 4 or tuple(shape[1:]) != (buf.shape[1], buf.shape[2], buf.shape[4]):
+        raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
+    if packed.dtype != buf.dtype:
+        raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
+    if fmt.kernel(buf, kernel) == "triton":
+        layout = hnd_layout(buf, pages, lo, lo + shape[0])  # checks the pages before any write
+        fmt.unpack_layout(packed.to(buf.device), buf, None, layout)
+        return
+    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
+    buf[page, :, :, slot] = fmt.unpack_rows(packed.to(buf.device), kernel="torch")

@@ -101,6 +101,7 @@ import torch
 
 from ..core.row_format import NVFP4_BLOCK, rows_nbytes
 from . import row_layout as _rl
+from .hnd_pages import gather_pages_packed, scatter_pages_packed
 from .row_format import PACKABLE_DTYPES
 from .row_layout import VectorLayout
 
@@ -378,7 +379,7 @@ def gather_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
     torch path packs the indexed read.
     """
     _check_rows(buf)
-    return _rl.gather_pages_packed(NVFP4_OPS, buf, pages, lo, hi, kernel)
+    return gather_pages_packed(NVFP4_OPS, buf, pages, lo, hi, kernel)
 
 
 def scatter_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Nvfp4Rows,
@@ -390,7 +391,7 @@ def scatter_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Nvfp
     """
     if not isinstance(packed, Nvfp4Rows):
         raise TypeError(f"packed must be Nvfp4Rows, got {type(packed).__name__}")
-    _rl.scatter_pages_packed(NVFP4_OPS, buf, pages, lo, packed, kernel)
+    scatter_pages_packed(NVFP4_OPS, buf, pages, lo, packed, kernel)
 
 
 #: This format as `row_layout`'s shared block/page plumbing calls it.

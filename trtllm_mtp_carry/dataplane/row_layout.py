@@ -4,9 +4,10 @@ What it is for: both formats pack `head_dim` vectors the same way apart from the
 bytes of one vector: their Triton kernels address the vectors by the same
 `VectorLayout` (plain rows, TensorRT-LLM's HND pages through a page table, the
 reference pool's separate K and V caches through a block table), they choose a
-kernel by the same rule, and they gather/scatter whole blocks and HND pages with
-the same checks and the same torch fallbacks. That is written once here; a format
-supplies its own pack/unpack functions as a `RowFormatOps`.
+kernel by the same rule, and they gather/scatter whole blocks with the same checks
+and the same torch fallbacks. That is written once here; a format supplies its own
+pack/unpack functions as a `RowFormatOps` (the HND page twins,
+`hnd_pages.gather_pages_packed`/`scatter_pages_packed`, take one too).
 
 Invariants:
 - Nothing here reads or writes a packed byte itself: every value goes through the
@@ -42,11 +43,9 @@ __all__ = [
     "block_layout",
     "check_caches",
     "choose_kernel",
-    "gather_pages_packed",
     "pack_blocks",
     "pack_plain_triton",
     "plain_layout",
-    "scatter_pages_packed",
     "unpack_blocks",
     "unpack_into_blocks",
     "unpack_plain_triton",
@@ -360,40 +359,3 @@ def unpack_into_blocks(fmt: RowFormatOps[Any], packed: Any, k_cache: torch.Tenso
     slots = slots_for_rows(block_ids, torch.arange(rows, device=block_ids.device), k_cache.shape[1])
     for i, cache in enumerate((k_cache, v_cache)):
         cache.view(-1, hkv, d).index_copy_(0, slots, fmt.unpack_rows(fmt.half(packed, i), kernel="torch"))
-
-
-# ---- TensorRT-LLM's HND pages (the adapter's draft pool) ---------------------------------
-
-
-def gather_pages_packed(fmt: RowFormatOps[P], buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
-                        kernel: str | None) -> P:
-    """Rows of keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]`, packed by `fmt` as
-    `[hi - lo, 2, Hkv, D]`: bit for bit `fmt.pack_rows(hnd_pages.gather_rows(...))`; Triton reads
-    the pages through the page table in one launch, torch packs the indexed read."""
-    from .hnd_pages import hnd_layout, key_slots
-
-    shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
-    if fmt.kernel(buf, kernel) == "triton":
-        return fmt.pack_layout(buf, None, hnd_layout(buf, pages, lo, hi), shape)
-    page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
-    return fmt.pack_rows(buf[page, :, :, slot], kernel="torch")  # the index makes a fresh tensor
-
-
-def scatter_pages_packed(fmt: RowFormatOps[Any], buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Any,
-                         kernel: str | None) -> None:
-    """Unpack `packed` `[n, 2, Hkv, D]` straight into keys `[lo, lo + n)` of HND pages `buf`: bit for
-    bit `hnd_pages.scatter_rows(buf, pages, lo, fmt.unpack_rows(packed))`, with its checks (shape;
-    the packed rows' dtype must be the pages') before any write."""
-    from .hnd_pages import hnd_layout, key_slots
-
-    shape = packed.shape
-    if len(shape) != 4 or tuple(shape[1:]) != (buf.shape[1], buf.shape[2], buf.shape[4]):
-        raise RuntimeError(f"rows of shape {tuple(shape)} do not fit HND pages {tuple(buf.shape)}")
-    if packed.dtype != buf.dtype:
-        raise RuntimeError(f"rows are {packed.dtype}, the pages {buf.dtype}")
-    if fmt.kernel(buf, kernel) == "triton":
-        layout = hnd_layout(buf, pages, lo, lo + shape[0])  # checks the pages before any write
-        fmt.unpack_layout(packed.to(buf.device), buf, None, layout)
-        return
-    page, slot = key_slots(pages, lo, lo + shape[0], buf.shape[3], buf.device)
-    buf[page, :, :, slot] = fmt.unpack_rows(packed.to(buf.device), kernel="torch")
