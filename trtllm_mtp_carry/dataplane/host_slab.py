@@ -33,13 +33,13 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 
+from ..core.free_spans import FreeSpans
 from .pinned import pinned_empty
 
 __all__ = ["ALIGN", "HostSlab", "host_slab_for"]
@@ -63,7 +63,7 @@ class HostSlab:
         self.capacity = nbytes // ALIGN * ALIGN
         self.sync = sync
         self.on_move = on_move
-        self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []
+        self._free = FreeSpans(self.capacity)
         self._held: dict[Hashable, tuple[int, int]] = {}  # key -> (start, bytes asked)
         self._pending: list[tuple[Any, int, int]] = []  # (event, start, length): reused once it completed
         self.compactions = 0
@@ -84,7 +84,7 @@ class HostSlab:
     @property
     def room(self) -> int:
         """Bytes a `take` may use without releasing anything: free, and released after an event."""
-        return sum(n for _, n in self._free) + sum(n for _, _, n in self._pending)
+        return self._free.total() + sum(n for _, _, n in self._pending)
 
     def take(self, key: Hashable, nbytes: int, spare: Iterable[Hashable] = (),
              wait: bool = True) -> torch.Tensor | None:
@@ -101,7 +101,7 @@ class HostSlab:
             start = self._find(need)
             if start is None:
                 return None
-            self._cut(start, need)
+            self._free.cut(start, need)
             self._held[key] = (start, nbytes)
             return self.storage[start:start + nbytes]
         if self.room < need:
@@ -116,12 +116,12 @@ class HostSlab:
                 event.synchronize()
             self._reclaim()
             start = self._find(need)
-        if start is None and sum(n for _, n in self._free) >= need:
+        if start is None and self._free.total() >= need:
             self.compact()
             start = self._find(need)
         if start is None:
             return None
-        self._cut(start, need)
+        self._free.cut(start, need)
         self._held[key] = (start, nbytes)
         return self.storage[start:start + nbytes]
 
@@ -146,7 +146,7 @@ class HostSlab:
         if after is not None:
             self._pending.append((after, start, _up(n)))
         else:
-            self._give(start, _up(n))
+            self._free.give(start, _up(n))
         return True
 
     def compact(self) -> None:
@@ -165,7 +165,7 @@ class HostSlab:
                 self._held[key] = (cursor, n)
                 moved.append(key)
             cursor += _up(n)
-        self._free = [(cursor, self.capacity - cursor)] if cursor < self.capacity else []
+        self._free.reset_around([(0, cursor)])
         self.compactions += 1
         for key in moved:
             self.on_move(key)
@@ -173,7 +173,7 @@ class HostSlab:
     def check(self) -> None:
         """RuntimeError unless the held, pending and free ranges tile the slab exactly once."""
         spans = sorted([(s, _up(n)) for s, n in self._held.values()] + [(s, n) for _, s, n in self._pending]
-                       + self._free)
+                       + self._free.spans)
         at = 0
         for start, n in spans:
             if start != at or n <= 0:
@@ -184,41 +184,19 @@ class HostSlab:
 
     # ---- ranges -------------------------------------------------------------------
 
+    def _find(self, need: int) -> int | None:
+        if self._pending:  # ranges whose copies back completed are free again
+            self._reclaim()
+        return self._free.find(need)
+
     def _reclaim(self) -> None:
         keep = []
         for event, start, n in self._pending:
             if event.query():
-                self._give(start, n)
+                self._free.give(start, n)
             else:
                 keep.append((event, start, n))
         self._pending = keep
-
-    def _find(self, need: int) -> int | None:
-        if self._pending:
-            self._reclaim()
-        for start, n in self._free:  # first fit, lowest address
-            if n >= need:
-                return start
-        return None
-
-    def _cut(self, start: int, need: int) -> None:
-        i = bisect.bisect_left(self._free, (start, 0))
-        s, n = self._free[i]
-        if n == need:
-            del self._free[i]
-        else:
-            self._free[i] = (s + need, n - need)
-
-    def _give(self, start: int, n: int) -> None:
-        i = bisect.bisect_left(self._free, (start, 0))
-        self._free.insert(i, (start, n))
-        if i + 1 < len(self._free) and start + n == self._free[i + 1][0]:  # merge with the next
-            self._free[i] = (start, n + self._free[i + 1][1])
-            del self._free[i + 1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:  # and the previous
-            ps, pn = self._free[i - 1]
-            self._free[i - 1] = (ps, pn + self._free[i][1])
-            del self._free[i]
 
 
 def host_slab_for(host_budget_bytes: int, device: torch.device) -> HostSlab | None:

@@ -49,13 +49,13 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..core.free_spans import FreeSpans
 from ..dataplane.pinned import pinned_empty
 from ..dataplane.row_codec import RowCodec, Rows, codec_for, codec_of
 
@@ -212,7 +212,7 @@ class RowArena:
         self.storage = storage
         self.block_nbytes = block_nbytes
         self.capacity_blocks = storage.numel() // block_nbytes
-        self._free: list[tuple[int, int]] = [(0, self.capacity_blocks)] if self.capacity_blocks else []
+        self._free = FreeSpans(self.capacity_blocks)
         self._held: dict[int, _Extent] = {}
         self.compactions = 0
 
@@ -262,14 +262,14 @@ class RowArena:
         arena unchanged (`key`'s older extent released)."""
         self.release(key)
         n = self.blocks_for(rows)
-        start = self._find(n)
+        start = self._free.find(n)
         if start is None:
-            if sum(b for _, b in self._free) < n:
+            if self._free.total() < n:
                 return False
             self.compact()
-            start = self._find(n)
+            start = self._free.find(n)
             assert start is not None  # after compaction the free blocks are one extent
-        self._take(start, n)
+        self._free.cut(start, n)
         codec = codec_of(rows) if codec is None else codec
         extent = _Extent(start, n, tuple(rows.shape), codec)
         self._held[key] = extent
@@ -292,13 +292,13 @@ class RowArena:
         extent = self._held.pop(key, None)
         if extent is None:
             return False
-        self._give(extent.start, extent.blocks)
+        self._free.give(extent.start, extent.blocks)
         return True
 
     def clear(self) -> None:
         """Free every extent (the storage stays reserved)."""
         self._held.clear()
-        self._free = [(0, self.capacity_blocks)] if self.capacity_blocks else []
+        self._free.reset_around([])
 
     def compact(self) -> None:
         """Slide every extent down towards the arena's start, in address order, leaving one free
@@ -316,12 +316,12 @@ class RowArena:
                     self._held[key] = _Extent(cursor, extent.blocks, extent.shape, extent.codec)
                 cursor += extent.blocks
         finally:
-            self._rebuild_free()
+            self._free.reset_around((e.start, e.blocks) for e in self._held.values())
         self.compactions += 1
 
     def check(self) -> None:
         """RuntimeError unless the held and free extents tile the arena exactly once."""
-        spans = sorted([(e.start, e.blocks) for e in self._held.values()] + self._free)
+        spans = sorted([(e.start, e.blocks) for e in self._held.values()] + self._free.spans)
         at = 0
         for start, blocks in spans:
             if start != at or blocks <= 0:
@@ -331,40 +331,6 @@ class RowArena:
             raise RuntimeError(f"arena extents cover {at} of {self.capacity_blocks} blocks")
 
     # ---- extents -----------------------------------------------------------------------
-
-    def _find(self, n: int) -> int | None:
-        for start, blocks in self._free:  # first fit, lowest address
-            if blocks >= n:
-                return start
-        return None
-
-    def _take(self, start: int, n: int) -> None:
-        i = next(i for i, (s, _) in enumerate(self._free) if s == start)
-        s, blocks = self._free[i]
-        if blocks == n:
-            del self._free[i]
-        else:
-            self._free[i] = (s + n, blocks - n)
-
-    def _give(self, start: int, n: int) -> None:
-        i = bisect.bisect_left(self._free, (start, 0))
-        self._free.insert(i, (start, n))
-        if i + 1 < len(self._free) and start + n == self._free[i + 1][0]:  # merge with the next
-            self._free[i] = (start, n + self._free[i + 1][1])
-            del self._free[i + 1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:  # and the previous
-            ps, pn = self._free[i - 1]
-            self._free[i - 1] = (ps, pn + self._free[i][1])
-            del self._free[i]
-
-    def _rebuild_free(self) -> None:
-        spans = sorted((e.start, e.blocks) for e in self._held.values())
-        self._free = []
-        at = 0
-        for start, blocks in spans + [(self.capacity_blocks, 0)]:
-            if start > at:
-                self._free.append((at, start - at))
-            at = start + blocks
 
     def _bytes(self, start: int, blocks: int) -> torch.Tensor:
         return self.storage[start * self.block_nbytes:(start + blocks) * self.block_nbytes]
