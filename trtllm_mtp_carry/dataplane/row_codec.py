@@ -353,43 +353,54 @@ class PoolRowsCodec(RowCodec):
             raise RuntimeError(f"a {self.name} codec of a {self.pool_dtype} pool got {buf.dtype} pages")
 
 
-class Fp8PackedCodec(RowCodec):
-    """`fp8`: a bf16/fp16/fp32 pool's rows packed as `PackedRows` (e4m3 payload, one float32 scale
-    a vector: `dataplane/row_format.py`), packed as gathered and unpacked as scattered."""
+class _PackedCodec(RowCodec):
+    """Rows of a bf16/fp16/fp32 pool packed out of it as `rows_type` (a `PackedRowsBase`): packed
+    as gathered, unpacked as scattered. What the packed formats do alike is here; each says how
+    its rows lie in an arena extent (`view`) and how they are packed and unpacked."""
 
-    name = "fp8"
+    rows_type: type[PackedRows] | type[Nvfp4Rows]
     exact = False
 
     def __init__(self, pool_dtype: torch.dtype) -> None:
         if pool_dtype not in PACKABLE_DTYPES:
-            raise ValueError(f"fp8 packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
+            raise ValueError(f"{self.name} packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
         super().__init__(pool_dtype)
 
     def holds(self, rows: object) -> bool:
-        return isinstance(rows, PackedRows) and rows.dtype == self.pool_dtype
+        return isinstance(rows, self.rows_type) and rows.dtype == self.pool_dtype
 
     def _form(self) -> str:
-        return f"PackedRows of {self.pool_dtype}"
+        return f"{self.rows_type.__name__} of {self.pool_dtype}"
+
+    def _rows(self, rows: object) -> PackedRows | Nvfp4Rows:
+        p = self.check(rows)
+        assert isinstance(p, (PackedRows, Nvfp4Rows))
+        return p
 
     def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
-        p = self.check(rows)
-        assert isinstance(p, PackedRows)
-        return (p.payload, p.scales)
+        return self._rows(rows).tensors()
 
     def head(self, rows: Rows, n: int) -> Rows:
-        p = self.check(rows)
-        assert isinstance(p, PackedRows)
-        return PackedRows(p.payload[:n], p.scales[:n], p.dtype)
+        return self._rows(rows).head(n)
 
     def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
-        p = self.check(rows)
-        assert isinstance(p, PackedRows)
-        return p.to(device, non_blocking=non_blocking)
+        return self._rows(rows).to(device, non_blocking=non_blocking)
 
     def host_copy(self, rows: Rows) -> Rows:
+        return self._rows(rows).host_copy()
+
+
+class Fp8PackedCodec(_PackedCodec):
+    """`fp8`: a bf16/fp16/fp32 pool's rows packed as `PackedRows` (e4m3 payload, one float32 scale
+    a vector: `dataplane/row_format.py`), packed as gathered and unpacked as scattered."""
+
+    name = "fp8"
+    rows_type = PackedRows
+
+    def _packed(self, rows: object) -> PackedRows:
         p = self.check(rows)
         assert isinstance(p, PackedRows)
-        return p.host_copy()
+        return p
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         payload_nbytes = 1
@@ -403,17 +414,13 @@ class Fp8PackedCodec(RowCodec):
         return pack_rows(rows)
 
     def decode(self, rows: Rows) -> torch.Tensor:
-        p = self.check(rows)
-        assert isinstance(p, PackedRows)
-        return unpack_rows(p)
+        return unpack_rows(self._packed(rows))
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
         return gather_packed_rows(buf, pages, lo, hi)
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
-        p = self.check(rows)
-        assert isinstance(p, PackedRows)
-        scatter_packed_rows(buf, pages, lo, p)
+        scatter_packed_rows(buf, pages, lo, self._packed(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                       rows: int) -> Rows:
@@ -421,9 +428,7 @@ class Fp8PackedCodec(RowCodec):
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
-        p = self.check(rows)
-        assert isinstance(p, PackedRows)
-        unpack_into_blocks(p, k_cache, v_cache, block_ids)
+        unpack_into_blocks(self._packed(rows), k_cache, v_cache, block_ids)
 
 
 class CompositeCodec(RowCodec):
@@ -547,44 +552,18 @@ class CompositeCodec(RowCodec):
         self.main.check_fits(self._rows(rows).kv, num_kv_heads, head_dim)
 
 
-class Nvfp4Codec(RowCodec):
+class Nvfp4Codec(_PackedCodec):
     """`nvfp4`: a bf16/fp16/fp32 pool's rows packed as `Nvfp4Rows` (e2m1 pairs, one e4m3 scale per
     16 values, one e8m0 global scale a vector: `dataplane/nvfp4.py`), packed as gathered and
     unpacked as scattered."""
 
     name = "nvfp4"
-    exact = False
+    rows_type = Nvfp4Rows
 
-    def __init__(self, pool_dtype: torch.dtype) -> None:
-        if pool_dtype not in PACKABLE_DTYPES:
-            raise ValueError(f"nvfp4 packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
-        super().__init__(pool_dtype)
-
-    def holds(self, rows: object) -> bool:
-        return isinstance(rows, Nvfp4Rows) and rows.dtype == self.pool_dtype
-
-    def _form(self) -> str:
-        return f"Nvfp4Rows of {self.pool_dtype}"
-
-    def _rows(self, rows: object) -> Nvfp4Rows:
-        if not self.holds(rows):
-            self.check(rows)  # the TypeError naming the form
-        assert isinstance(rows, Nvfp4Rows)
-        return rows
-
-    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
-        p = self._rows(rows)
-        return (p.payload, p.scales, p.gscales)
-
-    def head(self, rows: Rows, n: int) -> Rows:
-        p = self._rows(rows)
-        return Nvfp4Rows(p.payload[:n], p.scales[:n], p.gscales[:n], p.dtype)
-
-    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
-        return self._rows(rows).to(device, non_blocking=non_blocking)
-
-    def host_copy(self, rows: Rows) -> Rows:
-        return self._rows(rows).host_copy()
+    def _packed(self, rows: object) -> Nvfp4Rows:
+        p = self.check(rows)
+        assert isinstance(p, Nvfp4Rows)
+        return p
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         # payload (D/2 bytes a vector), then the block scales (D/16), then the global scales (1):
@@ -599,13 +578,13 @@ class Nvfp4Codec(RowCodec):
         return nvfp4.pack_rows(rows)
 
     def decode(self, rows: Rows) -> torch.Tensor:
-        return nvfp4.unpack_rows(self._rows(rows))
+        return nvfp4.unpack_rows(self._packed(rows))
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
         return nvfp4.gather_pages(buf, pages, lo, hi)
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
-        nvfp4.scatter_pages(buf, pages, lo, self._rows(rows))
+        nvfp4.scatter_pages(buf, pages, lo, self._packed(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                       rows: int) -> Rows:
@@ -613,7 +592,7 @@ class Nvfp4Codec(RowCodec):
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
-        nvfp4.unpack_into_blocks(self._rows(rows), k_cache, v_cache, block_ids)
+        nvfp4.unpack_into_blocks(self._packed(rows), k_cache, v_cache, block_ids)
 
 
 class Nvfp4KvPagesCodec(RowCodec):

@@ -125,6 +125,14 @@ class PackedRowsBase:
     def device(self) -> torch.device:
         return self.payload.device
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the rows, in field order (`payload` first)."""
+        return tuple(getattr(self, name) for name in _tensor_fields(type(self)))
+
+    def head(self: _R, n: int) -> _R:
+        """The first `n` rows, views of the same tensors."""
+        return map_tensors(self, lambda t: t[:n])
+
     def to(self: _R, device: torch.device | str, non_blocking: bool = False) -> _R:
         """The same packed rows on `device` (sharing the tensors when they are there already)."""
         return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
