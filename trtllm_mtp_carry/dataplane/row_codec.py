@@ -54,6 +54,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -353,12 +354,15 @@ class PoolRowsCodec(RowCodec):
             raise RuntimeError(f"a {self.name} codec of a {self.pool_dtype} pool got {buf.dtype} pages")
 
 
-class _PackedCodec(RowCodec):
+_Packed = TypeVar("_Packed", PackedRows, Nvfp4Rows)
+
+
+class _PackedCodec(RowCodec, Generic[_Packed]):
     """Rows of a bf16/fp16/fp32 pool packed out of it as `rows_type` (a `PackedRowsBase`): packed
     as gathered, unpacked as scattered. What the packed formats do alike is here; each says how
     its rows lie in an arena extent (`view`) and how they are packed and unpacked."""
 
-    rows_type: type[PackedRows] | type[Nvfp4Rows]
+    rows_type: type[_Packed]
     exact = False
 
     def __init__(self, pool_dtype: torch.dtype) -> None:
@@ -372,9 +376,9 @@ class _PackedCodec(RowCodec):
     def _form(self) -> str:
         return f"{self.rows_type.__name__} of {self.pool_dtype}"
 
-    def _rows(self, rows: object) -> PackedRows | Nvfp4Rows:
+    def _rows(self, rows: object) -> _Packed:
         p = self.check(rows)
-        assert isinstance(p, (PackedRows, Nvfp4Rows))
+        assert isinstance(p, self.rows_type)
         return p
 
     def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
@@ -390,17 +394,12 @@ class _PackedCodec(RowCodec):
         return self._rows(rows).host_copy()
 
 
-class Fp8PackedCodec(_PackedCodec):
+class Fp8PackedCodec(_PackedCodec[PackedRows]):
     """`fp8`: a bf16/fp16/fp32 pool's rows packed as `PackedRows` (e4m3 payload, one float32 scale
     a vector: `dataplane/row_format.py`), packed as gathered and unpacked as scattered."""
 
     name = "fp8"
     rows_type = PackedRows
-
-    def _packed(self, rows: object) -> PackedRows:
-        p = self.check(rows)
-        assert isinstance(p, PackedRows)
-        return p
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         payload_nbytes = 1
@@ -414,13 +413,13 @@ class Fp8PackedCodec(_PackedCodec):
         return pack_rows(rows)
 
     def decode(self, rows: Rows) -> torch.Tensor:
-        return unpack_rows(self._packed(rows))
+        return unpack_rows(self._rows(rows))
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
         return gather_packed_rows(buf, pages, lo, hi)
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
-        scatter_packed_rows(buf, pages, lo, self._packed(rows))
+        scatter_packed_rows(buf, pages, lo, self._rows(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                       rows: int) -> Rows:
@@ -428,7 +427,7 @@ class Fp8PackedCodec(_PackedCodec):
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
-        unpack_into_blocks(self._packed(rows), k_cache, v_cache, block_ids)
+        unpack_into_blocks(self._rows(rows), k_cache, v_cache, block_ids)
 
 
 class CompositeCodec(RowCodec):
@@ -552,18 +551,13 @@ class CompositeCodec(RowCodec):
         self.main.check_fits(self._rows(rows).kv, num_kv_heads, head_dim)
 
 
-class Nvfp4Codec(_PackedCodec):
+class Nvfp4Codec(_PackedCodec[Nvfp4Rows]):
     """`nvfp4`: a bf16/fp16/fp32 pool's rows packed as `Nvfp4Rows` (e2m1 pairs, one e4m3 scale per
     16 values, one e8m0 global scale a vector: `dataplane/nvfp4.py`), packed as gathered and
     unpacked as scattered."""
 
     name = "nvfp4"
     rows_type = Nvfp4Rows
-
-    def _packed(self, rows: object) -> Nvfp4Rows:
-        p = self.check(rows)
-        assert isinstance(p, Nvfp4Rows)
-        return p
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         # payload (D/2 bytes a vector), then the block scales (D/16), then the global scales (1):
@@ -578,13 +572,13 @@ class Nvfp4Codec(_PackedCodec):
         return nvfp4.pack_rows(rows)
 
     def decode(self, rows: Rows) -> torch.Tensor:
-        return nvfp4.unpack_rows(self._packed(rows))
+        return nvfp4.unpack_rows(self._rows(rows))
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
         return nvfp4.gather_pages(buf, pages, lo, hi)
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
-        nvfp4.scatter_pages(buf, pages, lo, self._packed(rows))
+        nvfp4.scatter_pages(buf, pages, lo, self._rows(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                       rows: int) -> Rows:
@@ -592,7 +586,7 @@ class Nvfp4Codec(_PackedCodec):
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
-        nvfp4.unpack_into_blocks(self._packed(rows), k_cache, v_cache, block_ids)
+        nvfp4.unpack_into_blocks(self._rows(rows), k_cache, v_cache, block_ids)
 
 
 class Nvfp4KvPagesCodec(RowCodec):
