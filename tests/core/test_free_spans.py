@@ -34,3 +34,16 @@ def test_reset_around_leaves_the_gaps_between_held_extents_free() -> None:
     free.reset_around([])
     assert free.spans == [(0, 12)]
     assert FreeSpans(0).spans == [] and FreeSpans(0).find(1) is None
+
+
+def test_check_tiles_names_a_gap_an_overlap_and_a_short_cover() -> None:
+    free = FreeSpans(10)
+    free.cut(0, 6)
+    free.check_tiles([(0, 6)], "extents")  # held and free tile [0, 10)
+    with pytest.raises(RuntimeError, match=r"^extents do not tile its 10 units: \[\(0, 4\), \(6, 4\)\]$"):
+        free.check_tiles([(0, 4)], "extents")
+    with pytest.raises(RuntimeError, match=r"^extents do not tile its 10 units: \[\(0, 6\), \(5, 1\), \(6, 4\)\]$"):
+        free.check_tiles([(0, 6), (5, 1)], "extents")
+    free.cut(6, 4)
+    with pytest.raises(RuntimeError, match=r"^extents cover 6 of 10 units$"):
+        free.check_tiles([(0, 6)], "extents")

@@ -71,3 +71,15 @@ class FreeSpans:
             if start > at:
                 self.spans.append((at, start - at))
             at = start + n
+
+    def check_tiles(self, held: Iterable[tuple[int, int]], what: str) -> None:
+        """RuntimeError (naming `what`, e.g. "arena extents") unless the `(start, length)` extents
+        `held` and the free spans tile `[0, capacity)` exactly once."""
+        spans = sorted([*held, *self.spans])
+        at = 0
+        for start, n in spans:
+            if start != at or n <= 0:
+                raise RuntimeError(f"{what} do not tile its {self.capacity} units: {spans}")
+            at += n
+        if at != self.capacity:
+            raise RuntimeError(f"{what} cover {at} of {self.capacity} units")

@@ -97,13 +97,16 @@ class HostSlab:
         if key in self._held:
             raise ValueError(f"{key!r} holds a host range already")
         need = _up(nbytes)
-        if not wait:
-            start = self._find(need)
-            if start is None:
-                return None
-            self._free.cut(start, need)
-            self._held[key] = (start, nbytes)
-            return self.storage[start:start + nbytes]
+        start = self._find(need) if not wait else self._make_room(need, spare)
+        if start is None:
+            return None
+        self._free.cut(start, need)
+        self._held[key] = (start, nbytes)
+        return self.storage[start:start + nbytes]
+
+    def _make_room(self, need: int, spare: Iterable[Hashable]) -> int | None:
+        """Where `need` bytes fit once the spare keys, the finished copies back and a compaction
+        made room (the CPU may wait for copies back), or None."""
         if self.room < need:
             spare = [k for k in spare if k in self._held]
             if self.room + sum(_up(self._held[k][1]) for k in spare) < need:
@@ -119,11 +122,7 @@ class HostSlab:
         if start is None and self._free.total() >= need:
             self.compact()
             start = self._find(need)
-        if start is None:
-            return None
-        self._free.cut(start, need)
-        self._held[key] = (start, nbytes)
-        return self.storage[start:start + nbytes]
+        return start
 
     def rename(self, key: Hashable, new: Hashable) -> None:
         """`key`'s range is held under `new` from now on (ValueError if `new` holds one)."""
@@ -172,15 +171,8 @@ class HostSlab:
 
     def check(self) -> None:
         """RuntimeError unless the held, pending and free ranges tile the slab exactly once."""
-        spans = sorted([(s, _up(n)) for s, n in self._held.values()] + [(s, n) for _, s, n in self._pending]
-                       + self._free.spans)
-        at = 0
-        for start, n in spans:
-            if start != at or n <= 0:
-                raise RuntimeError(f"host slab ranges do not tile its {self.capacity} bytes: {spans}")
-            at += n
-        if at != self.capacity:
-            raise RuntimeError(f"host slab ranges cover {at} of {self.capacity} bytes")
+        self._free.check_tiles([(s, _up(n)) for s, n in self._held.values()]
+                               + [(s, n) for _, s, n in self._pending], "host slab ranges (bytes)")
 
     # ---- ranges -------------------------------------------------------------------
 

@@ -321,14 +321,7 @@ class RowArena:
 
     def check(self) -> None:
         """RuntimeError unless the held and free extents tile the arena exactly once."""
-        spans = sorted([(e.start, e.blocks) for e in self._held.values()] + self._free.spans)
-        at = 0
-        for start, blocks in spans:
-            if start != at or blocks <= 0:
-                raise RuntimeError(f"arena extents do not tile its {self.capacity_blocks} blocks: {spans}")
-            at += blocks
-        if at != self.capacity_blocks:
-            raise RuntimeError(f"arena extents cover {at} of {self.capacity_blocks} blocks")
+        self._free.check_tiles(((e.start, e.blocks) for e in self._held.values()), "arena extents (blocks)")
 
     # ---- extents -----------------------------------------------------------------------
 
