@@ -56,7 +56,8 @@ def test_chat_turns_show_the_carry_outcome_and_stats_table(engines):
     assert status[2].startswith("  [prefill (foreign session")  # /new: another session
     table = lines[lines.index(next(x for x in lines if x.split()[:1] == ["armed"])):]
     assert table[0].split() == ["armed", "yes"] and table[1].split() == ["policy", "carry"]
-    assert "outcomes.no_carry" in table[2] and table[2].split()[-1] == "1"
+    counts = {line.split()[0]: line.split()[-1] for line in table if len(line.split()) == 2}
+    assert counts["outcomes.no_carry"] == "1" and counts["turns.cold"] == "1" and "turns.warm" not in counts
     assert "-- session 2" in lines
     [engine] = engines
     engine.check()

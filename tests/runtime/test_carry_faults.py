@@ -25,7 +25,7 @@ from engine_factories import engine, greedy_oracle, random_prompt, tiny_model
 from trtllm_mtp_carry.core.outcome import Fault
 from trtllm_mtp_carry.dataplane.kv_pool import PoolExhaustedError
 from trtllm_mtp_carry.runtime import CarryRuntime
-from trtllm_mtp_carry.runtime.carry_runtime import FAULT_STEPS
+from trtllm_mtp_carry.service import FAULT_STEPS
 
 NEW = 6  # tokens each turn answers
 
@@ -140,7 +140,7 @@ def then_served(turns, sessions="ab"):
 
 def test_a_fault_in_the_adopt_decision_runs_the_turn_without_the_carry_and_the_entry_waits(model, monkeypatch, caplog):
     eng, turns = first_turns(model)
-    inject = Inject(monkeypatch, eng.runtime._store, "judge", KeyError("judge"))
+    inject = Inject(monkeypatch, eng.runtime.service.store, "judge", KeyError("judge"))
     n = len(turns.prompts["a"])
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
@@ -187,7 +187,7 @@ def test_a_fault_building_a_chunks_rows_costs_the_carry_and_no_block(model, monk
 def test_a_fault_in_the_eviction_ranking_of_a_pool_grow_is_the_growing_turns(model, monkeypatch, caplog):
     eng, turns = first_turns(model, pool_blocks=6)  # b and a hold all six: a's warm turn must evict b
     assert eng.drafter_pool.num_free_blocks == 0
-    inject = Inject(monkeypatch, eng.runtime._store, "_victims", TypeError("ranking"))
+    inject = Inject(monkeypatch, eng.runtime.service.store, "_victims", TypeError("ranking"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, "build", "TypeError", caplog)
@@ -208,7 +208,7 @@ def test_a_fault_in_a_decode_steps_row_append_drops_the_drafter_for_the_turn(mod
 @pytest.mark.parametrize(("site", "error"), [("_victims", TypeError), ("put", RuntimeError)])
 def test_a_fault_in_the_deposit_frees_the_rows_once(model, monkeypatch, caplog, site, error):
     eng, turns = first_turns(model)  # a's second-turn entry (4 blocks) must push b's (3) out of 6
-    inject = Inject(monkeypatch, eng.runtime._store, site, error(site))
+    inject = Inject(monkeypatch, eng.runtime.service.store, site, error(site))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, "deposit", error.__name__, caplog)
@@ -224,7 +224,7 @@ def test_a_fault_in_the_deposit_frees_the_rows_once(model, monkeypatch, caplog, 
 
 def test_a_fault_in_the_host_demotion_keeps_the_victim_where_it_was(model, monkeypatch, caplog):
     eng, turns = first_turns(model, "b", blocks=4, host_memory="1MiB")  # a's deposit demotes b's entry
-    inject = Inject(monkeypatch, eng.runtime._residence.moves, "demote", RuntimeError("demote"))
+    inject = Inject(monkeypatch, eng.runtime.service.host, "demote", RuntimeError("demote"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, "deposit", "RuntimeError", caplog)
@@ -237,7 +237,7 @@ def test_a_fault_in_the_host_demotion_keeps_the_victim_where_it_was(model, monke
 def test_a_fault_in_the_host_restore_costs_the_entry_and_the_turn_runs_without_it(model, monkeypatch, caplog):
     eng, turns = first_turns(model, "ab", blocks=4, host_memory="1MiB")  # a's entry waits in host memory
     assert eng.runtime.stats().host_entries == 1
-    inject = Inject(monkeypatch, eng.runtime._residence.moves, "restore", KeyError("restore"))
+    inject = Inject(monkeypatch, eng.runtime.service.host, "restore", KeyError("restore"))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, "prepare", "KeyError", caplog)
@@ -264,18 +264,20 @@ def test_a_fault_freeing_a_dropped_drafter_is_retried_once_and_nothing_leaks(mod
     then_served(turns)
 
 
-@pytest.mark.parametrize(("site", "error", "step"), [("pack", RuntimeError, "deposit"),
-                                                     ("unpack", KeyError, "prepare")])
-def test_fp8_a_fault_packing_or_unpacking_frees_the_rows_once(model, monkeypatch, caplog, site, error, step):
+@pytest.mark.parametrize(("site", "error", "step"), [("carry_out", RuntimeError, "deposit"),
+                                                     ("carry_in", KeyError, "prepare")])
+def test_fp8_a_fault_packing_frees_the_rows_once_and_one_unpacking_keeps_them(model, monkeypatch, caplog, site, error, step):
     eng, turns = first_turns(model, row_dtype="fp8")
-    inject = Inject(monkeypatch, eng.runtime._residence.moves, site, error(site))
+    inject = Inject(monkeypatch, eng.runtime.service.home, site, error(site))
     with caplog.at_level(logging.WARNING, "trtllm_mtp_carry"):
         r = turns.run("a", inject)
     assert_one_fault(eng, r, step, error.__name__, caplog)
     assert eng.drafter_pool.carried_keys() == ()  # fp8 entries never stay in the pool
     stats = eng.runtime.stats()
-    assert (stats.entries_held, stats.leases) == (1, 0)  # b's; a's rows are gone, once
-    then_served(turns)
+    # packing: b's only (a's rows freed, once); unpacking refused before any row moved: a's
+    # entry stays where it was, for its next turn (as a pool adoption that fails)
+    assert (stats.entries_held, stats.leases) == ((1, 0) if site == "carry_out" else (2, 0))
+    assert then_served(turns)[0] == ("no_carry" if site == "carry_out" else "adopted")
 
 
 def test_a_fault_after_the_decision_counts_the_admission_once_as_fault(model, monkeypatch, caplog):
@@ -309,7 +311,7 @@ def test_faults_show_in_the_metrics_with_the_stats_definition(model, monkeypatch
     from trtllm_mtp_carry.metrics import CarryMetrics, MetricRegistry
 
     eng, turns = first_turns(model)
-    inject = Inject(monkeypatch, eng.runtime._store, "judge", KeyError("judge"))
+    inject = Inject(monkeypatch, eng.runtime.service.store, "judge", KeyError("judge"))
     registry = MetricRegistry()
     metrics = CarryMetrics(registry, "m", "0")
     metrics.record_turn(turns.run("a", inject).stats)
@@ -331,7 +333,7 @@ def test_soak_a_store_whose_eviction_ranking_raises_every_second_call(model, mon
     ticks = itertools.count()
     eng = carry_engine(model, blocks=6, pool_blocks=9, eviction="returns", max_num_seqs=4,
                        clock=lambda: float(next(ticks)))
-    store = eng.runtime._store
+    store = eng.runtime.service.store
     real, calls = store._ranked, [0]
 
     def ranked(tier):
@@ -367,7 +369,7 @@ def test_soak_a_store_whose_eviction_ranking_raises_every_second_call(model, mon
     # deterministic clock): 13 rankings, 6 of them raising, in prefill, decode and deposit
     assert (steps, calls[0]) == (42, 13)
     assert stats.faults == {"TypeError": raised} == {"TypeError": 6}
-    assert stats.fault_steps == {"prepare": 0, "build": 2, "append": 2, "deposit": 2, "release": 0}
+    assert stats.fault_steps == {"prepare": 0, "build": 2, "append": 2, "deposit": 2, "release": 0, "other": 0}
     assert faulted == stats.turns_faulted == 5  # a turn faulted twice counts once
     # one definition of a turn's outcome: the turns' kinds are the runtime's admission counts
     assert Counter(kinds) == {k: n for k, n in stats.outcomes.items() if n} == {"adopted": 6, "no_carry": 18}

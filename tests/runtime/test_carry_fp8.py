@@ -54,7 +54,8 @@ def test_an_fp8_entry_the_pool_cannot_take_back_leaves_as_pool_pressure(model, h
     assert build.mode == "blind" and build.outcome.reason == "pool_pressure"
     stats = eng.runtime.stats()
     assert stats.evictions["pool_pressure"] == 1 and stats.entries_held == stats.host_entries == 0
-    assert eng.runtime._residence.moves.keys() == [] and eng.runtime._residence.moves.host_keys() == []
+    host = eng.runtime.service.host
+    assert eng.runtime.service.home.idle() and (host is None or host.idle())
     eng.runtime.release(77)
     pool.free_sequence(500)
     eng.runtime.check()

@@ -43,7 +43,7 @@ def test_a_demoted_entry_is_restored_with_the_rows_and_keys_it_was_deposited_wit
     k, v, keys = (t.clone() for t in eng.drafter_pool.gather_carried(a))
     eng.generate("b", random_prompt(gen, 40), max_new_tokens=6)  # a leaves the device budget
     assert eng.drafter_pool.carried_keys() == (session_hash("b"),)
-    assert [e.session_hash for e in eng.runtime._store.host_entries] == [a]
+    assert [e.session_hash for e in eng.runtime.service.store.host_entries] == [a]
     stats = eng.runtime.stats()
     assert (stats.demotions, stats.host_entries, stats.host_bytes_held) == (1, 1, 3 * eng.drafter_pool.block_nbytes)
     assert stats.evictions == zeros() and stats.bytes_demoted == 3 * eng.drafter_pool.block_nbytes
@@ -104,7 +104,7 @@ def test_pool_pressure_demotes_its_victim_and_the_victims_next_turn_adopts_from_
     c = eng.generate("c", random_prompt(gen, 40), max_new_tokens=6)
     assert c.stats.drafted > 0 and c.stats.outcome_kind == "no_carry"
     assert eng.drafter_pool.stats().evictions_for_pressure == 1
-    assert [e.session_hash for e in eng.runtime._store.host_entries] == [a]
+    assert [e.session_hash for e in eng.runtime.service.store.host_entries] == [a]
     assert eng.runtime.stats().evictions == zeros()
     check_all(eng)
     a2_prompt = first["a"].prompt + first["a"].output + random_prompt(gen, 4)
@@ -113,7 +113,7 @@ def test_pool_pressure_demotes_its_victim_and_the_victims_next_turn_adopts_from_
     assert a2.output == greedy_oracle(model, a2_prompt, 6)
     stats = eng.runtime.stats()
     assert (stats.hits_host, stats.demotions) == (1, 2)  # a's copy back pressed b, the oldest, out to host
-    assert [e.session_hash for e in eng.runtime._store.host_entries] == [session_hash("b")]
+    assert [e.session_hash for e in eng.runtime.service.store.host_entries] == [session_hash("b")]
     assert stats.evictions == zeros() and eng.drafter_pool.stats().evictions_for_pressure == 2
     check_all(eng)
     # a's deposited rows start with exactly the rows it had before its trip to host memory
@@ -130,12 +130,13 @@ def test_the_host_budget_evicts_host_entries_with_their_cause_and_frees_their_co
     for s in ("a", "b", "c"):
         eng.generate(s, random_prompt(gen, 40), max_new_tokens=6)
         check_all(eng)
-    assert [e.session_hash for e in eng.runtime._store.host_entries] == [session_hash("b")]
+    assert [e.session_hash for e in eng.runtime.service.store.host_entries] == [session_hash("b")]
     stats = eng.runtime.stats()
     assert stats.evictions == zeros(memory=1) and stats.demotions == 2
-    assert eng.runtime._residence.moves.keys() == [session_hash("b")]
-    assert eng.runtime.forget_session(session_hash("b")) == 0  # its rows were in host memory only
-    assert eng.runtime._residence.moves.keys() == [] and eng.runtime.stats().evictions == zeros(memory=1, session_end=1)
+    assert eng.runtime.service.host.keys() == [session_hash("b")]
+    b_rows = next(e.rows for e in eng.runtime.service.store.host_entries)
+    assert eng.runtime.forget_session(session_hash("b")) == b_rows  # its rows were in host memory only
+    assert eng.runtime.service.host.keys() == [] and eng.runtime.stats().evictions == zeros(memory=1, session_end=1)
     eng.runtime.clear_slot()
     assert eng.drafter_pool.num_free_blocks == eng.drafter_pool.num_blocks
     check_all(eng)
@@ -176,7 +177,7 @@ def test_a_newcomer_the_device_budget_refuses_waits_in_host_memory_and_adopts_fr
     eng.generate("a", random_prompt(gen, 40), max_new_tokens=6)
     b1 = eng.generate("b", random_prompt(gen, 40), max_new_tokens=6)  # incumbent a keeps the device
     b = session_hash("b")
-    assert [e.session_hash for e in eng.runtime._store.host_entries] == [b]
+    assert [e.session_hash for e in eng.runtime.service.store.host_entries] == [b]
     stats = eng.runtime.stats()
     assert stats.refusals == {"not_admitted": 1, "too_large": 0, "oom": 0} and stats.host_deposits == 1
     assert stats.deposits == 2 and eng.drafter_pool.carried_keys() == (session_hash("a"),)

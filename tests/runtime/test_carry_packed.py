@@ -42,10 +42,10 @@ def test_a_packed_entry_leaves_the_pool_and_is_charged_its_packed_bytes_exactly(
     eng.generate("a", random_prompt(torch.Generator().manual_seed(5), 40), max_new_tokens=6)
     pool, stats = eng.drafter_pool, eng.runtime.stats()
     assert pool.carried_keys() == () and pool.num_free_blocks == pool.num_blocks  # blocks freed at deposit
-    vectors = stats.slot_rows * 2 * pool.num_kv_heads
+    vectors = stats.rows_held * 2 * pool.num_kv_heads
     assert stats.bytes_held == nbytes(vectors, pool.head_dim) == vectors * vector_bytes(pool.head_dim)
     assert (stats.row_dtype, stats.packs, stats.unpacks, stats.entries_held) == (row_dtype, 1, 0, 1)
-    assert isinstance(eng.runtime._residence.moves.get(session_hash("a")).packed, packed_type)
+    assert isinstance(eng.runtime.service.home.rows(session_hash("a")), packed_type)
     check_all(eng)
 
 
@@ -100,7 +100,7 @@ def test_the_host_tier_holds_the_packed_form_and_gives_the_same_rows_back(model,
     a, b = session_hash("a"), session_hash("b")
     device_only = packed_engine(model, row_dtype)
     device_only.generate("a", pa, max_new_tokens=6)
-    rows, one = device_only.runtime.stats().slot_rows, device_only.runtime.stats().bytes_held
+    rows, one = device_only.runtime.stats().rows_held, device_only.runtime.stats().bytes_held
     expect = adopted_rows(device_only, a, rows)
     # a device budget of exactly a's packed bytes: b's deposit demotes a to the host tier
     eng = packed_engine(model, row_dtype, memory=one, host_memory="1MiB")
@@ -108,12 +108,11 @@ def test_the_host_tier_holds_the_packed_form_and_gives_the_same_rows_back(model,
     assert eng.runtime.stats().bytes_held == one
     eng.generate("b", pb, max_new_tokens=6)
     stats = eng.runtime.stats()
-    assert eng.runtime._store.tier(a) == "host" and eng.runtime._store.tier(b) == "device"
+    assert eng.runtime.service.store.tier(a) == "host" and eng.runtime.service.store.tier(b) == "device"
     assert (stats.demotions, stats.host_bytes_held, stats.bytes_demoted) == (1, one, one)
     assert stats.evictions == dict.fromkeys(EVICTION_CAUSES, 0)
-    held = eng.runtime._residence.moves.get(a).packed
-    assert eng.runtime._residence.moves.host_keys() == [a]
-    assert isinstance(held, packed_type) and held.device.type == "cpu"
+    host = eng.runtime.service.host
+    assert host.keys() == [a] and host.host_bytes == one and host.arena.device.type == "cpu"
     check_all(eng)
     got = adopted_rows(eng, a, rows)
     assert all(torch.equal(x, y) for x, y in zip(got, expect, strict=True))

@@ -1,5 +1,5 @@
 """A fault never frees blocks a copy is still writing (issue 42, item 5), pinned on CPU through
-the CUDA seams of `kv_pool` and `host_moves`: the CUDA calls are recorded, in order, by a
+the CUDA seams of `kv_pool` and `service.host_tier`: the CUDA calls are recorded, in order, by a
 stand-in, together with the pool's frees.
 
 - `DrafterKVPool._import` whose V copy raises after K's was queued on the side stream: the CPU
@@ -21,7 +21,7 @@ from trtllm_mtp_carry.dataplane import kv_pool as kv_pool_mod
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
 from trtllm_mtp_carry.runtime import CarryRuntime
-from trtllm_mtp_carry.runtime import host_moves as host_moves_mod
+from trtllm_mtp_carry.service import streams as streams_mod
 
 NEW = 6
 
@@ -55,18 +55,18 @@ class FakeEvent:
 
 
 class FakeCuda:
-    """Stands in for kv_pool's and host_moves' CUDA calls, logging each (and the pool's frees)."""
+    """Stands in for kv_pool's and host_tier's CUDA calls, logging each (and the pool's frees)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, pool: DrafterKVPool) -> None:
         self.log: list[tuple] = []
         self.active = "current"
         self.events = 0
-        for mod in (kv_pool_mod, host_moves_mod):
-            monkeypatch.setattr(mod, "_current_stream", lambda device: FakeStream(self.log, "current"))
+        monkeypatch.setattr(kv_pool_mod, "_current_stream", lambda device: FakeStream(self.log, "current"))
+        monkeypatch.setattr(streams_mod, "current_stream", lambda device: FakeStream(self.log, "current"))
         monkeypatch.setattr(kv_pool_mod, "_on_stream", self._on_stream)
         monkeypatch.setattr(kv_pool_mod, "_record_stream",
                             lambda t, stream: self.log.append(("record_stream", stream.name)))
-        monkeypatch.setattr(host_moves_mod, "_timing_event", self._event)
+        monkeypatch.setattr(streams_mod, "timing_event", self._event)
         for name in ("free_sequence", "free_carried"):
             real = getattr(pool, name)
 
@@ -150,7 +150,7 @@ def run_turn(eng, model, session, prompt):
 def test_a_fault_adopting_restored_rows_waits_for_their_copy_back_before_freeing_them(model, monkeypatch,
                                                                                       when):
     eng, prompts = host_engine(model)
-    pool, host = eng.drafter_pool, eng.runtime._residence.moves
+    pool, host = eng.drafter_pool, eng.runtime.service.host
     cuda = FakeCuda(monkeypatch, pool)
     host._stream = FakeStream(cuda.log, "side")  # the copy back "runs" on a side stream
     real = pool.adopt_carried

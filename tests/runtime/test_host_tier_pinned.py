@@ -1,8 +1,8 @@
-"""The reference runtime's host tier pins exactly its budget (issue 42, item 6): on a GPU its host
-copies are ranges of one slab of `carry_host_memory` bytes registered once, so `pinned_pool_bytes`
-is the budget (torch's pinned allocator rounded each copy up to a power of two and kept freed blocks
-pinned). On CPU through the seams: `host_slab_for` builds the GPU's slab (pinned) on the CPU pool,
-`pinned._cudart` records every registration."""
+"""The host tier pins exactly its budget: on a GPU its host copies are ranges of one arena of
+`carry_host_memory` bytes registered once, so `pinned_bytes` is the budget (torch's pinned allocator
+would round each copy up to a power of two and keep freed blocks pinned). On CPU through the seams:
+`host_tier.host_arena` builds the GPU's arena (pinned) for the CPU pool, `pinned._cudart` records
+every registration."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from engine_factories import engine, greedy_oracle, random_prompt, tiny_model
 from trtllm_mtp_carry import EVICTION_CAUSES, session_hash
 from trtllm_mtp_carry.core import CarriedDrafter
 from trtllm_mtp_carry.dataplane import pinned
-from trtllm_mtp_carry.dataplane.host_slab import HostSlab
+from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
 from trtllm_mtp_carry.runtime import CarryRuntime
-from trtllm_mtp_carry.runtime import host_moves as host_moves_mod
-from trtllm_mtp_carry.runtime import packed_rows as packed_rows_mod
+from trtllm_mtp_carry.service import host_tier
+from trtllm_mtp_carry.service.homes import PoolHome
 
 
 class FakeCudart:
@@ -47,15 +47,14 @@ def model():
 
 @pytest.fixture
 def gpu_slab(monkeypatch):
-    """The CUDA host tier's slab on the CPU pool: pinned (recorded), its device sync a no-op."""
+    """The CUDA host tier's arena on the CPU pool: pinned (recorded), its device sync a no-op."""
     fake = FakeCudart()
     monkeypatch.setattr(pinned, "_cudart", lambda: fake)
 
-    def slab_for(budget: int, device: torch.device) -> HostSlab | None:
-        return HostSlab(budget, True) if budget > 0 else None
+    def arena_for(budget: int, device: torch.device, allocate=None) -> Arena | None:
+        return Arena(pinned.pinned_empty(budget), pinned=True) if budget > 0 else None
 
-    monkeypatch.setattr(host_moves_mod, "host_slab_for", slab_for)
-    monkeypatch.setattr(packed_rows_mod, "host_slab_for", slab_for)
+    monkeypatch.setattr(host_tier, "host_arena", arena_for)
     yield fake
     gc.collect()  # this test's registrations end while the recorder is in place
 
@@ -70,8 +69,8 @@ def zeros(**counts):
     return {cause: counts.get(cause, 0) for cause in EVICTION_CAUSES}
 
 
-def inside(slab: HostSlab, tensors) -> bool:
-    lo, hi = slab.storage.data_ptr(), slab.storage.data_ptr() + slab.nbytes
+def inside(arena: Arena, tensors) -> bool:
+    lo, hi = arena.storage.data_ptr(), arena.storage.data_ptr() + arena.nbytes
     return all(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for t in tensors)
 
 
@@ -93,12 +92,12 @@ def test_a_full_host_tier_pins_exactly_its_budget_once_and_keeps_demoting_into_i
     stats = eng.runtime.stats()
     # c's deposit demoted b into the full host tier, dropping a (its victim): a demotion, not an eviction
     assert (stats.demotions, stats.evictions) == (2, zeros(memory=1))
-    assert [e.session_hash for e in eng.runtime._store.host_entries] == [session_hash("b")]
-    moves = eng.runtime._residence.moves
+    assert [e.session_hash for e in eng.runtime.service.store.host_entries] == [session_hash("b")]
+    host = eng.runtime.service.host
     assert gpu_slab.sizes == [3 * nb]  # the budget, registered once: no per-copy registration
-    assert stats.pinned_pool_bytes == stats.carry_host_memory_bytes == sum(gpu_slab.sizes) == 3 * nb
-    host = moves._host[session_hash("b")]
-    assert inside(moves.slab, (host.k, host.v)) and stats.host_bytes_held == moves.slab.held_bytes == 3 * nb
+    assert stats.pinned_bytes == stats.carry_host_memory_bytes == sum(gpu_slab.sizes) == 3 * nb
+    assert host.outside_keys() == [] and session_hash("b") in host.arena
+    assert stats.host_bytes_held == host.arena.held_bytes == 3 * nb
     b2 = prompts["b"] + random_prompt(gen, 4)
     r = eng.generate("b", b2, max_new_tokens=6)  # adopted from the slab
     assert r.stats.outcome_kind == "adopted" and r.output == greedy_oracle(model, b2, 6)
@@ -114,7 +113,7 @@ def test_a_pressure_victim_demoted_while_its_adopter_is_restored_ends_in_the_sla
     gen = torch.Generator().manual_seed(9)
     first = {s: eng.generate(s, random_prompt(gen, 40), max_new_tokens=6) for s in ("a", "b")}
     eng.generate("c", random_prompt(gen, 40), max_new_tokens=6)  # pool pressure: a staged, demoted
-    assert [e.session_hash for e in eng.runtime._store.host_entries] == [session_hash("a")]
+    assert [e.session_hash for e in eng.runtime.service.store.host_entries] == [session_hash("a")]
     assert gpu_slab.sizes == [3 * nb]  # a was staged into the slab's free room
     a2 = first["a"].prompt + first["a"].output + random_prompt(gen, 4)
     # a's copy back presses b out to host memory: b's copy ends in the slab, nothing else stays pinned
@@ -122,12 +121,11 @@ def test_a_pressure_victim_demoted_while_its_adopter_is_restored_ends_in_the_sla
     assert r.stats.outcome_kind == "adopted" and r.output == greedy_oracle(model, a2, 6)
     stats = eng.runtime.stats()
     assert (stats.hits_host, stats.demotions, stats.evictions) == (1, 2, zeros())
-    moves = eng.runtime._residence.moves
-    host = moves._host[session_hash("b")]
-    assert inside(moves.slab, (host.k, host.v))
+    host = eng.runtime.service.host
+    assert host.keys() == [session_hash("b")] and session_hash("b") in host.arena
     registered = gpu_slab.sizes
     assert registered[0] == 3 * nb and all(size == 3 * nb for size in registered[1:])  # staged: exact
-    assert stats.pinned_pool_bytes == 3 * nb and moves._outside == set()
+    assert stats.pinned_bytes == 3 * nb and host.outside_keys() == []
     check_all(eng)
 
 
@@ -142,20 +140,20 @@ def test_fp8_host_copies_are_ranges_of_the_pinned_budget(model, gpu_slab):
     for s in "ab":
         eng.generate(s, prompts[s], max_new_tokens=6)
     stats = eng.runtime.stats()
-    assert stats.demotions == 1 and gpu_slab.sizes == [2 * one] and stats.pinned_pool_bytes == 2 * one
-    moves = eng.runtime._residence.moves
-    (entry,) = moves._host.values()
-    assert inside(moves.slab, moves.codec.tensors(entry.packed))
+    assert stats.demotions == 1 and gpu_slab.sizes == [2 * one] and stats.pinned_bytes == 2 * one
+    host = eng.runtime.service.host
+    (key,) = host.keys()
+    assert inside(host.arena, [host.arena.view(key)]) and host.arena.held_bytes == one
     a2 = prompts["a"] + random_prompt(gen, 4)
     r = eng.generate("a", a2, max_new_tokens=6)
     assert r.stats.outcome_kind == "adopted" and r.output == greedy_oracle(model, a2, 6)
-    assert eng.runtime.stats().hits_host == 1 and moves.slab.held_bytes == 0 and gpu_slab.sizes == [2 * one]
+    assert eng.runtime.stats().hits_host == 1 and host.arena.held_bytes == 0 and gpu_slab.sizes == [2 * one]
     check_all(eng)
 
 
 def test_without_a_gpu_the_host_tier_pins_nothing():
     eng = runtime(engine(tiny_model(seed=11)), 1 << 20, 1 << 20)
-    assert eng.runtime._residence.moves.slab is None and eng.runtime.stats().pinned_pool_bytes == 0
+    assert not eng.runtime.service.host.arena.pinned and eng.runtime.stats().pinned_bytes == 0
 
 
 def carried_pool(entries: int, rows: int = 40):
@@ -178,20 +176,19 @@ def entry(pool, key):
 def test_a_victim_staged_while_the_slab_is_full_is_pinned_exactly_then_moves_in_when_a_range_frees(gpu_slab):
     pool = carried_pool(2)
     nbytes = pool.export_nbytes(1)
-    moves = host_moves_mod.PoolHostMoves(pool, nbytes)  # room for one entry
+    moves = host_tier.HostTier(PoolHome(pool), host_tier.host_arena(nbytes, torch.device("cuda")))  # one entry
     a, b = entry(pool, 1), entry(pool, 2)
     truth = [t.clone() for t in pool.gather_carried(2)]
     assert moves.demote(a) and gpu_slab.sizes == [nbytes]
-    moves.stage(2)  # the slab is full: b's copy is memory of exactly its bytes
-    assert gpu_slab.sizes == [nbytes, nbytes] and moves.pinned_nbytes == 2 * nbytes
+    moves.stage(2)  # the arena is full: b's copy is memory of exactly its bytes
+    assert gpu_slab.sizes == [nbytes, nbytes] and moves.pinned_bytes == 2 * nbytes
     pool.free_carried(2)  # the pool releases it (pressure); the store demotes it
-    assert moves.demote(b) and moves._outside == {2} and moves.pinned_nbytes == 2 * nbytes
+    assert moves.demote(b) and moves.outside_keys() == [2] and moves.pinned_bytes == 2 * nbytes
     moves.drop(a)  # a left the store: b moves into its range
-    assert moves._outside == set() and moves.pinned_nbytes == nbytes
+    assert moves.outside_keys() == [] and moves.pinned_bytes == nbytes
     gc.collect()
-    assert gpu_slab.unregistered == 1  # the staged copy's registration ended, the slab's stays
-    host = moves._host[2]
-    assert host.k.data_ptr() == moves.slab.storage.data_ptr()
+    assert gpu_slab.unregistered == 1  # the staged copy's registration ended, the arena's stays
+    assert moves.arena.view(2).data_ptr() == moves.arena.storage.data_ptr()
     b2 = moves.restore(b)
     assert [torch.equal(x, y) for x, y in zip(pool.gather_carried(2), truth, strict=True)] == [True] * 3
-    assert b2.rows == b.rows and moves.slab.held_bytes == 0 and moves.keys() == []
+    assert b2.rows == b.rows and moves.arena.held_bytes == 0 and moves.keys() == []

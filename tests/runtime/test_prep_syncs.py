@@ -29,9 +29,8 @@ def _warm_turn_prep_syncs(monkeypatch: pytest.MonkeyPatch, policy: str, row_dtyp
     eng = engine(model, policy=policy, carry_row_dtype=row_dtype, prefill_chunk=32)
     gen = torch.Generator().manual_seed(7)
     _, _, prompt = first_turn_then(eng, gen, "s", history=150, max_new_tokens=6, span=70)
-    packed = eng.runtime._residence.moves  # fp8: the carried entries' packed rows live on the device too
-    held = [t for e in (packed._device.values() if packed is not None else ())
-            for t in (e.packed.payload, e.packed.scales)]
+    arena = getattr(eng.runtime.service.home, "arena", None)  # packed rows live in the device arena
+    held = [] if arena is None else [arena.storage]
     trace = SyncTrace([eng.drafter_pool.k_cache, eng.drafter_pool.v_cache, eng.hidden_store.buffer,
                        *model.parameters(), *model.buffers(), *held])
     active: list[SyncTrace | None] = [None]

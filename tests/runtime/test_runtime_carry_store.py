@@ -62,15 +62,15 @@ def test_several_slots_adopt_every_warm_turn_of_interleaved_sessions(model):
         stats = eng.runtime.stats()
         if slots == 1:  # the seed: each session finds the previous session's rows
             assert kinds == ["no_carry"] + ["foreign_session"] * 8
-            assert stats.evictions == zeros(capacity=8) and stats.slots_held == 1
+            assert stats.evictions == zeros(capacity=8) and stats.entries_held == 1
         else:
             assert kinds == ["no_carry"] * 3 + ["adopted"] * 6  # a miss is a miss, not a foreign entry
             assert stats.no_carry_reasons["never_carried"] == 3
-            assert stats.evictions == zeros() and stats.slots_held == 3
+            assert stats.evictions == zeros() and stats.entries_held == 3
             assert stats.adoptions == 6 == stats.outcomes["adopted"]
         assert stats.deposits == 9 and stats.carry_slots == slots
         assert stats.blocks_held == eng.drafter_pool.num_carried_blocks
-        assert stats.slot_rows == sum(e.rows for e in eng.runtime.carried())
+        assert stats.rows_held == sum(e.rows for e in eng.runtime.carried())
     for s in sessions:  # the carry never changes tokens
         outs1 = [r.output for r in runs[1][s]]
         assert outs1 == [r.output for r in runs[3][s]]
@@ -134,7 +134,7 @@ def test_a_second_runtime_refuses_a_pool_with_carried_entries(model):
     with pytest.raises(RuntimeError, match="already carries 1 entries of another runtime"):
         CarryRuntime(eng, "carry", slots=2)
     eng.runtime.clear_slot()
-    assert with_slots(eng, 2).runtime.stats().slots_held == 0
+    assert with_slots(eng, 2).runtime.stats().entries_held == 0
     check_all(eng)
 
 
@@ -148,7 +148,7 @@ class Watch:
         take, finish = rt._take, rt.finish
 
         def checked_take(seq_id, h, rows_kept):
-            entry = rt._store.get(h)
+            entry = rt.service.store.get(h)
             assert entry is not None and entry.session_hash == h != 0
             assert id(entry) not in self.taken  # never adopted twice
             self.taken.add(id(entry))
@@ -159,7 +159,7 @@ class Watch:
 
         def recording_finish(seq_id, h, tokens, policy=None, ticket=0, session=None, share=None):
             finish(seq_id, h, tokens, policy, ticket, session, share)
-            entry = rt._store.get(h)
+            entry = rt.service.store.get(h)
             if entry is not None and id(entry) not in self.deposited:
                 self.deposited[id(entry)] = eng.drafter_pool.gather_carried(h)[0].clone()
                 self.alive.append(entry)
@@ -231,9 +231,9 @@ def run_interleaving(model, monkeypatch, seed, slots, blocks, steps=70, eviction
     stats, pool_stats = eng.runtime.stats(), eng.drafter_pool.stats()
     assert stats.outcomes == {k: watch.kinds.count(k) for k in stats.outcomes}  # every decision counted
     assert stats.adoptions == stats.outcomes["adopted"] == len(watch.taken)
-    assert stats.deposits == stats.adoptions + sum(stats.evictions.values()) + stats.slots_held
+    assert stats.deposits == stats.adoptions + sum(stats.evictions.values()) + stats.entries_held
     assert stats.evictions["pool_pressure"] == eng.drafter_pool.stats().evictions_for_pressure
-    assert stats.slots_held <= slots
+    assert stats.entries_held <= slots
     eng.runtime.clear_slot()
     check_all(eng)
     assert eng.drafter_pool.num_free_blocks == eng.drafter_pool.num_blocks  # nothing leaked

@@ -43,7 +43,7 @@ def test_runtime_gauges_include_the_host_tiers_counts_and_copy_times():
     metrics = CarryMetrics(pb_utils_module(), "m", "0")
     stats = CarryStats(armed=True, policy="carry", outcomes={}, rows_adopted=0, rows_appended=0,
                        keys_skipped=0, rows_prefilled=0, rows_rebuilt=0, turns_blind=0, deposits=0,
-                       slot_rows=0, carry_host_memory_bytes=1 << 30, hits_host=3, bytes_restored=4096,
+                       rows_held=0, carry_host_memory_bytes=1 << 30, hits_host=3, bytes_restored=4096,
                        restore_ms=1.5)
     metrics.refresh(stats)
     assert metric("mtp_carry_runtime", field="carry_host_memory_bytes") == 1 << 30

@@ -40,7 +40,6 @@ from trtllm_mtp_carry.serve.trtllm.serving import (
     conversation_id_for,
     salt_text,
     sampling_kwargs,
-    stats_gauges,
     triton_llm_args,
     turn_stats,
 )
@@ -243,12 +242,6 @@ def test_what_the_adapter_does_not_know_is_left_unknown_not_guessed():
     assert (d["outcome_kind"], d["no_carry_reason"], d["reused_tokens"], d["drafter_rows_kept"],
             d["drafter_rows_computed"]) == ("", "", None, None, None)
     assert json.loads(json.dumps(d))["drafter_rows_computed"] is None
-
-
-def test_the_adapters_counters_become_gauges_like_the_reference_runtimes():
-    assert stats_gauges({"armed": True, "rows_adopted": 12, "topology": "unpaired",
-                         "outcomes": {"adopted": 2, "miss": 1}, "ratio": 0.5}) == {
-        "rows_adopted": 12, "outcomes.adopted": 2, "outcomes.miss": 1}
 
 
 # ---- the repository and the command line -------------------------------------------

@@ -304,6 +304,10 @@ class DrafterKVPool:
         """Snapshot of a live sequence's blocks, rows and newest key."""
         return self._live(seq_id).snapshot()
 
+    def sequence_runs(self, seq_id: int) -> tuple[tuple[int, int], ...]:
+        """A live sequence's keys as runs `(first_key, count)` in row order."""
+        return tuple((k0, c) for k0, c in self._live(seq_id).runs)
+
     def block_table_tensor(self, seq_id: int) -> torch.Tensor:  # [num_seq_blocks] int32
         """The sequence's block table on the pool's device, for attention kernels (no stream sync)."""
         return device_tensor(self._live(seq_id).block_table, torch.int32, self.device)

@@ -106,6 +106,6 @@ def warm_page_kernels(buf: torch.Tensor, row_dtype: str, block_nbytes: int, forc
 
 def warm_manager_kernels(manager: Any, reserved: Any) -> int:
     """`warm_page_kernels` for an installed TensorRT-LLM carry manager: its draft pool's MTP-layer
-    pages, its row format, its device arena's block size (`reserved`: `arena.Reserved`)."""
+    pages, its row format, one carried row's bytes (`reserved`: `reservation.Reserved`)."""
     buf = manager.draft.get_buffers(manager.mtp_layer, kv_layout="HND")
-    return warm_page_kernels(buf, manager.carried.row_dtype, reserved.device.block_nbytes)
+    return warm_page_kernels(buf, manager.service.home.codec.name, reserved.row_nbytes)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.settings import format_bytes
+from ..service.stats import CarryStats
 from .identity import session_key_for
 from .options import (
     CarryOptions,
@@ -100,25 +101,17 @@ class CarryAttachment:
 
         return carry_slots()
 
-    def stats(self) -> dict[str, object]:
-        """Counters by outcome, skip reason and eviction cause, entries and bytes held (zeros unarmed)."""
+    def stats(self) -> CarryStats:
+        """The carry's statistics (`service.CarryStats`: the fields every executor reports; zeros
+        where nothing is installed)."""
         if self.manager is not None:
-            out: dict[str, object] = self.manager.stats()
-        else:
-            from ..core.outcome import NO_CARRY_REASONS, OUTCOME_KINDS
-            from .carried import CarriedRows
-            from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS
+            stats: CarryStats = self.manager.stats()
+            return stats
+        from ..core import carry_eviction, carry_row_dtype
 
-            # the held part is an empty store's own stats (no arena, no host tier): the same keys armed
-            held = CarriedRows(None, self._device_bytes() or 0, host_budget_bytes=0,
-                               row_dtype=self.options.carry_row_dtype).stats()
-            out = {"outcomes": dict.fromkeys(OUTCOME_KINDS, 0),
-                   "skipped": dict.fromkeys(SKIP_REASONS, 0), "turns": dict.fromkeys(TURN_KINDS, 0),
-                   "rows_scattered": 0, "rows_deposited": 0, "rows_computed": 0,
-                   "no_carry_reasons": dict.fromkeys(NO_CARRY_REASONS, 0), "sessions_ended": 0,
-                   "rows_freed": 0, "errors": dict.fromkeys(ERROR_STEPS, 0), "faults": {}, "live_requests": 0,
-                   **held, "carry_slots": self.slots}
-        return {"topology": self.topology, "armed": self.armed, **out}
+        return CarryStats(armed=False, row_dtype=self.options.carry_row_dtype or carry_row_dtype(),
+                          eviction_policy=carry_eviction(), carry_slots=self.slots,
+                          carry_memory_bytes=self._device_bytes() or 0)
 
     def turn(self, request_id: int) -> dict[str, object] | None:
         """The turn record of executor request `request_id` (`LlmRequest.py_request_id`): R, the
@@ -207,7 +200,7 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
         assert probe.mtp_layer is not None  # runnable implies a draft manager with its MTP layer
         base = _base_resource_manager(probe.draft)
         from ..dataplane.warm import warm_manager_kernels
-        from .arena import reserve_for
+        from .reservation import reserve_for
 
         # in-process, the executor (and its KV cache) exists already: the arena comes out of
         # the headroom TensorRT-LLM left, reserved now rather than one deposit at a time

@@ -1,9 +1,10 @@
-"""The carry resource manager: adopt at a warm context request's first chunk, deposit at free.
+"""The carry resource manager: TensorRT-LLM's request events translated into calls on the carry service.
 
-What it is for: inside TensorRT-LLM's `PyExecutor`, an unpaired draft pool
-gives a warm turn fresh, unwritten draft pages for the reused prefix
-`[0, R)` (the drafter is blind there). This manager, appended to
-`resource_manager.resource_managers` after the draft KV manager, fills them:
+What it is for: inside TensorRT-LLM's `PyExecutor`, an unpaired draft pool gives a warm
+turn fresh, unwritten draft pages for the reused prefix `[0, R)` (the drafter is blind
+there). This manager, appended to `resource_manager.resource_managers` after the draft KV
+manager, fills them from the one carry service (`service.CarryService`, which the
+reference engine uses too), and hands the service the request's pages:
 
 ```
   draft pages of a warm turn:
@@ -11,118 +12,76 @@ gives a warm turn fresh, unwritten draft pages for the reused prefix
   0                               R = context_current_position          L
 ```
 
-- `prepare_resources(batch)` runs after the draft manager's (the dict is
-  iterated forward), so the request's pages exist. On the first sight of a
-  context request with `R > 0`, the core's `decide_adopt` judges this
-  session's carried entry against the prompt (the one carry decision every
-  executor uses); if adopted, rows of keys `[0, min(rows, R))` are scattered
-  into the request's pages for the MTP layer.
-- `free_resources(request)` runs before the draft manager's (the dict is
-  iterated in reverse), so the pages are still live: a freed request's
-  valid rows, keys `[0, N - 1)` of its `N` tokens, are gathered into the
-  carry store. Rows past `N - 2` are later draft steps' rows over drafted
-  tokens: never kept.
-- `forget_conversation(conversation_id)` (the session ended: the Triton
-  model's END, restart or idle timeout) drops the conversation's carried rows
-  under every salt (`CarryStore.evict_session`, counted `session_end`), and
-  marks its requests still live so they deposit nothing when freed
-  (TensorRT-LLM may free a request after its final response went out).
-- Every request's turn record (R, the outcome, rows kept and computed) is kept
-  under its executor id (`turn`) and under its LLM API id (`pop_turn`:
-  `RequestOutput.request_id`, which is `LlmRequest.py_client_id`), each an LRU
-  of `TURN_LOG` records, so a turn nobody reads never grows memory.
+- `prepare_resources(batch)` runs after the draft manager's (the dict is iterated
+  forward), so the request's pages exist. On the first sight of a context request with
+  `R > 0`, the service judges this session's carried entry against the prompt (the core's
+  decision); if adopted, the kept rows below `R` are scattered into the request's pages
+  for the MTP layer, on the draft pool's stream.
+- `free_resources(request)` runs before the draft manager's (the dict is iterated in
+  reverse), so the pages are still live: the service plans the deposit first (admitted or
+  refused before any row moves) and then gathers the request's valid run of keys, straight
+  into the room it reserved. The valid run is the keys whose rows the request's pages
+  hold: those restored at adoption and those its context chunks and generation steps
+  computed, up to key `N - 2` of its `N` tokens (later keys are draft steps' rows over
+  drafted tokens: never kept). A turn that missed deposits the run its context computed,
+  keys `[R, N - 1)` (a known-invalid prefix `[0, R)`), so the session's next turn adopts
+  it instead of staying blind while its prefix is reused.
+- `forget_conversation(conversation_id)` (the session ended) drops the conversation's
+  carried rows under every salt, and marks its requests still live so they deposit nothing.
+- Every request's turn record (R, the outcome, rows adopted and computed) is kept under its
+  executor id (`turn`) and its LLM API id (`pop_turn`), each an LRU of `TURN_LOG` records.
 
 Invariants:
-- Dummy requests, requests without a conversation id, requests freed before
-  their context finished (cancelled or failed in context: see `_skip_reason`) and requests whose
-  conversation was forgotten while they ran are never carried, and leave
-  nothing behind (their bookkeeping is dropped at free).
-- A request deposits only if every key `[0, N - 1)` is valid: a cold turn, or
-  a warm turn whose `[0, R)` was fully restored. A blind warm turn's `[0, R)`
-  pages hold whatever the pool had; they are never carried.
-- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope,
-  through the rows' codec (`dataplane/row_codec.py`, chosen from `carry_row_dtype`
-  and the pool's dtype): a BF16 pool's rows as they are, or with `carry_row_dtype`
-  fp8 packed as they are gathered and unpacked as they are scattered (within FP8's
-  rounding: the target verifies every draft); an FP8 KV pool's rows are its own
-  bytes, gathered and scattered exactly whatever `carry_row_dtype` says.
-- The rows wait in `CarriedRows` (trtllm/carried.py), in the arenas reserved at
-  install (`reserved`, trtllm/arena.py; the worker reserves them before
-  TensorRT-LLM sizes its KV cache, `attach` at attach); a deposit the arena
-  cannot place is refused as `oom` (counted in `refusals`), never raised.
-  Without `reserved` (tests of the carry logic) entries hold the gathered tensors.
-- No exception of any type leaves a method PyExecutor calls (every
-  `BaseResourceManager` method, `resource_manager.py` @ d2a5560a): a fault
-  (a page missing, a `KeyError` from a full draft IndexMapper, out of memory,
-  a name a build lacks, ...) runs that turn blind, drops that request's carry
-  state (skipped `fault`: it adopts and deposits nothing more), is counted by
-  kind (`faults`, the exception's class name) and step (`errors`), and is
-  logged once per (step, kind); the other requests and the executor go on, and
-  outputs never depend on the drafter's rows.
-- A request's state follows its chunks (`_Live.schedule`): a chunk counts as
-  run only once the next one starts past it, so a chunk undone by
-  `revert_allocate_context` (the same chunk again, or the prefill rewound to 0)
-  extends nothing; a request freed unfinished (the recompute pause) deposits
-  like a finished turn and is judged afresh when it comes back (`resumed`).
-- Nothing is written outside the request's own fresh pages for keys `[0, R)`;
-  the manager is installed only on the unpaired topology (never on paired or
-  folded pools, whose pages below R are shared tree blocks).
+- Dummy requests, requests without a conversation id, requests freed before their context
+  finished and requests whose conversation was forgotten while they ran are never carried,
+  and leave nothing behind (their bookkeeping is dropped at free).
+- A request deposits only keys its own pages hold valid rows for: one run, the one that
+  reaches its last key; a page below the run holds whatever the pool had and is never carried.
+- Rows move as TensorRT-LLM wrote them (roped at k): gather and scatter, no re-rope, through
+  the rows' codec (`dataplane/row_codec.py`): an FP8 or NVFP4 KV pool's rows are its own
+  bytes, exactly; a BF16 pool's rows as they are, or packed to fp8 or nvfp4.
+- The rows wait in the service's arenas reserved at install (`reservation.py`); a deposit
+  the arena cannot place is refused as `oom`, never raised.
+- No exception of any type leaves a method PyExecutor calls (every `BaseResourceManager`
+  method, `resource_manager.py` @ d2a5560a): a fault runs that turn blind, drops that
+  request's carry state (it adopts and deposits nothing more), and is recorded by the
+  service's fault ledger (by class and step, logged once per pair); the other requests and
+  the executor go on, and outputs never depend on the drafter's rows.
+- A request's state follows its chunks (`_Live.schedule`): a chunk counts as run only once
+  the next one starts past it, so a chunk undone by `revert_allocate_context` extends
+  nothing; a request freed unfinished (the recompute pause) deposits like a finished turn
+  and is judged afresh when it comes back (`resumed`).
+- Nothing is written outside the request's own fresh pages for keys below `R`; the manager
+  is installed only on the unpaired topology (never on paired or folded pools).
+- After `shutdown` the service holds nothing (`CarryService.detach` raises if it does).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
+import time
 from array import array
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
-from ..core import (
-    NO_CARRY_REASONS,
-    OUTCOME_KINDS,
-    carry_eviction,
-    carry_idle_s,
-    carry_row_dtype,
-    carry_slots,
-)
-from ..core.outcome import Adopted, NoCarry
+from ..core import carry_eviction, carry_idle_s, carry_row_dtype, carry_slots, merge_interval
+from ..core.outcome import Adopted, CarryOutcome
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from .arena import Reserved
-from .carried import CarriedRows, _current_stream, _on_stream
-from .draft_pages import pages_of
+from ..dataplane.row_codec import RowCodec, Rows
+from ..service import CarryService, CarryStats, guarded, streams
+from ..service.homes import ArenaHome, Runs
+from .draft_pages import DraftPages, pages_of
 from .identity import conversation_session, request_session, request_session_key
 from .options import CarryOptions
+from .reservation import Reserved, reserve_for
 
 logger = logging.getLogger("trtllm_mtp_carry")
 
 V = TypeVar("V")
-
-SKIP_REASONS: tuple[str, ...] = (
-    "dummy",  # warm-up or padding requests
-    "no_conversation",  # no py_conversation_params.conversation_id
-    "context_unfinished",  # freed before its context finished (cancelled, failed, never scheduled)
-    "gap",  # a blind warm turn: keys [0, R) hold no valid rows
-    "session_end",  # its conversation was forgotten (the session ended) while it ran
-    "fault",  # an exception inside the carry dropped its carry state (counted in `faults`)
-)
-"""Why a freed request deposited nothing, in the order `stats()` lists them."""
-
-
-ERROR_STEPS: tuple[str, ...] = ("prepare", "scatter", "deposit", "free", "other")
-"""Where a fault was caught, in the order `stats()["errors"]` lists them (`other`: update,
-dummy requests, resource counts, shutdown, reporting)."""
-
-TURN_KINDS: tuple[str, ...] = ("cold", "warm", "resumed", "reverted")
-"""`stats()["turns"]`: requests first seen cold (R = 0) or warm (R > 0); requests seen again
-after a recompute pause (`resumed`); context chunks seen that never ran (`reverted`:
-`revert_allocate_context` undid their allocation and the chunk came again)."""
 
 PAUSED_LOG = 4096
 """How many requests freed unfinished (a recompute pause) are remembered until they come back."""
@@ -138,7 +97,7 @@ class _Live:
     reused: int  # R at first sight
     record: dict[str, object]  # the turn record `turn()` returns
     prompt_len: int  # LlmRequest.prompt_len
-    valid: int = 0  # keys [0, valid) of its draft pages hold valid rows (restored or computed)
+    run: tuple[int, int] = (0, 0)  # keys [lo, hi) of its draft pages hold valid rows (restored or computed)
     chunk: tuple[int, int] = (0, 0)  # the last context chunk scheduled [start, end), not yet seen run
     last_chunk: bool = False  # that chunk reaches the prompt's end
     forgotten: bool = False  # its conversation ended while it ran: it deposits nothing
@@ -148,114 +107,118 @@ class _Live:
         """A context chunk `[position, position + size)` was scheduled (seen in prepare);
         True iff it undid the previous chunk (see below).
 
-        The previous chunk ran iff the position moved past its end (`moveToNextContextChunk`);
-        a position before it means it was undone (`revert_allocate_context`: the same chunk
-        again, or the prefill rewound to 0, when "the caller drops any draft pool",
-        kv_cache_manager_v2.py @ 00043967): it extends nothing, and no row at or past the
-        position is known any more. A chunk starting past `valid` leaves keys
-        `[valid, position)` unwritten: the request can no longer deposit.
+        The previous chunk ran iff the position moved past its end (`moveToNextContextChunk`):
+        its keys join the valid run if they overlap or abut it, else they start the run anew
+        (`merge_interval`: a run of keys, never a gap claimed valid). A position before it means
+        it was undone (`revert_allocate_context`: the same chunk again, or the prefill rewound
+        to 0, when "the caller drops any draft pool", kv_cache_manager_v2.py @ 00043967): it
+        extends nothing, and no row at or past the position is known any more.
         """
         start, end = self.chunk
         reverted = end > start and position < end
         if reverted:
-            self.valid = min(self.valid, position)
-        elif end > start and start <= self.valid:
-            self.valid = max(self.valid, end)
+            lo, hi = self.run
+            self.run = (lo, min(hi, position)) if min(hi, position) > lo else (0, 0)
+        elif end > start:
+            self.run = merge_interval(self.run, start, end - start)
         self.chunk = (position, position + size)
         self.last_chunk = position + size >= self.prompt_len
         return reverted
 
-    @property
-    def complete(self) -> bool:
-        """Its last scheduled chunk starts inside the valid prefix: once it ran, keys
-        `[0, prompt_len)` hold valid rows (a cold turn, or a warm one fully restored)."""
-        return self.chunk[0] <= self.valid
+    def valid_run(self, num_tokens: int) -> tuple[int, int]:
+        """Keys `[lo, num_tokens - 1)` its pages hold valid rows for once its last chunk ran (the
+        run that chunk extends or starts), the keys past the prompt written by generation steps."""
+        start, end = self.chunk
+        lo, _ = merge_interval(self.run, start, end - start)
+        return lo, num_tokens - 1
 
 
-def _guarded(default: object, step: str = "other") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Wrap a method PyExecutor calls so no exception leaves it: a fault is counted and
-    logged (`_fault` at `step`, one of `ERROR_STEPS`) and `default` returned."""
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def guarded(self: CarryManagerCore, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as exc:
-                self._fault(step, exc, None)
-                return default
-        return guarded
-    return wrap
+class TurnPages:
+    """A request's MTP-layer draft pages, as the service's arena reads and writes them (`RowPages`):
+    one run of keys at a time, at the request's page ids."""
+
+    def __init__(self, pages: DraftPages, rid: int) -> None:
+        self.buf = pages.views()
+        self.ids = pages.page_ids(rid)
+
+    def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
+        (lo, n), = runs
+        codec.copy_(out, codec.gather_pages(self.buf, self.ids, lo, lo + n))
+
+    def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
+        for lo, n in runs:  # one run: the entry's keys below R
+            codec.scatter_pages(self.buf, self.ids, lo, codec.head(rows, n))
+
+
+def _other_default(value: object) -> Callable[..., object]:
+    """A recovery answering `value` (for the protocol methods whose fault is `other`)."""
+    return lambda self, *args, **kwargs: value
 
 
 class CarryManagerCore:
-    """The carry's resource-manager logic over one draft KV manager's MTP layer (see module doc)."""
+    """The carry's resource-manager logic over one draft KV manager's MTP layer (see module doc).
+
+    `reserved` is the carry's memory (`reservation.Reserved`, reserved before TensorRT-LLM
+    sized its KV cache); without it the arenas are reserved here from `options`."""
 
     def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions,
-                 report: Callable[[str], None] | None = None, reserved: Reserved | None = None) -> None:
+                 report: Callable[[str], None] | None = None, reserved: Reserved | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
-        slots = carry_slots() if options.carry_slots is None else options.carry_slots
-        idle_s = carry_idle_s() or None  # 0: entries never expire
-        # issue 33: the rows live in the arenas reserved at install (trtllm/arena.py)
-        self.reserved = reserved
+        self.reserved = reserved if reserved is not None else reserve_for(draft, mtp_layer, options)
         # the MTP layer's pages and the codec of their rows (K/V, or K/V with QSA's side rows)
         self.pages = pages_of(draft, mtp_layer)
-        self.carried = CarriedRows(slots, options.device_bytes(), carry_eviction(), idle_s,
-                                   host_budget_bytes=options.host_bytes(),
-                                   row_dtype=options.carry_row_dtype, pool_dtype=self._pool_dtype(),
-                                   codec=self.pages.codec(options.carry_row_dtype or carry_row_dtype()),
-                                   arena=None if reserved is None else reserved.device,
-                                   host_arena=None if reserved is None else reserved.host)
+        kv = self.pages.kv()
+        codec = self.pages.codec(options.carry_row_dtype or carry_row_dtype())
+        home = ArenaHome(codec, self.reserved.device, int(kv.shape[2]), int(kv.shape[4]))
+        slots = carry_slots() if options.carry_slots is None else options.carry_slots
+        self.service = CarryService(home, slots=slots, budget_bytes=self.reserved.device.capacity,
+                                    eviction=carry_eviction(), idle_s=carry_idle_s() or None,
+                                    clock=time.monotonic if clock is None else clock,
+                                    host_arena=self.reserved.host)
+        self.ledger = self.service.ledger
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
-        self._outcomes: Counter[str] = Counter()
-        self._skips: Counter[str] = Counter()
-        self._turns: Counter[str] = Counter()
-        self._errors: Counter[str] = Counter()  # faults by step (ERROR_STEPS)
-        self._faults: Counter[str] = Counter()  # faults by kind: the exception's class name
-        self._logged: set[tuple[str, str]] = set()  # (step, kind) already logged (each once)
         self._paused: OrderedDict[int, None] = OrderedDict()  # freed unfinished: may come back
         self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_request_id
         self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
-        self._no_carry: Counter[str] = Counter()  # no_carry outcomes by reason
-        self.rows_scattered = 0
-        self.rows_deposited = 0
-        self.rows_computed = 0  # the prompts' pair keys [R, L - 1) TensorRT-LLM's context computed
-        self.sessions_ended = 0  # forget_conversation calls
-        self.rows_freed = 0  # carried rows they dropped
         self._freed = 0  # requests freed, for `options.stats_every`
         self._report = report or (lambda line: logger.info("%s", line))
-        self._lock = threading.RLock()
+
+    @property
+    def _lock(self) -> Any:
+        return self.service.lock
 
     # ---- BaseResourceManager protocol (resource_manager.py) --------------------------
-    # Every method PyExecutor calls is guarded (`_guarded`): no exception leaves it.
+    # Every method PyExecutor calls is guarded: no exception leaves it.
 
-    @_guarded(1)
+    @guarded("other", _other_default(1), turn=False)
     def get_max_resource_count(self) -> int:
         return 1  # holds no schedulable resource (as KVCacheManagerV2 answers)
 
-    @_guarded(0)
+    @guarded("other", _other_default(0), turn=False)
     def get_needed_resource_to_completion(self, request: Any) -> int:
         return 0
 
-    @_guarded(None)
+    @guarded("other", turn=False)
     def add_dummy_requests(self, request_ids: Any, *args: Any, **kwargs: Any) -> None:
         return None  # dummies are never carried
 
-    @_guarded(None)
+    @guarded("other", turn=False)
     def update_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
-    @_guarded(None)
+    @guarded("other", turn=False)
     def shutdown(self) -> None:
         try:
             if self.options.stats_every:
                 self._report(self.stats_line())
         finally:
-            self.carried.clear()
+            self.service.detach()
 
-    @_guarded(None, "prepare")
+    @guarded("prepare", turn=False)
     def prepare_resources(self, scheduled_batch: Any, *args: Any, **kwargs: Any) -> None:
         """Adopt for every context request seen for the first time (see the module doc).
 
@@ -280,7 +243,7 @@ class CarryManagerCore:
         if known is not None:  # a later chunk, or a chunk again after revert_allocate_context
             with self._lock:
                 if known.schedule(position, size):
-                    self._turns["reverted"] += 1  # the last chunk seen never ran
+                    self.service.counters.turns["reverted"] += 1  # the last chunk seen never ran
                     known.record["reverted"] = int(known.record.get("reverted", 0)) + 1  # type: ignore[call-overload]
             return
         if request.is_dummy_request:
@@ -290,7 +253,7 @@ class CarryManagerCore:
         reused = position  # R: the prepopulated length at first sight
         first = "no_conversation" if key is None else "pending" if reused else "cold"
         # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
-        # as the reference engine counts `drafter_rows_computed`
+        # as the reference engine counts the rows its prefill builds
         computed = max(0, prompt_len - 1 - reused)
         record = _turn_record(reused, first, computed)
         live = _Live(key, conversation, reused, record, prompt_len)
@@ -301,24 +264,31 @@ class CarryManagerCore:
             resumed = self._paused.pop(rid, 0) is None  # back after a recompute pause
             if resumed:
                 record["resumed"] = True
-            self._turns["resumed" if resumed else "warm" if reused else "cold"] += 1
-            self.rows_computed += computed
+            self.service.counters.turns["resumed" if resumed else "warm" if reused else "cold"] += 1
             _remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
                 _remember(self._client_log, int(client), record, TURN_LOG)
-        if key is None or reused == 0:
-            return
-        self._adopt(rid, request, live)
+        adopted = key is not None and reused > 0 and self._adopt(rid, request, live)
+        with self._lock:
+            c = self.service.counters
+            if adopted:
+                c.rows_appended += computed
+            else:
+                c.rows_prefilled += computed
+                c.turns_blind += reused > 0
 
-    @_guarded(None, "free")
+    def _free_fault(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        return None  # `free_resources` records its own faults; this answers one outside them
+
+    @guarded("deposit", _free_fault, turn=False)
     def free_resources(self, request: Any, *args: Any, **kwargs: Any) -> None:
         """Deposit a freed request's valid rows, before the draft pool frees its pages.
 
         PyExecutor frees a finished request, and also one it pauses for recompute
-        (`_terminate_recompute_paused_requests`, then `reset_for_recompute`): that one
-        comes back as a context request under the same id; its rows are deposited
-        like a finished turn's and it is judged again when it comes back. Arguments past
-        the request (a KV cache manager's `pin_on_release`) are accepted and not read."""
+        (`_terminate_recompute_paused_requests`, then `reset_for_recompute`): that one comes
+        back as a context request under the same id; its rows are deposited like a finished
+        turn's and it is judged again when it comes back. Arguments past the request (a KV
+        cache manager's `pin_on_release`) are accepted and not read."""
         rid = None
         live = None
         try:
@@ -331,7 +301,7 @@ class CarryManagerCore:
                     _remember(self._paused, rid, None, PAUSED_LOG)
         except Exception as exc:  # nothing is deposited; the lease ends below
             deposited = False
-            self._fault("free", exc, rid)
+            self._fault("deposit", exc, rid)
             self._skip("fault", live)
         finally:
             self._release(rid, live, deposited)
@@ -342,12 +312,10 @@ class CarryManagerCore:
                 # popped only now: a forget until here marks it (`_deposit` checks under the lock)
                 if rid is not None:
                     self._live.pop(rid, None)
-                ended = live is not None and live.forgotten
-            if not deposited and live is not None and live.key is not None and not ended:
-                self.carried.end_lease(live.key)  # rows it adopted are gone with its pages
-            every = self.options.stats_every
-            with self._lock:
+                if rid is not None and not deposited:
+                    self.service.end_turn(rid)  # rows it adopted are gone with its pages
                 self._freed += 1
+                every = self.options.stats_every
                 due = bool(every) and self._freed % every == 0
             if due:
                 self._report(self.stats_line())
@@ -363,10 +331,7 @@ class CarryManagerCore:
             for live in self._live.values():
                 if live.conversation == conversation:
                     live.forgotten = True
-            freed = self.carried.forget(conversation)
-            self.sessions_ended += 1
-            self.rows_freed += freed
-            return freed
+            return self.service.forget_session(conversation)
 
     def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
         tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
@@ -375,33 +340,34 @@ class CarryManagerCore:
             self._skip(why, live)
             return False
         assert live is not None and live.key is not None
-        valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
-        if valid <= 0:
-            return False
-        try:
-            pages = self.pages.page_ids(rid)
-            buf = self.pages.views()
-            with self._draft_stream():
-                codec = self.carried.codec or self.pages.codec(self.carried.row_dtype)
-                rows = codec.gather_pages(buf, pages, 0, valid)  # [valid, 2, Hkv, D], held form
-                self._sync()
-        except Exception as exc:  # the carry may cost acceptance, never the executor
-            self._fault("deposit", exc, rid)
-            self._skip("fault", live)
+        lo, hi = live.valid_run(len(tokens))  # key k consumed tokens[0 ..= k + 1]: keys < N - 1
+        if hi <= lo:
+            self._skip("no_rows", live)
             return False
         with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
             if live.forgotten:
                 self._skip("session_end", live)
                 return False
-            if not self.carried.deposit(live.key, tokens, rows, live.conversation):
+            plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation)
+            if plan is None:  # refused before any row moved (the store counts why)
                 return False
-            self.rows_deposited += valid
-            live.record["rows_deposited"] = valid
-        return True
+            try:
+                with self._draft_stream():
+                    kept = self.service.deposit(plan, TurnPages(self.pages, rid), ((lo, hi - lo),), tokens)
+                    self._sync()
+            except Exception as exc:  # the carry may cost acceptance, never the executor
+                self._fault("deposit", exc, rid)
+                self._skip("fault", live)
+                self.service.repair()
+                return False
+            if kept:
+                self.service.deposited(rid)
+                live.record["rows_deposited"] = hi - lo
+            return kept
 
     def _skip(self, why: str, live: _Live | None) -> None:
         with self._lock:
-            self._skips[why] += 1
+            self.service.counters.skipped[why] += 1
             if live is not None:
                 live.record["skipped"] = why
 
@@ -412,10 +378,11 @@ class CarryManagerCore:
 
         Keys: `reused` (R), `outcome` (`cold`: R = 0, nothing to judge; `no_conversation`;
         or the core's outcome kind: `adopted`, `no_carry`, `prefix_mismatch`, ...),
-        `no_carry_reason` (a `no_carry` outcome's reason, else ""), `rows_scattered` (the
-        carried rows kept, keys `[0, n)`), `rows_computed` (the prompt's pair keys
-        `[R, L - 1)` TensorRT-LLM's context phase computes), `rows_deposited` (0 until it was
-        freed), `skipped` (why nothing was deposited, `SKIP_REASONS`, or None).
+        `no_carry_reason` (a `no_carry` outcome's reason, else ""), `rows_adopted` (the
+        carried rows restored into its pages, keys `[first_key, first_key + n)`),
+        `rows_computed` (the prompt's pair keys `[R, L - 1)` TensorRT-LLM's context phase
+        computes), `rows_deposited` (0 until it was freed), `skipped` (why nothing was
+        deposited, `SKIP_REASONS`, or None).
         """
         with self._lock:
             record = self._turn_log.get(int(request_id))
@@ -431,47 +398,32 @@ class CarryManagerCore:
             record = self._client_log.pop(int(client_id), None)
             return None if record is None else dict(record)
 
-    def stats(self) -> dict[str, object]:
-        """Counters by outcome and skip reason, turns seen, rows moved, and what the store holds."""
+    def stats(self) -> CarryStats:
+        """The carry's statistics, as every executor reports them (`service.CarryStats`)."""
         with self._lock:
-            return {
-                "outcomes": {kind: self._outcomes.get(kind, 0) for kind in OUTCOME_KINDS},
-                "skipped": {why: self._skips.get(why, 0) for why in SKIP_REASONS},
-                "turns": {kind: self._turns.get(kind, 0) for kind in TURN_KINDS},
-                "rows_scattered": self.rows_scattered,
-                "rows_deposited": self.rows_deposited,
-                "rows_computed": self.rows_computed,
-                "no_carry_reasons": {r: self._no_carry.get(r, 0) for r in NO_CARRY_REASONS},
-                "sessions_ended": self.sessions_ended,
-                "rows_freed": self.rows_freed,
-                "errors": {step: self._errors.get(step, 0) for step in ERROR_STEPS},
-                "faults": dict(sorted(self._faults.items())),
-                "live_requests": len(self._live),
-                **self.carried.stats(),
-            }
+            return self.service.stats(live_turns=len(self._live))
 
     def stats_line(self) -> str:
         """`stats()` as one line (zero counters left out): what `stats_every` prints."""
         s = self.stats()
 
-        def nonzero(d: object) -> str:
-            assert isinstance(d, dict)
+        def nonzero(d: dict[str, int]) -> str:
             return ", ".join(f"{k} {v}" for k, v in d.items() if v) or "none"
 
-        turns = s["turns"]
-        assert isinstance(turns, dict)
         with self._lock:
             freed = self._freed
-        return (f"mtp carry: after {freed} freed requests: turns cold {turns['cold']}, warm {turns['warm']}; "
-                f"outcomes: {nonzero(s['outcomes'])}; skipped: {nonzero(s['skipped'])}; "
-                f"errors: {nonzero(s['errors'])}; faults: {nonzero(s['faults'])}; rows scattered {s['rows_scattered']}, deposited "
-                f"{s['rows_deposited']}; held {s['entries']} entries, {s['bytes_held']} bytes "
-                f"(host {s['host_entries']} entries, {s['host_bytes_held']} bytes); "
-                f"evictions: {nonzero(s['evictions'])}")
+        return (f"mtp carry: after {freed} freed requests: turns cold {s.turns['cold']}, warm {s.turns['warm']}; "
+                f"outcomes: {nonzero(s.outcomes)}; skipped: {nonzero(s.skipped)}; "
+                f"fault steps: {nonzero(s.fault_steps)}; faults: {nonzero(s.faults)}; rows adopted "
+                f"{s.rows_adopted}, deposited {s.rows_deposited}; held {s.entries_held} entries, "
+                f"{s.bytes_held} bytes (host {s.host_entries} entries, {s.host_bytes_held} bytes); "
+                f"evictions: {nonzero(s.evictions)}")
 
     # ---- steps -------------------------------------------------------------------------
 
-    def _adopt(self, rid: int, request: Any, live: _Live) -> None:
+    def _adopt(self, rid: int, request: Any, live: _Live) -> bool:
+        """Judge the session's entry and, if adopted, scatter its kept rows below R into the
+        request's pages; True when rows were adopted."""
         assert live.key is not None
         # int64 buffer: decide_adopt compares it with the entry's buffer in typed memory
         prompt = array("q", request.get_tokens(0))
@@ -479,44 +431,43 @@ class CarryManagerCore:
         # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
         # the span the core's plan may append, so it is this ticket's projected store range.
         projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
-        outcome, taken = self.carried.judge_and_take(live.key, prompt, ticket, projected,
-                                                     live.conversation)
-        with self._lock:
-            self._outcomes[outcome.kind] += 1
-            live.record["outcome"] = outcome.kind
-            if isinstance(outcome, NoCarry):
-                live.record["no_carry_reason"] = outcome.reason
-                self._no_carry[outcome.reason] += 1
-        if not isinstance(outcome, Adopted) or taken is None:
-            return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
-        n = min(outcome.rows, live.reused)
-        try:
-            pages = self.pages.page_ids(rid)
-            buf = self.pages.views()
-            with self._draft_stream():
-                # head: host-tier rows make the draft stream wait for their copy back (GPU side)
-                taken.codec.scatter_pages(buf, pages, 0, taken.head(n))
-            self._forward_waits_for_draft_stream()
-        except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
-            self._fault("scatter", exc, rid)
-            return
-        with self._lock:
-            live.valid = n
-            self.rows_scattered += n
-            live.record["rows_scattered"] = n
+        with self._lock:  # the decision and the take in one step: a forget cannot come between
+            outcome = self.service.judge(live.key, prompt, ticket, projected, live.conversation)
+            self._decided(live, outcome)
+            if not isinstance(outcome, Adopted):
+                return False  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
+            entry = self.service.store.get(live.key)
+            assert entry is not None and entry.last_pair_key is not None
+            first = entry.last_pair_key - entry.rows + 1  # the entry's keys: one run from here
+            n = max(0, min(outcome.rows, live.reused - first))  # keys below R only
+            try:
+                with self._draft_stream():
+                    self.service.adopt(rid, live.key, n, TurnPages(self.pages, rid))
+                self._forward_waits_for_draft_stream()
+            except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
+                self._fault("prepare", exc, rid)
+                self.service.drop_turn(rid)
+                self.service.repair()
+                return False
+            live.run = (first, first + n) if n else (0, 0)
+            self.service.counters.rows_adopted += n
+            self.service.counters.keys_skipped += max(0, live.reused - (first + n)) if n else 0
+            live.record["rows_adopted"] = n
+            return True
+
+    def _decided(self, live: _Live, outcome: CarryOutcome) -> None:
+        self.service.count_outcome(outcome)
+        live.record["outcome"] = outcome.kind
+        reason = getattr(outcome, "reason", None)
+        if reason is not None:
+            live.record["no_carry_reason"] = reason
 
     def _fault(self, step: str, exc: Exception, rid: int | None) -> None:
-        """An exception inside the carry: counted by kind and step, logged once per (step, kind),
-        and request `rid`'s carry state dropped (it adopts and deposits nothing more); never raised.
-
-        The log key is the pair, not the kind alone: a `KeyError` at prepare and one at free are
-        two different failures, and an operator must see both."""
-        kind = type(exc).__name__
+        """An exception inside the carry: recorded by the service's ledger (by class and step,
+        logged once per pair), and request `rid`'s carry state dropped (it adopts and deposits
+        nothing more); never raised."""
+        self.ledger.record(step, exc, rid)
         with self._lock:
-            self._faults[kind] += 1
-            self._errors[step] += 1
-            first = (step, kind) not in self._logged
-            self._logged.add((step, kind))
             live = None if rid is None else self._live.get(rid)
             if live is None and rid is not None and step == "prepare":
                 # seen now and dropped: a later chunk of it must not be judged as a first sight
@@ -524,11 +475,7 @@ class CarryManagerCore:
                 _remember(self._turn_log, rid, live.record, TURN_LOG)
             if live is not None:
                 live.dropped = True
-                live.record["error"] = f"{step}: {kind}: {exc}"
-        if first:
-            logger.warning("mtp carry: %s raised %s (%s): that turn runs without the carry and "
-                           "the executor goes on; later %s faults at %s are counted, not logged",
-                           step, kind, exc, kind, step)
+                live.record["error"] = f"{step}: {type(exc).__name__}: {exc}"
 
     def _skip_reason(self, request: Any, live: _Live | None, num_tokens: int) -> str | None:
         if request.is_dummy_request:
@@ -540,13 +487,11 @@ class CarryManagerCore:
         # At free TensorRT-LLM's is_context_finished is False for every request (the state
         # is GENERATION_COMPLETE): the context finished iff its last chunk was scheduled here
         # and the sampler then appended a token (an error or a cancel before that leaves
-        # get_tokens at the prompt). Rows [0, N - 1) were then written by the context phase
-        # and the completed generation steps; the overlap scheduler's extra step writes
-        # only keys >= N - 1.
+        # get_tokens at the prompt). Rows [lo, N - 1) were then written by the adoption, the
+        # context phase and the completed generation steps; the overlap scheduler's extra
+        # step writes only keys >= N - 1.
         if live is None or not live.last_chunk or num_tokens <= live.prompt_len:
             return "context_unfinished"  # never scheduled, or freed before its context finished
-        if not live.complete:
-            return "gap"
         if live.forgotten:
             return "session_end"
         return None
@@ -554,22 +499,16 @@ class CarryManagerCore:
     def _cuda_draft_stream(self) -> Any | None:
         """KVCacheManagerV2._stream (a torch stream) where CUDA runs, else None."""
         stream = getattr(self.draft, "_stream", None)
-        return stream if stream is not None and _cuda_available() else None
-
-    def _pool_dtype(self) -> torch.dtype:
-        """The draft pool's element dtype (the MTP layer's HND pages): with `carry_row_dtype` it
-        chooses the carried rows' codec (`row_codec.codec_for`: an FP8 pool carries its own bytes)."""
-        dtype: torch.dtype = self.pages.kv().dtype  # an NVFP4 pool: its marker dtype (not int8)
-        return dtype
+        return stream if stream is not None and streams.cuda_available() else None
 
     def _draft_stream(self) -> AbstractContextManager[Any]:
         stream = self._cuda_draft_stream()
         if stream is None:
             return nullcontext()
         # What runs there reads what the executor's stream wrote (the forward's pages for a
-        # gather, rows a deposit put into the arena for a scatter): the GPU orders it after.
-        stream.wait_stream(_current_stream(stream.device))
-        return _on_stream(stream)
+        # gather, a host-tier copy back for a scatter): the GPU orders it after.
+        stream.wait_stream(streams.current_stream(stream.device))
+        return streams.on_stream(stream)
 
     def _sync(self) -> None:
         # A gather's rows must be complete before free_resources hands the pages back to the
@@ -585,20 +524,12 @@ class CarryManagerCore:
         # the executor queues next (the prefill) instead of blocking prepare_resources.
         stream = self._cuda_draft_stream()
         if stream is not None:
-            _current_stream(stream.device).wait_stream(stream)
-
-
-# ---- the draft stream's CUDA calls (one seam: CPU tests put a recorder in their place; the
-# stream calls are carried.py's, the same functions under this module's names) ----
-
-
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
+            streams.current_stream(stream.device).wait_stream(stream)
 
 
 def _turn_record(reused: int, outcome: str, rows_computed: int) -> dict[str, object]:
-    """A request's turn record (`turn()`'s keys) at first sight: nothing scattered or deposited yet."""
-    return {"reused": reused, "outcome": outcome, "no_carry_reason": "", "rows_scattered": 0,
+    """A request's turn record (`turn()`'s keys) at first sight: nothing adopted or deposited yet."""
+    return {"reused": reused, "outcome": outcome, "no_carry_reason": "", "rows_adopted": 0,
             "rows_computed": rows_computed, "rows_deposited": 0, "skipped": None}
 
 
@@ -628,3 +559,6 @@ def carry_manager_class(base: type) -> type[CarryManagerCore]:
         })
         _CLASSES[base] = cls
     return cls
+
+
+__all__ = ["PAUSED_LOG", "TURN_LOG", "CarryManagerCore", "TurnPages", "carry_manager_class"]

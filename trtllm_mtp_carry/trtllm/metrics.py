@@ -18,11 +18,12 @@ renders its endpoint with (`trtllm_mtp_carry/metrics.MetricRegistry`), labelled 
 
     mtp_carry_outcomes_total{kind}          warm turns by carry outcome kind
     mtp_carry_no_carry_total{reason}        no_carry turns by why the entry was absent
-    mtp_carry_drafter_rows_total{source}    rows adopted (scattered) / computed by TensorRT-LLM
+    mtp_carry_drafter_rows_total{source}    rows adopted (restored into the pages) / computed by TensorRT-LLM
     mtp_carry_sessions_ended_total{cause}   end (forget_conversation)
     mtp_carry_rows_freed_total              carried rows dropped by session ends
     mtp_carry_errors_total{reason}          faults inside the carry, by exception kind
-    mtp_carry_runtime{field}                every number of `stats()`, dicts as `field.key`
+    mtp_carry_runtime{field}                every number of `stats()` (`CarryStats`, the fields every
+                                            executor reports), dicts as `field.key`
 
 (`mtp_carry_drafts_total` stays absent: drafts proposed and accepted are
 TensorRT-LLM's own per-request metrics, not something the resource manager sees.)
@@ -43,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..metrics import CarryMetrics, MetricRegistry
+from ..service.stats import CarryStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus's text exposition format."""
@@ -80,19 +82,19 @@ class WorkerMetrics:
             self.families.metric(family, key, value).increment(total - (seen or 0))
             self._seen[ident] = total
 
-    def _refresh(self, stats: dict[str, Any]) -> None:
-        for kind, n in stats["outcomes"].items():
+    def _refresh(self, stats: CarryStats) -> None:
+        for kind, n in stats.outcomes.items():
             self._count("outcomes", "kind", kind, n)
-        for reason, n in stats["no_carry_reasons"].items():
+        for reason, n in stats.no_carry_reasons.items():
             if n:
                 self._count("no_carry", "reason", reason, n)
-        self._count("rows", "source", "adopted", stats["rows_scattered"])
-        self._count("rows", "source", "computed", stats["rows_computed"])
-        self._count("ended", "cause", "end", stats["sessions_ended"])
-        self._count("freed", "", "", stats["rows_freed"])
-        for kind, n in stats["faults"].items():
+        self._count("rows", "source", "adopted", stats.rows_adopted)
+        self._count("rows", "source", "computed", stats.rows_computed)
+        self._count("ended", "cause", "end", stats.sessions_ended)
+        self._count("freed", "", "", stats.rows_freed)
+        for kind, n in stats.faults.items():
             self._count("errors", "reason", kind, n)
-        self.families.set_runtime(stats)
+        self.families.refresh(stats)
 
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (`GET /metrics`) on a daemon thread; OSError if the port is taken."""

@@ -19,7 +19,7 @@ after `DRAFT_KV_CACHE_MANAGER` in prepare (its pages exist), before it in free
 With KV cache estimation the executor is built twice over one `resources` dict
 (the KV managers torn down and rebuilt in between): each build gets a fresh
 carry manager bound to that build's draft manager. The carry's memory
-(`trtllm/arena.py`: `carry_memory` device bytes, `carry_host_memory` host bytes) is
+(`trtllm/reservation.py`: `carry_memory` device bytes, `carry_host_memory` host bytes) is
 reserved before any KV cache exists: the hook also wraps `try_prepare_estimation` of the
 `KvCacheCreator` class the creator module builds its KV managers with (imported there by
 name from `_util`; `_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412), which
@@ -190,7 +190,7 @@ def _reserve_early(creator: Any, standin: bool) -> None:
     for that install to report in its one line. Never raises."""
     _give_back(_drop_early())  # an executor creation that never reached its install
     try:
-        from .arena import reserve_early, torch_allocate
+        from .reservation import reserve_early, torch_allocate
 
         options = checked_options(os.environ.get(ENV, ""))
         if isinstance(options, Exception) or not options.enable:
@@ -236,7 +236,7 @@ def _install(resources: Any, standin: bool, llm_args: Any = None) -> None:
             old = resources.pop(CARRY_MANAGER_KEY, None)
             reserved = getattr(old, "reserved", None)
             if old is not None:
-                old.carried.clear()
+                old.service.detach()  # its entries go; its arenas serve the new build
         if reserved is not None:
             _give_back(early)  # the first build's arenas serve: nothing of this creation's is used
             early = None
@@ -255,7 +255,7 @@ def _give_back(early: Any) -> None:
     """Release an early reservation the carry will not use. Never raises (it runs inside
     TensorRT-LLM's executor creation): a failure is one line."""
     try:
-        from .arena import EarlyReservation
+        from .reservation import EarlyReservation
 
         if isinstance(early, EarlyReservation):
             early.release()
@@ -267,10 +267,10 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
                      early: Any = None) -> bool:
     """Install the carry manager, or say why not; True when the arenas were built over `early`."""
     from . import CARRY_MANAGER_KEY
-    from .arena import EarlyReservation, arenas_over, reserve_for, torch_allocate
     from .manager import carry_manager_class
     from .options import TrtllmAdapterError
     from .probe import probe_managers
+    from .reservation import EarlyReservation, arenas_over, reserve_for, torch_allocate
 
     try:
         if not isinstance(resources, dict):

@@ -74,7 +74,6 @@ from .serving import (
     conversation_id_for,
     salt_text,
     sampling_kwargs,
-    stats_gauges,
     triton_llm_args,
     turn_stats,
 )
@@ -130,10 +129,6 @@ class TrtllmMetrics(CarryMetrics):
         for result, value in (("proposed", stats.drafted), ("accepted", stats.accepted)):
             if value:
                 self.metric("drafts", "result", result).increment(value)
-
-    def refresh_adapter(self, adapter_stats: Any) -> None:
-        for name, value in stats_gauges(adapter_stats).items():
-            self.metric("runtime", "field", name).set(value)
 
 
 class _TrtllmSink(TritonSink):
@@ -263,7 +258,7 @@ class TritonPythonModel:
             self._chat = ChatTemplate(getattr(tokenizer, "tokenizer", tokenizer))
         except ValueError as exc:
             logger.warning("%s: text_input turns are refused: %s", self._instance, exc)
-        self._metrics.refresh_adapter(attachment.stats())
+        self._metrics.refresh(attachment.stats())
         logger.info("%s ready: %s; carry %s (%s): %s", self._instance, self._options, attachment.topology,
                     "armed" if attachment.armed else "not armed", attachment.reason)
 
@@ -301,7 +296,7 @@ class TritonPythonModel:
                 finally:
                     if turn.end:
                         self._end(corrid, "end")
-                    self._metrics.refresh_adapter(self._engine.attachment.stats())
+                    self._metrics.refresh(self._engine.attachment.stats())
         finally:
             self._waiting[corrid] -= 1
             if not self._waiting[corrid]:  # nobody queued on this session: its lock may go

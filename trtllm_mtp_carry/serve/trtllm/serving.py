@@ -249,7 +249,7 @@ def carry_fields(record: Mapping[str, Any] | None, armed: bool) -> dict[str, Any
     if record is None:
         return {}
     return {"outcome_kind": str(record["outcome"]), "no_carry_reason": str(record["no_carry_reason"]),
-            "reused_tokens": int(record["reused"]), "drafter_rows_kept": int(record["rows_scattered"]),
+            "reused_tokens": int(record["reused"]), "drafter_rows_kept": int(record["rows_adopted"]),
             "drafter_rows_computed": int(record["rows_computed"])}
 
 
@@ -277,15 +277,3 @@ def turn_stats(prompt_tokens: int, output: Any, result: Any, ttft_ms: float, tot
         finish_reason=str(getattr(output, "finish_reason", None) or ""),
         topology=topology, carry_armed=carry_armed, **carry_fields(carry, carry_armed),
     )
-
-
-def stats_gauges(stats: Mapping[str, Any]) -> dict[str, int]:
-    """The adapter's `stats()` as gauge values: every int entry, and every int entry of a
-    dict entry as `"<name>.<key>"` (the reference model's `mtp_carry_runtime` rule)."""
-    out: dict[str, int] = {}
-    for name, value in stats.items():
-        items = value.items() if isinstance(value, Mapping) else [("", value)]
-        for key, v in items:
-            if isinstance(v, int) and not isinstance(v, bool):
-                out[f"{name}.{key}" if key else str(name)] = v
-    return out
