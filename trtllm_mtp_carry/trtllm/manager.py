@@ -13,10 +13,11 @@ reference engine uses too), and hands the service the request's pages:
 ```
 
 - `prepare_resources(batch)` runs after the draft manager's (the dict is iterated
-  forward), so the request's pages exist. On the first sight of a context request with
-  `R > 0`, the service judges this session's carried entry against the prompt (the core's
-  decision); if adopted, the kept rows below `R` are scattered into the request's pages
-  for the MTP layer, on the draft pool's stream.
+  forward), so the request's pages exist. On the first sight of a context request of a
+  conversation, the service judges this session's carried entry against the prompt (the
+  core's decision, counted for every turn as the reference engine counts it); if adopted,
+  the kept rows below `R` are scattered into the request's pages for the MTP layer, on the
+  draft pool's stream (a turn with `R = 0` recomputes every row: nothing to scatter).
 - `free_resources(request)` runs before the draft manager's (the dict is iterated in
   reverse), so the pages are still live: the service plans the deposit first (admitted or
   refused before any row moves) and then gathers the request's valid run of keys, straight
@@ -159,11 +160,17 @@ class CarryManagerCore:
     """The carry's resource-manager logic over one draft KV manager's MTP layer (see module doc).
 
     `reserved` is the carry's memory (`reservation.Reserved`, reserved before TensorRT-LLM
-    sized its KV cache); without it the arenas are reserved here from `options`."""
+    sized its KV cache); without it the arenas are reserved here from `options`. `slots`
+    (None: no cap), `eviction`, `idle_s` (None: never) and `clock` override the process
+    settings `options` does not carry (`carry_slots()` unless `options.carry_slots`,
+    `carry_eviction()`, `carry_idle_s()`, the monotonic clock), as `CarryRuntime`'s do."""
+
+    _UNSET: Any = object()
 
     def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions,
                  report: Callable[[str], None] | None = None, reserved: Reserved | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 *, slots: int | None = _UNSET, eviction: str | None = None, idle_s: float | None = _UNSET,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
@@ -173,11 +180,13 @@ class CarryManagerCore:
         kv = self.pages.kv()
         codec = self.pages.codec(options.carry_row_dtype or carry_row_dtype())
         home = ArenaHome(codec, self.reserved.device, int(kv.shape[2]), int(kv.shape[4]))
-        slots = carry_slots() if options.carry_slots is None else options.carry_slots
+        if slots is CarryManagerCore._UNSET:
+            slots = carry_slots() if options.carry_slots is None else options.carry_slots
+        if idle_s is CarryManagerCore._UNSET:
+            idle_s = carry_idle_s() or None  # 0: entries never expire
         self.service = CarryService(home, slots=slots, budget_bytes=self.reserved.device.capacity,
-                                    eviction=carry_eviction(), idle_s=carry_idle_s() or None,
-                                    clock=time.monotonic if clock is None else clock,
-                                    host_arena=self.reserved.host)
+                                    eviction=carry_eviction() if eviction is None else eviction,
+                                    idle_s=idle_s, clock=clock, host_arena=self.reserved.host)
         self.ledger = self.service.ledger
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
@@ -251,7 +260,7 @@ class CarryManagerCore:
         found = request_session(request)
         key, conversation = (None, None) if found is None else found
         reused = position  # R: the prepopulated length at first sight
-        first = "no_conversation" if key is None else "pending" if reused else "cold"
+        first = "no_conversation" if key is None else "pending"
         # the prompt's pair keys [R, L - 1) TensorRT-LLM's context phase computes, counted
         # as the reference engine counts the rows its prefill builds
         computed = max(0, prompt_len - 1 - reused)
@@ -268,7 +277,7 @@ class CarryManagerCore:
             _remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
                 _remember(self._client_log, int(client), record, TURN_LOG)
-        adopted = key is not None and reused > 0 and self._adopt(rid, request, live)
+        adopted = key is not None and self._adopt(rid, request, live)
         with self._lock:
             c = self.service.counters
             if adopted:
@@ -312,8 +321,8 @@ class CarryManagerCore:
                 # popped only now: a forget until here marks it (`_deposit` checks under the lock)
                 if rid is not None:
                     self._live.pop(rid, None)
-                if rid is not None and not deposited:
-                    self.service.end_turn(rid)  # rows it adopted are gone with its pages
+                if rid is not None and not deposited:  # rows it adopted are gone with its pages
+                    self.service.end_turn(rid, "fault" if live is not None and live.dropped else "not_deposited")
                 self._freed += 1
                 every = self.options.stats_every
                 due = bool(every) and self._freed % every == 0
@@ -363,6 +372,9 @@ class CarryManagerCore:
             if kept:
                 self.service.deposited(rid)
                 live.record["rows_deposited"] = hi - lo
+                # a cancelled turn keeps its session's carry, counted as the reference engine counts it
+                self.service.counters.turns_cancelled_kept += bool(
+                    getattr(request, "is_finished_due_to_cancellation", False))
             return kept
 
     def _skip(self, why: str, live: _Live | None) -> None:
@@ -376,10 +388,11 @@ class CarryManagerCore:
     def turn(self, request_id: int) -> dict[str, object] | None:
         """One request's turn record, or None (unknown, dummy, or older than `TURN_LOG` requests).
 
-        Keys: `reused` (R), `outcome` (`cold`: R = 0, nothing to judge; `no_conversation`;
-        or the core's outcome kind: `adopted`, `no_carry`, `prefix_mismatch`, ...),
+        Keys: `reused` (R), `outcome` (`no_conversation`, or the core's outcome kind:
+        `adopted`, `no_carry`, `prefix_mismatch`, ...),
         `no_carry_reason` (a `no_carry` outcome's reason, else ""), `rows_adopted` (the
-        carried rows restored into its pages, keys `[first_key, first_key + n)`),
+        carried rows restored into its pages) and `first_key` (their keys are `[first_key,
+        first_key + rows_adopted)`; None until rows were adopted),
         `rows_computed` (the prompt's pair keys `[R, L - 1)` TensorRT-LLM's context phase
         computes), `rows_deposited` (0 until it was freed), `skipped` (why nothing was
         deposited, `SKIP_REASONS`, or None).
@@ -453,6 +466,7 @@ class CarryManagerCore:
             self.service.counters.rows_adopted += n
             self.service.counters.keys_skipped += max(0, live.reused - (first + n)) if n else 0
             live.record["rows_adopted"] = n
+            live.record["first_key"] = first
             return True
 
     def _decided(self, live: _Live, outcome: CarryOutcome) -> None:
@@ -530,7 +544,7 @@ class CarryManagerCore:
 def _turn_record(reused: int, outcome: str, rows_computed: int) -> dict[str, object]:
     """A request's turn record (`turn()`'s keys) at first sight: nothing adopted or deposited yet."""
     return {"reused": reused, "outcome": outcome, "no_carry_reason": "", "rows_adopted": 0,
-            "rows_computed": rows_computed, "rows_deposited": 0, "skipped": None}
+            "first_key": None, "rows_computed": rows_computed, "rows_deposited": 0, "skipped": None}
 
 
 def _remember(log: OrderedDict[int, V], key: int, value: V, limit: int) -> None:
