@@ -125,8 +125,8 @@ def test_a_kv_pools_own_bytes_come_back_exactly():
         written = []
         real_free = ex.draft.free_resources
 
-        def keep(request, _real=real_free):  # the draft manager frees after the carry deposited
-            written.append(pages.key_bytes(request.py_request_id, 0, 16).clone())
+        def keep(request, _real=real_free, _pages=pages, _written=written):  # freed after the carry deposited
+            _written.append(_pages.key_bytes(request.py_request_id, 0, 16).clone())
             _real(request)
 
         ex.draft.free_resources = keep

@@ -94,7 +94,6 @@ def test_outputs_under_a_packed_format_equal_plain_greedy_and_warm_turns_adopt(m
 
 @pytest.mark.parametrize("row_dtype", sorted(FORMATS))
 def test_the_host_tier_holds_the_packed_form_and_gives_the_same_rows_back(model, row_dtype):
-    packed_type = FORMATS[row_dtype][0]
     gen = torch.Generator().manual_seed(21)
     pa, pb = random_prompt(gen, 40), random_prompt(gen, 40)
     a, b = session_hash("a"), session_hash("b")
