@@ -38,6 +38,12 @@ Headline lines (scripts/gpu_smoke.sh collects them), tab-separated:
   CHECK  the Triton kernels against the torch path, bit for bit, on this device (every packed
          move, and scales `amax / 448` correctly rounded where `amax * (1/448)` is not): only
          where the Triton FP8 kernels run (CUDA, compute capability 8.9+); else none.
+  CHECK  on CUDA, every row codec's gather into an arena extent (`out=`: the codec's view of
+         bytes at offset 12 of a larger buffer of random bytes), from HND pages and from K/V
+         blocks, as a deposit writes its reserved extent: the extent holds exactly the CPU torch
+         path's bytes for the same rows, as does the same gather without `out`, and no byte
+         outside the extent changed; a row that arrives corrupt FAILs it. On a CPU none (the
+         test suite runs these gathers there).
 
 Usage: python scripts/bench_row_format.py [--keys N] [--kv-heads H] [--head-dim D] [--reps R]
                                           [--entry-rows N]
@@ -57,8 +63,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool  # noqa: E402
+from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages  # noqa: E402
 from trtllm_mtp_carry.dataplane.rope import RopeConfig  # noqa: E402
-from trtllm_mtp_carry.dataplane.row_codec import codec_for  # noqa: E402
+from trtllm_mtp_carry.dataplane.row_codec import (  # noqa: E402
+    CompositeCodec,
+    RowCodec,
+    Rows,
+    SideRows,
+    SlotPages,
+    codec_for,
+)
 from trtllm_mtp_carry.dataplane.row_format import (  # noqa: E402
     FP8_MAX,
     PackedRows,
@@ -183,6 +197,90 @@ def bit_checks(device: torch.device, hkv: int, d: int) -> list[str]:
     unpack_into_blocks(pb, k2, v2, idx, kernel="triton")
     out.append(check("fp8 unpack_into_blocks triton == torch", _same(k1, k2) and _same(v1, v2),
                      "whole caches compared"))
+    return out
+
+
+#: Where an extent starts in its buffer in `extent_checks`: 4-byte aligned (the float32 scales'
+#: and int32 side rows' views need it), as an arena extent is, and aligned to nothing wider.
+EXTENT_OFFSET = 12
+
+
+def _held_bytes(codec: RowCodec, rows: Rows) -> torch.Tensor:
+    """Held rows' bytes on the CPU, laid out as `codec.view` lays them in an extent."""
+    return torch.cat([t.contiguous().cpu().view(torch.uint8).reshape(-1) for t in codec.tensors(rows)])
+
+
+def _gather_into_extent(codec: RowCodec, gather: Callable[[Rows | None], Rows], want: Rows, rows: int, hkv: int,
+                        d: int, device: torch.device, g: torch.Generator) -> tuple[bool, str]:
+    """Run `gather(out)` into an extent of a random-byte buffer on `device`, and `gather(None)`;
+    `(ok, detail)`: the extent and the returned rows hold `want`'s bytes (the CPU torch path's),
+    `out` came back, and no byte outside the extent changed."""
+    nbytes = rows * codec.row_nbytes(hkv, d)
+    before = torch.randint(0, 256, (EXTENT_OFFSET + nbytes + 64,), generator=g, dtype=torch.uint8)
+    buffer = before.to(device, copy=True)  # a copy on the CPU too: `before` is what it held
+    out = codec.view(buffer[EXTENT_OFFSET:EXTENT_OFFSET + nbytes], (rows, 2, hkv, d))
+    same_out = gather(out) is out
+    returned = _held_bytes(codec, gather(None))
+    after, expect = buffer.cpu(), _held_bytes(codec, want)
+    in_extent = bool(torch.equal(after[EXTENT_OFFSET:EXTENT_OFFSET + nbytes], expect))
+    as_returned = bool(torch.equal(returned, expect))
+    outside = bool(torch.equal(after[:EXTENT_OFFSET], before[:EXTENT_OFFSET])
+                   and torch.equal(after[EXTENT_OFFSET + nbytes:], before[EXTENT_OFFSET + nbytes:]))
+    return (same_out and in_extent and as_returned and outside,
+            f"{rows} rows, {nbytes} B at offset {EXTENT_OFFSET}: extent == CPU torch path {in_extent}, "
+            f"gather without out == CPU {as_returned}, out returned {same_out}, bytes outside untouched {outside}")
+
+
+def extent_checks(device: torch.device, hkv: int, d: int) -> list[str]:
+    """CHECK lines: every row codec's gather into an arena extent on `device` (see the header),
+    from shuffled HND pages (keys [7, 307)) and from shuffled K/V blocks (300 rows)."""
+    g = torch.Generator().manual_seed(3)
+    tpb, lo, n, bs = 32, 7, 300, 16
+    npages = -(-(lo + n) // tpb)
+    pages = torch.randperm(2 * npages, generator=g)[:npages].tolist()
+
+    def fp8_codes(*shape: int) -> torch.Tensor:  # an FP8 KV pool's own bytes: every code but NaN
+        codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x3C  # e4m3fn's NaN codes: a finite code instead
+        return codes.view(torch.float8_e4m3fn)
+
+    bf16 = (torch.randn(2 * npages, 2, hkv, tpb, d, generator=g) * 3).to(torch.bfloat16)
+    fp8 = fp8_codes(*bf16.shape)
+    nvfp4_kv = Nvfp4KvPages(torch.randint(-128, 128, (*bf16.shape[:4], d // 2), generator=g, dtype=torch.int8),
+                            torch.randint(0, 256, (*bf16.shape[:4], d // 16), generator=g, dtype=torch.uint8))
+    sides = (SideRows("position", (3,), torch.int32), SideRows("index_k", (1, hkv * d), torch.bfloat16))
+    slots = SlotPages(bf16, (torch.randint(0, 1 << 20, (2 * npages, tpb, 3), generator=g, dtype=torch.int32),
+                             torch.randn(2 * npages, tpb, 1, hkv * d, generator=g).to(torch.bfloat16)))
+
+    def on(buf):  # a pool's pages on `device`
+        if isinstance(buf, SlotPages):
+            return SlotPages(on(buf.kv), tuple(t.to(device) for t in buf.sides))
+        if isinstance(buf, Nvfp4KvPages):
+            return Nvfp4KvPages(buf.payload.to(device), buf.scales.to(device))
+        return buf.to(device)
+
+    out = []
+    for codec, host in ((codec_for("bf16", torch.bfloat16), bf16), (codec_for("fp8", torch.bfloat16), bf16),
+                        (codec_for("nvfp4", torch.bfloat16), bf16), (codec_for("bf16", fp8.dtype), fp8),
+                        (codec_for("bf16", NVFP4_KV_DTYPE), nvfp4_kv),
+                        (CompositeCodec(codec_for("nvfp4", torch.bfloat16), sides), slots)):
+        dev = on(host)
+        ok, detail = _gather_into_extent(
+            codec, lambda o, c=codec, p=dev: c.gather_pages(p, pages, lo, lo + n, out=o),
+            codec.gather_pages(host, pages, lo, lo + n), n, hkv, d, device, g)
+        out.append(check(f"{codec.name} gather_pages into an arena extent", ok, detail))
+    nb = -(-n // bs)
+    ids = torch.randperm(2 * nb, generator=g)[:nb].tolist()
+    for pool_dtype, row_dtype in ((torch.bfloat16, "bf16"), (torch.bfloat16, "fp8"), (torch.bfloat16, "nvfp4"),
+                                  (torch.float8_e4m3fn, "bf16")):
+        codec = codec_for(row_dtype, pool_dtype)
+        k, v = (fp8_codes(2 * nb, bs, hkv, d) if pool_dtype == torch.float8_e4m3fn
+                else (torch.randn(2 * nb, bs, hkv, d, generator=g) * 3).to(pool_dtype) for _ in range(2))
+        kd, vd = k.to(device), v.to(device)
+        ok, detail = _gather_into_extent(
+            codec, lambda o, c=codec, a=kd, b=vd: c.gather_blocks(a, b, ids, n, out=o),
+            codec.gather_blocks(k, v, ids, n), n, hkv, d, device, g)
+        out.append(check(f"{codec.name} gather_blocks into an arena extent", ok, detail))
     return out
 
 
@@ -315,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     if row_kernel(rows) == "triton":
         lines += bit_checks(device, hkv, d)
     else:
-        print("no CHECK lines: the Triton FP8 kernels run on CUDA from compute capability 8.9 only")
+        print("no Triton CHECK lines: the Triton FP8 kernels run on CUDA from compute capability 8.9 only")
+    if cuda:
+        lines += extent_checks(device, hkv, d)
+    else:
+        print("no extent CHECK lines: the codecs' gathers into an extent are checked on CUDA (the tests run them here)")
     for line in lines:
         print(line)
     return 0

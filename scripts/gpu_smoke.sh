@@ -17,7 +17,9 @@
 #                  bandwidth in CUDA graphs (scripts/gpu_check_aot.py); SKIP without cuda-python
 #   kernels        both kernels at 512 / 4k / 64k / 256k rows: per call vs index_copy_, kernel
 #                  time vs a D2D copy (scripts/bench_kernels.py)
-#   fp8-codec      the FP8 row codec against a plain copy (scripts/bench_row_format.py)
+#   fp8-codec      the FP8 row codec against a plain copy (scripts/bench_row_format.py); CHECK:
+#                  every row codec's gather into an arena extent (out=) holds the CPU path's bytes,
+#                  nothing outside the extent written
 #   host-tier      demote/restore against the pinned-copy ceiling (scripts/bench_host_tier.py);
 #                  CHECK: the pinned bytes held are exactly the host budgets (registered once,
 #                  no host copy in torch's power-of-two pinned pool)

@@ -5,8 +5,11 @@ an NVFP4 pool's payload and block-scale pages) is run
 through the same checks, in the way trio runs one suite over every lock: the bytes held
 are the bytes the core charges, gather/scatter round-trip bit for bit where the format is
 exact (fp8, nvfp4: the codec's own deterministic round trip), and every holder (the plain rows,
-the device arena, a host copy, a copy back) keeps the held bytes unchanged. A new codec
-joins by adding one entry to `CODECS`.
+the device arena, a host copy, a copy back) keeps the held bytes unchanged. A gather into a given
+`out` (a codec's view of an arena extent at an unaligned-to-8 offset of a larger buffer) writes the
+bytes the gather returns, all of the extent and nothing outside it, on the torch paths and on the
+Triton kernels (interpreted on CPU without a GPU); a wrong `out` is refused before any write. A new
+codec joins by adding one entry to `CODECS`.
 """
 
 from __future__ import annotations
@@ -15,17 +18,23 @@ import pytest
 import torch
 
 from trtllm_mtp_carry.core.row_format import ROW_FORMATS, RowFormat, rows_nbytes
+from trtllm_mtp_carry.dataplane import nvfp4, row_format, row_layout
 from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows
-from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages
+from trtllm_mtp_carry.dataplane.nvfp4 import Nvfp4Rows
+from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages, Nvfp4KvRows
 from trtllm_mtp_carry.dataplane.row_codec import (
     CODECS,
+    CompositeCodec,
+    CompositeRows,
     Fp8PackedCodec,
     PoolRowsCodec,
     RowCodec,
+    SideRows,
+    SlotPages,
     codec_for,
     codec_of,
 )
-from trtllm_mtp_carry.dataplane.row_format import PackedRows
+from trtllm_mtp_carry.dataplane.row_format import FP8_TRITON_MIN_CAPABILITY, PackedRows
 from trtllm_mtp_carry.trtllm.arena import RowArena
 
 HKV, D, TPB = 2, 32, 8  # D = 32: two block scales a vector, so V's 4-token interleave is no identity
@@ -229,3 +238,178 @@ def test_the_cores_torch_free_format_choice_agrees_with_the_codec_chosen(row_dty
     from trtllm_mtp_carry.core.row_format import carried_row_format
 
     assert carried_row_format(row_dtype, kv_dtype) == codec_for(row_dtype, pool_dtype).name
+
+
+# ---- gathers written straight into a given `out` (an arena extent's view) -----------------------
+
+SIDES = (SideRows("position", (3,), torch.int32), SideRows("index_k", (1, HKV * D), torch.bfloat16))
+OFFSET = 12  # an extent's start in its buffer: 4-byte aligned (float32/int32 views), not 8 or 16
+
+
+@pytest.fixture(params=["torch", "triton"])
+def kernel(request, monkeypatch, device):
+    """`(path, device)` the gathers run on: 'torch', the torch paths on CPU tensors; 'triton', the
+    packed formats' Triton kernels, forced (`row_layout.choose_kernel`), on the kernels' device
+    (interpreted on CPU without a GPU); the copy-only codecs index there."""
+    if request.param == "torch":
+        return "torch", torch.device("cpu")
+    monkeypatch.setattr(row_layout, "choose_kernel", lambda t, kernel, triton_ok: kernel or "triton")
+    return "triton", torch.device(device)
+
+
+def fp8_triton_or_skip(codec: RowCodec, path: str, where: torch.device) -> None:
+    packs_fp8 = isinstance(codec, Fp8PackedCodec) or (isinstance(codec, CompositeCodec)
+                                                      and isinstance(codec.main, Fp8PackedCodec))
+    if packs_fp8 and path == "triton" and where.type == "cuda" \
+            and torch.cuda.get_device_capability() < FP8_TRITON_MIN_CAPABILITY:
+        pytest.skip("Triton's float8 e4m3 conversions need compute capability 8.9 or later")
+
+
+def on(buf, where: torch.device):
+    """HND pages (a tensor or `Nvfp4KvPages`) on `where`."""
+    if isinstance(buf, Nvfp4KvPages):
+        return Nvfp4KvPages(buf.payload.to(where), buf.scales.to(where))
+    return buf.to(where)
+
+
+def slot_pages(gen: torch.Generator, slots: int, dtype: torch.dtype, where: torch.device) -> SlotPages:
+    """A composite pool: K/V pages and one slot-major view per side of `SIDES`."""
+    sides = (torch.randint(0, 1 << 20, (slots, TPB, 3), generator=gen, dtype=torch.int32),
+             torch.randn(slots, TPB, 1, HKV * D, generator=gen).to(torch.bfloat16))
+    return SlotPages(on(hnd_pages(gen, slots, dtype), where), tuple(t.to(where) for t in sides))
+
+
+def extent(gen: torch.Generator, nbytes: int, where: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(buffer, extent)`: random bytes with `nbytes` of them at `OFFSET`, as an arena extent lies."""
+    buffer = torch.randint(0, 256, (OFFSET + nbytes + 20,), generator=gen, dtype=torch.uint8).to(where)
+    return buffer, buffer[OFFSET:OFFSET + nbytes]
+
+
+def laid_out(codec: RowCodec, rows) -> torch.Tensor:
+    """Held rows' bytes as `codec.view` lays them in an extent: each tensor's, back to back."""
+    return torch.cat([raw(t).cpu().reshape(-1) for t in codec.tensors(rows)])
+
+
+def assert_gathered_into(codec: RowCodec, got, out, want, buffer: torch.Tensor, before: torch.Tensor) -> None:
+    """`got` is `out`, still over the extent, holding `want`'s bytes; every extent byte written and
+    no byte of the buffer outside it."""
+    assert got is out
+    nbytes = codec.nbytes(want)
+    assert torch.equal(buffer[OFFSET:OFFSET + nbytes].cpu(), laid_out(codec, want))
+    assert same_held(codec, out, want)
+    assert torch.equal(buffer[:OFFSET].cpu(), before[:OFFSET])
+    assert torch.equal(buffer[OFFSET + nbytes:].cpu(), before[OFFSET + nbytes:])
+
+
+@pytest.mark.parametrize("composite", [False, True], ids=["kv", "composite"])
+@pytest.mark.parametrize(("lo", "hi"), [(5, 5), (5, 6), (2, 19)])  # none, one, keys across three pages
+def test_a_gather_into_an_extent_writes_the_bytes_the_gather_returns_and_nothing_outside(case, kernel, composite,
+                                                                                       lo, hi):
+    codec, pool_dtype, _ = case
+    path, where = kernel
+    if composite:
+        codec = CompositeCodec(codec, SIDES)
+    fp8_triton_or_skip(codec, path, where)
+    gen = torch.Generator().manual_seed(hi)
+    buf = slot_pages(gen, 5, pool_dtype, where) if composite else on(hnd_pages(gen, 5, pool_dtype), where)
+    want = codec.gather_pages(buf, [4, 1, 3], lo, hi)
+    buffer, raw_extent = extent(gen, (hi - lo) * codec.row_nbytes(HKV, D), where)
+    before = buffer.cpu().clone()
+    out = codec.view(raw_extent, (hi - lo, 2, HKV, D))
+    ptrs = [t.data_ptr() for t in codec.tensors(out)]
+    got = codec.gather_pages(buf, [4, 1, 3], lo, hi, out=out)
+    assert_gathered_into(codec, got, out, want, buffer, before)
+    assert [t.data_ptr() for t in codec.tensors(out)] == ptrs  # written in place, never re-allocated
+
+
+@pytest.mark.parametrize("rows", [0, 1, 10])
+def test_a_block_gather_into_an_extent_writes_the_bytes_the_gather_returns_and_nothing_outside(case, kernel, rows):
+    codec, pool_dtype, _ = case
+    path, where = kernel
+    if pool_dtype == NVFP4_KV_DTYPE:
+        return  # no K/V block caches are NVFP4 (test_blocks_round_trip_... pins the refusal)
+    fp8_triton_or_skip(codec, path, where)
+    gen = torch.Generator().manual_seed(rows)
+    k, v = (pool_values(gen, (6, 4, HKV, D), pool_dtype).to(where) for _ in range(2))  # [blocks, 4, Hkv, D]
+    want = codec.gather_blocks(k, v, [5, 1, 3], rows)  # rows over blocks 5, 1, 3 (the last one part full)
+    buffer, raw_extent = extent(gen, rows * codec.row_nbytes(HKV, D), where)
+    before = buffer.cpu().clone()
+    out = codec.view(raw_extent, (rows, 2, HKV, D))
+    got = codec.gather_blocks(k, v, [5, 1, 3], rows, out=out)
+    assert_gathered_into(codec, got, out, want, buffer, before)
+    src = torch.stack([c[[5, 1, 3]].flatten(0, 1)[:rows] for c in (k, v)], dim=1)  # [rows, 2, Hkv, D]
+    if codec.exact:
+        assert torch.equal(raw(codec.decode(out)), raw(src))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_packing_into_an_extent_writes_the_bytes_packing_returns(fmt, kernel):
+    path, where = kernel
+    codec = codec_for(fmt, torch.bfloat16)
+    fp8_triton_or_skip(codec, path, where)
+    pack_rows = row_format.pack_rows if fmt == "fp8" else nvfp4.pack_rows
+    gen = torch.Generator().manual_seed(7)
+    rows = (torch.randn(5, 2, HKV, D, generator=gen) * 3).to(torch.bfloat16).to(where)
+    want = pack_rows(rows, kernel=path)
+    buffer, raw_extent = extent(gen, 5 * codec.row_nbytes(HKV, D), where)
+    before = buffer.cpu().clone()
+    out = codec.view(raw_extent, (5, 2, HKV, D))
+    assert_gathered_into(codec, pack_rows(rows, kernel=path, out=out), out, want, buffer, before)
+    assert same_held(codec, want, pack_rows(rows.cpu(), kernel="torch"))  # both paths, the same bits
+
+
+def strided(codec: RowCodec, rows):
+    """`rows` held with every tensor a non-contiguous view (every other element of a wider one)."""
+    def spread(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((*t.shape, 2), dtype=t.dtype, device=t.device)[..., 0]
+
+    if isinstance(rows, torch.Tensor):
+        return spread(rows)
+    if isinstance(rows, Nvfp4KvRows):
+        return Nvfp4KvRows(spread(rows.payload), spread(rows.scales))
+    assert isinstance(rows, (PackedRows, Nvfp4Rows))
+    return row_layout.map_tensors(rows, spread)
+
+
+def test_a_gather_refuses_an_out_that_does_not_fit_before_any_write(case):
+    codec, pool_dtype, _ = case
+    gen = torch.Generator().manual_seed(8)
+    buf = hnd_pages(gen, 4, pool_dtype)
+    other = codec_for("bf16", torch.float16)  # rows of a float16 pool: no codec here holds them
+    buffer, raw_extent = extent(gen, 10 * max(codec.row_nbytes(HKV, D), other.row_nbytes(HKV, D)),
+                                torch.device("cpu"))
+    before = buffer.clone()
+
+    def rows_of(c: RowCodec, n: int, where: torch.Tensor = raw_extent):
+        return c.view(where[:n * c.row_nbytes(HKV, D)], (n, 2, HKV, D))
+
+    wrong = {
+        "gathers into": rows_of(other, 9),  # another codec's form
+        r"out holds rows \[8, 2, 2, 32\], the gather gives rows \[9, 2, 2, 32\]": rows_of(codec, 8),
+        r"out holds rows \[10, 2, 2, 32\]": rows_of(codec, 10),
+        "out is on meta": rows_of(codec, 9, torch.empty(raw_extent.shape, dtype=torch.uint8, device="meta")),
+        "a gather writes contiguous tensors": strided(codec, rows_of(codec, 9)),
+    }
+    for match, out in wrong.items():
+        with pytest.raises(RuntimeError, match=match):
+            codec.gather_pages(buf, [3, 0, 2], 2, 11, out=out)
+        assert torch.equal(buffer, before), match
+    if pool_dtype in (torch.bfloat16,):  # a codec of a bf16 pool given float16 pages: their rows are not out's
+        half = hnd_pages(gen, 4, torch.float16)
+        with pytest.raises(RuntimeError, match="torch.float16"):
+            codec.gather_pages(half, [3, 0, 2], 2, 11, out=rows_of(codec, 9))
+        assert torch.equal(buffer, before)
+
+
+def test_a_composite_gather_refuses_a_side_that_does_not_fit_before_any_write():
+    codec = CompositeCodec(codec_for("bf16", torch.bfloat16), SIDES)
+    gen = torch.Generator().manual_seed(9)
+    buf = slot_pages(gen, 4, torch.bfloat16, torch.device("cpu"))
+    buffer, raw_extent = extent(gen, 9 * codec.row_nbytes(HKV, D), torch.device("cpu"))
+    before = buffer.clone()
+    out = codec.view(raw_extent, (9, 2, HKV, D))
+    assert isinstance(out, CompositeRows)
+    bad = CompositeRows(out.kv, (out.sides[0], strided(codec.main, out.sides[1])), SIDES)
+    with pytest.raises(RuntimeError, match="a gather writes contiguous tensors"):
+        codec.gather_pages(buf, [3, 0, 2], 2, 11, out=bad)
+    assert torch.equal(buffer, before)  # the K/V rows were not written either

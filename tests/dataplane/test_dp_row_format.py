@@ -454,6 +454,45 @@ def test_bench_row_format_checks_pass_for_the_triton_kernels_against_torch(fp8_t
     assert all(line.split("\t")[0] == "CHECK" and line.split("\t")[2] == "PASS" for line in lines), lines
 
 
+def test_bench_row_format_extent_checks_pass_and_fail_on_a_corrupt_row_or_a_byte_outside(device, monkeypatch) -> None:
+    # the extent CHECK lines the script prints on a GPU (every codec's gather into an arena extent),
+    # run here on this process's device; then two gathers that go wrong must each FAIL their line
+    from trtllm_mtp_carry.dataplane.row_codec import Nvfp4KvPagesCodec, PoolRowsCodec
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_row_format.py"
+    spec = importlib.util.spec_from_file_location("bench_row_format", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = bench.extent_checks(torch.device(device), 2, 32)
+    names = [line.split("\t")[1] for line in lines]
+    assert names == [f"{c} gather_pages into an arena extent" for c in
+                     ("bf16", "fp8", "nvfp4", "fp8_kv", "nvfp4_kv", "nvfp4+position+index_k")] + \
+        [f"{c} gather_blocks into an arena extent" for c in ("bf16", "fp8", "nvfp4", "fp8_kv")]
+    assert all(line.split("\t")[2] == "PASS" for line in lines), lines
+
+    kv_gather, rows_gather = Nvfp4KvPagesCodec.gather_pages, PoolRowsCodec.gather_blocks
+
+    def corrupt_row(self, buf, pages, lo, hi, out=None):  # one payload byte of row 5 flipped
+        rows = kv_gather(self, buf, pages, lo, hi, out=out)
+        if out is not None:
+            out.payload[5, 1, 0, 3] ^= 0x10
+        return rows
+
+    def stray_byte(self, k_cache, v_cache, block_ids, rows, out=None):  # the byte before the extent written
+        got = rows_gather(self, k_cache, v_cache, block_ids, rows, out=out)
+        if out is not None:
+            whole = torch.empty(0, dtype=torch.uint8, device=out.device).set_(out.untyped_storage())
+            whole[out.storage_offset() * out.element_size() - 1] ^= 1
+        return got
+
+    monkeypatch.setattr(Nvfp4KvPagesCodec, "gather_pages", corrupt_row)
+    monkeypatch.setattr(PoolRowsCodec, "gather_blocks", stray_byte)
+    verdicts = {line.split("\t")[1]: line.split("\t")[2] for line in bench.extent_checks(torch.device(device), 2, 32)}
+    failed = {name for name, verdict in verdicts.items() if verdict == "FAIL"}
+    assert failed == {"nvfp4_kv gather_pages into an arena extent", "bf16 gather_blocks into an arena extent",
+                      "fp8_kv gather_blocks into an arena extent"}, verdicts
+
+
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 def test_packed_gather_and_scatter_follow_a_permuted_page_view(kernel, fp8_tk, gen, device) -> None:
     # pages stored [pages, tpb, 2, Hkv, D] and viewed HND: strides no longer row-major

@@ -25,6 +25,9 @@ Invariants:
   pages directly through the page table (`hnd_layout`).
 - A key whose page is missing or `BAD_PAGE_INDEX` is a `RuntimeError` naming
   the key and the page (a caller bug: the draft manager sized the request).
+- A gather given `out` (e.g. a view of an arena extent) writes its rows there
+  once, the same bytes it would return, and returns `out`: the indexed copy is
+  aten's out variant, the Triton kernels write `out`'s tensors themselves.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from .device_ints import device_copy, device_tensor
 from .row_format import FP8_OPS, PackedRows
-from .row_layout import P, RowFormatOps, VectorLayout
+from .row_layout import P, RowFormatOps, VectorLayout, check_out
 
 
 def page_table(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int) -> tuple[list[int], int]:
@@ -67,11 +70,26 @@ def key_slots(pages: Sequence[int], lo: int, hi: int, tokens_per_block: int,
     return device_copy(page, device), device_copy(keys % tokens_per_block, device)
 
 
-def gather_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> torch.Tensor:
-    """Rows of keys `[lo, hi)` as a new tensor `[hi - lo, 2, num_kv_heads, head_dim]`."""
+def index_into(src: torch.Tensor, indices: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+    """`src[indices]` (advanced indexing; None: a whole dimension) written straight into `out`, which
+    has its shape and dtype: aten's out variant of the indexed read, one pass, no temporary. `out`."""
+    result: torch.Tensor = torch.ops.aten.index.Tensor_out(src, list(indices), out=out)
+    return result
+
+
+def gather_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of keys `[lo, hi)` as a tensor `[hi - lo, 2, num_kv_heads, head_dim]`: written into `out`
+    when given (the pages' dtype and device, contiguous: `row_layout.check_out`, before any
+    write) and `out` returned, else a new tensor."""
     # buf: [num_pages, 2, Hkv, tpb, D] (HND)
     page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
-    return buf[page, :, :, slot].clone()  # advanced indices on dims 0 and 3 -> [n, 2, Hkv, D]
+    shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
+    if out is None:
+        out = torch.empty(shape, dtype=buf.dtype, device=buf.device)
+    else:
+        check_out(out, torch.Tensor, shape, buf.dtype, buf.device)
+    return index_into(buf, [page, None, None, slot], out)  # indices on dims 0 and 3 -> [n, 2, Hkv, D]
 
 
 def scatter_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, rows: torch.Tensor) -> None:
@@ -99,15 +117,16 @@ def hnd_layout(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Vec
 
 
 def gather_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
-                       kernel: str | None = None) -> PackedRows:
+                       kernel: str | None = None, out: PackedRows | None = None) -> PackedRows:
     """Rows of keys `[lo, hi)` packed in the FP8 row format (`dataplane.row_format`), `[hi - lo, 2, Hkv, D]`.
 
     Bit for bit `pack_rows(gather_rows(buf, pages, lo, hi))` (finite rows), in one
     pass: the Triton kernel reads the pages and writes the packed form in one
     launch, no bf16 copy, no per-key offsets built on the host; the torch path
-    packs the indexed read. `kernel` as `row_format.row_kernel`.
+    packs the indexed read. `kernel` as `row_format.row_kernel`; `out` as
+    `gather_pages_packed`'s.
     """
-    return gather_pages_packed(FP8_OPS, buf, pages, lo, hi, kernel)
+    return gather_pages_packed(FP8_OPS, buf, pages, lo, hi, kernel, out)
 
 
 def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: PackedRows,
@@ -122,15 +141,22 @@ def scatter_packed_rows(buf: torch.Tensor, pages: Sequence[int], lo: int, packed
 
 
 def gather_pages_packed(fmt: RowFormatOps[P], buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
-                        kernel: str | None) -> P:
+                        kernel: str | None, out: P | None = None) -> P:
     """Rows of keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]`, packed by `fmt` as
     `[hi - lo, 2, Hkv, D]`: bit for bit `fmt.pack_rows(hnd_pages.gather_rows(...))`; Triton reads
-    the pages through the page table in one launch, torch packs the indexed read."""
+    the pages through the page table in one launch, torch packs the indexed read. With `out`
+    (`fmt`'s packed rows of that shape and the pages' dtype, contiguous, on their device:
+    `row_layout.check_out`, before any write) the same bytes are written there and `out` is
+    returned: the Triton kernel writes `out`'s tensors itself, the torch path packs in
+    float32 temporaries and copies the result in."""
     shape = (hi - lo, buf.shape[1], buf.shape[2], buf.shape[4])
     if fmt.kernel(buf, kernel) == "triton":
-        return fmt.pack_layout(buf, None, hnd_layout(buf, pages, lo, hi), shape)
+        layout = hnd_layout(buf, pages, lo, hi)  # the pages checked
+        if out is not None:
+            check_out(out, fmt.packed_type, shape, buf.dtype, buf.device)
+        return fmt.pack_layout(buf, None, layout, shape, out)
     page, slot = key_slots(pages, lo, hi, buf.shape[3], buf.device)
-    return fmt.pack_rows(buf[page, :, :, slot], kernel="torch")  # the index makes a fresh tensor
+    return fmt.pack_rows(buf[page, :, :, slot], kernel="torch", out=out)  # the index makes a fresh tensor
 
 
 def scatter_pages_packed(fmt: RowFormatOps[Any], buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Any,

@@ -278,30 +278,40 @@ def _dequant_torch(packed: Nvfp4Rows) -> torch.Tensor:
     return values.view(packed.shape)
 
 
-def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> Nvfp4Rows:
+def pack_rows(rows: torch.Tensor, kernel: str | None = None, out: Nvfp4Rows | None = None) -> Nvfp4Rows:
     """`rows` `[..., D]` in the NVFP4 row format, one global scale per last-dim vector (see the header).
 
     Deterministic and loop-free; the result is on `rows`' device; `kernel` as `nvfp4_kernel`.
+    With `out` (Nvfp4Rows of `rows`' shape and dtype, contiguous, on its device:
+    `row_layout.check_out`) the same bytes are written there and `out` is returned: the
+    Triton kernel writes them itself; the torch path computes in float32 temporaries
+    and copies its result in.
     """
     _check_rows(rows)
+    if out is not None:
+        _rl.check_out(out, Nvfp4Rows, rows.shape, rows.dtype, rows.device)
     if nvfp4_kernel(rows, kernel) == "triton":
-        return _rl.pack_plain_triton(NVFP4_OPS, rows)
-    return _pack_torch(rows)
+        return _rl.pack_plain_triton(NVFP4_OPS, rows, out)
+    packed = _pack_torch(rows)
+    return packed if out is None else _rl.fill(out, packed)
 
 
 def _pack_layout_triton(src0: torch.Tensor, src1: torch.Tensor | None, layout: VectorLayout,
-                        shape: Sequence[int]) -> Nvfp4Rows:
+                        shape: Sequence[int], out: Nvfp4Rows | None = None) -> Nvfp4Rows:
+    """`layout`'s vectors packed by the Triton kernel as `shape` (one launch), into `out`'s tensors
+    when given (`shape`, contiguous: the caller's duty), else fresh ones."""
     from . import nvfp4_kernels as nk
 
     n, d = layout.num_vectors, layout.head_dim
-    dev = src0.device
-    payload = torch.empty((n, d // 2), dtype=torch.uint8, device=dev)
-    scales = torch.empty((n, d // NVFP4_BLOCK), dtype=torch.uint8, device=dev)
-    gscales = torch.empty(n, dtype=torch.uint8, device=dev)
-    nk.nvfp4_pack_triton(src0, src1, layout, payload, scales, gscales)
-    lead = tuple(shape[:-1])
-    return Nvfp4Rows(payload.view(*lead, d // 2), scales.view(*lead, d // NVFP4_BLOCK), gscales.view(lead),
-                     src0.dtype)
+    if out is None:
+        dev, lead = src0.device, tuple(shape[:-1])
+        out = Nvfp4Rows(torch.empty((*lead, d // 2), dtype=torch.uint8, device=dev),
+                        torch.empty((*lead, d // NVFP4_BLOCK), dtype=torch.uint8, device=dev),
+                        torch.empty(lead, dtype=torch.uint8, device=dev), src0.dtype)
+    # the kernel's flat views of out's own storage: [V, D/2], [V, D/16], [V] uint8
+    nk.nvfp4_pack_triton(src0, src1, layout, out.payload.view(n, d // 2), out.scales.view(n, d // NVFP4_BLOCK),
+                         out.gscales.view(n))
+    return out
 
 
 def _unpack_layout_triton(packed: Nvfp4Rows, dst0: torch.Tensor, dst1: torch.Tensor | None,
@@ -334,15 +344,15 @@ def unpack_rows(packed: Nvfp4Rows, out: torch.Tensor | None = None, kernel: str 
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                rows: int, kernel: str | None = None) -> Nvfp4Rows:
+                rows: int, kernel: str | None = None, out: Nvfp4Rows | None = None) -> Nvfp4Rows:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed as `[rows, 2, Hkv, D]`.
 
     As `row_format.pack_blocks` (row `r` is slot `r % block_size` of block
-    `block_ids[r // block_size]`; only live rows are packed), in NVFP4: bit for bit
-    `pack_rows` of those rows stacked `[rows, 2, Hkv, D]`. The Triton path reads K
-    and V in place in one launch; the torch path gathers them first.
+    `block_ids[r // block_size]`; only live rows are packed; `out` as there), in NVFP4:
+    bit for bit `pack_rows` of those rows stacked `[rows, 2, Hkv, D]`. The Triton path
+    reads K and V in place in one launch; the torch path gathers them first.
     """
-    return _rl.pack_blocks(NVFP4_OPS, k_cache, v_cache, block_ids, rows, kernel)
+    return _rl.pack_blocks(NVFP4_OPS, k_cache, v_cache, block_ids, rows, kernel, out)
 
 
 def unpack_blocks(packed: Nvfp4Rows, block_size: int,
@@ -371,15 +381,16 @@ def unpack_into_blocks(packed: Nvfp4Rows, k_cache: torch.Tensor, v_cache: torch.
 
 
 def gather_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
-                 kernel: str | None = None) -> Nvfp4Rows:
+                 kernel: str | None = None, out: Nvfp4Rows | None = None) -> Nvfp4Rows:
     """Rows of keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]`, packed `[hi - lo, 2, Hkv, D]`.
 
     Bit for bit `pack_rows(hnd_pages.gather_rows(buf, pages, lo, hi))`: the Triton
-    kernel reads the pages through the page table in one launch (no bf16 copy); the
+    kernel reads the pages through the page table in one launch (no bf16 copy) and
+    writes the packed rows (into `out`'s tensors when given: `pack_rows`' `out`); the
     torch path packs the indexed read.
     """
     _check_rows(buf)
-    return gather_pages_packed(NVFP4_OPS, buf, pages, lo, hi, kernel)
+    return gather_pages_packed(NVFP4_OPS, buf, pages, lo, hi, kernel, out)
 
 
 def scatter_pages(buf: torch.Tensor, pages: Sequence[int], lo: int, packed: Nvfp4Rows,

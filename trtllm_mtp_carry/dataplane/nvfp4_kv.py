@@ -41,7 +41,8 @@ of scale page `(page, r)`, `page = pages[k // tpb]`. A gather reads them in vect
 page's bytes for keys `[lo, hi)` are the source page's, whatever kernel reads them.
 
 Invariants:
-- One indexed copy per tensor per call, no Python loop over keys, heads or blocks;
+- One indexed copy per tensor per call, no Python loop over keys, heads or blocks; a
+  gather given `out` (e.g. a view of an arena extent) writes those copies straight there;
 - `Nvfp4KvRows.nbytes == core.row_format.rows_nbytes("nvfp4_kv", n * 2 * Hkv, D)`;
 - a scatter checks the rows against the pages before its first write.
 """
@@ -53,8 +54,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .hnd_pages import key_slots
+from .hnd_pages import index_into, key_slots
 from .pinned import host_empty
+from .row_layout import check_out
 
 __all__ = ["FP4_BLOCK", "NVFP4_KV_DTYPE", "Nvfp4KvPages", "Nvfp4KvRows", "gather_kv_pages", "scale_offsets",
            "scatter_kv_pages"]
@@ -147,6 +149,10 @@ class Nvfp4KvRows:
     def nbytes(self) -> int:
         return int(self.payload.nbytes + self.scales.nbytes)
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors holding the rows: `(payload, scales)`."""
+        return self.payload, self.scales
+
     def head(self, n: int) -> Nvfp4KvRows:
         return Nvfp4KvRows(self.payload[:n], self.scales[:n])
 
@@ -185,12 +191,22 @@ def _flat_scale_index(pages: Nvfp4KvPages, page: torch.Tensor, slot: torch.Tenso
     return page[:, None, None, None] * per_index + scale_offsets(h, tpb, nblocks, slot)
 
 
-def gather_kv_pages(pages: Nvfp4KvPages, page_ids: Sequence[int], lo: int, hi: int) -> Nvfp4KvRows:
-    """Keys `[lo, hi)` of request pages `page_ids`: their payload and scale bytes, vector order."""
+def gather_kv_pages(pages: Nvfp4KvPages, page_ids: Sequence[int], lo: int, hi: int,
+                    out: Nvfp4KvRows | None = None) -> Nvfp4KvRows:
+    """Keys `[lo, hi)` of request pages `page_ids`: their payload and scale bytes, vector order;
+    written into `out` when given (rows `[hi - lo, 2, Hkv, D]` on the pages' device, contiguous:
+    `row_layout.check_out`, before any write) and `out` returned, else into new tensors."""
     page, slot = key_slots(page_ids, lo, hi, pages.scales.shape[3], pages.device)
-    payload = _u8(pages.payload)[page, :, :, slot].clone()  # [n, 2, Hkv, D/2]
-    scales = pages.scales.view(-1)[_flat_scale_index(pages, page, slot)]  # [n, 2, Hkv, S], a copy
-    return Nvfp4KvRows(payload, scales)
+    _, two, h, _, half = pages.payload.shape
+    if out is None:
+        out = Nvfp4KvRows(torch.empty((hi - lo, two, h, half), dtype=torch.uint8, device=pages.device),
+                          torch.empty((hi - lo, two, h, pages.scales.shape[4]), dtype=torch.uint8,
+                                      device=pages.device))
+    else:
+        check_out(out, Nvfp4KvRows, (hi - lo, two, h, 2 * half), NVFP4_KV_DTYPE, pages.device)
+    index_into(_u8(pages.payload), [page, None, None, slot], out.payload)  # [n, 2, Hkv, D/2]
+    index_into(pages.scales.view(-1), [_flat_scale_index(pages, page, slot)], out.scales)  # [n, 2, Hkv, S]
+    return out
 
 
 def scatter_kv_pages(pages: Nvfp4KvPages, page_ids: Sequence[int], lo: int, rows: Nvfp4KvRows) -> None:

@@ -33,6 +33,8 @@ Invariants (tests/dataplane/test_dp_row_codec_contract.py runs one suite over ev
   bytes); `fp8` round-trips within `row_format`'s error bound, deterministically.
 - Every method is vectorized (no Python loop over rows, vectors or heads) and
   checks shape and dtype before any write.
+- A gather given `out` (held rows of this codec, e.g. `view` of an arena extent)
+  writes there exactly the bytes it would return, once, and returns `out`.
 
 Adding a codec: subclass `RowCodec`, give it a `name` listed in
 `core.row_format.ROW_FORMATS` (with its `vector_nbytes`), register the class in
@@ -61,7 +63,14 @@ import torch
 from ..core.row_format import RowFormat
 from . import nvfp4
 from .device_ints import device_tensor
-from .hnd_pages import gather_packed_rows, gather_rows, key_slots, scatter_packed_rows, scatter_rows
+from .hnd_pages import (
+    gather_packed_rows,
+    gather_rows,
+    index_into,
+    key_slots,
+    scatter_packed_rows,
+    scatter_rows,
+)
 from .nvfp4 import Nvfp4Rows
 from .nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages, Nvfp4KvRows, gather_kv_pages, scatter_kv_pages
 from .pinned import host_empty
@@ -75,6 +84,7 @@ from .row_format import (
     unpack_into_blocks,
     unpack_rows,
 )
+from .row_layout import check_caches, check_out
 
 __all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "Fp8PackedCodec", "Nvfp4Codec",
            "Nvfp4KvPagesCodec", "PoolRowsCodec", "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
@@ -245,8 +255,14 @@ class RowCodec(ABC):
         """Held rows back in the pool's dtype."""
 
     @abstractmethod
-    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
-        """Keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]` (a request's `pages`), held."""
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
+        """Keys `[lo, hi)` of HND pages `buf` `[pages, 2, Hkv, tpb, D]` (a request's `pages`), held.
+
+        With `out` (held rows of this codec `[hi - lo, 2, Hkv, D]`, contiguous, on the pages'
+        device: e.g. `view` of an arena extent) the rows are written there, the bytes a gather
+        without it returns, and `out` is returned; a mismatch (form, shape, dtype, device) is
+        a RuntimeError naming it, before any write."""
 
     @abstractmethod
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
@@ -254,8 +270,17 @@ class RowCodec(ABC):
 
     @abstractmethod
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int) -> Rows:
-        """The first `rows` rows of blocks `block_ids` of K/V caches `[blocks, block_size, Hkv, D]`, held."""
+                      rows: int, out: Rows | None = None) -> Rows:
+        """The first `rows` rows of blocks `block_ids` of K/V caches `[blocks, block_size, Hkv, D]`,
+        held; into `out` (`[rows, 2, Hkv, D]`, on the caches' device) when given, as `gather_pages`."""
+
+    def _out(self, out: Rows | None) -> Rows | None:
+        """`out` (None, or rows in this codec's held form), else a RuntimeError naming the form and
+        what came (a caller's bug: the extent viewed by another codec)."""
+        if out is not None and not self.holds(out):
+            raise RuntimeError(f"out is {type(out).__name__} {getattr(out, 'dtype', '')}: a {self.name} "
+                               f"codec gathers into {self._form()}")
+        return out
 
     @abstractmethod
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -322,9 +347,12 @@ class PoolRowsCodec(RowCodec):
     def decode(self, rows: Rows) -> torch.Tensor:
         return self._tensor(rows)  # already the pool's rows
 
-    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
         self._check_pool(buf)
-        return gather_rows(_bytes_view(buf), pages, lo, hi).view(self.pool_dtype)
+        dst = self._out_tensor(out)
+        rows = gather_rows(_bytes_view(buf), pages, lo, hi, out=None if dst is None else _bytes_view(dst))
+        return rows.view(self.pool_dtype) if dst is None else dst
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         self._check_pool(buf)
@@ -332,12 +360,25 @@ class PoolRowsCodec(RowCodec):
         scatter_rows(_bytes_view(buf), pages, lo, _bytes_view(src))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int) -> Rows:
+                      rows: int, out: Rows | None = None) -> Rows:
+        # k_cache, v_cache: [num_blocks, block_size, Hkv, D] of the pool's dtype, one device
+        check_caches(k_cache, v_cache)
         self._check_pool(k_cache)
         block_size = k_cache.shape[1]
+        if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
+            raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
+                             f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+        shape = (rows, 2, *k_cache.shape[2:])
+        dst = self._out_tensor(out)
+        if dst is None:
+            dst = torch.empty(shape, dtype=self.pool_dtype, device=k_cache.device)
+        else:
+            check_out(dst, torch.Tensor, shape, k_cache.dtype, k_cache.device)
         idx = device_tensor(block_ids[: -(-rows // block_size)], torch.int64, k_cache.device)
-        k, v = (_bytes_view(c).index_select(0, idx).flatten(0, 1)[:rows] for c in (k_cache, v_cache))
-        return torch.stack((k, v), dim=1).view(self.pool_dtype)
+        slots = slots_for_rows(idx, torch.arange(rows, device=k_cache.device), block_size)  # [rows] int64
+        for i, cache in enumerate((k_cache, v_cache)):  # K, then V: each row read once, into dst[:, i]
+            torch.index_select(_bytes_view(cache).flatten(0, 1), 0, slots, out=_bytes_view(dst)[:, i])
+        return dst
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
@@ -352,6 +393,11 @@ class PoolRowsCodec(RowCodec):
     def _check_pool(self, buf: torch.Tensor) -> None:
         if buf.dtype != self.pool_dtype:
             raise RuntimeError(f"a {self.name} codec of a {self.pool_dtype} pool got {buf.dtype} pages")
+
+    def _out_tensor(self, out: Rows | None) -> torch.Tensor | None:
+        dst = self._out(out)
+        assert dst is None or isinstance(dst, torch.Tensor)
+        return dst
 
 
 _Packed = TypeVar("_Packed", PackedRows, Nvfp4Rows)
@@ -379,6 +425,11 @@ class _PackedCodec(RowCodec, Generic[_Packed]):
     def _rows(self, rows: object) -> _Packed:
         p = self.check(rows)
         assert isinstance(p, self.rows_type)
+        return p
+
+    def _out_packed(self, out: Rows | None) -> _Packed | None:
+        p = self._out(out)
+        assert p is None or isinstance(p, self.rows_type)
         return p
 
     def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
@@ -415,15 +466,16 @@ class Fp8PackedCodec(_PackedCodec[PackedRows]):
     def decode(self, rows: Rows) -> torch.Tensor:
         return unpack_rows(self._rows(rows))
 
-    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
-        return gather_packed_rows(buf, pages, lo, hi)
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
+        return gather_packed_rows(buf, pages, lo, hi, out=self._out_packed(out))
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         scatter_packed_rows(buf, pages, lo, self._rows(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int) -> Rows:
-        return pack_blocks(k_cache, v_cache, block_ids, rows)
+                      rows: int, out: Rows | None = None) -> Rows:
+        return pack_blocks(k_cache, v_cache, block_ids, rows, out=self._out_packed(out))
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
@@ -518,14 +570,23 @@ class CompositeCodec(RowCodec):
                                    f"{s.dtype} [slots, {tpb}, {', '.join(map(str, s.row_shape))}]")
         return buf
 
-    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
         p = self._check_pages(buf)
-        kv = self.main.gather_pages(p.kv, pages, lo, hi)
-        sides: tuple[torch.Tensor, ...] = ()
-        if p.sides:
-            page, slot = key_slots(pages, lo, hi, p.kv.shape[3], p.kv.device)
-            sides = tuple(v[page, slot].clone() for v in p.sides)  # [n, *row_shape] each
-        return CompositeRows(kv, sides, self.sides)  # type: ignore[arg-type]
+        c = self._out(out)
+        assert c is None or isinstance(c, CompositeRows)
+        page, slot = key_slots(pages, lo, hi, p.kv.shape[3], p.kv.device)  # the pages checked
+        if c is None:
+            sides = tuple(torch.empty((hi - lo, *s.row_shape), dtype=s.dtype, device=p.kv.device)
+                          for s in self.sides)
+        else:  # every side checked before the K/V rows' first write
+            for t, s in zip(c.sides, self.sides, strict=True):
+                check_out(t, torch.Tensor, (hi - lo, *s.row_shape), s.dtype, p.kv.device)
+            sides = c.sides
+        kv = self.main.gather_pages(p.kv, pages, lo, hi, out=None if c is None else c.kv)
+        for view, t in zip(p.sides, sides, strict=True):  # [n, *row_shape] each
+            index_into(view, [page, slot], t)
+        return CompositeRows(kv, sides, self.sides) if c is None else c  # type: ignore[arg-type]
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         p = self._check_pages(buf)
@@ -538,7 +599,7 @@ class CompositeCodec(RowCodec):
             view[page, slot] = t.to(view.device)
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int) -> Rows:
+                      rows: int, out: Rows | None = None) -> Rows:
         raise TypeError(f"{self.name} rows live in a draft pool's slots; the reference runtime's K/V "
                         "block caches hold no side rows")
 
@@ -574,15 +635,16 @@ class Nvfp4Codec(_PackedCodec[Nvfp4Rows]):
     def decode(self, rows: Rows) -> torch.Tensor:
         return nvfp4.unpack_rows(self._rows(rows))
 
-    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
-        return nvfp4.gather_pages(buf, pages, lo, hi)
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
+        return nvfp4.gather_pages(buf, pages, lo, hi, out=self._out_packed(out))
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         nvfp4.scatter_pages(buf, pages, lo, self._rows(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int) -> Rows:
-        return nvfp4.pack_blocks(k_cache, v_cache, block_ids, rows)
+                      rows: int, out: Rows | None = None) -> Rows:
+        return nvfp4.pack_blocks(k_cache, v_cache, block_ids, rows, out=self._out_packed(out))
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
@@ -652,15 +714,18 @@ class Nvfp4KvPagesCodec(RowCodec):
                                f"{type(buf).__name__} {getattr(buf, 'dtype', '')}")
         return buf
 
-    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int) -> Rows:
-        return gather_kv_pages(self._pages(buf), pages, lo, hi)
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
+        dst = self._out(out)
+        assert dst is None or isinstance(dst, Nvfp4KvRows)
+        return gather_kv_pages(self._pages(buf), pages, lo, hi, out=dst)
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         r = self._rows(rows)
         scatter_kv_pages(self._pages(buf), pages, lo, r)
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int) -> Rows:
+                      rows: int, out: Rows | None = None) -> Rows:
         raise TypeError("nvfp4_kv rows live in an NVFP4 draft pool's pages; the reference runtime's "
                         "K/V block caches are never NVFP4")
 

@@ -196,19 +196,24 @@ def row_kernel(t: torch.Tensor, kernel: str | None = None) -> str:
 
 
 def pack_layout_triton(src0: torch.Tensor, src1: torch.Tensor | None, layout: VectorLayout,
-                       shape: Sequence[int]) -> PackedRows:
+                       shape: Sequence[int], out: PackedRows | None = None) -> PackedRows:
     """Pack `layout`'s vectors of `src0` (and `src1`, split) with the Triton kernel, as `shape`.
 
     `prod(shape) == layout.num_vectors * layout.head_dim`; every vector must lie
-    inside its tensor (the caller's duty). One launch; payload and scales fresh.
+    inside its tensor (the caller's duty). One launch; the kernel writes `out`'s
+    payload and scales when given (`shape`, contiguous: `row_layout.check_out`,
+    the caller's duty), else fresh ones.
     """
     from . import triton_kernels as tk
 
     _rl.check_rows(src0)
-    payload = torch.empty((layout.num_vectors, layout.head_dim), dtype=FP8_DTYPE, device=src0.device)
-    scales = torch.empty(layout.num_vectors, dtype=torch.float32, device=src0.device)
-    tk.fp8_pack_triton(src0, src1, layout, payload, scales)
-    return PackedRows(payload.view(*shape), scales.view(*shape[:-1]), src0.dtype)
+    v, d = layout.num_vectors, layout.head_dim
+    if out is None:
+        out = PackedRows(torch.empty(tuple(shape), dtype=FP8_DTYPE, device=src0.device),
+                         torch.empty(tuple(shape[:-1]), dtype=torch.float32, device=src0.device), src0.dtype)
+    # the kernel's flat views of out's own storage: [V, D] e4m3 and [V] float32
+    tk.fp8_pack_triton(src0, src1, layout, out.payload.view(v, d), out.scales.view(v))
+    return out
 
 
 def unpack_layout_triton(packed: PackedRows, dst0: torch.Tensor, dst1: torch.Tensor | None,
@@ -224,14 +229,20 @@ def unpack_layout_triton(packed: PackedRows, dst0: torch.Tensor, dst1: torch.Ten
                          dst0, dst1, layout)
 
 
-def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
+def pack_rows(rows: torch.Tensor, kernel: str | None = None, out: PackedRows | None = None) -> PackedRows:
     """`rows` `[..., D]` in the FP8 row format, one scale per last-dim vector (see the header).
 
     Deterministic and loop-free; the result is on `rows`' device; `kernel` as `row_kernel`.
+    With `out` (PackedRows of `rows`' shape and dtype, contiguous, on its device:
+    `row_layout.check_out`) the same bytes are written there and `out` is returned:
+    the Triton kernel writes them itself; the torch path divides in a float32
+    temporary and casts it into `out`'s payload as it copies.
     """
     _rl.check_rows(rows)
+    if out is not None:
+        _rl.check_out(out, PackedRows, rows.shape, rows.dtype, rows.device)
     if row_kernel(rows, kernel) == "triton":
-        return _rl.pack_plain_triton(FP8_OPS, rows)
+        return _rl.pack_plain_triton(FP8_OPS, rows, out)
     x = rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place
     if rows.shape[-1] == 0:  # no values: amax of nothing is the floor
         scales = torch.full(rows.shape[:-1], SCALE_FLOOR, dtype=torch.float32, device=rows.device)
@@ -242,7 +253,11 @@ def pack_rows(rows: torch.Tensor, kernel: str | None = None) -> PackedRows:
         scales = amax.div_(_fp8_max(rows.device)).clamp_(min=SCALE_FLOOR).squeeze(-1)
         scales += scales - scales  # inf - inf: an inf vector's scale becomes NaN, as a NaN vector's is
     x.div_(scales.unsqueeze(-1))  # |x| <= 448 (1 + 2**-23): rounds to at most 448 (see the header)
-    return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
+    if out is None:
+        return PackedRows(x.to(FP8_DTYPE), scales, rows.dtype)
+    out.payload.copy_(x)  # the same cast as x.to(FP8_DTYPE) (round to nearest even), one pass fewer
+    out.scales.copy_(scales)
+    return out
 
 
 def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
@@ -265,7 +280,7 @@ def unpack_rows(packed: PackedRows, out: torch.Tensor | None = None, kernel: str
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                rows: int, kernel: str | None = None) -> PackedRows:
+                rows: int, kernel: str | None = None, out: PackedRows | None = None) -> PackedRows:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed as `[rows, 2, Hkv, D]`.
 
     `k_cache`, `v_cache`: `[num_blocks, block_size, Hkv, D]` (a `DrafterKVPool`'s
@@ -275,8 +290,11 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequenc
     block is not), so `nbytes` charges rows. Bit for bit `pack_rows` of those rows
     stacked `[rows, 2, Hkv, D]`; the Triton path reads K and V in place in one
     launch (no bf16 copy, no device sync), the torch path gathers them first.
+    With `out` (PackedRows `[rows, 2, Hkv, D]` of the caches' dtype, contiguous, on
+    their device) the same bytes are written there (Triton: by the kernel itself;
+    torch: packed, then copied in) and `out` is returned.
     """
-    return _rl.pack_blocks(FP8_OPS, k_cache, v_cache, block_ids, rows, kernel)
+    return _rl.pack_blocks(FP8_OPS, k_cache, v_cache, block_ids, rows, kernel, out)
 
 
 def unpack_blocks(packed: PackedRows, block_size: int,

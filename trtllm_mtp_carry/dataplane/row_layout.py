@@ -9,11 +9,17 @@ and the same torch fallbacks. That is written once here; a format supplies its o
 pack/unpack functions as a `RowFormatOps` (the HND page twins,
 `hnd_pages.gather_pages_packed`/`scatter_pages_packed`, take one too).
 
+A gather may write into a given `out` (rows in the held form, e.g. a view of an
+arena extent): the Triton kernels write `out`'s tensors themselves, no temporary;
+the torch paths compute in float32 temporaries and copy the result in. `check_out`
+is the one check of such an `out`, for every held form.
+
 Invariants:
 - Nothing here reads or writes a packed byte itself: every value goes through the
   format's `pack_rows`/`unpack_rows` (torch) or its layout kernels (Triton), so the
   bits are the format's own.
 - Every check runs before any write; errors name the offending value.
+- Packing into `out` writes exactly the bytes packing without it returns.
 - No Python loop over rows, vectors or heads (the loops below run over K and V).
 """
 
@@ -42,7 +48,9 @@ __all__ = [
     "VectorLayout",
     "block_layout",
     "check_caches",
+    "check_out",
     "choose_kernel",
+    "fill",
     "pack_blocks",
     "pack_plain_triton",
     "plain_layout",
@@ -148,6 +156,35 @@ class PackedRowsBase:
         return host_copy(self)
 
 
+def check_out(out: Any, form: type[Any], shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+    """`out` can take a gather's rows `shape` of `dtype` on `device` in place: a `form` (a tensor, or
+    held rows with `shape`, `dtype` and `tensors()`) of that shape and dtype, every tensor on `device`
+    and contiguous (as `RowCodec.view` lays rows in an extent: the kernels write flat arrays).
+    Otherwise a RuntimeError naming what differs (a caller's bug), before any write."""
+    if not isinstance(out, form):
+        raise RuntimeError(f"out is {type(out).__name__}, the gather writes {form.__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise RuntimeError(f"out holds rows {list(out.shape)}, the gather gives rows {list(shape)}")
+    if out.dtype != dtype:
+        raise RuntimeError(f"out holds {out.dtype} rows, the gather gives {dtype} rows")
+    for t in (out,) if isinstance(out, torch.Tensor) else out.tensors():
+        if t.device != device:
+            raise RuntimeError(f"out is on {t.device}, the gather writes on {device}")
+        if not t.is_contiguous():
+            raise RuntimeError(f"out's tensor {list(t.shape)} has strides {list(t.stride())}: a gather writes "
+                               "contiguous tensors (as RowCodec.view lays an extent)")
+
+
+def fill(out: P, packed: P) -> P:
+    """`out` with `packed`'s bytes copied in, tensor by tensor (a torch path's last step when it
+    packs into a given `out`); `out` returned."""
+    a: Any = out
+    b: Any = packed
+    for dst, src in zip(a.tensors(), b.tensors(), strict=True):
+        dst.copy_(src)
+    return out
+
+
 @dataclass(frozen=True)
 class VectorLayout:
     """Where `rows * groups * heads` vectors of `head_dim` values lie: the row-format kernels' addressing.
@@ -222,8 +259,10 @@ class RowFormatOps(Generic[P]):
     `packed_type` is its packed dataclass: tensor fields whose leading dimensions are
     the rows' (`[..., ...]` per vector) and a `dtype` field last. `kernel(t, kernel)`
     is its kernel choice; `pack_rows(rows, kernel=)` / `unpack_rows(packed, out=,
-    kernel=)` its public row functions; `pack_layout(src0, src1, layout, shape)` /
-    `unpack_layout(packed, dst0, dst1, layout)` its Triton layout calls (one launch);
+    kernel=)` its public row functions (`pack_rows(rows, kernel=, out=)` packs into `out` when
+    given); `pack_layout(src0, src1, layout, shape, out)` / `unpack_layout(packed, dst0, dst1,
+    layout)` its Triton layout calls (one launch; `pack_layout` writes `out`'s tensors when given,
+    else fresh ones);
     `check_head_dim` refuses a `head_dim` the format cannot pack (before any work).
     """
 
@@ -231,7 +270,7 @@ class RowFormatOps(Generic[P]):
     kernel: Callable[[torch.Tensor, str | None], str]
     pack_rows: Callable[..., P]
     unpack_rows: Callable[..., torch.Tensor]
-    pack_layout: Callable[[torch.Tensor, torch.Tensor | None, VectorLayout, Sequence[int]], P]
+    pack_layout: Callable[[torch.Tensor, torch.Tensor | None, VectorLayout, Sequence[int], P | None], P]
     unpack_layout: Callable[[P, torch.Tensor, torch.Tensor | None, VectorLayout], None]
     check_head_dim: Callable[[int], None] | None = None
 
@@ -247,15 +286,16 @@ class RowFormatOps(Generic[P]):
                                  for name in _tensor_fields(type(a))), a.dtype))
 
 
-def pack_plain_triton(fmt: RowFormatOps[P], rows: torch.Tensor) -> P:
-    """`rows` `[..., D]` packed by `fmt`'s Triton kernel in one launch (a compact copy is read
-    when more than three leading dimensions do not merge)."""
+def pack_plain_triton(fmt: RowFormatOps[P], rows: torch.Tensor, out: P | None = None) -> P:
+    """`rows` `[..., D]` packed by `fmt`'s Triton kernel in one launch, straight into `out` when given
+    (checked by the caller: `check_out`), else into fresh tensors (a compact copy is read when more
+    than three leading dimensions do not merge)."""
     layout = plain_layout(rows)
     if layout is None:  # more than three unmergeable leading dims: read a compact copy
         rows = rows.contiguous()
         layout = plain_layout(rows)
         assert layout is not None
-    return fmt.pack_layout(rows, None, layout, rows.shape)
+    return fmt.pack_layout(rows, None, layout, rows.shape, out)
 
 
 def check_unpack_out(fmt: RowFormatOps[Any], packed: Any, out: torch.Tensor | None) -> None:
@@ -310,20 +350,29 @@ def _check_packed_blocks(fmt: RowFormatOps[Any], packed: Any) -> None:
 
 
 def pack_blocks(fmt: RowFormatOps[P], k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                rows: int, kernel: str | None) -> P:
+                rows: int, kernel: str | None, out: P | None = None) -> P:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed by `fmt` as
-    `[rows, 2, Hkv, D]` (see `row_format.pack_blocks`): Triton reads K and V in place in one
-    launch; torch gathers them and packs each half."""
+    `[rows, 2, Hkv, D]` (see `row_format.pack_blocks`), into `out` when given (`check_out`):
+    Triton reads K and V in place and writes the packed rows (`out`'s tensors) in one launch;
+    torch gathers them, packs each half and stacks the halves (copies them into `out`)."""
+    # k_cache, v_cache: [num_blocks, block_size, Hkv, D], one dtype, device and strides
     _check_fmt_caches(fmt, k_cache, v_cache)
     block_size = k_cache.shape[1]
     if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
         raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
                          f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+    shape = (rows, 2, *k_cache.shape[2:])
+    if out is not None:
+        check_out(out, fmt.packed_type, shape, k_cache.dtype, k_cache.device)
     idx = device_tensor(block_ids[:-(-rows // block_size)], torch.int64, k_cache.device)
     if fmt.kernel(k_cache, kernel) == "triton":
-        return fmt.pack_layout(k_cache, v_cache, block_layout(k_cache, idx, rows), (rows, 2, *k_cache.shape[2:]))
+        return fmt.pack_layout(k_cache, v_cache, block_layout(k_cache, idx, rows), shape, out)
     k, v = (fmt.pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch") for c in (k_cache, v_cache))
-    return fmt.stack(k, v)  # K and V vectors pack independently: stacking the packed halves is exact
+    if out is None:
+        return fmt.stack(k, v)  # K and V vectors pack independently: stacking the packed halves is exact
+    for i, half in enumerate((k, v)):  # the same halves, copied into out's K and V vectors
+        fill(fmt.half(out, i), half)
+    return out
 
 
 def unpack_blocks(fmt: RowFormatOps[Any], packed: Any, block_size: int,
