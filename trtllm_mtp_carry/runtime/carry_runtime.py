@@ -155,7 +155,7 @@ class SequenceRows:
     def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
         """The sequence's rows, in row order, into `out` (its keys are `runs`)."""
         held = self.pool.sequence(self.seq_id)
-        codec.copy_(out, codec.gather_blocks(self.pool.k_cache, self.pool.v_cache, held.block_table, held.rows))
+        codec.gather_blocks(self.pool.k_cache, self.pool.v_cache, held.block_table, held.rows, out=out)
 
     def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> CarriedBlocks:
         """`rows` (keys `runs`) into fresh blocks carried under `key`, adopted by the sequence."""

@@ -144,7 +144,7 @@ class TurnPages:
 
     def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
         (lo, n), = runs
-        codec.copy_(out, codec.gather_pages(self.buf, self.ids, lo, lo + n))
+        codec.gather_pages(self.buf, self.ids, lo, lo + n, out=out)
 
     def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
         for lo, n in runs:  # one run: the entry's keys below R
