@@ -30,10 +30,10 @@ hindsight estimate; the clairvoyant bound last.
 
     python scripts/trace_ceilings.py mooncake-conversation.jsonl --workers 8 --carry-memory 1GiB   # the trace: docs/TRACE-REPLAY.md
 
-Every replay here deposits each finished turn's rows whole (`--after-miss full`, the replay's
-first model, which its figures in BENCHMARKS.md were measured with): the estimates are compared on
-equal terms, whatever a missed turn leaves behind; `--after-miss valid-run` replays what the
-executors do.
+By default every replay here deposits each finished turn's rows whole (`--after-miss full`,
+the model its figures in BENCHMARKS.md are measured with): the estimates are compared on equal
+terms, whatever a missed turn leaves behind; `--after-miss valid-run` replays what the executors
+do.
 
 Invariants:
 - The stores, the replay and the counting are the package's; only the

@@ -9,8 +9,9 @@ prefix adopted rows cover) and how sessions moving between workers
 (`--move`, `--pull`) change adoption and cost bytes moved; `--json` writes the
 same (`policies.<name>.follow_ups`, `policies.<name>.adopted`,
 `policies.<name>.after_miss`, `policies.<name>.moves`, `bound.follow_ups`,
-`bound.adopted`, ...). With `--after-miss full` and no `--move` it prints
-exactly what the replay printed before either existed. Torch-free.
+`bound.adopted`, ...). With `--after-miss full` and no `--move` it prints no
+after-miss and no moves line, and the figures are those of every finish
+depositing all its rows on its conversation's hash worker. Torch-free.
 
 Flags never pin the process settings (the replay builds its own stores):
 their dests are `replay_*`, so `apply_settings_flags` does not see them.
@@ -254,8 +255,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=AFTER_MISS[0],
                    help="what a follow-up that ran blind over its reused prefix [0, R) deposits: valid-run "
                         "(keys [R, N), the prefix known invalid; the next turn adopts them, blind below R: "
-                        "what both executors do), nothing (the TensorRT-LLM adapter's former gap), full (all "
-                        "N rows as if valid: the replay's former model, an upper bound)")
+                        "what both executors do), nothing (no deposit, a gap: the conversation stays blind while "
+                        "its prefix is reused), full (all N rows as if valid: an upper bound no executor reaches)")
     p.add_argument("--move", dest="replay_move", choices=MOVE_MODELS, default="none",
                    help="how sessions leave their worker: drain (every --move-every minutes one worker, "
                         "round-robin, stops gracefully and restarts empty), crash (the same, its rows lost), "

@@ -20,8 +20,8 @@ DECODE_S_PER_TOKEN = 0.030
 
 AFTER_MISS: tuple[str, ...] = ("valid-run", "nothing", "full")
 """What a follow-up that ran blind over its reused prefix deposits (`replay`'s module header), the
-default first: `valid-run` (what both executors do), `nothing` (the TensorRT-LLM adapter's former
-gap), `full` (the replay's first model, an upper bound)."""
+default first: `valid-run` (what both executors do), `nothing` (a gap: no deposit), `full` (all its
+rows as if valid: an upper bound)."""
 
 MOVE_MODELS: tuple[str, ...] = ("none", "drain", "crash", "overflow")
 """How sessions leave their worker (`replay`'s module header); `none`: never."""

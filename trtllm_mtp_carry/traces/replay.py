@@ -34,8 +34,8 @@ blind over [0, R), and `after_miss` says what it deposits:
                executors): the next turn adopts the run, blind below R
     nothing    no deposit (a `gap`): the next turn finds nothing and is
                blind too, while its prefix is reused
-    full       all N rows as if valid (the replay's first model: no
-               executor does this; an upper bound)
+    full       all N rows as if valid, as if the blind turn had rebuilt
+               its prefix (no executor does this: an upper bound)
 
 `covered_keys` sums, over adopting turns, the keys of [0, R) the adopted run
 holds (max(0, min(R, end) - first)), so "adopted" is not read as "full
@@ -75,8 +75,8 @@ Invariants:
 - Every follow-up turn is counted exactly once: adopted (device or host,
   local or remote) or one miss under the store's own reason
   (`NO_CARRY_REASONS`).
-- With `after_miss="full"` and no moves the store calls are the replay's
-  first model's, in the same order: the same figures.
+- With `after_miss="full"` and no moves every finish deposits all its rows
+  on its conversation's hash worker: tracking runs adds no store call.
 - Replays are deterministic: same trace and config, same figures.
 - Python touches each event once per policy (two per request, plus each
   entry of a restarting worker); conversation bookkeeping is numpy.
@@ -238,7 +238,8 @@ class MoveResult:
 @dataclass(frozen=True)
 class PolicyResult:
     """One policy's replay, all workers summed (every store a restart retired included; peaks: the
-    largest store's). `adopted_by_source`: `local` (the serving worker's store) or `remote` (pulled)."""
+    largest store's). `adopted_by_tier`: the tier the entry was found in (the holder's, when pulled);
+    `adopted_by_source`: `local` (the serving worker's store) or `remote` (pulled from its holder)."""
 
     policy: str
     follow_ups: int
