@@ -30,6 +30,11 @@ hindsight estimate; the clairvoyant bound last.
 
     python scripts/trace_ceilings.py mooncake-conversation.jsonl --workers 8 --carry-memory 1GiB   # the trace: docs/TRACE-REPLAY.md
 
+By default every replay here deposits each finished turn's rows whole (`--after-miss full`,
+the model its figures in BENCHMARKS.md are measured with): the estimates are compared on equal
+terms, whatever a missed turn leaves behind; `--after-miss valid-run` replays what the executors
+do.
+
 Invariants:
 - The stores, the replay and the counting are the package's; only the
   estimate differs (a `ReturnOdds` subclass that does not learn).
@@ -49,11 +54,14 @@ import numpy as np
 
 from trtllm_mtp_carry.core.eviction import ReturnOdds
 from trtllm_mtp_carry.core.settings import parse_carry_host_memory
-from trtllm_mtp_carry.traces.reader import Trace, read_trace
-from trtllm_mtp_carry.traces.replay import ReplayConfig, clairvoyant_bound, next_use, replay
-
-MOONCAKE_BLOCK_TOKENS = 512
-"""A Mooncake trace's hash block; the first, id 0, is a system prompt every request shares."""
+from trtllm_mtp_carry.traces.reader import MOONCAKE_BLOCK_TOKENS, Trace, read_trace
+from trtllm_mtp_carry.traces.replay import (
+    AFTER_MISS,
+    ReplayConfig,
+    clairvoyant_bound,
+    next_use,
+    replay,
+)
 
 GAP_EDGES_S = (30.0, 120.0, 480.0)
 """Previous-gap bands of a later turn (seconds from the previous turn's finish to its arrival)."""
@@ -174,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--carry-memory", default="1GiB")
     ap.add_argument("--carry-idle-s", type=float, default=600.0)
+    ap.add_argument("--after-miss", choices=AFTER_MISS, default="full",
+                    help="what a turn that ran blind deposits (trace-replay --after-miss); default full, "
+                         "the model the recorded figures used")
     ap.add_argument("--chances", metavar="PATH.npy", action="append", default=[],
                     help="one float in [0, 1] a request, in the order the trace is read (arrival "
                          "order): a predictor's chance that the request's deposit is adopted, "
@@ -182,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trace = read_trace(args.trace)
         budget = parse_carry_host_memory(args.carry_memory, "--carry-memory")
-        config = ReplayConfig(budget, workers=args.workers, idle_s=args.carry_idle_s)
+        config = ReplayConfig(budget, workers=args.workers, idle_s=args.carry_idle_s, after_miss=args.after_miss)
         given = [(path, load_chances(path, len(trace))) for path in args.chances]
     except (OSError, ValueError) as exc:
         print(f"trace_ceilings: error: {exc}", file=sys.stderr)
@@ -211,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'given: ' + Path(path).name:48s} {100 * run(chance, True):5.1f}%")
     print(f"{'oracle: told which deposits are adopted':48s} {100 * run(adopted.astype(float), False):5.1f}%")
     if trace.format == "mooncake":  # every request's first 512-token block is the one system prompt
-        shared = replace(trace, input_tokens=np.maximum(trace.input_tokens - MOONCAKE_BLOCK_TOKENS, 0))
+        shared = replace(trace, input_tokens=np.maximum(trace.input_tokens - MOONCAKE_BLOCK_TOKENS, 0),
+                         reused_tokens=np.maximum(trace.reused_tokens - MOONCAKE_BLOCK_TOKENS, 0))
         what_if = replay(shared, "returns", config).adopted_fraction
         print(f"{'what-if: the shared first block held once':48s} {100 * what_if:5.1f}%   (learned online)")
     bound = clairvoyant_bound(trace, config).adopted_fraction

@@ -103,16 +103,18 @@ def test_a_missing_trace_and_a_pool_fraction_are_one_error_each(tmp_path, capsys
 
 
 def test_replay_adopts_what_fits_and_counts_every_miss_under_its_reason(tmp_path):
+    # after_miss="full": every finish deposits all its rows (the replay's first model; a missed
+    # turn's smaller deposit is pinned in test_trace_replay_after_miss.py)
     trace = read_trace(write(tmp_path, MOONCAKE))
     row = 100
-    big = ReplayConfig(10**9, row_bytes=row)
+    big = ReplayConfig(10**9, row_bytes=row, after_miss="full")
     r = replay(trace, "incumbent", big)
     assert (r.follow_ups, r.adopted, r.misses) == (3, 3, {})
     assert r.adopted_by_tier == {"device": 3, "host": 0}
     assert r.deposits == 6 and r.peak_bytes["device"] == (1010 + 610 + 1010) * row  # A3, B2, C1 at the end
-    small = replay(trace, "incumbent", ReplayConfig(800 * row, row_bytes=row))  # only B's 510 rows fit
+    small = replay(trace, "incumbent", ReplayConfig(800 * row, row_bytes=row, after_miss="full"))  # B's 510 rows fit
     assert small.adopted == 1 and small.misses == {"too_large": 2}
-    idle = replay(trace, "lrd", ReplayConfig(10**9, idle_s=50.0, row_bytes=row))
+    idle = replay(trace, "lrd", ReplayConfig(10**9, idle_s=50.0, row_bytes=row, after_miss="full"))
     assert idle.adopted == 0 and idle.misses == {"idle": 3}
 
 
@@ -128,7 +130,7 @@ def test_the_bound_stores_only_what_comes_back_within_the_ttl(tmp_path):
     assert clairvoyant_bound(trace, ReplayConfig(10**9, idle_s=50.0)).adopted == 0
     # room for 1100 rows: B's first turn (510 rows, reused at 200 s) finishes first, then A's
     # (1010 rows, reused at 100 s) needs its room: the bound evicts B, reused furthest ahead
-    tight = ReplayConfig(1100 * 100, row_bytes=100)
+    tight = ReplayConfig(1100 * 100, row_bytes=100, after_miss="full")
     assert clairvoyant_bound(trace, tight).adopted == 2
     lrd, incumbent = replay(trace, "lrd", tight), replay(trace, "incumbent", tight)
     assert (lrd.adopted, lrd.misses) == (1, {"memory": 2})  # B's second deposit pushes out A's second
@@ -148,7 +150,7 @@ def test_workers_split_by_conversation_and_sum_the_figures():
 
 def test_the_slice_replays_every_policy_with_the_figures_it_gave(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["trace-replay", str(SLICE), "--workers", "2", "--carry-memory", "256MiB",
+    assert main(["trace-replay", str(SLICE), "--workers", "2", "--carry-memory", "256MiB", "--after-miss", "full",
                  "--carry-eviction", "returns,incumbent,lrd,slru", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "trace " in text and "(mooncake): 400 requests, 357 conversations, 43 follow-up turns" in text

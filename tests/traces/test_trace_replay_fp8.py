@@ -45,12 +45,13 @@ def test_fp8_with_raw_row_bytes_is_refused_with_one_line(capsys):
 
 def test_the_same_budget_keeps_more_follow_ups_with_fp8_rows(tmp_path):
     trace = read_trace(SLICE)
-    bf16 = replay(trace, "returns", ReplayConfig(256 << 20, workers=2, row_bytes=2048))
-    fp8 = replay(trace, "returns", ReplayConfig(256 << 20, workers=2, row_bytes=1040))
+    # every finish deposits all its rows (--after-miss full), the model these figures were taken with
+    bf16 = replay(trace, "returns", ReplayConfig(256 << 20, workers=2, row_bytes=2048, after_miss="full"))
+    fp8 = replay(trace, "returns", ReplayConfig(256 << 20, workers=2, row_bytes=1040, after_miss="full"))
     # 256 MiB at fp8 holds about what 512 MiB holds at bf16 (22 of 43 there too)
     assert (bf16.adopted, fp8.adopted) == (12, 22)
     out = tmp_path / "r.json"
-    assert main(["trace-replay", str(SLICE), "--workers", "2", "--carry-memory", "256MiB",
+    assert main(["trace-replay", str(SLICE), "--workers", "2", "--carry-memory", "256MiB", "--after-miss", "full",
                  "--carry-row-dtype", "fp8", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert (figures["config"]["row_dtype"], figures["config"]["row_bytes"]) == ("fp8", 1040)

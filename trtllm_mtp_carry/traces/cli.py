@@ -3,9 +3,15 @@
 What it is for: the figures that choose the eviction policy and the budgets
 (DECISIONS.md, BENCHMARKS.md): per policy, follow-ups adopted (by tier),
 misses by reason, evictions, refusals, peak bytes per tier, and the
-clairvoyant bound with each policy's distance to it; `--json` writes the same
-(`policies.<name>.follow_ups`, `policies.<name>.adopted`, `bound.follow_ups`,
-`bound.adopted`, ...). Torch-free.
+clairvoyant bound with each policy's distance to it; what a missed turn
+leaves behind (`--after-miss`: valid runs or gaps, and how much of the reused
+prefix adopted rows cover) and how sessions moving between workers
+(`--move`, `--pull`) change adoption and cost bytes moved; `--json` writes the
+same (`policies.<name>.follow_ups`, `policies.<name>.adopted`,
+`policies.<name>.after_miss`, `policies.<name>.moves`, `bound.follow_ups`,
+`bound.adopted`, ...). With `--after-miss full` and no `--move` it prints no
+after-miss and no moves line, and the figures are those of every finish
+depositing all its rows on its conversation's hash worker. Torch-free.
 
 Flags never pin the process settings (the replay builds its own stores):
 their dests are `replay_*`, so `apply_settings_flags` does not see them.
@@ -15,12 +21,14 @@ TRTLLM_MTP_CARRY_HOST_MEMORY, `--carry-eviction` TRTLLM_MTP_CARRY_EVICTION,
 `--carry-idle-s` TRTLLM_MTP_CARRY_IDLE_S); with neither, the replay's default. A
 malformed variable is the command line's one error line before anything runs.
 Bad input is one error line (ValueError; the CLI prints it and exits 2): a
-malformed trace line names its line number.
+malformed trace line names its line number; a move flag without the move model
+it belongs to, or a move model without its flag, names both.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -52,7 +60,9 @@ from ..core.settings import (
     parse_carry_memory,
 )
 from .defaults import (
+    AFTER_MISS,
     DECODE_S_PER_TOKEN,
+    MOVE_MODELS,
     PREFILL_TOKENS_PER_S,
     QWEN3_NEXT_MTP_HEAD_DIM,
     QWEN3_NEXT_MTP_ROW_BYTES,
@@ -121,6 +131,26 @@ def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | 
                              "bytes depend on the head geometry; give --model-config instead")
         return row_bytes
     return RowFormat(fmt, QWEN3_NEXT_MTP_VECTORS_PER_ROW, QWEN3_NEXT_MTP_HEAD_DIM).row_nbytes
+
+
+def replay_moves(args: argparse.Namespace) -> tuple[str, float | None, int | None, bool]:
+    """`--move`, `--move-every` (in seconds), `--move-load` and `--pull` checked against each other
+    and `--workers`: ValueError naming the flag that is missing or does not apply."""
+    model, every, load, pull = args.replay_move, args.replay_move_every, args.replay_move_load, args.replay_pull
+    if model in ("drain", "crash") and every is None:
+        raise ValueError(f"--move {model} needs --move-every MIN (minutes between restarts)")
+    if model not in ("drain", "crash") and every is not None:
+        raise ValueError(f"--move-every {every:g} applies to --move drain or crash, not --move {model}")
+    if model == "overflow" and load is None:
+        raise ValueError("--move overflow needs --move-load N (requests in flight above which a session leaves)")
+    if model != "overflow" and load is not None:
+        raise ValueError(f"--move-load {load} applies to --move overflow, not --move {model}")
+    if pull and model == "none":
+        raise ValueError("--pull needs --move drain, crash or overflow (with --move none no session moves)")
+    if model != "none" and args.replay_workers < 2:
+        raise ValueError(f"--move {model} needs --workers >= 2 (a session moves to another worker), "
+                         f"got --workers {args.replay_workers}")
+    return model, None if every is None else every * 60.0, load, pull
 
 
 DEFAULT_REPLAY_HOST_MEMORY = "0B"
@@ -221,6 +251,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-copy-gbps", dest="replay_copy_gbps", type=positive_float, metavar="GB/S",
                    help="host-to-device copy rate for the restore time per adopted host turn "
                         "(default: measured here, memory to memory)")
+    p.add_argument("--after-miss", dest="replay_after_miss", choices=AFTER_MISS,
+                   default=AFTER_MISS[0],
+                   help="what a follow-up that ran blind over its reused prefix [0, R) deposits: valid-run "
+                        "(keys [R, N), the prefix known invalid; the next turn adopts them, blind below R: "
+                        "what both executors do), nothing (no deposit, a gap: the conversation stays blind while "
+                        "its prefix is reused), full (all N rows as if valid: an upper bound no executor reaches)")
+    p.add_argument("--move", dest="replay_move", choices=MOVE_MODELS, default="none",
+                   help="how sessions leave their worker: drain (every --move-every minutes one worker, "
+                        "round-robin, stops gracefully and restarts empty), crash (the same, its rows lost), "
+                        "overflow (a session leaves a worker with more than --move-load requests in flight "
+                        "for the least-loaded one); needs --workers >= 2")
+    p.add_argument("--move-every", dest="replay_move_every", type=positive_float, metavar="MIN",
+                   help="minutes between restarts (--move drain or crash)")
+    p.add_argument("--move-load", dest="replay_move_load", type=non_negative_int, metavar="N",
+                   help="requests in flight on a worker (arrived, not finished by the service model) above "
+                        "which a session leaves it (--move overflow)")
+    p.add_argument("--pull", dest="replay_pull", action="store_true",
+                   help="a moved session's rows follow it: a draining worker offers its entries to each "
+                        "session's new worker, and a turn on a new worker reads its entry from the one that "
+                        "holds it (counted as bytes moved); without it a moved session misses")
     p.add_argument("--json", dest="replay_json", metavar="PATH", help="also write the figures as JSON")
 
 
@@ -247,6 +297,48 @@ def _pct(a: int, b: int) -> str:
     return f"{100 * a / b:.1f}%" if b else "-"
 
 
+_AFTER_MISS_SAYS = {
+    "valid-run": "a blind turn deposits the keys it computed, [R, N); the next turn adopts them, blind below R",
+    "nothing": "a blind turn deposits nothing; its conversation stays blind while its prefix is reused",
+}
+
+
+def _after_miss_line(r: PolicyResult) -> str:
+    a = r.after_miss
+    return (f"after a miss: {a.valid_runs} valid runs deposited ({a.replaced_fuller} replacing a fuller "
+            f"entry), {a.gaps} gaps ({a.blind_after_gap} misses "
+            f"blind after one); adopted rows cover {_pct(a.covered_keys, a.reused_keys_adopted)} of the "
+            f"adopting turns' reused prefix keys ({_pct(a.covered_keys, a.reused_keys)} of every follow-up's)")
+
+
+def _moves_says(model: str, every_min: float | None, load: int | None, pull: bool) -> str:
+    if model == "overflow":
+        what = (f"overflow: a session leaves a worker with more than {load} requests in flight for the "
+                "least-loaded one")
+    else:
+        what = (f"{model}: every {every_min:g} min one worker (round-robin) "
+                f"{'stops gracefully' if model == 'drain' else 'crashes'} and restarts empty")
+    if not pull:
+        return what + "; no pull (a moved session misses)"
+    if model == "crash":
+        return what + "; pull (a lost worker's rows cannot follow)"
+    if model == "drain":
+        return what + "; pull (its entries are offered to each session's new worker)"
+    return what + "; pull (a moved session reads its entry from the worker that holds it)"
+
+
+def _moves_line(r: PolicyResult) -> str:
+    m = r.moves
+    moved = sum(m.entries_moved.values())
+    return (f"moves: {m.restarts} restarts, {m.session_moves} session moves; {m.moved_follow_ups} follow-ups "
+            f"on another worker, {m.moved_adopted} adopted (remote {r.adopted_by_source['remote']}); "
+            f"moved {moved} entries, {_fmt_bytes(sum(m.bytes_moved.values()))} (handoff "
+            f"{m.entries_moved['handoff']}, {_fmt_bytes(m.bytes_moved['handoff'])}; pull "
+            f"{m.entries_moved['pull']}, {_fmt_bytes(m.bytes_moved['pull'])}); refused by a peer "
+            f"{m.handoff_refused}; lost {m.lost_entries} entries, {_fmt_bytes(m.lost_bytes)}, and "
+            f"{m.lost_in_flight} running turns' deposits")
+
+
 def report(results: list[PolicyResult], bound: BoundResult, copy_gbps: float | None) -> dict[str, Any]:
     """The JSON figures (module header)."""
     out: dict[str, Any] = {"policies": {}, "bound": {
@@ -265,15 +357,21 @@ def report(results: list[PolicyResult], bound: BoundResult, copy_gbps: float | N
             "deposits": r.deposits, "peak_bytes": r.peak_bytes,
             "demotions": r.demotions, "bytes_restored": r.bytes_restored,
             "restore_ms_per_host_hit": round(restore_ms, 4),
+            "adopted_by_source": r.adopted_by_source,
+            "after_miss": {**dataclasses.asdict(r.after_miss),
+                           "coverage_adopted": round(r.after_miss.coverage_adopted, 6),
+                           "coverage": round(r.after_miss.coverage, 6)},
+            "moves": dataclasses.asdict(r.moves),
         }
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     from .reader import read_trace
-    from .replay import ReplayConfig, ServiceModel, clairvoyant_bound, replay
+    from .replay import Moves, ReplayConfig, ServiceModel, clairvoyant_bound, replay
 
     resolve_replay_options(args)
+    model, every_s, load, pull = replay_moves(args)
     budget = _memory(args.replay_memory, "--carry-memory", allow_unbounded=True)
     host = _memory(args.replay_host_memory, "--carry-host-memory", allow_unbounded=False) or 0
     policies = _policies(args.replay_eviction)
@@ -285,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
 
         output_path(args.replay_json, "--json")
     config = ReplayConfig(budget, args.replay_workers, host, float(args.replay_idle_s) or None, row_bytes,
-                          ServiceModel(args.replay_prefill_rate, args.replay_decode_s))
+                          ServiceModel(args.replay_prefill_rate, args.replay_decode_s),
+                          args.replay_after_miss, Moves(model, every_s, load, pull))
     t0 = time.perf_counter()
     trace = read_trace(args.trace)
     t_read = time.perf_counter() - t0
@@ -311,8 +410,13 @@ def run(args: argparse.Namespace) -> int:
           f"({row_format}); service "
           f"{config.service.prefill_tokens_per_s:g} prompt tokens/s + {config.service.decode_s_per_token:g} s "
           f"an output token")
+    after_miss = config.after_miss != "full"
+    if after_miss:
+        print(f"after a miss: {config.after_miss} ({_AFTER_MISS_SAYS[config.after_miss]})")
+    if model != "none":
+        print(f"moves: {_moves_says(model, args.replay_move_every, load, pull)}")
     print(f"clairvoyant bound: {bound.adopted} of {bound.follow_ups} follow-ups adopted "
-          f"({_pct(bound.adopted, bound.follow_ups)})")
+          f"({_pct(bound.adopted, bound.follow_ups)}{'' if model == 'none' else '; no moves'})")
     width = max(len(r.policy) for r in results)
     for r in results:
         tiers = r.adopted_by_tier
@@ -323,6 +427,10 @@ def run(args: argparse.Namespace) -> int:
         evictions = ", ".join(f"{k} {v}" for k, v in r.evictions.items() if v) or "none"
         refusals = ", ".join(f"{k} {v}" for k, v in r.refusals.items() if v) or "none"
         print(f"{'':<{width}}  misses: {misses}; evictions: {evictions}; refused: {refusals}")
+        if after_miss:
+            print(f"{'':<{width}}  {_after_miss_line(r)}")
+        if model != "none":
+            print(f"{'':<{width}}  {_moves_line(r)}")
         if tiers["host"] and copy_gbps:
             per = r.bytes_restored / (copy_gbps * 1e9) * 1e3 / tiers["host"]
             print(f"{'':<{width}}  restore: {_fmt_bytes(r.bytes_restored)} back from host, {per:.2f} ms per "
@@ -339,7 +447,9 @@ def run(args: argparse.Namespace) -> int:
                          "row_format": row_format,
                          "prefill_tokens_per_s": config.service.prefill_tokens_per_s,
                          "decode_s_per_token": config.service.decode_s_per_token,
-                         "host_copy_gbps": copy_gbps}
+                         "host_copy_gbps": copy_gbps, "after_miss": config.after_miss,
+                         "moves": {"model": model, "every_min": args.replay_move_every, "load": load,
+                                   "pull": pull}}
         Path(args.replay_json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -18,5 +18,13 @@ PREFILL_TOKENS_PER_S = 8000.0
 DECODE_S_PER_TOKEN = 0.030
 """Service model: seconds per output token."""
 
-__all__ = ["DECODE_S_PER_TOKEN", "PREFILL_TOKENS_PER_S", "QWEN3_NEXT_MTP_HEAD_DIM", "QWEN3_NEXT_MTP_ROW_BYTES",
+AFTER_MISS: tuple[str, ...] = ("valid-run", "nothing", "full")
+"""What a follow-up that ran blind over its reused prefix deposits (`replay`'s module header), the
+default first: `valid-run` (what both executors do), `nothing` (a gap: no deposit), `full` (all its
+rows as if valid: an upper bound)."""
+
+MOVE_MODELS: tuple[str, ...] = ("none", "drain", "crash", "overflow")
+"""How sessions leave their worker (`replay`'s module header); `none`: never."""
+
+__all__ = ["AFTER_MISS", "DECODE_S_PER_TOKEN", "MOVE_MODELS", "PREFILL_TOKENS_PER_S", "QWEN3_NEXT_MTP_HEAD_DIM", "QWEN3_NEXT_MTP_ROW_BYTES",
            "QWEN3_NEXT_MTP_VECTORS_PER_ROW"]

@@ -1,8 +1,9 @@
 """Chat traces as turns of conversations: read, check, and rebuild who follows whom.
 
 What it is for: the trace replay (`replay.py`) needs, per request, its arrival
-time, its input and output tokens, its conversation and its turn index. Two
-formats are read, told apart by the first line's keys:
+time, its input and output tokens, its conversation, its turn index and the
+depth of its prompt a prefix cache reuses (`reused_tokens`). Two formats are
+read, told apart by the first line's keys:
 
 - `mooncake` (Mooncake FAST'25 release): `timestamp` (ms), `input_length`,
   `output_length`, `hash_ids` (one id per 512-token block, equal ids for equal
@@ -21,6 +22,14 @@ formats are read, told apart by the first line's keys:
   `input_length` (default 16 per hash id) and `output_length` (default 0) when
   present. A request's conversation is its parent's (a parent the trace does
   not hold, or holds only on a later line, starts a conversation of its own).
+
+A follow-up's reused depth is the prompt it shares with the request it extends
+(its parent): the hash blocks both prompts share times the block's tokens,
+capped at the parent's prompt and at the follow-up's own prompt less its last
+token (a prefix lookup never matches the token it must compute). In the
+example above r2 reuses min(4 x 512, input(r1), input(r2) - 1) tokens. A first
+turn reuses nothing (0): the system prompt every conversation shares is not a
+turn of it.
 
 Invariants:
 - Requests are returned in arrival order (a stable sort of the file's order);
@@ -46,6 +55,8 @@ FORMATS: tuple[str, ...] = ("mooncake", "conversation")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 CONVERSATION_KEYS = ("chat_id", "parent_chat_id", "timestamp", "turn", "hash_ids")
 CONVERSATION_BLOCK_TOKENS = 16  # the explicit-id traces hash 16-token blocks
+MOONCAKE_BLOCK_TOKENS = 512
+"""A Mooncake trace's hash block; the first, id 0, is a system prompt every request shares."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,9 @@ class Trace:
 
     `arrival_s` float64 seconds since the trace's start; `input_tokens`,
     `output_tokens` int64; `conversation` int64 ids (dense, 0-based, in order of
-    first appearance); `turn` int64, 1 for a conversation's first request.
+    first appearance); `turn` int64, 1 for a conversation's first request;
+    `reused_tokens` int64, the prompt tokens shared with the request it extends
+    (module header; 0 for a first turn), always < `input_tokens` or 0.
     """
 
     format: str
@@ -63,6 +76,7 @@ class Trace:
     output_tokens: np.ndarray
     conversation: np.ndarray
     turn: np.ndarray
+    reused_tokens: np.ndarray
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -148,7 +162,7 @@ def _chain(head: list[tuple[int, dict[str, object]]],
 
 
 def _mooncake(lines: Iterable[tuple[int, dict[str, object]]]) -> Trace:
-    t, inp, out, parent_of = [], [], [], []
+    t, inp, out, parent_of, shared_of = [], [], [], [], []
     trie: dict[tuple[int, int], int] = {}  # (prefix node, next block id) -> node of the longer prefix
     owner: list[int] = [-1]  # node -> the latest request whose hashes pass through it; node 0 = root
     for lineno, obj in lines:
@@ -160,23 +174,27 @@ def _mooncake(lines: Iterable[tuple[int, dict[str, object]]]) -> Trace:
         out.append(_int_field(obj, "output_length", lineno))
         ids = _hash_ids(obj, lineno)
         i = len(t) - 1
-        parent, node = -1, 0
+        parent, shared, node = -1, 0, 0
         for depth, h in enumerate(ids, 1):
             nxt = trie.get((node, h))
             if nxt is None:
                 nxt = trie[(node, h)] = len(owner)
                 owner.append(-1)
             elif depth >= 2 and owner[nxt] >= 0:
-                parent = owner[nxt]  # deepest shared prefix past the first block so far
+                # deepest shared prefix past the first block so far: no request passes the next
+                # node yet, so the parent shares exactly `depth` blocks
+                parent, shared = owner[nxt], depth
             owner[nxt] = i
             node = nxt
         parent_of.append(parent)
-    return _build("mooncake", t, inp, out, parent_of)
+        shared_of.append(shared * MOONCAKE_BLOCK_TOKENS)
+    return _build("mooncake", t, inp, out, parent_of, shared_of)
 
 
 def _conversation(lines: Iterable[tuple[int, dict[str, object]]]) -> Trace:
-    t, inp, out, parent_of = [], [], [], []
+    t, inp, out, parent_of, shared_of = [], [], [], [], []
     index: dict[object, int] = {}
+    hashes: list[list[int]] = []
     for lineno, obj in lines:
         for key in CONVERSATION_KEYS:
             if key not in obj:
@@ -196,12 +214,26 @@ def _conversation(lines: Iterable[tuple[int, dict[str, object]]]) -> Trace:
                    else CONVERSATION_BLOCK_TOKENS * len(ids))
         out.append(_int_field(obj, "output_length", lineno) if "output_length" in obj else 0)
         index[chat] = len(t) - 1
-        parent_of.append(index.get(parent, -1) if parent is not None else -1)
-    return _build("conversation", t, inp, out, parent_of)
+        p = index.get(parent, -1) if parent is not None else -1
+        parent_of.append(p)
+        hashes.append(ids)
+        shared_of.append(0 if p < 0 else CONVERSATION_BLOCK_TOKENS * _shared_blocks(hashes[p], ids))
+    return _build("conversation", t, inp, out, parent_of, shared_of)
 
 
-def _build(fmt: str, t: list[float], inp: list[int], out: list[int], parent_of: list[int]) -> Trace:
-    """Conversations from parent links (file order), then everything in arrival order."""
+def _shared_blocks(a: list[int], b: list[int]) -> int:
+    """How many leading hash ids `a` and `b` share (numpy: no Python loop over the blocks)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0]) if len(differ) else n
+
+
+def _build(fmt: str, t: list[float], inp: list[int], out: list[int], parent_of: list[int],
+           shared_of: list[int]) -> Trace:
+    """Conversations from parent links (file order), then everything in arrival order; a
+    follow-up's reused depth from the tokens it shares with its parent (module header)."""
     conv = np.empty(len(t), dtype=np.int64)
     turn = np.empty(len(t), dtype=np.int64)
     count = 0
@@ -211,6 +243,13 @@ def _build(fmt: str, t: list[float], inp: list[int], out: list[int], parent_of: 
             count += 1
         else:
             conv[i] = conv[p]
+    inputs = np.asarray(inp, dtype=np.int64)
+    parents = np.asarray(parent_of, dtype=np.int64)
+    has_parent = parents >= 0
+    reused = np.zeros(len(t), dtype=np.int64)
+    reused[has_parent] = np.minimum.reduce([np.asarray(shared_of, dtype=np.int64)[has_parent],
+                                            inputs[parents[has_parent]], inputs[has_parent] - 1])
+    reused = np.maximum(reused, 0)
     arrival = np.asarray(t, dtype=np.float64)
     order = np.argsort(arrival, kind="stable")
     _, first, inverse = np.unique(conv[order], return_index=True, return_inverse=True)
@@ -220,8 +259,9 @@ def _build(fmt: str, t: list[float], inp: list[int], out: list[int], parent_of: 
     starts = np.r_[0, np.flatnonzero(np.diff(conv[by_conv])) + 1]
     rank = np.arange(len(conv)) - np.repeat(starts, np.diff(np.r_[starts, len(conv)]))
     turn[by_conv] = rank + 1
-    return Trace(fmt, arrival[order], np.asarray(inp, dtype=np.int64)[order],
-                 np.asarray(out, dtype=np.int64)[order], conv, turn)
+    return Trace(fmt, arrival[order], inputs[order], np.asarray(out, dtype=np.int64)[order], conv, turn,
+                 reused[order])
 
 
-__all__ = ["CONVERSATION_KEYS", "FORMATS", "MOONCAKE_KEYS", "Trace", "detect_format", "read_trace"]
+__all__ = ["CONVERSATION_KEYS", "FORMATS", "MOONCAKE_BLOCK_TOKENS", "MOONCAKE_KEYS", "Trace", "detect_format",
+           "read_trace"]
