@@ -1,20 +1,22 @@
-"""The reference runtime's packed carried entries (`carry_row_dtype` fp8): rows held outside the pool.
+"""The reference runtime's carried entries in the packed formats (fp8, nvfp4): rows held outside the pool.
 
-What it is for: an fp8 entry costs its rows in the FP8 row format
-(`dataplane/row_format.py`: e4m3 payload, one float32 scale per row, K/V and
-head), about half its bf16 blocks, so it cannot stay in the drafter pool's
-blocks. At deposit its live rows are packed out of its blocks and the blocks
+What it is for: an entry in a packed format (`carry_row_dtype` fp8 or nvfp4)
+costs its rows in that format (`dataplane/row_format.py`: e4m3 payload, one
+float32 scale per row, K/V and head; `dataplane/nvfp4.py`: e2m1 pairs, e4m3
+block scales, a global scale), about half or under a third of its bf16 blocks,
+so it cannot stay in the drafter pool's blocks. At deposit its live rows are packed out of its blocks and the blocks
 are freed; on adoption they are unpacked straight into fresh pool blocks
-(`DrafterKVPool.import_rows`, one launch on CUDA), which the adopter then
+(`DrafterKVPool.carry_in` hands out their ids, `codec.scatter_blocks` writes
+them: one launch on CUDA), which the adopter then
 takes as a carried entry's (zero copy). The format is the entry's codec
 (`dataplane/row_codec.py`: `gather_blocks` packs, `scatter_blocks` unpacks),
 so any codec's rows can be held here (`residence.PackedResidence`)::
 
     finish:  pool blocks --codec.gather_blocks--> PackedEntry (device)   blocks freed
-    adopt:   PackedEntry --import_rows (codec.scatter_blocks)--> fresh pool blocks --adopt_carried--> sequence
+    adopt:   PackedEntry --carry_in, codec.scatter_blocks--> fresh pool blocks --adopt_carried--> sequence
     host tier (HostMoves): PackedEntry device <--> host memory (pinned on CUDA), still packed
 
-Host memory (issue 42 item 6): on CUDA the host copies are ranges of one `HostSlab`
+Host memory: on CUDA the host copies are ranges of one `HostSlab`
 of exactly the host budget, page-locked once (`dataplane/host_slab.py`), so the pinned
 bytes held (`pinned_nbytes`) are the budget's; a demotion may reuse the ranges of the
 host victims the store names first (`make_room`). Every write into the slab is a
@@ -24,11 +26,11 @@ read is reused only once an event recorded after that copy completed.
 Invariants:
 - A key has at most one packed copy, on the device or in host memory; the
   carry store's entries of each tier are exactly these copies (`CarryRuntime.check`).
-- An entry's bytes are `codec.nbytes(rows)` (fp8: payload plus scales), what the
+- An entry's bytes are `codec.nbytes(rows)` (payload plus scales), what the
   store charges (`RowFormat.nbytes(rows)`).
 - Unpacked rows and keys are the packed ones: `unpack(pack(rows))` is within
-  FP8's rounding of the rows, and deterministic.
-- No block another owner holds is written: `import_rows` writes fresh blocks only.
+  the format's rounding of the rows, and deterministic.
+- No block another owner holds is written: `carry_in` hands out fresh blocks only.
 """
 
 from __future__ import annotations
@@ -122,8 +124,18 @@ class PackedCarry:
         """Unpack `key`'s device copy into fresh pool blocks, carried there under `key` (the copy
         is freed); PoolExhaustedError leaves the copy in place."""
         t0 = time.perf_counter()
-        entry = self._device[key]
-        held = self.pool.import_rows(key, self.codec, entry.packed, entry.runs)  # unpacked into fresh blocks
+        entry, pool = self._device[key], self.pool
+        if self.codec.pool_dtype != pool.k_cache.dtype:
+            raise ValueError(f"a {self.codec!r} cannot write this pool's {pool.k_cache.dtype} blocks")
+        self.codec.check_fits(entry.packed, pool.num_kv_heads, pool.head_dim)
+        ids = pool.carry_in(key, entry.rows, entry.runs)  # fresh blocks, carried under `key`
+        try:
+            self.codec.scatter_blocks(entry.packed, pool.k_cache, pool.v_cache, ids)  # unpacked into them
+        except BaseException:
+            pool.free_carried(key)
+            raise
+        held = pool.carried(key)
+        assert held is not None
         del self._device[key]
         self.unpack_ms_each.append((time.perf_counter() - t0) * 1e3)
         return held
