@@ -60,8 +60,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BlockBook", "BlockKeys", "CarriedBlocks", "Growth", "PoolExhaustedError", "PoolStats", "SharePlan",
-           "ShareStats"]
+__all__ = ["BlockBook", "BlockKeys", "CarriedBlocks", "Growth", "PoolExhaustedError", "PoolStats", "Runs",
+           "SharePlan", "ShareStats", "cdiv", "check_runs"]
 
 Runs = tuple[tuple[int, int], ...]
 """Keys as runs `(first_key, count)` in row order."""
@@ -168,12 +168,13 @@ class _Rows:
 
 
 def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` for ints: the blocks `a` rows fill."""
     return -(-a // b)
 
 
-def check_runs(runs: Sequence[Sequence[int]], rows: int, after: int | None = None) -> None:
+def check_runs(runs: Sequence[Sequence[int]], rows: int) -> None:
     """ValueError unless `runs` are key runs `(first_key, count)` of `rows` rows: counts positive,
-    keys >= 0 and strictly increasing, the first above `after` when given."""
+    keys >= 0 and strictly increasing."""
     if sum(c for _, c in runs) != rows or any(c <= 0 for _, c in runs):
         raise ValueError(f"key runs {[tuple(r) for r in runs]} do not count the {rows} rows")
     if runs and runs[0][0] < 0:
@@ -595,35 +596,40 @@ class BlockBook:
 
     def _hold(self, blocks: Sequence[int], live: bool) -> None:
         """One more owner (a live sequence if `live`) references each of `blocks`."""
-        refs, live_refs = self._refs, self._live_refs
+        refs = self._refs
+        held = shared = 0
         for b in blocks:
             r = refs[b]
-            assert r >= 0 and live_refs[b] <= r, f"block {b}: {r} references, {live_refs[b]} live"
-            self._num_held += r == 0
-            self._num_shared += r == 1
+            assert r >= 0, f"block {b} has {r} references"
             refs[b] = r + 1
-            if live:
-                self._num_live += live_refs[b] == 0
-                live_refs[b] += 1
+            if r == 0:
+                held += 1
+            elif r == 1:
+                shared += 1
+        self._num_held += held
+        self._num_shared += shared
         self._num_refs += len(blocks)
+        if live:
+            self._set_live(blocks, +1)
 
     def _release(self, blocks: Sequence[int], live: bool, front: bool = False) -> None:
-        """One owner fewer references each of `blocks`; the unreferenced ones leave the sharing
-        index and go back to the free list (its end, or its front when `front`)."""
+        """One owner fewer (a live sequence if `live`) references each of `blocks`; the unreferenced
+        ones leave the sharing index and go back to the free list (its end, or its front)."""
+        if live:
+            self._set_live(blocks, -1)
         refs, live_refs = self._refs, self._live_refs
         gone = []
+        shared = 0
         for b in blocks:
-            r = refs[b]
-            assert r > 0 and (live_refs[b] > 0 if live else live_refs[b] < r), \
-                f"block {b} released without a hold ({r} references, {live_refs[b]} live)"
-            refs[b] = r - 1
-            self._num_shared -= r == 2
-            if live:
-                live_refs[b] -= 1
-                self._num_live -= live_refs[b] == 0
-            if r == 1:
-                self._num_held -= 1
+            r = refs[b] - 1
+            assert 0 <= r and live_refs[b] <= r, f"block {b} released without a hold ({r + 1} references)"
+            refs[b] = r
+            if r == 0:
                 gone.append(b)
+            elif r == 1:
+                shared += 1
+        self._num_held -= len(gone)
+        self._num_shared -= shared
         self._num_refs -= len(blocks)
         if self._key_of:
             for b in gone:
@@ -636,11 +642,23 @@ class BlockBook:
     def _set_live(self, blocks: Sequence[int], delta: int) -> None:
         """Each of `blocks` has one live owner more (`delta` +1) or fewer (-1); its owners stay."""
         refs, live_refs = self._refs, self._live_refs
-        for b in blocks:
-            n = live_refs[b] + delta
-            assert 0 <= n <= refs[b], f"block {b}: {n} live owners of {refs[b]}"
-            self._num_live += (n == 1) if delta > 0 else -(n == 0)
-            live_refs[b] = n
+        flipped = 0  # blocks whose live owners went from none to one (+1), or from one to none (-1)
+        if delta > 0:
+            for b in blocks:
+                n = live_refs[b] + 1
+                assert n <= refs[b], f"block {b}: {n} live owners of {refs[b]}"
+                live_refs[b] = n
+                if n == 1:
+                    flipped += 1
+            self._num_live += flipped
+        else:
+            for b in blocks:
+                n = live_refs[b] - 1
+                assert n >= 0, f"block {b} has no live owner to lose"
+                live_refs[b] = n
+                if n == 0:
+                    flipped += 1
+            self._num_live -= flipped
 
     def _release_carried(self, key: int) -> int:
         state = self._carried.pop(key)
