@@ -460,12 +460,11 @@ class BlockBook:
         for i, own, found in plan.compare:
             if table[i] != own or not (found in self._key_of or found in publishing):
                 raise RuntimeError(f"a stale share plan for sequence {plan.seq_id}: block index {i}")
-        for block, key in plan.publish:
-            if key in self._published or block in self._key_of:
-                raise RuntimeError(f"a stale share plan for sequence {plan.seq_id}: prefix key {key:#x}")
-        for block, key in plan.publish:
-            self._published[key] = block
-            self._key_of[block] = key
+        taken = [key for block, key in plan.publish if key in self._published or block in self._key_of]
+        if taken:
+            raise RuntimeError(f"a stale share plan for sequence {plan.seq_id}: prefix key {taken[0]:#x}")
+        self._key_of.update(plan.publish)
+        self._published.update((key, block) for block, key in plan.publish)
         self._publications += len(plan.publish)
         merged = 0
         for (i, own, found), same in zip(plan.compare, equal, strict=True):
