@@ -354,10 +354,10 @@ class DrafterKVPool:
         """Grow by the rows and write them; a refused write gives the new blocks back."""
         n = keys_dev.shape[0]
         new_blocks = self.grow(seq_id, n)
-        # Only the blocks the new rows land in go to the kernel: a warm turn's append copies
-        # as many block ids as its new rows need, however many rows it adopted.
-        blocks, start_row = self.book.blocks_to_write(seq_id, n)
         try:
+            # Only the blocks the new rows land in go to the kernel: a warm turn's append copies
+            # as many block ids as its new rows need, however many rows it adopted.
+            blocks, start_row = self.book.blocks_to_write(seq_id, n)
             drafter_row_append(
                 k, v, keys_dev, self.k_cache, self.v_cache,
                 device_tensor(blocks, torch.int32, self.device), start_row,
@@ -496,9 +496,9 @@ class DrafterKVPool:
         except BaseException:
             self.free_sequence(_IMPORTING)
             raise
-        blocks, _ = self.book.blocks_to_write(_IMPORTING, rows)
-        idx = device_tensor(blocks, torch.int64, self.device)  # no sync: ordered on the current stream
         try:
+            blocks, _ = self.book.blocks_to_write(_IMPORTING, rows)
+            idx = device_tensor(blocks, torch.int64, self.device)  # no sync: ordered on the current stream
             if stream is None:
                 write(idx)
             else:
