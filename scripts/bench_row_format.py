@@ -29,7 +29,7 @@ Operations (`kernel`: Triton on CUDA, plain torch on CPU, as `row_format` picks)
 Then the reference runtime's fp8 deposit and adoption of one entry of `--entry-rows` rows
 (default 8,192; `runtime/packed_rows.PackedCarry`, what the session bench's `pack_ms`/`unpack_ms`
 time): `deposit` packs the entry out of the pool's blocks and frees them, `adoption` unpacks it
-into fresh blocks (`DrafterKVPool.import_packed`), each paired with a copy of the same bf16 rows.
+into fresh blocks (`DrafterKVPool.carry_in`, then the codec's `scatter_blocks`), each paired with a copy of the same bf16 rows.
 
 Headline lines (scripts/gpu_smoke.sh collects them), tab-separated:
   FIGURE <op>/copy at <keys> keys: the median ratio, target <= 2.0x (pack, unpack, gather_packed,

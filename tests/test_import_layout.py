@@ -215,6 +215,65 @@ def test_serving_imports_nothing_of_the_bench():
                   for t in targets if t.startswith("trtllm_mtp_carry.bench")) == []
 
 
+def external_imports(root: Path) -> dict[str, set[str]]:
+    """Every module of the package at `root` -> the top-level names of the outside packages it imports
+    (anywhere in it: inside functions and under `if TYPE_CHECKING:` too)."""
+    modules = module_files(root)
+    out: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            out[module].update(n.split(".")[0] for n in names if _owner(n, modules) is None)
+    return out
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_core_imports_no_torch_numpy_or_triton():
+    # the core is pure Python (its package docstring): the block book included
+    heavy = {"torch", "numpy", "triton"}
+    core = "trtllm_mtp_carry.core"
+    assert "trtllm_mtp_carry.core.block_book" in module_files(PACKAGE_ROOT)
+    assert {m: sorted(names & heavy) for m, names in external_imports(PACKAGE_ROOT).items()
+            if m.startswith(core) and names & heavy} == {}
+    graph, _ = scan(PACKAGE_ROOT)
+    assert sorted(t for m in graph if m.startswith(core) for t in graph[m] if not t.startswith(core)) == []
+
+
+def test_the_drafter_pool_sits_below_the_row_codecs():
+    # the pool knows its own rows only: a codec writes the blocks `carry_in` hands out
+    graph, _ = scan(PACKAGE_ROOT)
+    codecs = {f"trtllm_mtp_carry.dataplane.{m}" for m in ("row_codec", "row_format", "nvfp4", "row_layout")}
+    assert sorted(reachable(graph, "trtllm_mtp_carry.dataplane.kv_pool") & codecs) == []
+    assert "trtllm_mtp_carry.dataplane.kv_pool" in reachable(graph, "trtllm_mtp_carry.runtime.carry_runtime")
+
+
+def test_the_external_import_scan_sees_every_way_of_writing_one(tmp_path: Path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import os.path\nfrom numpy import zeros\nfrom . import b\n"
+                              "def f():\n    import torch.cuda\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import triton\n")
+    assert external_imports(pkg) == {"pkg": set(), "pkg.a": {"os", "numpy", "torch"}, "pkg.b": {"typing", "triton"}}
+    assert reachable(scan(pkg)[0], "pkg.a") == {"pkg.b"}
+
+
 def test_the_scan_sees_the_package():
     # the walk reads the real tree: a known edge each way of writing an import
     graph, _ = scan(PACKAGE_ROOT)

@@ -139,7 +139,7 @@ def test_range_keys_write_what_the_same_keys_as_a_tensor_write(gen):
         pools.append(pool)
     a, b = pools
     assert a.gather(1)[2].tolist() == b.gather(1)[2].tolist() == [5, *range(7, 15)]
-    assert a._live(1).runs == b._live(1).runs == [[5, 1], [7, 8]]
+    assert a.book.sequence_runs(1) == b.book.sequence_runs(1) == ((5, 1), (7, 8))
     assert torch.equal(bits(a.k_cache), bits(b.k_cache)) and torch.equal(bits(a.v_cache), bits(b.v_cache))
 
 
@@ -240,7 +240,7 @@ def test_check_names_a_block_owned_by_a_sequence_and_an_entry(gen):
     pool = make_pool(num_blocks=4, block_size=2)
     carry(pool, gen, 1, 0xA, 2)
     pool.allocate_sequence(2)
-    pool._seqs[2].block_table.append(0)  # corrupt: block 0 is entry 0xA's
+    pool.book._seqs[2].block_table.append(0)  # corrupt: block 0 is entry 0xA's
     with pytest.raises(RuntimeError, match=r"block 0 is owned by \['sequence 2', 'carried entry 10'\]"):
         pool.check()
 

@@ -220,14 +220,41 @@ def test_round_trip_error_is_within_a_quarter_of_the_value_or_of_its_block_scale
     v = rows.double()
     # a block whose scale rounded to 0 holds |v| <= 2**-10 * 6 g: it unpacks to zeros
     bound = torch.where(d > 0, torch.maximum(v.abs(), d) / 4, 6 * g / 1024) * (1 + 2.0**-20)
-    # the block scale is e4m3 rounded to nearest (ModelOpt, TensorRT-LLM): in e4m3's subnormal
-    # range it can round down by up to a third, and then values past 6 d saturate to 6 d, off by
-    # exactly |v| - 6 d (row 3's subnormal-scale block, for some seeds)
+    # a value past 6 d (the e4m3 block scale rounded down) saturates to 6 d, off by exactly
+    # |v| - 6 d; past |v| / 4 only in a block whose scale is e4m3's least subnormal (row 3's
+    # subnormal-scale block, for some seeds; the worked case is the next test)
     bound = torch.maximum(bound, torch.where(d > 0, v.abs() - 6 * d, 0.0) * (1 + 2.0**-20))
     if dtype == torch.float16:  # fp16's own rounding of the unpacked value
         bound = bound + out.abs() * 2.0**-11 + 2.0**-25
     assert bool(((out - v).abs() <= bound).all())
     assert bool(((out - v).abs() > 0).any())  # the bound is met by rounding, not by a copy
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_value_past_8d_in_a_block_scaled_by_the_least_e4m3_subnormal_saturates_off_by_v_minus_6d(
+        kernel, dtype, device) -> None:
+    # each vector's amax 2688 = 6 * 448 makes g = 1; its second block's amax b gives x = b / 6:
+    # row 0: b = 8.5 * 2**-9, x = 1.417 * 2**-9 rounds down to the least subnormal 2**-9 (code 1),
+    #   so d = 2**-9 and b = 8.5 d saturates to 6 d, off by 2.5 d > max(|v|, d) / 4 = 2.125 d;
+    # row 1: b = 7.5 * 2**-8, x = 2.5 * 2**-9 ties to the even code 2, d = 2**-8: off by
+    #   1.5 d <= 7.5 d / 4, the worst a subnormal scale above the least one gives
+    rows = torch.zeros(2, 32, dtype=dtype)
+    rows[:, 0] = 2688.0
+    rows[:, 16] = torch.tensor([-8.5 * 2.0**-9, 7.5 * 2.0**-8])
+    rows[:, 17] = torch.tensor([3 * 2.0**-9, 3 * 2.0**-8])  # 3 d: on the grid, exact
+    packed = pack_rows(rows.to(device), kernel=kernel)
+    assert packed.gscales.cpu().tolist() == [127, 127]
+    assert packed.scales.cpu().tolist() == [[126, 1], [126, 2]]  # 448, then 2**-9 and 2 * 2**-9
+    out = unpack_rows(packed, kernel=kernel).cpu().double()
+    d = torch.tensor([2.0**-9, 2.0**-8], dtype=torch.float64)
+    assert out[:, 16].tolist() == [-6 * 2.0**-9, 6 * 2.0**-8]
+    assert out[:, 17].tolist() == [3 * 2.0**-9, 3 * 2.0**-8]
+    v = rows[:, 16].double()
+    err = (out[:, 16] - v).abs()
+    assert err.tolist() == (v.abs() - 6 * d).tolist() == [2.5 * 2.0**-9, 1.5 * 2.0**-8]
+    quarter = torch.maximum(v.abs(), d) / 4  # the bound without the saturation case
+    assert (err > quarter).tolist() == [True, False]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -17,7 +17,7 @@ from dp_helpers import bits, poison
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, HostRows
+from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, HostRows, PoolExhaustedError
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
 from trtllm_mtp_carry.dataplane.row_format import (
     FP8_MAX,
@@ -667,7 +667,7 @@ def test_unpack_into_blocks_writes_the_rows_into_the_named_blocks_only(kernel, f
     assert torch.equal(bits(k_cache), bits(expect_k)) and torch.equal(bits(v_cache), bits(expect_v))
 
 
-def test_import_packed_carries_what_unpack_blocks_then_import_carried_would(gen) -> None:
+def test_carry_in_then_unpack_into_blocks_carries_what_unpack_blocks_then_import_carried_would(gen) -> None:
     pool = filled_pool(gen, 10)
     entry = pool.carried(99)
     packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
@@ -676,25 +676,32 @@ def test_import_packed_carries_what_unpack_blocks_then_import_carried_would(gen)
     pool.import_carried(7, HostRows(*unpack_blocks(packed, pool.block_size), 10, runs))
     want = pool.gather_carried(7)
     pool.free_carried(7)
-    held = pool.import_packed(8, packed, runs)
+    ids = pool.carry_in(8, 10, runs)
+    unpack_into_blocks(packed, pool.k_cache, pool.v_cache, ids)
+    held = pool.carried(8)
     got = pool.gather_carried(8)
+    assert ids.dtype == torch.int64 and tuple(ids.tolist()) == held.block_table
     assert held.rows == 10 and len(held.block_table) == 3 and pool.carried_runs(8) == runs
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[:2], want[:2], strict=True))
     assert torch.equal(got[2], want[2])
     pool.check()
 
 
-def test_import_packed_refuses_rows_that_do_not_fit_and_leaves_the_pool_unchanged(gen) -> None:
-    pool = filled_pool(gen, 10)
-    free = pool.num_free_blocks
-    packed = pack_rows(torch.zeros(6, 2, 2, 16, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"do not fit this pool's rows \[rows, 2, 2, 16\]"):
-        pool.import_packed(5, pack_rows(torch.zeros(6, 2, 3, 16, dtype=torch.bfloat16)), ((0, 6),))
-    with pytest.raises(ValueError, match=r"key runs \[\(0, 5\)\] do not count the 6 packed rows"):
-        pool.import_packed(5, packed, ((0, 5),))
+def test_carry_in_refuses_bad_runs_a_carried_key_and_a_full_pool_and_leaves_the_pool_unchanged(gen) -> None:
+    pool = filled_pool(gen, 10)  # 3 of 8 blocks held
+    stats = pool.stats()
+    with pytest.raises(ValueError, match=r"key runs \[\(0, 5\)\] do not count the 6 rows"):
+        pool.carry_in(5, 6, ((0, 5),))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        pool.carry_in(5, 6, ((0, 3), (2, 3)))
     with pytest.raises(RuntimeError, match="carried entry 99 exists already"):
-        pool.import_packed(99, packed, ((0, 6),))
-    assert pool.num_free_blocks == free and pool.carried(5) is None
+        pool.carry_in(99, 6, ((0, 6),))
+    pool.allocate_sequence(1)
+    pool.append_rows(1, range(12), *torch.zeros(2, 12, 2, 16, dtype=torch.bfloat16))  # 3 more blocks
+    stats = pool.stats()
+    with pytest.raises(PoolExhaustedError, match="needs 6 more blocks.*only 2 of 8 blocks are free and 3 are carried"):
+        pool.carry_in(5, 24, ((0, 24),))  # evicting entry 99 would not be enough: nothing is evicted
+    assert pool.stats() == stats and pool.carried(5) is None and pool.carried_keys() == (99,)
     pool.check()
 
 

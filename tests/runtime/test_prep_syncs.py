@@ -80,7 +80,7 @@ def test_carry_prep_syncs_at_most_blinds_plus_the_documented_extra(monkeypatch):
 
 
 def test_carry_fp8_prep_makes_none_either_its_unpack_included(monkeypatch):
-    # the adoption unpacks the entry into fresh pool blocks (DrafterKVPool.import_packed):
+    # the adoption unpacks the entry into fresh pool blocks (DrafterKVPool.carry_in):
     # its block ids go up pinned and non-blocking too
     carry, kind, _ = _warm_turn_prep_syncs(monkeypatch, "carry", "fp8")
     blind, _, _ = _warm_turn_prep_syncs(monkeypatch, "blind")

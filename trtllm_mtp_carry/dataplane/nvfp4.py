@@ -2,7 +2,7 @@
 
 What it is for: a carried entry held in NVFP4 costs 580 B a Qwen3-Next MTP row
 (1,024 values: 512 B of e2m1 pairs, 64 B of block scales, 4 B of global scales)
-against 2,048 B in bf16 and 1,040 B in fp8 (issue 43), so a 1 GiB store holds
+against 2,048 B in bf16 and 1,040 B in fp8, so a 1 GiB store holds
 about 3.5x the bf16 sessions. The rows are a cache of a drafter's KV: the target
 verifies every draft, so the rounding here can cost accepted tokens, never correctness.
 
@@ -66,10 +66,20 @@ pinned against each other and against an independent table in the tests.
 
 Exactness: zeros (signed) unpack exactly; a vector already on the grid (every
 nonzero block `q * s_b * 2**k` with `max |q| = 6`, the largest `s_b` in (224, 448])
-round-trips exactly. Error bound (what the tests pin): per value,
-`|unpack - v| <= max(|v|, d) / 4` (e2m1's half spacing is a quarter of the value
-from 1 up, a quarter of `d` below; saturation costs less), plus float32 rounding; in a
-block whose scale rounds to 0 (its amax <= `2**-10 * 6 * g`) the values unpack to 0.
+round-trips exactly. Error bound (what the tests pin), per value `v` of a block with
+amax `b`, `x = b / (6 * g)` and decode scale `d = s * g`, plus float32 rounding:
+- `|v| <= 6 d`: `|unpack - v| <= max(|v|, d) / 4` (e2m1's half spacing is a quarter of
+  the value from 1 up, a quarter of `d` below);
+- `|v| > 6 d` (the block scale rounded down, the value saturates to `6 d`): the error
+  is exactly `|v| - 6 d`. A normal scale is `s >= x (1 - 2**-4)`, so `|v| <= 6.4 d` and
+  the error is under `0.4 d < |v| / 4`. A subnormal one, `s = k * 2**-9` (k = 1..7),
+  is `s >= x - 2**-10`, so `|v| <= 6 d (k + 1/2) / k` and the error is at most `3 d / k`:
+  within `|v| / 4` for `k >= 2` (`|v| <= 7.5 d`), but not for `k = 1` (code 0x01, the
+  least subnormal, `d = 2**-9 g`), where `|v| < 9 d` and the error, under `3 d`,
+  exceeds `|v| / 4` once `|v| > 8 d`;
+- so in every block `|unpack - v| <= max(max(|v|, d) / 4, |v| - 6 d)`, and the first
+  term alone bounds every value but those above `8 d` in a block whose scale is 0x01;
+- a block whose scale rounds to 0 (its amax <= `2**-10 * 6 * g`) unpacks to 0.
 
 Non-finite: a vector holding a NaN or inf packs to gscale 0xFF, every block scale
 0x7F (e4m3fn NaN) and zero payload, bits fully defined, and unpacks to all NaN,

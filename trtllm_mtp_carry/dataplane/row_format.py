@@ -1,7 +1,7 @@
 """FP8 row format for carried drafter KV rows: e4m3 payload, one float32 scale per vector.
 
 What it is for: a carried entry held packed costs about half the bytes of its
-bf16 rows (issue 31), so the same carry budget holds about twice the sessions.
+bf16 rows, so the same carry budget holds about twice the sessions.
 The rows are a cache of a drafter's KV: the target verifies every draft, so the
 rounding here can cost accepted tokens, never correctness.
 
@@ -60,7 +60,7 @@ The reference runtime's pool keeps K and V in separate caches of whole blocks
 (`[num_blocks, block_size, Hkv, D]`); `pack_blocks` gathers an entry's live
 rows from them into the same `[rows, 2, Hkv, D]` packed form,
 `unpack_into_blocks` writes them back into fresh blocks
-(`DrafterKVPool.import_packed`), and `unpack_blocks` rebuilds whole blocks
+(the ids `DrafterKVPool.carry_in` hands out), and `unpack_blocks` rebuilds whole blocks
 (`HostRows`' shape).
 """
 

@@ -159,7 +159,15 @@ class SequenceRows:
 
     def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> CarriedBlocks:
         """`rows` (keys `runs`) into fresh blocks carried under `key`, adopted by the sequence."""
-        self.pool.import_rows(key, codec, rows, runs)
+        if codec.pool_dtype != self.pool.k_cache.dtype:
+            raise ValueError(f"a {codec!r} cannot write this pool's {self.pool.k_cache.dtype} blocks")
+        codec.check_fits(rows, self.pool.num_kv_heads, self.pool.head_dim)
+        ids = self.pool.carry_in(key, int(rows.shape[0]), runs)
+        try:
+            codec.scatter_blocks(rows, self.pool.k_cache, self.pool.v_cache, ids)
+        except BaseException:  # the fresh blocks go back; nothing half written stays carried
+            self.pool.free_carried(key)
+            raise
         return self.pool.adopt_carried(key, self.seq_id)
 
 
