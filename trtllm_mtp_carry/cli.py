@@ -231,7 +231,8 @@ def read_checkpoint(model: str | None) -> Checkpoint:
     if not (root / "config.json").is_file():
         raise TrtllmAdapterError(f"--model {model}: no config.json in it: not a Hugging Face checkpoint")
     config = load("config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text_config = config.get("text_config")
+    text: dict[str, Any] = text_config if isinstance(text_config, dict) else {}
     dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "bfloat16"
     algo = None
     if (root / "hf_quant_config.json").exists():
@@ -265,7 +266,13 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     from .trtllm.llm_yaml import read_llm_args
     from .trtllm.options import load_llm_options, reuse_stand_aside
     from .trtllm.probe import parallel_refusal
-    from .trtllm.verdict import Verdict, carry_options_verdict, disaggregation_verdict, first, speculation_verdict
+    from .trtllm.verdict import (
+        Verdict,
+        carry_options_verdict,
+        disaggregation_verdict,
+        first,
+        speculation_verdict,
+    )
 
     rest, options = load_llm_options(path)
     args = read_llm_args(rest)

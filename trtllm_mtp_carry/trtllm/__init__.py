@@ -198,7 +198,6 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
         raise TrtllmAdapterError("the carry is already attached to this LLM (detach it first)")
     from .manager import carry_manager_class
     from .probe import probe_executor
-
     from .verdict import carry_options_verdict
 
     probe = probe_executor(llm)

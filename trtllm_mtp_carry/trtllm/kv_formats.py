@@ -72,13 +72,13 @@ _FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
 QSA_HYBRID = "QSA hybrid"
 """The verdict's name for a QSA hybrid's draft pool, whatever its class is called on the tree."""
 
-_QSA_CARRIED = (", with the QSA hybrid's index-key and position rows of each key carried beside them",
+_QSA_CARRIED: tuple[str, tuple[str, ...]] = (", with the QSA hybrid's index-key and position rows of each key carried beside them",
                 (f"a QSA pool keeps, in the MTP layer's page slot, its index keys (Role.INDEX_KEY) and the "
                  f"request's position coordinates (qsa_index_position): qsa/cache_manager.py @ "
                  f"38198e34582cf777ecc72062f477987284ba9999, {QWEN4}; carried as one composite row a key, so the "
                  "sparse indexer reads restored keys over the reused prefix",))
 
-_QSA_NVFP4 = ("the QSA hybrid's NVFP4 draft pool stands aside: where its block-scale pages sit in the "
+_QSA_NVFP4: tuple[str, tuple[str, ...]] = ("the QSA hybrid's NVFP4 draft pool stands aside: where its block-scale pages sit in the "
               "slot-major QSA layout was not read", (
                   f"QSA's get_buffers hands NVFP4 back to the parent hybrid manager ({QWEN4}) while its index "
                   "key and positions stay slot-major; carrying needs a get_buffers-like view of the scale pages "
@@ -103,12 +103,12 @@ _MANAGERS: dict[str, tuple[str, tuple[str, ...]]] = {
 "Cache managers"). A manager not named here is judged by the probe's other checks (a V1
 draft manager is refused there: the carry needs KVCacheManagerV2)."""
 
-_UNREAD_QSA = ("{manager} stands aside: it keeps QSA position pages (qsa_position_layer_id is set) "
+_UNREAD_QSA: tuple[str, tuple[str, ...]] = ("{manager} stands aside: it keeps QSA position pages (qsa_position_layer_id is set) "
                "without the index-key and position views the carry reads", (
                    "a QSA pool is carried through get_index_k_buffer and get_qsa_position_buffer at the base "
                    f"slot ids ({QWEN4}); carrying K/V alone would leave the sparse indexer's keys stale",))
 
-_COMPRESSION = ("KV-cache compression ({algorithm}) stands aside: when a live request's draft pages are "
+_COMPRESSION: tuple[str, tuple[str, ...]] = ("KV-cache compression ({algorithm}) stands aside: when a live request's draft pages are "
                 "rewritten by the compression manager was not read", (
                     "cold pages are quantized to NVFP4 by the C++ V2 backend's codec "
                     "(quantization_for_cold_page, SM100 only); _util.py @ 38198e34582cf777ecc72062f477987284ba9999 "
@@ -199,8 +199,8 @@ def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None
     if kv_format in CARRIED_FORMATS:
         line, details = _FORMATS[kv_format]
         if manager == QSA_HYBRID:
-            line, details = line + _QSA_CARRIED[0], details + _QSA_CARRIED[1]
-        return KvVerdict(True, kv_format, manager, line, details)
+            line, details = line + _QSA_CARRIED[0], (*details, *_QSA_CARRIED[1])
+        return KvVerdict(True, kv_format, manager, line, tuple(details))
     return KvVerdict(False, kv_format, manager,
                      f"{kv_format.upper()} KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages only",
                      ("kv_cache_config.dtype auto with a BF16 model, fp8 or nvfp4",))

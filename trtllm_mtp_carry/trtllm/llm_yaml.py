@@ -240,7 +240,7 @@ MTPDecodingConfig = _known(_MtpRead, "MTPDecodingConfig", _DECODING_BASE + (
     "use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta", "use_mtp_vanilla",
     "mtp_eagle_one_model", "use_dynamic_tree", "dynamic_tree_max_topK", "sa_config",
     "begin_thinking_phase_token", "end_thinking_phase_token"))
-SpeculativeConfig = Annotated[Union[
+SpeculativeConfig = Annotated[Union[  # type: ignore[valid-type]  # noqa: UP007
     _decoding("DraftTargetDecodingConfig", "Draft_Target", _DecodingBase, ()),
     _decoding("Eagle3DecodingConfig", "Eagle3", _DecodingBase, _EAGLE + ("sa_config",)),
     _decoding("EagleDecodingConfig", "Eagle", _DecodingBase, _EAGLE),
@@ -287,7 +287,7 @@ _DSA = ("seq_len_threshold", "index_n_heads", "index_head_dim", "index_topk", "i
         "skip_indexer_for_short_seqs", "use_cute_dsl_topk", "use_cute_dsl_paged_mqa_logits", "q_split_threshold",
         "indexer_rope_interleave", "enable_heuristic_topk", "use_self_sampling_topk", "use_gvr_emission",
         "indexer_k_dtype", "index_share_for_mtp_iteration")
-SparseAttentionConfig = Annotated[Union[
+SparseAttentionConfig = Annotated[Union[  # type: ignore[valid-type]  # noqa: UP007
     _tagged("QSASparseAttentionConfig", "qsa", ("seq_len_threshold",)),
     _tagged("RocketSparseAttentionConfig", "rocket", ("seq_len_threshold", "window_size", "kernel_size", "topr",
                                                       "topk", "prompt_budget", "page_size", "kt_cache_dtype")),
@@ -301,7 +301,7 @@ SparseAttentionConfig = Annotated[Union[
 ], Field(discriminator="algorithm")]
 """The `SparseAttentionConfig` union @ 0004396, discriminated by `algorithm`."""
 
-KvCacheCompressionConfig = Annotated[Union[
+KvCacheCompressionConfig = Annotated[Union[  # type: ignore[valid-type]  # noqa: UP007
     _tagged("ColdPageQuantizationCompressionConfig", "quantization_for_cold_page",
             ("quant", "scale_checkpoint_path")),
     _tagged("TriAttentionKvCacheCompressionConfig", "triattention",

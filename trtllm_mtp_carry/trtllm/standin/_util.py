@@ -130,7 +130,7 @@ VERSIONS: dict[str, dict[str, Any]] = {
     # the QSA hybrid on newer trees: `modules/qwen4_exp/cache_manager.py` @
     # 6ff2801f55462b926cc837a7f230fae63bc62fdc defines `Qwen4ExpHybridCacheManagerV2(
     # MambaHybridCacheManagerV2)` (the QSA side pages when `sparse_attention_config` is set) and
-    # `sparse_attention/registry.py` @ 6ff2801f builds it for `qsa` on KV cache manager V2;
+    # the sparse-attention `registry.py` @ 6ff2801f builds it for `qsa` on KV cache manager V2;
     # `qsa/cache_manager.py` (the index's newest version) only re-exports it as
     # `QSAMambaHybridCacheManagerV2`, so the class the executor holds is named `Qwen4Exp...`.
     # `_util.py` @ 6ff2801f reads `_supports_reuse_match_backoff`, which the class inherits (False

@@ -160,7 +160,7 @@ class Qwen4ExpHybridCacheManagerV2(_RawIndices, _QsaDraftPool):
     """The class newer trees build for `qsa` on KV cache manager V2: `modules/qwen4_exp/
     cache_manager.py` @ 6ff2801f55462b926cc837a7f230fae63bc62fdc (`Qwen4ExpHybridCacheManagerV2(
     MambaHybridCacheManagerV2)`, the QSA side pages only when `sparse_attention_config` is set:
-    `qsa_position_layer_id` None otherwise), built by `sparse_attention/registry.py` @ 6ff2801f. The
+    `qsa_position_layer_id` None otherwise), built by the sparse-attention `registry.py` @ 6ff2801f. The
     index's newest `qsa/cache_manager.py` (not named by a commit there) holds only
     `from ...qwen4_exp.cache_manager import Qwen4ExpHybridCacheManagerV2 as
     QSAMambaHybridCacheManagerV2`: `QWEN4_EXP_ALIAS` below. That tree's `_util.py` reads
