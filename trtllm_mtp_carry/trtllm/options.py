@@ -222,7 +222,7 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
     if interval > 0 or (offsets and offsets_supported) or state.get("enable_branch_snapshot"):
         return None
     # the worker's executor holds the config after the validator: it cannot see an interval the
-    # validator set to 0, so under per_conversation both say what the policy does (issue 49)
+    # validator set to 0, so under per_conversation both say what the policy does
     why = ("kv_cache_config.mamba_state_config sets none" if policy != "per_conversation" else
            "kv_cache_config.block_reuse_config.policy per_conversation turns "
            "mamba_state_config.periodic_snapshot_interval off, and no other placement is set")
