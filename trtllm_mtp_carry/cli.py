@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -191,57 +192,119 @@ def _trtllm_reserve(options: Any = None) -> dict[str, object]:
             "trtllm_reserved_refused": refused}
 
 
-def checkpoint_kv_quant(model: str | None) -> str | None:
-    """The checkpoint's KV-cache quantization (`hf_quant_config.json`: `quantization.kv_cache_quant_algo`,
-    what TensorRT-LLM's model loader reads for `kv_cache_config.dtype: auto`), or None (no
-    `model`, or a checkpoint without one). TrtllmAdapterError naming the file when it is unreadable."""
+@dataclass(frozen=True)
+class Checkpoint:
+    """What `info --llm-config --model DIR` reads from a Hugging Face checkpoint directory, as
+    TensorRT-LLM's loader does: the model's dtype (`config.json` `dtype`, else the deprecated
+    `torch_dtype`, else a composite config's `text_config.dtype`, else bfloat16: `BaseLlmArgs.dtype`
+    "auto", `llm_args.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412) and its KV-cache quantization
+    (`hf_quant_config.json` `quantization.kv_cache_quant_algo`; None: none)."""
+
+    dtype: str = "bfloat16"
+    kv_cache_quant_algo: str | None = None
+
+
+def read_checkpoint(model: str | None) -> Checkpoint:
+    """The `Checkpoint` of directory `model` (None: no checkpoint given, the defaults).
+    TrtllmAdapterError, one line naming the path, for a directory that does not exist, a missing
+    or unreadable `config.json`, or an unreadable `hf_quant_config.json`: never a silent BF16."""
     from .trtllm.options import TrtllmAdapterError
 
     if model is None:
-        return None
-    path = Path(model) / "hf_quant_config.json"
-    if not path.exists():
-        return None
-    try:
-        quant = json.loads(path.read_text()).get("quantization") or {}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise TrtllmAdapterError(f"cannot read {path}: {exc}") from exc
-    algo = quant.get("kv_cache_quant_algo") if isinstance(quant, dict) else None
-    return None if algo is None else str(algo)
+        return Checkpoint()
+    root = Path(model)
+    if not root.is_dir():
+        raise TrtllmAdapterError(f"--model {model}: no such checkpoint directory")
+
+    def load(name: str) -> dict[str, Any]:
+        path = root / name
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise TrtllmAdapterError(f"--model {model}: cannot read {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise TrtllmAdapterError(f"--model {model}: {path} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise TrtllmAdapterError(f"--model {model}: {path} is not a JSON object")
+        return data
+
+    if not (root / "config.json").is_file():
+        raise TrtllmAdapterError(f"--model {model}: no config.json in it: not a Hugging Face checkpoint")
+    config = load("config.json")
+    text_config = config.get("text_config")
+    text: dict[str, Any] = text_config if isinstance(text_config, dict) else {}
+    dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    algo = None
+    if (root / "hf_quant_config.json").exists():
+        quant = load("hf_quant_config.json").get("quantization") or {}
+        value = quant.get("kv_cache_quant_algo") if isinstance(quant, dict) else None
+        algo = None if value is None else str(value)
+    return Checkpoint(str(dtype), algo)
+
+
+def checkpoint_kv_quant(model: str | None) -> str | None:
+    """The checkpoint's KV-cache quantization (`read_checkpoint(model).kv_cache_quant_algo`)."""
+    return read_checkpoint(model).kv_cache_quant_algo
+
+
+PAIRING_AT_START = ("the worker's probe reads the draft pool's pairing markers (and, for a QSA pool, "
+                    "get_batch_cache_indices' raw_indices) from the live executor at start")
+"""What `info --llm-config` cannot judge from files, said below an armed verdict."""
 
 
 def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
-    """What a TensorRT-LLM `llm.yaml` (extra_llm_api_options) gives the carry on a hybrid MTP
-    target: its block reuse and snapshot placement over the model's defaults, the KV format and
-    manager verdict (`trtllm.kv_formats.verdict_of_options`, the one the worker's probe gives;
-    `model`: the checkpoint directory whose `hf_quant_config.json` decides `dtype: auto`), and
-    the one line of why the carry stands aside, if it must (None: the carry can restore rows;
-    the executor's own probe decides pairing at start), what the worker reserves, and the
-    worker's `metrics_port` (None: not set). TrtllmAdapterError on a bad file."""
+    """What a TensorRT-LLM `llm.yaml` (extra_llm_api_options) gives the carry, read as TensorRT-LLM's
+    `LlmArgs` reads it (`trtllm/llm_yaml.py`: pydantic's coercions, unknown keys refused): the one
+    verdict (`trtllm/verdict.py`, the checks and sentences the worker's probe uses, in its order:
+    the carry section, speculative decoding, the parallel mapping, disaggregation, the KV format and
+    manager, reuse), block reuse and snapshot placement over the model's defaults, what the worker
+    reserves, and the worker's `metrics_port` (None: not set). `model`: the checkpoint directory
+    (`read_checkpoint`). `llm_config_stands_aside` is the reason the carry stands aside (None: it
+    can restore rows; pairing is read from the live executor at start). TrtllmAdapterError (one line)
+    on a file or checkpoint TensorRT-LLM would refuse."""
     from .trtllm.kv_formats import verdict_of_options
-    from .trtllm.options import (
-        TrtllmAdapterError,
-        kv_cache_config_of,
-        load_llm_options,
-        reuse_stand_aside,
-    )
+    from .trtllm.llm_yaml import read_llm_args
+    from .trtllm.options import load_llm_options, reuse_stand_aside
     from .trtllm.probe import parallel_refusal
+    from .trtllm.verdict import (
+        Verdict,
+        carry_options_verdict,
+        disaggregation_verdict,
+        first,
+        speculation_verdict,
+    )
 
     rest, options = load_llm_options(path)
-    try:
-        verdict = verdict_of_options(rest, checkpoint_kv_quant(model))
-    except ValueError as exc:
-        raise TrtllmAdapterError(str(exc)) from exc
-    kv = kv_cache_config_of(rest)
-    state = kv["mamba_state_config"]
-    aside = None if options.enable else "not configured (mtp_carry.enable is false)"
-    aside = aside or parallel_refusal(rest.get("tensor_parallel_size", 1),
-                                      bool(rest.get("enable_attention_dp", False)))
+    args = read_llm_args(rest)
+    checkpoint = read_checkpoint(model)
+    kv = args.kv_cache_config
+    # Qwen3-Next's model default (`get_model_defaults`: block reuse off) where the file does not set it
+    reuse = bool(kv.enable_block_reuse) if "enable_block_reuse" in kv.model_fields_set else False
+    state = kv.mamba_state_config.model_dump()
+    model_dtype = checkpoint.dtype if args.dtype == "auto" else args.dtype
+    sparse = args.sparse_attention_config
+    compression = args.kv_cache_compression_config
+    kv_verdict = verdict_of_options({
+        "kv_cache_config": {"dtype": kv.dtype, "use_kv_cache_manager_v2": kv.use_kv_cache_manager_v2},
+        "sparse_attention_config": None if sparse is None else {"algorithm": sparse.algorithm},
+        "kv_cache_compression_config": None if compression is None else {"algorithm": compression.algorithm},
+        "quant_config": args.quant_config}, checkpoint.kv_cache_quant_algo, model_dtype)
+    spec = args.speculative_config
+    parallel = parallel_refusal(args.tensor_parallel_size, bool(args.enable_attention_dp))
+    never = reuse_stand_aside(reuse, True, {**state, "periodic_snapshot_interval": (
+        state["periodic_snapshot_interval"] or kv.ignored_interval)}, policy=kv.block_reuse_config.policy)
+    aside = first(
+        carry_options_verdict(options),
+        speculation_verdict(None if spec is None else str(spec.decoding_type)),
+        None if parallel is None else Verdict(False, parallel),
+        disaggregation_verdict(args.cache_transceiver_config is not None),
+        None if kv_verdict.carries else Verdict(False, kv_verdict.line, kv_verdict.details),
+        None if never is None else Verdict(False, never))
     raw = rest.get("kv_cache_config") or {}
     fixed = [f"{k}={raw[k]}" for k in ("max_gpu_total_bytes", "max_tokens") if raw.get(k)]
-    fraction = raw.get("free_gpu_memory_fraction", 0.9)
     size = (f"fixed ({', '.join(fixed)}): the carry's reservation is on top of it" if fixed else
-            f"estimated: free_gpu_memory_fraction={fraction} of the memory free after the carry's arena")
+            f"estimated: free_gpu_memory_fraction={kv.free_gpu_memory_fraction} of the memory free after "
+            "the carry's arena")
     reserve = _trtllm_reserve(options) if options.enable else {
         "trtllm_reserved_device_bytes": 0, "trtllm_reserved_host_bytes": 0, "trtllm_reserved_refused": None}
     return {
@@ -249,15 +312,16 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
         "trtllm_kv_cache_size": size,
         "trtllm_metrics_port": options.metrics_port if options.enable else None,
         "llm_config": path,
-        "llm_config_block_reuse": kv["enable_block_reuse"],
-        "llm_config_snapshot_placement": ", ".join(f"{k}={v}" for k, v in sorted(state.items())) or "none",
-        "kv_format": verdict.kv_format,
-        "kv_manager": verdict.manager,
-        "kv_verdict": verdict.line,
-        # judged on what the worker's executor holds: TensorRT-LLM's validators applied (kv)
-        "llm_config_stands_aside": aside or reuse_stand_aside(
-            kv["enable_block_reuse"], True, {**state, **kv["ignored"]},
-            policy=kv["block_reuse_config"]["policy"]) or (None if verdict.carries else verdict.line),
+        "llm_config_block_reuse": reuse,
+        "llm_config_snapshot_placement": ", ".join(f"{k}={v}" for k, v in sorted(state.items()) if v) or "none",
+        "llm_config_decoding_type": None if spec is None else str(spec.decoding_type),
+        "kv_format": kv_verdict.kv_format,
+        "kv_manager": kv_verdict.manager,
+        "kv_verdict": kv_verdict.line,
+        "kv_verdict_details": list(kv_verdict.details),
+        # judged on what the worker's executor holds: TensorRT-LLM's validators applied
+        "llm_config_stands_aside": None if aside is None else aside.reason,
+        "llm_config_details": list(kv_verdict.details if aside is None else aside.details),
     }
 
 
@@ -284,12 +348,15 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"trtllm-mtp-carry: error: --llm-config {args.llm_config}: {exc}", file=sys.stderr)
             return 2
         report["carry_armed_scope"] = f"the TensorRT-LLM worker under {args.llm_config}"
+        details = report.pop("llm_config_details")
+        assert isinstance(details, list)
         if report["llm_config_stands_aside"] is not None:  # never "armed" for a carry with no row to restore
             report["carry_armed"] = False
             report["carry_armed_reason"] = f"stands aside under {args.llm_config}: {report['llm_config_stands_aside']}"
+            report["carry_armed_details"] = details
         elif report["carry_armed"]:
-            report["carry_armed_reason"] = (f"under {args.llm_config}: {report['kv_verdict']}; the worker's "
-                                            "probe reads pairing from the live executor at start")
+            report["carry_armed_reason"] = f"under {args.llm_config}: {report['kv_verdict']}"
+            report["carry_armed_details"] = [*details, PAIRING_AT_START]
     elif args.model is not None:
         print("trtllm-mtp-carry: error: --model needs --llm-config (it decides kv_cache_config.dtype auto)",
               file=sys.stderr)
@@ -304,8 +371,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     armed_note = str(report["carry_armed_reason"])
     if args.llm_config is None:  # a bare info: say what the verdict is about (issue 44)
         armed_note = f"{armed_note} [{report['carry_armed_scope']}]"
+    details = report.get("carry_armed_details") or []
+    assert isinstance(details, list)
     rows = [
-        ("carry armed", yes(report["carry_armed"]), armed_note),  # the verdict first
+        ("carry armed", yes(report["carry_armed"]), armed_note),  # the verdict first, one sentence
+        *[("", "", f"  {detail}") for detail in details],  # where it was read, what to set
         ("version", report["version"], ""),
         (
             "restore threshold (marconi_min_tokens)",
@@ -338,6 +408,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         rows[-1:-1] = [
             ("KV format (--llm-config)", report["kv_format"],
              f"{report['kv_manager']}: {report['kv_verdict']}"),
+            ("speculative decoding (--llm-config)", report["llm_config_decoding_type"] or "none",
+             "speculative_config.decoding_type (the carry serves MTP)"),
             ("block reuse (--llm-config)", yes(report["llm_config_block_reuse"]),
              "kv_cache_config.enable_block_reuse (Qwen3-Next's default: off)"),
             ("snapshot placement (--llm-config)", "-", report["llm_config_snapshot_placement"]),
@@ -385,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
              "and cache manager: the verdict the worker gives)")
     info.add_argument(
         "--model", metavar="DIR", default=None,
-        help="with --llm-config: the checkpoint directory; its hf_quant_config.json "
-             "(kv_cache_quant_algo) decides kv_cache_config.dtype auto, as TensorRT-LLM's loader does")
+        help="with --llm-config: the checkpoint directory (it must hold config.json); its dtype and "
+             "hf_quant_config.json (kv_cache_quant_algo) decide kv_cache_config.dtype auto, as "
+             "TensorRT-LLM's loader does")
     info.set_defaults(func=cmd_info)
 
     from .bench.main import add_arguments

@@ -63,7 +63,7 @@ def test_the_llm_api_stand_in_answers_for_exactly_the_tables_names() -> None:
         assert found == {n for c, n in rows if c == cls}, cls
     assert names["LLM"] == TRTLLM_NAMES["LLM"]  # one TensorRT-LLM class, one set of names
     # every class the deployment receivers name is one the stand-in plays
-    assert {c for r in LLMAPI_RECEIVERS.values() for c in r.values()} <= set(names)
+    assert {c for r in LLMAPI_RECEIVERS.values() for c in r.values() if c} <= set(names)
 
 
 def test_the_walk_finds_what_the_triton_model_and_its_glue_read() -> None:
@@ -143,6 +143,8 @@ def test_the_version_table_is_the_stand_ins_profiles() -> None:
     assert "28295084972c5ab61ef010a050a18f53f5d72810" in rows["pr18843"][7]
     assert "38198e34582cf777ecc72062f477987284ba9999" in rows["main+19303"][7]
     assert "38198e34582cf777ecc72062f477987284ba9999" in rows["main+19303:qsa"][7]
+    assert "6ff2801f55462b926cc837a7f230fae63bc62fdc" in rows["main:qsa"][7]
+    assert "two trees" in rows["main"][7]  # the reader and the value were read on different trees
 
 
 def test_the_commits_table_says_what_llm_request_passes_at_002f3cc3() -> None:

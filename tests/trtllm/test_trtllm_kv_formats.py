@@ -23,37 +23,19 @@ from trtllm_mtp_carry.trtllm.probe import probe_managers
 from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 
 BF16 = "BF16 KV: the drafter's rows are carried as the draft pool holds them"
-FP8 = ("FP8 KV (float8_e4m3fn pages written with the layer's static scale): the drafter's rows are "
-       "carried bit for bit, never re-scaled")
-NVFP4 = ("NVFP4 KV (e2m1 pairs in the K/V pages, one E4M3 scale per 16 values in KEY_BLOCK_SCALE/"
-         "VALUE_BLOCK_SCALE pages at the same page index, kv_cache_manager_v2.py @ 00be09f7; written by "
-         "quantizeAndWriteFP4KVCache @ 0097566b under each layer's static global K/V scale): the "
-         "drafter's rows are carried as their own payload and scale bytes, bit for bit, never re-scaled")
-QSA_NVFP4 = ("QSAMambaHybridCacheManagerV2 with NVFP4 KV stands aside: its slot-major views coalesce the "
-             "MTP layer's K/V with its index key (qsa/cache_manager.py @ 38198e34), and where the NVFP4 "
-             "KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages sit in those slots was not read; carrying needs that "
-             "geometry (a get_buffers-like view of the scale pages at the base slot ids)")
-QSA = ("QSAMambaHybridCacheManagerV2: the drafter's K/V, index-key (Role.INDEX_KEY) and position "
-       "(qsa_index_position) rows share one page slot (qsa/cache_manager.py @ 38198e34) and are carried "
-       "together, one composite row per key, so the sparse indexer reads restored keys over the reused "
-       "prefix")
+FP8 = "FP8 KV: the drafter's rows are carried bit for bit as the pool's own float8_e4m3fn bytes, never re-scaled"
+NVFP4 = ("NVFP4 KV: the drafter's rows are carried bit for bit as their own e2m1 payload and E4M3 "
+         "block-scale bytes, never re-scaled")
+QSA_SIDE = ", with the QSA hybrid's index-key and position rows of each key carried beside them"
+QSA_NVFP4 = ("the QSA hybrid's NVFP4 draft pool stands aside: where its block-scale pages sit in the "
+             "slot-major QSA layout was not read")
 
-# (kv_cache_config.dtype, the checkpoint's kv_cache_quant_algo) -> the stand-in's DataType, and the
-# verdict line on a manager that moves K/V pages
-DTYPES: dict[str, tuple[str, str | None, DataType, str, bool]] = {
-    "auto": ("auto", None, DataType.BF16, BF16, True),
-    "fp8": ("fp8", None, DataType.FP8, FP8, True),
-    "nvfp4": ("nvfp4", None, DataType.NVFP4, NVFP4, True),
-    "auto+fp8-checkpoint": ("auto", "FP8", DataType.FP8, FP8, True),
-    "auto+nvfp4-checkpoint": ("auto", "NVFP4", DataType.NVFP4, NVFP4, True),
-}
-# stand-in profile (a TensorRT-LLM tree and its manager) -> the YAML lines that select that manager,
-# and what the manager adds before the format's line where the format is carried (QSA: its side rows)
-MANAGERS: dict[str, tuple[str, str | None]] = {
-    "main": ("", None),
-    "pr18843": ("", None),
-    "main+19303": ("", None),
-    "main+19303:qsa": ("sparse_attention_config: {algorithm: qsa}\n", QSA),
+# (kv_cache_config.dtype, the checkpoint's kv_cache_quant_algo) -> the stand-in's DataType, the line
+CHECKPOINTS: dict[str, tuple[str, str | None, DataType, str]] = {
+    "auto": ("auto", None, DataType.BF16, BF16),
+    "auto+fp8-checkpoint": ("auto", "FP8", DataType.FP8, FP8),
+    "auto+nvfp4-checkpoint": ("auto", "NVFP4", DataType.NVFP4, NVFP4),
+    "fp8-over-nvfp4-checkpoint": ("fp8", "NVFP4", DataType.FP8, FP8),  # an explicit dtype wins
 }
 
 
@@ -66,12 +48,14 @@ def _yaml(tmp_path: Path, dtype: str, extra: str) -> Path:
     return path
 
 
-def _checkpoint(tmp_path: Path, algo: str | None) -> str | None:
-    if algo is None:
-        return None
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
-        {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": algo}}))
-    return str(tmp_path)
+def _checkpoint(tmp_path: Path, algo: str | None) -> str:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "dtype": "bfloat16"}))
+    if algo is not None:
+        (root / "hf_quant_config.json").write_text(json.dumps(
+            {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": algo}}))
+    return str(root)
 
 
 def _info(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -80,55 +64,44 @@ def _info(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     return report
 
 
-@pytest.mark.parametrize("profile", list(MANAGERS))
-@pytest.mark.parametrize("case", list(DTYPES))
-def test_info_and_the_worker_give_one_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                              case: str, profile: str) -> None:
-    dtype, algo, datatype, format_line, carries = DTYPES[case]
-    extra, manager_line = MANAGERS[profile]
-    want = f"{manager_line}; {format_line}" if manager_line and carries else format_line
-    want_carries = carries
-    if manager_line and datatype == DataType.NVFP4:  # QSA's NVFP4 scale slots were not read
-        want, want_carries = QSA_NVFP4, False
-    args = ["--llm-config", str(_yaml(tmp_path, dtype, extra))]
-    checkpoint = _checkpoint(tmp_path, algo)
-    if checkpoint is not None:
-        args += ["--model", checkpoint]
-    report = _info(capsys, *args)
-    assert report["kv_verdict"] == want
-    # the worker: the draft manager the stand-in's creator builds for this tree and KV format
+@pytest.mark.parametrize("qsa", [False, True])
+@pytest.mark.parametrize("case", list(CHECKPOINTS))
+def test_the_checkpoint_decides_dtype_auto_in_info_as_in_the_worker(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, qsa: bool) -> None:
+    """`--model DIR`: its `hf_quant_config.json` decides `dtype: auto` as TensorRT-LLM's loader does;
+    the worker sees the draft pool that format gives (the matrix of every case, format and tree is
+    tests/trtllm/test_trtllm_one_verdict.py)."""
+    dtype, algo, datatype, line = CHECKPOINTS[case]
+    extra = "sparse_attention_config: {algorithm: qsa}\n" if qsa else ""
+    report = _info(capsys, "--llm-config", str(_yaml(tmp_path, dtype, extra)), "--model", _checkpoint(tmp_path, algo))
+    want, carries = (line + QSA_SIDE if qsa else line), True
+    if qsa and datatype == DataType.NVFP4:
+        want, carries = QSA_NVFP4, False
+    assert (report["kv_verdict"], report["carry_armed"]) == (want, carries)
+    assert "@" not in report["kv_verdict"] and all("@" in d for d in report["kv_verdict_details"])
     llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64,
-                     version=profile, kv_dtype=datatype)
+                     version="main:qsa" if qsa else "main", kv_dtype=datatype, single_process=True)
     managers = llm.executor.resource_manager.resource_managers
     draft = next(m for k, m in managers.items() if getattr(k, "name", k) == "DRAFT_KV_CACHE_MANAGER")
     verdict = verdict_of_draft(draft)
-    assert (verdict.line, verdict.carries) == (want, want_carries)
-    if not want_carries:  # the probe stands aside with that line; info says armed no with it
-        probe = probe_managers(managers, "stand-in")
-        assert (probe.runnable, probe.reason) == (False, want)
-        assert report["carry_armed"] is False
-        assert report["carry_armed_reason"] == f"stands aside under {args[1]}: {want}"
-    else:
-        assert report["carry_armed"] is True
-        assert report["carry_armed_reason"].startswith(f"under {args[1]}: {want}; ")
+    assert (verdict.line, verdict.carries, list(verdict.details)) == (want, carries, report["kv_verdict_details"])
 
 
 def test_an_nvfp4_yaml_is_armed_in_info_as_the_worker_arms_it(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 41's contradiction stays closed the other way round: both carry an NVFP4 pool now."""
+    """Issue 41's contradiction stays closed the other way round: both carry an NVFP4 pool now. The
+    first line is one sentence; where it was read is on the lines below it (issue 49)."""
     path = _yaml(tmp_path, "nvfp4", "")
     assert main(["info", "--llm-config", str(path)]) == 0
-    first = capsys.readouterr().out.splitlines()[0]  # the verdict first (issue 44)
-    assert first.split(None, 3) == ["carry", "armed", "yes", f"under {path}: {NVFP4}; the worker's probe "
-                                    "reads pairing from the live executor at start"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split(None, 3) == ["carry", "armed", "yes", f"under {path}: {NVFP4}"]
+    assert lines[1].strip().startswith("get_buffers re-types an NVFP4 pool to int8")
+    assert "@" not in lines[0]  # no file@commit on the verdict line (they were 500 characters of it)
 
 
 def test_compression_is_one_verdict_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    want = ("KV-cache compression (quantization_for_cold_page) stands aside: the compression manager "
-            "rewrites pages the draft pool holds (cold pages quantized to NVFP4 by the C++ V2 backend's "
-            "codec, quantization_for_cold_page, SM100 only; _util.py @ 38198e34 passes the codec to the "
-            "draft manager too), and when a live request's draft pages are cold was not read: carrying "
-            "needs that")
+    want = ("KV-cache compression (quantization_for_cold_page) stands aside: when a live request's draft "
+            "pages are rewritten by the compression manager was not read")
     path = _yaml(tmp_path, "auto", "kv_cache_compression_config: {algorithm: quantization_for_cold_page, "
                                    "quant: nvfp4}\n")
     assert _info(capsys, "--llm-config", str(path))["kv_verdict"] == want
@@ -157,40 +130,43 @@ def test_an_unknown_dtype_is_one_line_naming_it(tmp_path: Path, capsys: pytest.C
     path = _yaml(tmp_path, "int4", "")
     assert main(["info", "--llm-config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"trtllm-mtp-carry: error: --llm-config {path}: kv_cache_config.dtype must be one of")
-    assert err.count("\n") == 1
+    assert err == (f"trtllm-mtp-carry: error: --llm-config {path}: kv_cache_config.dtype: 'int4': "
+                   'kv_cache_config.dtype must be one of "auto", "fp8", "fp8_ds_mla", "nvfp4", or valid '
+                   "torch.dtype string (TensorRT-LLM's LlmArgs refuses it, llm_args.py @ 0004396)\n")
 
 
 def test_a_format_the_carry_does_not_move_names_itself() -> None:
-    assert kv_verdict("fp16").line == ("FP16 KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages "
-                                       "only (kv_cache_config.dtype auto with a BF16 model, fp8 or nvfp4)")
+    verdict = kv_verdict("fp16")
+    assert verdict.line == "FP16 KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages only"
+    assert verdict.details == ("kv_cache_config.dtype auto with a BF16 model, fp8 or nvfp4",)
 
 
-def test_the_configuration_page_shows_infos_real_first_line(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/CONFIGURATION.md's `info --llm-config nvfp4.yaml | head -1` sample is what info prints."""
+def test_the_configuration_page_shows_infos_real_first_lines(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/CONFIGURATION.md's `info --llm-config nvfp4.yaml | sed -n 1,3p` sample is what info prints."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md").read_text()
-    command = "trtllm-mtp-carry info --llm-config nvfp4.yaml | head -1\n```\n\n```text\n"
+    command = "trtllm-mtp-carry info --llm-config nvfp4.yaml | sed -n 1,3p\n```\n\n```text\n"
     start = text.index(command) + len(command)
     sample = text[start:text.index("\n```", start)]
+    heredoc = "cat > nvfp4.yaml <<'EOF'\n"
+    yaml_start = text.index(heredoc) + len(heredoc)
     path = tmp_path / "nvfp4.yaml"
-    path.write_text("kv_cache_config:\n  enable_block_reuse: true\n  dtype: nvfp4\n"
-                    "  mamba_state_config: {additional_snapshot_offsets_from_end: [0]}\n")
+    path.write_text(text[yaml_start:text.index("EOF\n", yaml_start)])
     assert main(["info", "--llm-config", str(path)]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
-    assert first.replace(str(path), "nvfp4.yaml") == sample
+    first = capsys.readouterr().out.splitlines()[:3]
+    assert [line.replace(str(path), "nvfp4.yaml") for line in first] == sample.splitlines()
 
 
 def test_a_v1_manager_is_one_line_in_info_and_the_worker(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """`use_kv_cache_manager_v2: false` gives a hybrid the V1 `CppMambaHybridCacheManager`
-    (`_util.py` @ 38198e34): info said `carry armed yes` for it while the worker refused."""
+    (`_util.py` @ 0004396 `get_kv_cache_manager_cls`: `if not use_v2: return CppMambaHybridCacheManager`)."""
     path = _yaml(tmp_path, "auto", "")
-    path.write_text(path.read_text().replace("kv_cache_config:\n", "kv_cache_config:\n  use_kv_cache_manager_v2: false\n"))
+    path.write_text(path.read_text().replace("kv_cache_config:\n", "kv_cache_config:\n  use_kv_cache_manager_v2: false\n")
+                    .replace("{additional_snapshot_offsets_from_end: [0]}", "{periodic_snapshot_interval: 64}"))
     report = _info(capsys, "--llm-config", str(path))
-    want = ("the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as TensorRT-LLM "
-            "1.2.x gives a hybrid model with block reuse): the carry supports KVCacheManagerV2 only "
-            "(kv_cache_config.use_kv_cache_manager_v2)")
+    want = ("the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1): the carry supports "
+            "KVCacheManagerV2 only, set kv_cache_config.use_kv_cache_manager_v2: true")
     assert (report["carry_armed"], report["kv_verdict"]) == (False, want)
     llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64,
                      version="1.2.1")
@@ -218,17 +194,18 @@ def test_a_parallel_mapping_the_carry_refuses_is_one_line_in_info_and_the_worker
     assert str(exc.value) == want
 
 
-def test_a_draft_pool_with_qsa_buffers_under_a_class_not_read_stands_aside() -> None:
-    """Fail closed: a manager keeping QSA index-key/position pages (`qsa_position_layer_id` set)
-    under a class the carry does not route (Qwen4ExpHybridCacheManagerV2 keeps them behind
-    `_qsa_enabled`) is not carried K/V-only at K/V-scaled ids."""
+def test_a_pool_with_qsa_position_pages_but_not_its_views_stands_aside() -> None:
+    """Fail closed: a manager keeping QSA position pages (`qsa_position_layer_id` set) without the
+    index-key and position views the carry reads is not carried K/V-only; the same class with QSA
+    off (`qsa_position_layer_id` None: `_qsa_enabled` False, modules/qwen4_exp/cache_manager.py @
+    6ff2801f) is judged as the hybrid it is."""
     class Qwen4ExpHybridCacheManagerV2:
         dtype = DataType.BF16
-        qsa_position_layer_id = 3
+        qsa_position_layer_id: int | None = 3
 
     verdict = verdict_of_draft(Qwen4ExpHybridCacheManagerV2())
     assert (verdict.carries, verdict.manager) == (False, "Qwen4ExpHybridCacheManagerV2")
-    assert verdict.line.startswith("Qwen4ExpHybridCacheManagerV2 stands aside: its draft pool keeps QSA "
-                                   "index-key and position pages (qsa_position_layer_id is set)")
-    Qwen4ExpHybridCacheManagerV2.qsa_position_layer_id = None  # QSA off: judged as the hybrid it is
+    assert verdict.line == ("Qwen4ExpHybridCacheManagerV2 stands aside: it keeps QSA position pages "
+                            "(qsa_position_layer_id is set) without the index-key and position views the carry reads")
+    Qwen4ExpHybridCacheManagerV2.qsa_position_layer_id = None
     assert verdict_of_draft(Qwen4ExpHybridCacheManagerV2()).carries

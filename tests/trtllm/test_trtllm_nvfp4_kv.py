@@ -66,7 +66,7 @@ def test_an_nvfp4_pool_carries_its_own_payload_and_scale_bytes_whatever_carry_ro
         rebuild, row_dtype: str) -> None:
     llm, _ = make_llm("blind", kv_dtype=DataType.NVFP4)
     carry = attach(llm, {"carry_slots": 8, "carry_row_dtype": row_dtype})
-    assert carry.armed and carry.reason.startswith("unpaired draft pool with block reuse")
+    assert carry.armed and carry.reason.startswith("NVFP4 KV: the drafter's rows are carried bit for bit")
     got = warm_bytes(llm, 2)
     assert all(g.shape[0] >= HISTORY for g in got)
     assert all(torch.equal(g, w) for g, w in zip(got, rebuild, strict=True))  # every byte of [0, R)
@@ -98,7 +98,9 @@ def test_nvfp4_rows_demoted_to_the_host_tier_come_back_bit_for_bit(rebuild) -> N
 def test_the_verdict_carries_nvfp4_and_says_where_its_scales_are(rebuild) -> None:
     llm, carry = make_llm("carry", kv_dtype=DataType.NVFP4)
     assert carry is not None and carry.armed
-    line = kv_verdict("nvfp4").line
-    assert kv_verdict("nvfp4").carries and line.startswith("NVFP4 KV (e2m1 pairs in the K/V pages")
-    assert "KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages at the same page index" in line
-    assert line.endswith("carried as their own payload and scale bytes, bit for bit, never re-scaled")
+    verdict = kv_verdict("nvfp4")
+    assert verdict.carries and verdict.line == ("NVFP4 KV: the drafter's rows are carried bit for bit as their "
+                                                "own e2m1 payload and E4M3 block-scale bytes, never re-scaled")
+    (where,) = verdict.details  # where the scales are, and the source, on the line below it
+    assert "KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages at the same page index" in where
+    assert "kv_cache_manager_v2.py @ 38198e34582cf777ecc72062f477987284ba9999" in where

@@ -26,6 +26,9 @@ from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, Stan
 from trtllm_mtp_carry.trtllm.standin.qsa_cache_manager import COMPRESS_RATIO
 
 QSA = "main+19303:qsa"
+QSA_TREES = ("main+19303:qsa", "main:qsa")
+"""The QSA hybrid as PR #19303's tree builds it (`QSAMambaHybridCacheManagerV2`) and as newer trees
+do (`Qwen4ExpHybridCacheManagerV2`, re-exported under the old name): carried alike."""
 MAX_NEW = 24
 
 
@@ -42,11 +45,12 @@ def _rows(llm: StandinLLM, req: LlmRequest, hi: int) -> tuple[torch.Tensor, ...]
     return k, v, index, position
 
 
-def test_warm_turn_restores_k_v_index_keys_and_positions_bit_for_bit() -> None:
+@pytest.mark.parametrize("tree", QSA_TREES)
+def test_warm_turn_restores_k_v_index_keys_and_positions_bit_for_bit(tree: str) -> None:
     conv = ConversationParams(conversation_id="q")
     rows = {}
     for policy in ("carry", "rebuild", "blind"):
-        llm, carry = make_llm(policy, version=QSA)
+        llm, carry = make_llm(policy, version=tree)
         first = llm.generate_async(user_tokens(0, 6 * CHUNK), MAX_NEW, conversation_params=conv)
         llm.run_until_done()
         second = llm.generate_async(padded(first.get_tokens(0), 500), MAX_NEW, conversation_params=conv)
@@ -104,8 +108,9 @@ def _capture_at_free(llm: StandinLLM, into: dict[int, tuple[torch.Tensor, ...]])
     rm.free_resources = capture  # type: ignore[method-assign]
 
 
+@pytest.mark.parametrize("tree", QSA_TREES)
 def test_the_worker_install_arms_on_a_qsa_pool_and_every_warm_turn_matches_a_rebuild(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tree: str) -> None:
     """Through the worker install (the executor built by TensorRT-LLM's creator, the carry
     installed by the hook): the arena's block is one composite row, every warm turn adopts, and
     at each turn's free the MTP layer's K, V, index keys and positions of every deposited key
@@ -114,7 +119,7 @@ def test_the_worker_install_arms_on_a_qsa_pool_and_every_warm_turn_matches_a_reb
     config.write_text("mtp_carry: {carry_slots: 8}\n")
     monkeypatch.setenv(worker.ENV, str(config))
     kw: dict[str, Any] = {"kv_cache_config": RECOMMENDED_KV_CACHE_CONFIG, "chunk_size": CHUNK,
-                          "max_batch": 2, "num_pages": 512, "version": QSA}
+                          "max_batch": 2, "num_pages": 512, "version": tree}
     carry = StandinLLM(model(), **kw)
     assert worker.messages()[-1].startswith(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY}")
     manager = carry.executor.resource_manager.resource_managers[CARRY_MANAGER_KEY]
@@ -190,3 +195,45 @@ def test_package_code_reading_a_name_the_qsa_source_lacks_gets_attribute_error()
     with pytest.raises(AttributeError, match=r"TensorRT-LLM's QSAMambaHybridCacheManagerV2 has no "
                                              r"'qsa_index_storage_dim'"):
         eval(compile("qsa.qsa_index_storage_dim", draft_pages.__file__, "eval"), scope, {"qsa": draft})
+
+
+def test_the_qsa_pool_is_recognised_by_what_it_makes_not_by_its_class_name() -> None:
+    """Newer trees build `Qwen4ExpHybridCacheManagerV2`; `qsa/cache_manager.py` re-exports it as
+    `QSAMambaHybridCacheManagerV2` (`QWEN4_EXP_ALIAS`). The package matched the old `__name__`
+    and stood aside on such a tree while `info` said carried: now both classes are QSA pools by the
+    side pages they make, and a class with QSA's name but no side pages (QSA off) is not."""
+    from trtllm_mtp_carry.trtllm.kv_formats import QSA_HYBRID, is_qsa_pool, manager_of_draft
+    from trtllm_mtp_carry.trtllm.standin.qsa_cache_manager import (
+        QWEN4_EXP_ALIAS,
+        Qwen4ExpHybridCacheManagerV2,
+    )
+
+    assert QWEN4_EXP_ALIAS["QSAMambaHybridCacheManagerV2"] is Qwen4ExpHybridCacheManagerV2
+    for tree, name in (("main+19303:qsa", "QSAMambaHybridCacheManagerV2"), ("main:qsa", "Qwen4ExpHybridCacheManagerV2")):
+        llm, _ = make_llm("blind", version=tree)
+        draft = llm.executor.draft
+        assert type(draft).__name__ == name
+        assert is_qsa_pool(draft) and manager_of_draft(draft) == QSA_HYBRID
+        assert isinstance(pages_of(draft, draft.mtp_layer), QsaDraftPages)
+        draft.qsa_position_layer_id = None  # `_qsa_enabled` False: no side pages, a plain hybrid pool
+        assert not is_qsa_pool(draft) and manager_of_draft(draft) != QSA_HYBRID
+
+
+def test_a_qsa_pool_on_a_tree_without_raw_indices_stands_aside_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The QSA views are slot-major and need base slot ids (`get_batch_cache_indices(...,
+    raw_indices=True)`, kv_cache_manager_v2.py @ 38198e34); 0004396's and 1fe0b08f's base lack it.
+    The probe checks the signature at attach and the worker stands aside in one line."""
+    from trtllm_mtp_carry.trtllm.standin import VERSIONS
+
+    monkeypatch.setitem(VERSIONS, "main:qsa", {**VERSIONS["main:qsa"], "raw_indices": False})
+    config = tmp_path / "carry.yaml"
+    config.write_text("mtp_carry: {carry_slots: 8}\n")
+    monkeypatch.setenv(worker.ENV, str(config))
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=CHUNK, num_pages=64,
+                     version="main:qsa")
+    line = worker.messages()[-1]
+    assert line == ("mtp carry: stands aside: the QSA hybrid's draft pool (Qwen4ExpHybridCacheManagerV2) has "
+                    "no get_batch_cache_indices(raw_indices=) on this TensorRT-LLM tree, so its index-key and "
+                    "position pages cannot be addressed and the carry stands aside")
+    assert llm.executor.resource_manager.resource_managers.get(CARRY_MANAGER_KEY) is None

@@ -172,12 +172,14 @@ def test_a_folded_executor_has_a_none_draft_entry_and_is_reported_folded() -> No
     assert carry.reason.startswith("folded: no separate draft KV cache manager")
 
 
+MTP = "speculative_config: {decoding_type: MTP}\n"
+
+
 @pytest.mark.parametrize(("yaml_text", "armed", "note"), [
-    ("kv_cache_config:\n  enable_block_reuse: true\n  mamba_state_config: {additional_snapshot_offsets_from_end: [0]}\n",
-     "yes", "under LLM: BF16 KV: the drafter's rows are carried as the draft pool holds them; the "
-            "worker's probe reads pairing from the live executor at start"),
-    ("kv_cache_config: {enable_block_reuse: true}\n", "no", f"stands aside under LLM: {NO_PLACEMENT}"),
-    ("speculative_config: {decoding_type: MTP}\n", "no", f"stands aside under LLM: {REUSE_OFF}"),
+    (MTP + "kv_cache_config:\n  enable_block_reuse: true\n  mamba_state_config: {additional_snapshot_offsets_from_end: [0]}\n",
+     "yes", "under LLM: BF16 KV: the drafter's rows are carried as the draft pool holds them"),
+    (MTP + "kv_cache_config: {enable_block_reuse: true}\n", "no", f"stands aside under LLM: {NO_PLACEMENT}"),
+    (MTP, "no", f"stands aside under LLM: {REUSE_OFF}"),
 ])
 def test_info_shows_what_an_llm_yaml_would_get(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                yaml_text: str, armed: str, note: str) -> None:

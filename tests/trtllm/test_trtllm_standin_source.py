@@ -70,16 +70,17 @@ def test_per_conversation_turns_a_periodic_only_placement_off_in_the_worker_and_
     assert kv["ignored"] == {"periodic_snapshot_interval": 64}
     assert kv["block_reuse_config"] == {"policy": "per_conversation", "max_num_turns": 2}
     path = tmp_path / "llm.yaml"
-    path.write_text(json.dumps({"kv_cache_config": PERIODIC_ONLY}))  # JSON is YAML
+    path.write_text(json.dumps({"speculative_config": {"decoding_type": "MTP"},
+                                "kv_cache_config": PERIODIC_ONLY}))  # JSON is YAML
     assert main(["info", "--json", "--llm-config", str(path)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["llm_config_snapshot_placement"] == "periodic_snapshot_interval=0"
-    assert report["llm_config_stands_aside"] == (
-        "the hybrid target keeps no snapshot point (kv_cache_config.block_reuse_config.policy "
-        "per_conversation turns mamba_state_config.periodic_snapshot_interval 64 off, and nothing "
-        "else is set): no prefix is ever reused, so there is nothing to carry; set "
-        "kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end: [0] (a snapshot "
-        "at each prompt's end)")
+    assert report["llm_config_snapshot_placement"] == "none"  # the validator set the interval to 0
+    want = ("the hybrid target keeps no snapshot point (kv_cache_config.block_reuse_config.policy "
+            "per_conversation turns mamba_state_config.periodic_snapshot_interval off, and no other "
+            "placement is set): no prefix is ever reused, so there is nothing to carry; set "
+            "kv_cache_config.mamba_state_config.additional_snapshot_offsets_from_end: [0] (a snapshot "
+            "at each prompt's end)")
+    assert report["llm_config_stands_aside"] == carry.reason == want  # the worker's executor says it too
 
 
 @pytest.mark.parametrize(("policy", "placement", "armed"), [

@@ -19,6 +19,7 @@ from standin_helpers import CHUNK, make_llm, model, padded, user_tokens
 
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
+from trtllm_mtp_carry.trtllm.probe import probe_executor
 from trtllm_mtp_carry.trtllm.standin import VERSIONS, ConversationParams, StandinLLM
 
 MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
@@ -27,36 +28,42 @@ MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_pub
 QSA_MARKERS = ("draft QSAMambaHybridCacheManagerV2.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
                "False; target QSAMambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=False, "
                "_supports_reuse_match_backoff=False")
-PAIRED = "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager." \
-    "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target MambaHybridCacheManagerV2."
-ASIDE = "); TensorRT-LLM restores the drafter's prefix itself, the carry stands aside"
-ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reason or refusal)
+QWEN4_MARKERS = ("draft Qwen4ExpHybridCacheManagerV2.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
+                 "False; target Qwen4ExpHybridCacheManagerV2._supports_draft_reuse_match_backoff=missing, "
+                 "_supports_reuse_match_backoff=False")
+PAIRED_MARKERS = "draft DraftKVManager.enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; " \
+    "target MambaHybridCacheManagerV2."
+BF16 = "BF16 KV: the drafter's rows are carried as the draft pool holds them"
+QSA = BF16 + ", with the QSA hybrid's index-key and position rows of each key carried beside them"
+PAIRED = ("paired: the draft pool publishes and reuses its own blocks, so TensorRT-LLM restores the "
+          "drafter's prefix itself and the carry stands aside")
+
+
+def _unpaired(markers: str) -> str:
+    return f"unpaired draft pool with block reuse ({markers}): the carry restores the drafter's rows over the reused prefix"
+
+
+ROWS: dict[str, tuple[str, bool, str, str]] = {  # version -> (topology, armed, reason or refusal, first detail)
     "1.2.1": ("refused", False,
-              "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1, as "
-              "TensorRT-LLM 1.2.x gives a hybrid model with block reuse): the carry supports "
-              "KVCacheManagerV2 only (kv_cache_config.use_kv_cache_manager_v2)"),
-    "1.3.0rc29": ("unpaired", True,
-                  f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
-                  "drafter's rows over the reused prefix"),
-    "1.4.0rc1": ("unpaired", True,
-                 f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
-                 "drafter's rows over the reused prefix"),
-    # main-line: the hybrid class sets _supports_reuse_match_backoff = False (mamba_cache_manager.py
-    # @ 003f8d08), which is all _joint_reuse_supported reads there (_util.py @ 0004396): unpaired
-    "main": ("unpaired", True,
-             f"unpaired draft pool with block reuse ({MARKERS_OFF}): the carry restores the "
-             "drafter's rows over the reused prefix"),
+              "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1): the carry "
+              "supports KVCacheManagerV2 only, set kv_cache_config.use_kv_cache_manager_v2: true", ""),
+    "1.3.0rc29": ("unpaired", True, BF16, _unpaired(MARKERS_OFF)),
+    "1.4.0rc1": ("unpaired", True, BF16, _unpaired(MARKERS_OFF)),
+    # main-line: the creator reads _supports_reuse_match_backoff (_util.py @ 0004396); the hybrid
+    # class declines it (False: mamba_cache_manager.py @ 38198e34, and @ 003f8d08): unpaired
+    "main": ("unpaired", True, BF16, _unpaired(MARKERS_OFF)),
     # PR #18843's layout: the hybrid inherits True (mamba_cache_manager_v2.py @ 28295084): paired
-    "pr18843": ("paired", False,
-                f"{PAIRED}_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True{ASIDE}"),
+    "pr18843": ("paired", False, PAIRED,
+                f"{PAIRED_MARKERS}_supports_draft_reuse_match_backoff=missing, _supports_reuse_match_backoff=True"),
     # PR #19303 (38198e34): the creator reads _supports_draft_reuse_match_backoff, True on the hybrid
-    "main+19303": ("paired", False,
-                   f"{PAIRED}_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=False{ASIDE}"),
+    "main+19303": ("paired", False, PAIRED,
+                   f"{PAIRED_MARKERS}_supports_draft_reuse_match_backoff=True, _supports_reuse_match_backoff=False"),
     # ... and False on the QSA hybrid: unpaired, and the carry restores its draft pool's K/V,
     # index-key and position rows together (trtllm/draft_pages.py)
-    "main+19303:qsa": ("unpaired", True,
-                       f"unpaired draft pool with block reuse ({QSA_MARKERS}): the carry restores the "
-                       "drafter's rows over the reused prefix"),
+    "main+19303:qsa": ("unpaired", True, QSA, _unpaired(QSA_MARKERS)),
+    # newer trees build the QSA hybrid as Qwen4ExpHybridCacheManagerV2 (modules/qwen4_exp/
+    # cache_manager.py @ 6ff2801f): recognised by its side pages, carried alike
+    "main:qsa": ("unpaired", True, QSA, _unpaired(QWEN4_MARKERS)),
 }
 
 
@@ -71,13 +78,14 @@ def test_every_version_profile_has_a_pinned_row() -> None:
 
 @pytest.mark.parametrize("version", list(ROWS))
 def test_the_carry_per_tensorrt_llm_version(version: str) -> None:
-    topology, armed, reason = ROWS[version]
+    topology, armed, reason, detail = ROWS[version]
     llm = _llm(version=version)
     if topology == "refused":
         with pytest.raises(TrtllmAdapterError) as exc:
             attach(llm)
         assert str(exc.value) == reason
         return
+    assert probe_executor(llm).details[0] == detail  # the markers read, below the verdict
     carry = attach(llm)
     assert (carry.topology, carry.armed, carry.reason) == (topology, armed, reason)
     assert (CARRY_MANAGER_KEY in llm.executor.resource_manager.resource_managers) == armed
@@ -93,7 +101,8 @@ def test_a_publishing_draft_pool_without_the_joint_reuse_attribute_is_left_alone
     del draft.enable_joint_kv_cache_reuse
     carry = attach(llm)
     assert (carry.topology, carry.armed, carry.manager) == ("paired", False, None)
-    assert "enable_joint_kv_cache_reuse=missing, _can_publish_block_reuse=True" in carry.reason
+    assert carry.reason == PAIRED
+    assert "enable_joint_kv_cache_reuse=missing, _can_publish_block_reuse=True" in probe_executor(llm).details[0]
     conv = ConversationParams(conversation_id="p")
     first = llm.generate_async(user_tokens(0, 5 * CHUNK), 24, conversation_params=conv)
     llm.run_until_done()

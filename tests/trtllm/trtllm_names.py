@@ -37,6 +37,7 @@ RECEIVERS = {
     "params": "ConversationParams",
     "tensorrt_llm": "tensorrt_llm",
     "kv_cache_config": "KvCacheConfig", "state_config": "MambaStateConfig",
+    "llm_args": "TorchLlmArgs", "spec_config": "DecodingBaseConfig",
 }
 """Variable name (or `self.x`) -> the TensorRT-LLM class its value is, in package code."""
 
@@ -57,6 +58,7 @@ LLMAPI_RECEIVERS: dict[str, dict[str, str]] = {
         "out": "RequestOutput", "result": "RequestOutput",
         "completion": "CompletionOutput",
         "tokenizer": "TransformersTokenizer",  # LLM.tokenizer
+        "llm_args": "",  # here the options dict it builds the LLM from, not a TorchLlmArgs
     },
     "trtllm_mtp_carry/serve/trtllm/serving.py": {
         "output": "CompletionOutput", "result": "RequestOutput",
@@ -64,14 +66,16 @@ LLMAPI_RECEIVERS: dict[str, dict[str, str]] = {
         "tokenizer": "PreTrainedTokenizerBase", "self.tokenizer": "PreTrainedTokenizerBase",
     },
 }
-"""Per deployment file: variable name -> the LLM API class its value is (on top of `RECEIVERS`)."""
+"""Per deployment file: variable name -> the LLM API class its value is (on top of `RECEIVERS`;
+"" drops a `RECEIVERS` name that holds something else in that file)."""
 
 _ACCESSORS = {"getattr", "hasattr", "_attr", "delattr", "num"}
 
 
 def receivers_for(path: str) -> dict[str, str]:
     """The receivers `touched` reads `path` (relative to the repository) with."""
-    return {**RECEIVERS, **LLMAPI_RECEIVERS.get(path, {})}
+    found = {**RECEIVERS, **LLMAPI_RECEIVERS.get(path, {})}
+    return {name: cls for name, cls in found.items() if cls}  # "": not a TensorRT-LLM object there
 
 
 def _receiver(node: ast.expr) -> str | None:

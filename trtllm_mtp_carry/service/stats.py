@@ -33,6 +33,7 @@ SKIP_REASONS: tuple[str, ...] = (
     "gap",  # its valid rows do not reach its last key (a chunk ran past unwritten rows)
     "no_rows",  # it holds no valid row
     "session_end",  # its session ended (forgotten) while it ran
+    "preempted",  # freed after the executor took its pages back (TensorRT-LLM's V2 preemption)
     "fault",  # a fault cost the turn its carry
 )
 """Why an ended turn deposited nothing, in the order `CarryStats.skipped` lists them (a deposit

@@ -191,10 +191,12 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
         raise TrtllmAdapterError("the carry is already attached to this LLM (detach it first)")
     from .manager import carry_manager_class
     from .probe import probe_executor
+    from .verdict import carry_options_verdict
 
     probe = probe_executor(llm)
-    armed = opts.enable and probe.runnable
-    reason = probe.reason if opts.enable else "not configured (mtp_carry.enable is false)"
+    own = carry_options_verdict(opts)  # the carry's own options first, as the worker and info judge
+    armed = own is None and probe.runnable
+    reason = probe.reason if own is None else own.reason
     manager = None
     if armed:
         assert probe.mtp_layer is not None  # runnable implies a draft manager with its MTP layer

@@ -16,9 +16,13 @@ the draft pool's manager class; this module decides it once per draft manager
   addressed by the same `get_batch_cache_indices` ids; the row codec is `nvfp4_kv` (the
   pool's own bytes, `dataplane/nvfp4_kv.py` says what the source shows) whatever
   `carry_row_dtype` says.
-- `QsaDraftPages` (`QSAMambaHybridCacheManagerV2`, the QSA hybrid's draft pool;
-  `tensorrt_llm/_torch/attention/backends/sparse/qsa/cache_manager.py` @
-  38198e34582cf777ecc72062f477987284ba9999): the MTP layer keeps, in the same V2
+- `QsaDraftPages` (a QSA hybrid's draft pool, `kv_formats.is_qsa_pool`: recognised by the
+  position page and views its class makes, whatever the class is called:
+  `QSAMambaHybridCacheManagerV2` in `tensorrt_llm/_torch/attention/backends/sparse/qsa/
+  cache_manager.py` @ 38198e34582cf777ecc72062f477987284ba9999, `Qwen4ExpHybridCacheManagerV2`
+  in `tensorrt_llm/_torch/modules/qwen4_exp/cache_manager.py` @
+  6ff2801f55462b926cc837a7f230fae63bc62fdc, which `qsa/cache_manager.py` re-exports under the old
+  name; the same attributes and views in both): the MTP layer keeps, in the same V2
   lifecycle slot as its K/V, its index keys (`Role.INDEX_KEY`) and, being the
   draft pool's first local sparse layer (`qsa_position_layer_id`), the request's
   position coordinates (`qsa_index_position`). Its views are slot-major:
@@ -59,12 +63,9 @@ import torch
 
 from ..dataplane.nvfp4_kv import FP4_BLOCK, NVFP4_KV_DTYPE, Nvfp4KvPages
 from ..dataplane.row_codec import CompositeCodec, RowCodec, SideRows, SlotPages, codec_for
-from .kv_formats import kv_format_of_datatype
+from .kv_formats import is_qsa_pool, kv_format_of_datatype
 
-__all__ = ["QSA_MANAGER", "DraftPages", "Nvfp4DraftPages", "QsaDraftPages", "nvfp4_scale_pages", "pages_of"]
-
-QSA_MANAGER = "QSAMambaHybridCacheManagerV2"
-"""The QSA hybrid's draft pool class (`qsa/cache_manager.py` @ 38198e34)."""
+__all__ = ["DraftPages", "Nvfp4DraftPages", "QsaDraftPages", "nvfp4_scale_pages", "pages_of"]
 
 QSA_INDEX_K_DTYPE = torch.bfloat16
 """`QSA_INDEX_K_CACHE_DTYPE` (`qsa/constants.py` @ 242e38c0316f82603db53bb51b6b1767b53ae2eb)."""
@@ -157,7 +158,7 @@ class QsaDraftPages(DraftPages):
 
     def __init__(self, draft: Any, mtp_layer: int) -> None:
         super().__init__(draft, mtp_layer)
-        qsa = draft  # a QSAMambaHybridCacheManagerV2 (the conformance walk reads `qsa` as one)
+        qsa = draft  # a QSA hybrid's pool (the conformance walk reads `qsa` as one)
         if qsa.qsa_position_layer_id != mtp_layer:
             # the coordinates live on the pool's first local sparse layer; a draft pool whose MTP
             # layer is not it shares them with another layer, which the carry does not restore
@@ -181,11 +182,10 @@ class QsaDraftPages(DraftPages):
 
 
 def pages_of(draft: Any, mtp_layer: int) -> DraftPages:
-    """The layout of draft manager `draft`'s MTP layer pages, by its class (a subclass of the QSA
-    hybrid's manager is judged as it, as `kv_formats.verdict_of_draft` judges it) and its KV
-    format (an NVFP4 pool's payload and scale pages; the verdict stands aside on a QSA one)."""
-    names = {c.__name__ for c in type(draft).__mro__}
-    if QSA_MANAGER in names:
+    """The layout of draft manager `draft`'s MTP layer pages, by what the pool is (a QSA pool,
+    `kv_formats.is_qsa_pool`, as `kv_formats.verdict_of_draft` judges it) and its KV format (an
+    NVFP4 pool's payload and scale pages; the verdict stands aside on a QSA one)."""
+    if is_qsa_pool(draft):
         return QsaDraftPages(draft, mtp_layer)
     if kv_format_of_datatype(getattr(draft, "dtype", None)) == "nvfp4":
         return Nvfp4DraftPages(draft, mtp_layer)

@@ -10,20 +10,27 @@ deployment. Both resolve what they can see to the same three inputs and call `kv
   in the YAML), else the model's dtype. TensorRT-LLM: `_create_kv_cache_manager` (`_util.py` @
   38198e34582cf777ecc72062f477987284ba9999) sets `DataType.FP8` when the quant mode has an FP8
   KV cache, `DataType.NVFP4` when it has an FP4 one, else the model dtype; the one-model MTP
-  draft pool is built from the target's `ModelConfig` (`_get_effective_draft_config`), so it
-  takes the target's KV format. The worker reads `draft.dtype` (a `DataType`) through
+  draft pool is built from the target's `ModelConfig` (`_get_effective_draft_config`, `_util.py`
+  @ 6ff2801f55462b926cc837a7f230fae63bc62fdc: "MTP layers reuse the target model architecture"),
+  so it takes the target's KV format. The worker reads `draft.dtype` (a `DataType`) through
   `kv_format_of_datatype`.
-- the cache manager class the draft pool gets (`manager_of_options` from the YAML, the live
-  class name on the worker): `get_kv_cache_manager_cls` @ 38198e34 resolves the draft pool's
-  class from the target's config too, so a QSA hybrid's draft pool is a
-  `QSAMambaHybridCacheManagerV2` and a DeepSeek-V4 one a `DeepseekV4CacheManager`.
+- the draft pool's manager (`manager_of_options` from the YAML, `manager_of_draft` on the
+  worker): `get_kv_cache_manager_cls` resolves the draft pool's class from the target's config
+  too (`_util.py` @ 6ff2801f), so a QSA hybrid's draft pool is a QSA manager and a DeepSeek-V4
+  one a `DeepseekV4CacheManager`. A QSA pool is recognised by what its class makes, not by its
+  name (the class was renamed: `QSAMambaHybridCacheManagerV2` @ 38198e34,
+  `Qwen4ExpHybridCacheManagerV2` @ 6ff2801f, `Qwen4ExpHybridCacheManager` in the registry @
+  640812f3ec6f01cb5fe9f99c1d77db74007efc79): a `qsa_position_layer_id` that is set and the
+  `get_index_k_buffer` / `get_qsa_position_buffer` views (`is_qsa_pool`), as TensorRT-LLM's own
+  QSA metadata decides it (`qsa_has_local_layers = kv_cache_manager.qsa_position_layer_id is not
+  None`, `qsa/metadata.py` @ fb8eddd2c7d0b594037125cf1b2aa60326a4ff36).
 - KV-cache compression (`kv_cache_compression_config.algorithm`).
 
 Invariants:
 - `kv_verdict` is pure (no torch, no TensorRT-LLM) and total: every input gives one
-  `KvVerdict` whose `line` is one line naming the format or manager and, when the carry
-  stands aside, what would be needed.
-- The lines are the contract both callers print; docs/TRTLLM-CONFORMANCE.md ("KV formats")
+  `KvVerdict` whose `line` is one sentence naming the format or manager and, when the carry
+  stands aside, why; `details` say where that was read (file @ commit) and what would be needed.
+- The sentences are the contract both callers print; docs/TRTLLM-CONFORMANCE.md ("KV formats")
   lists them with the source they were read from.
 """
 
@@ -35,85 +42,90 @@ from typing import Any
 
 KV_DTYPES = ("auto", "fp8", "nvfp4")
 """The `kv_cache_config.dtype` values the verdict names (TensorRT-LLM accepts more: `float16`,
-`bfloat16`, `turboquant4`, `fp8_ds_mla`; they resolve through the same function)."""
+`bfloat16`, `fp8_ds_mla`, ...; they resolve through the same function)."""
 
 CARRIED_FORMATS = ("bf16", "fp8", "nvfp4")
 """KV formats whose draft-pool rows the carry moves: BF16 as gathered, FP8 and NVFP4 bit for bit
 (an NVFP4 pool's payload and block-scale bytes, `dataplane/nvfp4_kv.py`)."""
 
-_FORMAT_LINES: dict[str, str] = {
-    "bf16": "BF16 KV: the drafter's rows are carried as the draft pool holds them",
-    "fp8": ("FP8 KV (float8_e4m3fn pages written with the layer's static scale): the drafter's "
-            "rows are carried bit for bit, never re-scaled"),
-    "nvfp4": ("NVFP4 KV (e2m1 pairs in the K/V pages, one E4M3 scale per 16 values in KEY_BLOCK_SCALE/"
-              "VALUE_BLOCK_SCALE pages at the same page index, kv_cache_manager_v2.py @ 00be09f7; "
-              "written by quantizeAndWriteFP4KVCache @ 0097566b under each layer's static global "
-              "K/V scale): the drafter's rows are carried as their own payload and scale bytes, bit "
-              "for bit, never re-scaled"),
-}
+V2 = "kv_cache_manager_v2.py @ 38198e34582cf777ecc72062f477987284ba9999"
+QWEN4 = "modules/qwen4_exp/cache_manager.py @ 6ff2801f55462b926cc837a7f230fae63bc62fdc"
 
-_CARRIED_MANAGER_LINES: dict[str, str] = {
-    "QSAMambaHybridCacheManagerV2": (
-        "QSAMambaHybridCacheManagerV2: the drafter's K/V, index-key (Role.INDEX_KEY) and position "
-        "(qsa_index_position) rows share one page slot (qsa/cache_manager.py @ 38198e34) and are "
-        "carried together, one composite row per key, so the sparse indexer reads restored keys "
-        "over the reused prefix"),
+_FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "bf16": ("BF16 KV: the drafter's rows are carried as the draft pool holds them", ()),
+    "fp8": ("FP8 KV: the drafter's rows are carried bit for bit as the pool's own float8_e4m3fn bytes, "
+            "never re-scaled", (
+                f"KVCacheManagerV2.get_buffers hands the pool's DataType.FP8 to TensorWrapper and "
+                f"convert_to_torch_tensor, which view it one byte an element ({V2}); the QSA views call "
+                f"binding_to_torch_dtype(self.dtype) ({QWEN4}); the pages hold e4m3 values written with the "
+                "layer's static KV scale",)),
+    "nvfp4": ("NVFP4 KV: the drafter's rows are carried bit for bit as their own e2m1 payload and E4M3 "
+              "block-scale bytes, never re-scaled", (
+                  f"get_buffers re-types an NVFP4 pool to int8 (two e2m1 values a byte) and its block scales "
+                  f"live in KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages at the same page index ({V2}: "
+                  "_build_pool_mapping_tensors asserts the scale offset equals the data's); they are written by "
+                  "quantizeAndWriteFP4KVCache (unfusedAttentionKernels_2_template.h @ "
+                  "0097566bd62be830bcbb29fb4782de9564020cda) under each layer's static global K/V scale",)),
 }
-"""Draft-pool managers whose side rows the carry moves with K/V (`trtllm/draft_pages.py`);
-the KV format is then judged as for any other manager, but an NVFP4 one stands aside
-(`_NVFP4_SLOT_LINES`)."""
+"""KV format -> (the verdict's sentence, where it was read)."""
 
-_NVFP4_SLOT_LINES: dict[str, str] = {
-    "QSAMambaHybridCacheManagerV2": (
-        "QSAMambaHybridCacheManagerV2 with NVFP4 KV stands aside: its slot-major views coalesce the "
-        "MTP layer's K/V with its index key (qsa/cache_manager.py @ 38198e34), and where the NVFP4 "
-        "KEY_BLOCK_SCALE/VALUE_BLOCK_SCALE pages sit in those slots was not read; carrying needs "
-        "that geometry (a get_buffers-like view of the scale pages at the base slot ids)"),
-}
-"""Carried managers whose NVFP4 block-scale page geometry was not read: their NVFP4 pools stand aside."""
+QSA_HYBRID = "QSA hybrid"
+"""The verdict's name for a QSA hybrid's draft pool, whatever its class is called on the tree."""
 
-_MANAGER_LINES: dict[str, str] = {
+_QSA_CARRIED: tuple[str, tuple[str, ...]] = (", with the QSA hybrid's index-key and position rows of each key carried beside them",
+                (f"a QSA pool keeps, in the MTP layer's page slot, its index keys (Role.INDEX_KEY) and the "
+                 f"request's position coordinates (qsa_index_position): qsa/cache_manager.py @ "
+                 f"38198e34582cf777ecc72062f477987284ba9999, {QWEN4}; carried as one composite row a key, so the "
+                 "sparse indexer reads restored keys over the reused prefix",))
+
+_QSA_NVFP4: tuple[str, tuple[str, ...]] = ("the QSA hybrid's NVFP4 draft pool stands aside: where its block-scale pages sit in the "
+              "slot-major QSA layout was not read", (
+                  f"QSA's get_buffers hands NVFP4 back to the parent hybrid manager ({QWEN4}) while its index "
+                  "key and positions stay slot-major; carrying needs a get_buffers-like view of the scale pages "
+                  "at the base slot ids",))
+
+_MANAGERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "DeepseekV4CacheManager": (
-        "DeepseekV4CacheManager stands aside: the MTP layer's KV is MLA latent (SELFKONLY, one head) "
-        "with sliding, compressed and indexer pages per layer (deepseek_v4/cache_manager.py @ "
-        "38198e34), not the [pages, 2, kv_heads, tokens, head_dim] K/V pages the carry moves"),
+        "DeepseekV4CacheManager stands aside: the MTP layer's KV is an MLA latent, not the K/V pages the "
+        "carry moves", ("SELFKONLY, one head, with sliding, compressed and indexer pages per layer "
+                        "(deepseek_v4/cache_manager.py @ 38198e34582cf777ecc72062f477987284ba9999)",)),
     "DSACacheManagerV2": (
-        "DSACacheManagerV2 stands aside: the MTP layer's KV is MLA latent (SELFKONLY) with an "
-        "indexer K cache, not the K/V pages the carry moves; TensorRT-LLM pairs it itself where "
-        "#19303 lands (test_joint_reuse_pairing.py @ 38198e34)"),
+        "DSACacheManagerV2 stands aside: the MTP layer's KV is an MLA latent with an indexer K cache, not "
+        "the K/V pages the carry moves", ("TensorRT-LLM pairs it itself where #19303 lands "
+                                          "(test_joint_reuse_pairing.py @ 38198e34582cf777ecc72062f477987284ba9999)",)),
     "MiniMaxM3KVCacheManagerV2": (
-        "MiniMaxM3KVCacheManagerV2 stands aside: its sparse layers keep an index-K buffer beside "
-        "K/V and its NVFP4 layers sub-paged scale pages (minimax_m3/cache_manager.py); "
-        "TensorRT-LLM pairs it itself where #19303 lands (test_joint_reuse_pairing.py @ 38198e34)"),
+        "MiniMaxM3KVCacheManagerV2 stands aside: its sparse layers keep an index-K buffer beside K/V that the "
+        "carry does not move", ("its NVFP4 layers keep sub-paged scale pages (minimax_m3/cache_manager.py); "
+                                "TensorRT-LLM pairs it itself where #19303 lands (test_joint_reuse_pairing.py @ "
+                                "38198e34582cf777ecc72062f477987284ba9999)",)),
 }
 """Draft-pool managers the carry stands aside on, with why (docs/TRTLLM-CONFORMANCE.md,
 "Cache managers"). A manager not named here is judged by the probe's other checks (a V1
 draft manager is refused there: the carry needs KVCacheManagerV2)."""
 
-_UNREAD_QSA_LINE = (
-    "{manager} stands aside: its draft pool keeps QSA index-key and position pages "
-    "(qsa_position_layer_id is set) under a class whose layout the carry has not read; carrying "
-    "K/V alone would leave the sparse indexer's keys over the reused prefix stale (the carry "
-    "restores QSAMambaHybridCacheManagerV2's, qsa/cache_manager.py @ 38198e34)")
-"""A draft manager with QSA buffers the carry does not route (`verdict_of_draft`)."""
+_UNREAD_QSA: tuple[str, tuple[str, ...]] = ("{manager} stands aside: it keeps QSA position pages (qsa_position_layer_id is set) "
+               "without the index-key and position views the carry reads", (
+                   "a QSA pool is carried through get_index_k_buffer and get_qsa_position_buffer at the base "
+                   f"slot ids ({QWEN4}); carrying K/V alone would leave the sparse indexer's keys stale",))
 
-_COMPRESSION_LINE = (
-    "KV-cache compression ({algorithm}) stands aside: the compression manager rewrites pages the "
-    "draft pool holds (cold pages quantized to NVFP4 by the C++ V2 backend's codec, "
-    "quantization_for_cold_page, SM100 only; _util.py @ 38198e34 passes the codec to the draft "
-    "manager too), and when a live request's draft pages are cold was not read: carrying needs that")
+_COMPRESSION: tuple[str, tuple[str, ...]] = ("KV-cache compression ({algorithm}) stands aside: when a live request's draft pages are "
+                "rewritten by the compression manager was not read", (
+                    "cold pages are quantized to NVFP4 by the C++ V2 backend's codec "
+                    "(quantization_for_cold_page, SM100 only); _util.py @ 38198e34582cf777ecc72062f477987284ba9999 "
+                    "passes the codec to the draft manager too",))
 
 _DATATYPE_FORMATS = {"BF16": "bf16", "BFLOAT16": "bf16", "FP8": "fp8", "NVFP4": "nvfp4",
                      "HALF": "fp16", "FLOAT16": "fp16", "FLOAT": "fp32", "FLOAT32": "fp32"}
-_DTYPE_FORMATS = {"fp8": "fp8", "nvfp4": "nvfp4", "bfloat16": "bf16", "bf16": "bf16",
-                  "float16": "fp16", "fp16": "fp16", "half": "fp16", "float32": "fp32",
-                  "turboquant4": "turboquant4", "fp8_ds_mla": "fp8_ds_mla"}
-_QUANT_FORMATS = {"FP8": "fp8", "NVFP4": "nvfp4", "TURBOQUANT4": "turboquant4"}
+_DTYPE_FORMATS = {"fp8": "fp8", "fp8_ds_mla": "fp8_ds_mla", "nvfp4": "nvfp4", "bfloat16": "bf16", "bf16": "bf16",
+                  "float16": "fp16", "fp16": "fp16", "half": "fp16", "float32": "fp32", "int64": "int64",
+                  "int32": "int32", "int8": "int8", "bool": "bool"}
+_QUANT_FORMATS = {"FP8": "fp8", "NVFP4": "nvfp4"}
 
-_SPARSE_MANAGERS = {"qsa": "QSAMambaHybridCacheManagerV2", "deepseek_v4": "DeepseekV4CacheManager",
+_SPARSE_MANAGERS = {"qsa": QSA_HYBRID, "deepseek_v4": "DeepseekV4CacheManager",
                     "dsa": "DSACacheManagerV2", "minimax_m3": "MiniMaxM3KVCacheManagerV2"}
-"""`sparse_attention_config.algorithm` -> the V2 manager `get_kv_cache_manager_cls` @ 38198e34
-gives (for QSA: a hybrid target with V2; `get_sparse_attn_kv_cache_manager` for the others)."""
+"""`sparse_attention_config.algorithm` -> the V2 manager `get_kv_cache_manager_cls` gives (QSA: a
+hybrid target with V2, `registry.py` @ 6ff2801f55462b926cc837a7f230fae63bc62fdc; the others
+`get_sparse_attn_kv_cache_manager` @ 38198e34)."""
 
 HYBRID_V2 = "MambaHybridCacheManagerV2"
 HYBRID_V1 = "CppMambaHybridCacheManager"
@@ -121,13 +133,15 @@ HYBRID_V1 = "CppMambaHybridCacheManager"
 
 @dataclass(frozen=True, slots=True)
 class KvVerdict:
-    """What the carry does with a draft pool: `carries` (rows are moved) and `line`, the one line
-    both `info` and the worker print (the reason; where the carry stands aside, what is needed)."""
+    """What the carry does with a draft pool: `carries` (rows are moved), `line` (one sentence
+    both `info` and the worker print: the reason, or why the carry stands aside) and `details`
+    (where that was read, what would be needed: lines said below it)."""
 
     carries: bool
     kv_format: str
     manager: str
     line: str
+    details: tuple[str, ...] = ()
 
 
 def resolve_kv_format(kv_dtype: object, checkpoint_kv_quant: object = None,
@@ -163,38 +177,40 @@ never pairs."""
 
 
 def v1_line(manager: str) -> str:
-    """The one line for a V1 target manager (the probe refuses it; `info` says the same)."""
-    return (f"the target KV cache manager is {manager} (KV cache manager V1, as TensorRT-LLM 1.2.x gives "
-            "a hybrid model with block reuse): the carry supports KVCacheManagerV2 only "
-            "(kv_cache_config.use_kv_cache_manager_v2)")
+    """The one sentence for a V1 target manager (the probe refuses it; `info` says the same)."""
+    return (f"the target KV cache manager is {manager} (KV cache manager V1): the carry supports "
+            "KVCacheManagerV2 only, set kv_cache_config.use_kv_cache_manager_v2: true")
 
 
 def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None = None) -> KvVerdict:
     """The one verdict: a V1 manager first, then compression, then the draft pool's manager,
     then the KV format."""
     if manager in V1_MANAGERS:
-        return KvVerdict(False, kv_format, manager, v1_line(manager))
+        return KvVerdict(False, kv_format, manager, v1_line(manager), (
+            "TensorRT-LLM 1.2.x gives a hybrid model with block reuse the V1 manager "
+            "(_util.py @ 38198e34582cf777ecc72062f477987284ba9999, get_kv_cache_manager_cls)",))
     if compression:
-        return KvVerdict(False, kv_format, manager, _COMPRESSION_LINE.format(algorithm=compression))
-    if manager in _MANAGER_LINES:
-        return KvVerdict(False, kv_format, manager, _MANAGER_LINES[manager])
-    if kv_format == "nvfp4" and manager in _NVFP4_SLOT_LINES:
-        return KvVerdict(False, kv_format, manager, _NVFP4_SLOT_LINES[manager])
-    if kv_format in _FORMAT_LINES:
-        carries = kv_format in CARRIED_FORMATS
-        line = _FORMAT_LINES[kv_format]
-        if carries and manager in _CARRIED_MANAGER_LINES:
-            line = f"{_CARRIED_MANAGER_LINES[manager]}; {line}"
-        return KvVerdict(carries, kv_format, manager, line)
+        line, details = _COMPRESSION
+        return KvVerdict(False, kv_format, manager, line.format(algorithm=compression), details)
+    if manager in _MANAGERS:
+        return KvVerdict(False, kv_format, manager, *_MANAGERS[manager])
+    if manager == QSA_HYBRID and kv_format == "nvfp4":
+        return KvVerdict(False, kv_format, manager, *_QSA_NVFP4)
+    if kv_format in CARRIED_FORMATS:
+        line, details = _FORMATS[kv_format]
+        if manager == QSA_HYBRID:
+            line, details = line + _QSA_CARRIED[0], (*details, *_QSA_CARRIED[1])
+        return KvVerdict(True, kv_format, manager, line, tuple(details))
     return KvVerdict(False, kv_format, manager,
-                     f"{kv_format.upper()} KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages "
-                     "only (kv_cache_config.dtype auto with a BF16 model, fp8 or nvfp4)")
+                     f"{kv_format.upper()} KV stands aside: the carry moves BF16, FP8 or NVFP4 draft pages only",
+                     ("kv_cache_config.dtype auto with a BF16 model, fp8 or nvfp4",))
 
 
 def manager_of_options(options: Mapping[str, Any]) -> str:
-    """The draft pool's manager class an `llm.yaml` gives a hybrid MTP model (`get_kv_cache_manager_cls`
-    @ 38198e34): the sparse algorithm's manager, the V1 `CppMambaHybridCacheManager` where
-    `use_kv_cache_manager_v2` is false, else `MambaHybridCacheManagerV2`."""
+    """The draft pool's manager an `llm.yaml` gives a hybrid MTP model (`get_kv_cache_manager_cls`
+    @ 6ff2801f): the sparse algorithm's manager (`QSA_HYBRID` for QSA), the V1
+    `CppMambaHybridCacheManager` where `use_kv_cache_manager_v2` is false, else
+    `MambaHybridCacheManagerV2` (newer trees name a model's own subclass of it)."""
     sparse = options.get("sparse_attention_config") or {}
     algorithm = sparse.get("algorithm") if isinstance(sparse, Mapping) else None
     if algorithm in _SPARSE_MANAGERS:
@@ -205,10 +221,12 @@ def manager_of_options(options: Mapping[str, Any]) -> str:
     return HYBRID_V2
 
 
-def verdict_of_options(options: Mapping[str, Any], checkpoint_kv_quant: object = None) -> KvVerdict:
+def verdict_of_options(options: Mapping[str, Any], checkpoint_kv_quant: object = None,
+                       model_dtype: str = "bfloat16") -> KvVerdict:
     """`kv_verdict` of an `llm.yaml` (what `info --llm-config` prints): its `kv_cache_config.dtype`,
     the checkpoint's KV quantization (`checkpoint_kv_quant`, else the YAML's
-    `quant_config.kv_cache_quant_algo`), its manager and its `kv_cache_compression_config`."""
+    `quant_config.kv_cache_quant_algo`), the model's dtype, its manager and its
+    `kv_cache_compression_config`."""
     kv = options.get("kv_cache_config") or {}
     kv_dtype = kv.get("dtype", "auto") if isinstance(kv, Mapping) else "auto"
     if checkpoint_kv_quant is None:
@@ -216,19 +234,40 @@ def verdict_of_options(options: Mapping[str, Any], checkpoint_kv_quant: object =
         checkpoint_kv_quant = quant.get("kv_cache_quant_algo") if isinstance(quant, Mapping) else None
     compression = options.get("kv_cache_compression_config") or {}
     algorithm = compression.get("algorithm") if isinstance(compression, Mapping) else None
-    return kv_verdict(resolve_kv_format(kv_dtype, checkpoint_kv_quant), manager_of_options(options),
+    return kv_verdict(resolve_kv_format(kv_dtype, checkpoint_kv_quant, model_dtype), manager_of_options(options),
                       str(algorithm) if algorithm else None)
+
+
+QSA_VIEWS = ("get_index_k_buffer", "get_qsa_position_buffer")
+"""The views a QSA pool is carried through (both QSA classes define them)."""
+
+
+def is_qsa_pool(draft: Any) -> bool:
+    """A draft pool the QSA hybrid's manager built with its side pages: its
+    `qsa_position_layer_id` is set (the first local sparse layer, set where the class registered
+    the `qsa_index_position` page) and it has the index-key and position views. What TensorRT-LLM's
+    QSA metadata reads (`qsa_has_local_layers`); whatever the class is called."""
+    return getattr(draft, "qsa_position_layer_id", None) is not None and all(
+        callable(getattr(draft, name, None)) for name in QSA_VIEWS)
+
+
+def manager_of_draft(draft: Any) -> str:
+    """The verdict's name for a live draft manager: `QSA_HYBRID` for a QSA pool (`is_qsa_pool`),
+    else the most derived class of its hierarchy the verdict names (a subclass of a named manager
+    is judged as it), else its class name."""
+    if is_qsa_pool(draft):
+        return QSA_HYBRID
+    names = [c.__name__ for c in type(draft).__mro__]
+    return next((n for n in names if n in _MANAGERS or n in V1_MANAGERS), names[0])
 
 
 def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
     """`kv_verdict` of a live draft manager (what the worker's probe decides on): its `dtype` and
-    the most derived class of its hierarchy the verdict names (a subclass of a named manager is
-    judged as that manager)."""
-    names = [c.__name__ for c in type(draft).__mro__]
-    manager = next((n for n in names if n in _MANAGER_LINES or n in _CARRIED_MANAGER_LINES), names[0])
+    its manager (`manager_of_draft`). A pool that keeps QSA position pages without the views the
+    carry reads stands aside (carrying K/V alone would be wrong: fail closed)."""
     kv_format = kv_format_of_datatype(getattr(draft, "dtype", None))
-    if manager not in _CARRIED_MANAGER_LINES and getattr(draft, "qsa_position_layer_id", None) is not None:
-        # QSA buffers under a class not read (Qwen4ExpHybridCacheManagerV2 keeps them behind
-        # `_qsa_enabled`): carrying K/V alone, at ids scaled for K/V only, would be wrong: fail closed
-        return KvVerdict(False, kv_format, manager, _UNREAD_QSA_LINE.format(manager=manager))
+    manager = manager_of_draft(draft)
+    if manager != QSA_HYBRID and getattr(draft, "qsa_position_layer_id", None) is not None:
+        line, details = _UNREAD_QSA
+        return KvVerdict(False, kv_format, manager, line.format(manager=manager), details)
     return kv_verdict(kv_format, manager, compression)

@@ -51,7 +51,9 @@ Invariants:
 - A request's state follows its chunks (`_Live.schedule`): a chunk counts as run only once
   the next one starts past it, so a chunk undone by `revert_allocate_context` extends
   nothing; a request freed unfinished (the recompute pause) deposits like a finished turn
-  and is judged afresh when it comes back (`resumed`).
+  and is judged afresh when it comes back (`resumed`); one the V2 scheduler preempted has
+  lost its draft pages before this free (skipped `preempted`: nothing deposited), and comes
+  back with fresh ones.
 - Nothing is written outside the request's own fresh pages for keys below `R`; the manager
   is installed only on the unpaired topology (never on paired or folded pools).
 - After `shutdown` the service holds nothing (`CarryService.detach` raises if it does).
@@ -508,7 +510,20 @@ class CarryManagerCore:
             return "context_unfinished"  # never scheduled, or freed before its context finished
         if live.forgotten:
             return "session_end"
+        if not request.is_finished and not self._draft_holds(int(request.py_request_id)):
+            # KVCacheManagerV2.preempt_request's caller frees the draft pool itself before the
+            # executor frees the request (`_preempt_or_defer`, scheduler_v2.py @
+            # 38198e34582cf777ecc72062f477987284ba9999): its rows went with its pages
+            return "preempted"
         return None
+
+    def _draft_holds(self, rid: int) -> bool:
+        """The draft pool still holds request `rid` (`kv_cache_map[rid]`: KeyError once freed)."""
+        try:
+            self.pages.page_ids(rid)
+        except KeyError:
+            return False
+        return True
 
     def _cuda_draft_stream(self) -> Any | None:
         """KVCacheManagerV2._stream (a torch stream) where CUDA runs, else None."""

@@ -138,6 +138,8 @@ class CarryOptions:
         memory = settings.carry_memory()
         if memory.nbytes is not None:
             return memory.nbytes
+        if memory.fraction == 0:
+            return 0  # 0 of any pool is 0 bytes (`--carry-memory 0`): no unit needed to say so
         if settings.CARRY_MEMORY.source != "default":
             raise TrtllmAdapterError(
                 f"carry_memory={memory} ({settings.CARRY_MEMORY.source}): the carry inside TensorRT-LLM "
@@ -203,7 +205,8 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
     `kv_cache_config.block_reuse_config.policy`. TensorRT-LLM's validator
     `disable_periodic_mamba_snapshots_for_conversations` (`llm_args.py` @ 0004396) sets the
     periodic interval to 0 under `per_conversation`, so the interval counts only under the
-    other policies, and the line says why when it was the only placement.
+    other policies, and under `per_conversation` the line says the policy turns it off (whether
+    or not one was set: the worker's executor sees the config after the validator).
     """
     if not enable_block_reuse:
         fix = REUSE_FIX + (f" and {SNAPSHOT_FIX[4:]}" if hybrid else "")
@@ -214,14 +217,15 @@ def reuse_stand_aside(enable_block_reuse: bool, hybrid: bool, state: Mapping[str
     state = state or {}
     set_interval = state.get("periodic_snapshot_interval") or 0
     interval = interval_after_validator(policy, set_interval)
-    dropped = set_interval - interval
     offsets = bool(state.get("additional_snapshot_offsets_from_start")) or bool(
         state.get("additional_snapshot_offsets_from_end"))
     if interval > 0 or (offsets and offsets_supported) or state.get("enable_branch_snapshot"):
         return None
-    why = ("kv_cache_config.mamba_state_config sets none" if not dropped else
-           f"kv_cache_config.block_reuse_config.policy per_conversation turns "
-           f"mamba_state_config.periodic_snapshot_interval {dropped} off, and nothing else is set")
+    # the worker's executor holds the config after the validator: it cannot see an interval the
+    # validator set to 0, so under per_conversation both say what the policy does
+    why = ("kv_cache_config.mamba_state_config sets none" if policy != "per_conversation" else
+           "kv_cache_config.block_reuse_config.policy per_conversation turns "
+           "mamba_state_config.periodic_snapshot_interval off, and no other placement is set")
     return (f"the hybrid target keeps no snapshot point ({why}): "
             f"no prefix is ever reused, so there is nothing to carry; {SNAPSHOT_FIX}")
 

@@ -8,14 +8,23 @@ checked here first: a build that lacks one is refused with one line naming
 what is missing, never guessed around.
 
 - `probe_executor(llm)`: the in-process path (`llm._executor.engine`, only with
-  `TLLM_WORKER_USE_SINGLE_PROCESS=1`); `probe_managers(resources)`: the checks
-  themselves, over the executor's resource managers.
+  `TLLM_WORKER_USE_SINGLE_PROCESS=1`); `probe_managers(resources, llm_args=...)`: the checks
+  themselves, over the executor's resource managers and its `TorchLlmArgs`.
+- The executor's `llm_args` (`TorchLlmArgs`, the `llm_args=` keyword `create_py_executor_instance`
+  takes, `_util.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412; `LLM.args` in process):
+  `speculative_config.decoding_type` (none, or not `MTP`: no drafter the carry serves),
+  `cache_transceiver_config` (set: disaggregated, the MTP layer folded into the target pool),
+  `kv_cache_compression_config.algorithm`. These are the checks `info --llm-config` makes on the
+  file (`trtllm/verdict.py`), in the same order, with the same sentences; without `llm_args` (an
+  older creator's call) they are judged from the managers alone.
 - The draft manager (`KVCacheManagerV2`): `is_draft`, `tokens_per_block`, `dtype` (with its
   class and the executor's KV-cache compression: `kv_formats.kv_verdict`, the verdict
   `info --llm-config` gives too),
   `layer_offsets` (the one layer is the MTP layer, `num_hidden_layers`),
   `mapping`, `get_buffers(layer_idx, kv_layout)`, `get_batch_cache_indices(request_ids,
-  layer_idx, ...)`, `_stream`, `_fresh_page_fill`, and the pairing markers
+  layer_idx, ...)` (and, for a QSA pool, `raw_indices`: its slot-major views are addressed by
+  base slot ids, `kv_cache_manager_v2.py` @ 38198e34582cf777ecc72062f477987284ba9999; absent @
+  0004396, so probed), `_stream`, `_fresh_page_fill`, and the pairing markers
   `enable_joint_kv_cache_reuse`, `_can_publish_block_reuse` (#18093); the target
   manager: `enable_block_reuse`, its class (V1 hybrid managers are refused), the
   class attribute `KvCacheCreator._joint_reuse_supported` pairs on (`_supports_reuse_match_backoff`,
@@ -41,9 +50,9 @@ Topologies:
   `_joint_reuse_supported` reads there (`_util.py` @ 0004396): unpaired, the carry restores. The
   layout of PR #18843 (`mamba_cache_manager/mamba_cache_manager_v2.py` @ 28295084) inherits
   True: paired markers. PR #19303 (tree 38198e34) reads `_supports_draft_reuse_match_backoff`:
-  hybrids paired, `QSAMambaHybridCacheManagerV2` and `DeepseekV4CacheManager` not (their draft
-  pools are judged by `kv_formats.kv_verdict`: a QSA pool is carried with its index-key and
-  position rows, `draft_pages.py`; DeepSeek-V4's stands aside).
+  hybrids paired, the QSA hybrid and `DeepseekV4CacheManager` not (their draft pools are judged
+  by `kv_formats.kv_verdict`: a QSA pool is carried with its index-key and position rows,
+  `draft_pages.py`; DeepSeek-V4's stands aside).
 - `folded`: no separate draft pool (the `DRAFT_KV_CACHE_MANAGER` entry absent or None):
   the MTP layer's KV lives in the target pool and is reused with it. Stands aside.
 """
@@ -54,8 +63,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .kv_formats import V1_HYBRID_MANAGERS, v1_line, verdict_of_draft
+from .kv_formats import V1_HYBRID_MANAGERS, is_qsa_pool, v1_line, verdict_of_draft
 from .options import MAMBA_STATE_FIELDS, TrtllmAdapterError, reuse_stand_aside
+from .verdict import disaggregation_verdict, speculation_verdict
 
 DRAFT_KV = "DRAFT_KV_CACHE_MANAGER"
 TARGET_KV = "KV_CACHE_MANAGER"
@@ -74,8 +84,9 @@ class ExecutorProbe:
     tokens_per_block: int | None
     topology: str  # unpaired | paired | folded
     runnable: bool  # the topology and the executor's options let the carry run
-    reason: str
+    reason: str  # one sentence: the verdict `info --llm-config` gives for the same deployment
     version: str
+    details: tuple[str, ...] = ()  # what was read where (pairing markers, sources): logged after it
 
 
 def manager_name(key: object) -> str:
@@ -121,33 +132,53 @@ def reach_executor(llm: Any) -> tuple[Any, str]:
 
 
 def probe_executor(llm: Any) -> ExecutorProbe:
-    """Probe `llm`'s in-process executor (see `probe_managers`), after checking that
-    `LLM.generate_async` takes `conversation_params`."""
+    """Probe `llm`'s in-process executor (see `probe_managers`, with `LLM.args` as its
+    `llm_args`), after checking that `LLM.generate_async` takes `conversation_params`."""
     executor, version = reach_executor(llm)
     _require_conversation_params(llm)
     rm = _attr(executor, "resource_manager", "PyExecutor")
     managers = _attr(rm, "resource_managers", "ResourceManager")
-    # KV-cache compression: `LLM.args` (TorchLlmArgs).kv_cache_compression_config, as the worker reads it
-    compression = getattr(getattr(getattr(llm, "args", None), "kv_cache_compression_config", None),
-                          "algorithm", None)
-    return probe_managers(managers, version, executor, rm, compression=compression)
+    return probe_managers(managers, version, executor, rm, llm_args=getattr(llm, "args", None))
+
+
+_UNKNOWN = object()  # a fact the caller could not see (no llm_args): judged from the managers alone
+
+
+def llm_args_facts(llm_args: Any) -> tuple[Any, Any, str | None]:
+    """`(decoding type, disaggregated, compression algorithm)` of the executor's `TorchLlmArgs`
+    (None: not given, the first two unknown): `speculative_config.decoding_type` (None: no
+    speculative decoding), `cache_transceiver_config is not None` (what the creator's rule
+    reads, `verdict.py`), `kv_cache_compression_config.algorithm` (None: off)."""
+    if llm_args is None:
+        return _UNKNOWN, _UNKNOWN, None
+    spec_config = getattr(llm_args, "speculative_config", None)
+    decoding_type = None if spec_config is None else str(getattr(spec_config, "decoding_type", ""))
+    disaggregated = getattr(llm_args, "cache_transceiver_config", None) is not None
+    compression = getattr(getattr(llm_args, "kv_cache_compression_config", None), "algorithm", None)
+    return decoding_type, disaggregated, None if compression is None else str(compression)
 
 
 def probe_managers(managers: Any, version: str, executor: Any = None,
-                   resource_manager: Any = None, compression: str | None = None) -> ExecutorProbe:
+                   resource_manager: Any = None, compression: str | None = None,
+                   llm_args: Any = None) -> ExecutorProbe:
     """Probe an executor's resource managers (the `resources` dict the worker hook sees, or
-    `ResourceManager.resource_managers`); refuse what the carry cannot run on, detect the topology.
+    `ResourceManager.resource_managers`) and its `llm_args`; refuse what the carry cannot run on,
+    detect the topology. The checks run in `trtllm/verdict.py`'s order, so the reason is the one
+    `info --llm-config` gives for the same deployment.
 
-    Refused (TrtllmAdapterError, one line each): a missing attribute or signature, TP > 1,
-    attention data parallelism, a V1 hybrid target manager, a draft manager other than
-    KVCacheManagerV2, the fresh-page fill, and pairing markers that are missing or disagree
-    (`_pairing`). Not refused but not runnable (the carry stands aside, `reason` says why and
-    what to set): folded (no draft pool, or its entry None), a draft pool whose KV format,
-    manager or compression the carry does not move (`kv_formats.kv_verdict`: the line `info
-    --llm-config` prints for the same deployment; `compression` is
-    `llm_args.kv_cache_compression_config.algorithm`, None: off), a target that never reuses a
-    prefix (block reuse off, or a hybrid without snapshot placement), paired.
+    Refused (TrtllmAdapterError, one line each): a missing attribute or signature (for a QSA pool
+    also `raw_indices`), TP > 1, attention data parallelism, a V1 hybrid target manager, a draft
+    manager other than KVCacheManagerV2, the fresh-page fill, and pairing markers that are
+    missing or disagree (`_pairing`). Not refused but not runnable (the carry stands aside,
+    `reason` says why): no speculative decoding or another decoding type than MTP, a
+    disaggregated worker (`llm_args`), folded (no draft pool, or its entry None), a draft pool
+    whose KV format, manager or compression the carry does not move (`kv_formats.kv_verdict`;
+    `compression`, else `llm_args.kv_cache_compression_config.algorithm`), a target that never
+    reuses a prefix (block reuse off, or a hybrid without snapshot placement), paired.
     """
+    decoding_type, disaggregated, args_compression = llm_args_facts(llm_args)
+    compression = compression or args_compression
+    rm = resource_manager
     found_target = _find(managers, TARGET_KV)
     if found_target is None:
         raise TrtllmAdapterError(f"the executor has no {TARGET_KV} resource manager")
@@ -155,21 +186,28 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     found_draft = _find(managers, DRAFT_KV)
     if found_draft is not None and found_draft[1] is None:
         found_draft = None  # no separate draft pool: TensorRT-LLM leaves the entry None
-    mapping = _attr(found_draft[1] if found_draft else target, "mapping", "KV cache manager")
+    draft = None if found_draft is None else found_draft[1]
+
+    def aside(reason: str, details: tuple[str, ...] = (), topology: str = "unpaired") -> ExecutorProbe:
+        return ExecutorProbe(executor, rm, target, draft, None, None, topology, False, reason, version, details)
+
+    spec = None if decoding_type is _UNKNOWN else speculation_verdict(decoding_type)
+    if spec is not None:
+        return aside(spec.reason, spec.details, "folded" if draft is None else "unpaired")
+    mapping = _attr(draft if draft is not None else target, "mapping", "KV cache manager")
     tp = _attr(mapping, "tp_size", "Mapping")
     parallel = parallel_refusal(tp, bool(_attr(mapping, "enable_attention_dp", "Mapping")))
     if parallel is not None:
         raise TrtllmAdapterError(parallel)
+    disagg = None if disaggregated is _UNKNOWN else disaggregation_verdict(bool(disaggregated))
+    if disagg is not None:
+        return aside(disagg.reason, disagg.details, "folded" if draft is None else "unpaired")
     reuse = bool(_attr(target, "enable_block_reuse", "target KV cache manager"))
     if type(target).__name__ in V1_HYBRID_MANAGERS:
         raise TrtllmAdapterError(v1_line(type(target).__name__))  # the line info gives too
-    rm = resource_manager
-    if found_draft is None:
-        return ExecutorProbe(executor, rm, target, None, None, None, "folded", False,
-                             "folded: no separate draft KV cache manager, the MTP layer's KV "
-                             "(if the model speculates at all) lives in the target pool and is "
-                             "reused with it", version)
-    draft = found_draft[1]
+    if draft is None:
+        return aside("folded: no separate draft KV cache manager, the MTP layer's KV (if the model "
+                     "speculates at all) lives in the target pool and is reused with it", (), "folded")
     _check_draft(draft)
     offsets = _attr(draft, "layer_offsets", "draft KV cache manager")
     if len(offsets) != 1:
@@ -183,7 +221,7 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
         shares = getattr(draft, "enable_joint_kv_cache_reuse", False) is True \
             or getattr(draft, "_can_publish_block_reuse", False) is True
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb,
-                             "paired" if shares else "unpaired", False, verdict.line, version)
+                             "paired" if shares else "unpaired", False, verdict.line, version, verdict.details)
     _check_buffer(draft, mtp_layer, tpb, verdict.kv_format)
     never = _never_reuses(target, reuse)
     if never is not None:
@@ -192,12 +230,12 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     paired, found = _pairing(draft, target)
     if paired:
         return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "paired", False,
-                             f"paired: the draft pool publishes and reuses its own blocks ({found}); "
-                             "TensorRT-LLM restores the drafter's prefix itself, the carry stands "
-                             "aside", version)
-    return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", True,
-                         f"unpaired draft pool with block reuse ({found}): the carry restores the "
-                         "drafter's rows over the reused prefix", version)
+                             "paired: the draft pool publishes and reuses its own blocks, so TensorRT-LLM "
+                             "restores the drafter's prefix itself and the carry stands aside", version,
+                             (found,))
+    return ExecutorProbe(executor, rm, target, draft, mtp_layer, tpb, "unpaired", True, verdict.line, version,
+                         (f"unpaired draft pool with block reuse ({found}): the carry restores the "
+                          "drafter's rows over the reused prefix", *verdict.details))
 
 
 def parallel_refusal(tp_size: object, enable_attention_dp: bool) -> str | None:
@@ -224,7 +262,9 @@ def _never_reuses(target: Any, reuse: bool) -> str | None:
     state_config = _attr(kv_cache_config, "mamba_state_config", "KvCacheConfig")
     state = {name: getattr(state_config, name, None) for name in MAMBA_STATE_FIELDS}
     offsets = bool(getattr(target, "_supports_additional_snapshot_offsets", False))
-    return reuse_stand_aside(reuse, hybrid, state, offsets)
+    # `KvCacheConfig.block_reuse_config.policy` (llm_args.py @ 0004396; absent before: all_reusable)
+    policy = getattr(getattr(kv_cache_config, "block_reuse_config", None), "policy", "all_reusable")
+    return reuse_stand_aside(reuse, hybrid, state, offsets, policy=str(policy))
 
 
 def _pairing(draft: Any, target: Any) -> tuple[bool, str]:
@@ -307,6 +347,15 @@ def _check_draft(draft: Any) -> None:
         if needed not in inspect.signature(fn).parameters:
             raise TrtllmAdapterError(f"{owner}.{method} takes no {needed!r} argument: an older "
                                      "KV cache manager than the adapter supports")
+    # a QSA pool's slot-major views are addressed by base slot ids (draft_pages.py), which only a
+    # tree whose get_batch_cache_indices takes raw_indices gives (kv_cache_manager_v2.py @
+    # 38198e34582cf777ecc72062f477987284ba9999; absent @ 0004396720054fd8e205cbf616f21f0b57c6b412
+    # and @ 1fe0b08f23988c560890aa49894881af28479ba9)
+    if is_qsa_pool(draft) and "raw_indices" not in inspect.signature(draft.get_batch_cache_indices).parameters:
+        raise TrtllmAdapterError(
+            f"the QSA hybrid's draft pool ({type(draft).__name__}) has no get_batch_cache_indices("
+            "raw_indices=) on this TensorRT-LLM tree, so its index-key and position pages cannot be "
+            "addressed and the carry stands aside")
     _attr(draft, "dtype", owner)  # judged by `kv_formats.verdict_of_draft`, the verdict info gives too
     if getattr(draft, "_fresh_page_fill", None) is not None:  # TRTLLM_KV_FRESH_PAGE_FILL
         raise TrtllmAdapterError(
@@ -322,9 +371,12 @@ def _check_buffer(draft: Any, mtp_layer: int, tpb: int, kv_format: str = "bf16")
         raise TrtllmAdapterError(
             f"draft get_buffers({mtp_layer}, 'HND') is {None if buf is None else tuple(buf.shape)}: "
             f"expected [pages, 2, kv_heads, {tpb}, head_dim]")
-    # KVCacheManagerV2.get_buffers views the pool as its DataType (kv_cache_manager_v2.py @ 0004396:
-    # `TensorWrapper(addr_key, self.dtype, shape)`; FP8 is torch.float8_e4m3fn, one byte an element,
-    # `_utils.py` @ 000a01de; only NVFP4 is re-typed, to int8 of head_dim // 2)
+    # KVCacheManagerV2.get_buffers views the pool as its DataType: `convert_to_torch_tensor(
+    # TensorWrapper(addr_key, dtype, shape))` with `dtype = self.dtype`, NVFP4 alone re-typed to
+    # torch.int8 of head_dim // 2 (kv_cache_manager_v2.py @ 38198e34582cf777ecc72062f477987284ba9999);
+    # the QSA views map the DataType with `binding_to_torch_dtype(self.dtype)`
+    # (modules/qwen4_exp/cache_manager.py @ 6ff2801f55462b926cc837a7f230fae63bc62fdc): FP8 pages are
+    # torch.float8_e4m3fn, one byte an element
     expected = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": torch.int8}[kv_format]
     if buf.dtype != expected:
         raise TrtllmAdapterError(f"draft KV pages are {buf.dtype}: {kv_format.upper()} KV pages are "

@@ -271,6 +271,7 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
     from .options import TrtllmAdapterError
     from .probe import probe_managers
     from .reservation import EarlyReservation, arenas_over, reserve_for, torch_allocate
+    from .verdict import carry_options_verdict
 
     try:
         if not isinstance(resources, dict):
@@ -281,15 +282,17 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
         if isinstance(options, Exception):
             return False  # its one line was printed when the file was first read (at interpreter start)
         version = "stand-in" if standin else _trtllm_version()
-        # KV-cache compression is an LLM option (`TorchLlmArgs.kv_cache_compression_config`, read by
-        # `KvCacheCreator.build_managers`, _util.py @ 38198e34): the verdict needs it (kv_formats.py)
-        compression = getattr(getattr(llm_args, "kv_cache_compression_config", None), "algorithm", None)
-        probe = probe_managers(resources, version, compression=compression)
-        if not options.enable:
-            _say("mtp carry: stands aside: not configured (mtp_carry.enable is false)")
+        # the carry's own options first, then the executor: the order `info --llm-config` judges in
+        # (trtllm/verdict.py), so both give the same reason
+        own = carry_options_verdict(options)
+        if own is not None:
+            _say(f"mtp carry: stands aside: {own.reason}", own.details)
             return False
+        # `llm_args` (TorchLlmArgs): speculative_config, cache_transceiver_config and
+        # kv_cache_compression_config, read as the creator reads them (probe.llm_args_facts)
+        probe = probe_managers(resources, version, llm_args=llm_args)
         if not probe.runnable:
-            _say(f"mtp carry: stands aside: {probe.reason}")
+            _say(f"mtp carry: stands aside: {probe.reason}", probe.details)
             return False
         assert probe.draft is not None and probe.mtp_layer is not None
         base = _base_resource_manager(probe.draft)
@@ -309,7 +312,8 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
                     early.release()  # on another device than the draft pool: before reserving there
             if reserved is None:  # no early reservation (or on another device): reserve now
                 # (the stand-in models a device's memory: its allocator, as torch.cuda's here)
-                memory = getattr(llm_args, "device_memory", None) if standin else None
+                standin_args = llm_args  # the stand-in's own args: its modelled device
+                memory = getattr(standin_args, "device_memory", None) if standin else None
                 reserved = reserve_for(probe.draft, probe.mtp_layer, options,
                                        torch_allocate if memory is None else memory.allocate)
         else:
@@ -322,7 +326,7 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
         resources[CARRY_MANAGER_KEY] = manager  # where extra_resource_managers go
         _say(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
              f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "
-             f"tokens_per_block {probe.tokens_per_block}): {probe.reason}; {reserved.line()}")
+             f"tokens_per_block {probe.tokens_per_block}): {probe.reason}; {reserved.line()}", probe.details)
         if options.metrics_port is not None:
             from .metrics import export_worker_metrics
 
@@ -344,9 +348,13 @@ def _trtllm_version() -> str:
     return str(getattr(module, "__version__", "unknown"))
 
 
-def _say(line: str) -> None:
+def _say(line: str, details: Sequence[str] = ()) -> None:
+    """One line (the verdict first); `details` (what was read where) follow it in the log only,
+    `mtp carry:   `-indented, so a reader of the first line alone has the whole verdict."""
     _messages.append(line)
     logger.info("%s", line)
+    for detail in details:
+        logger.info("mtp carry:   %s", detail)
     print(line, file=sys.stderr, flush=True)
 
 

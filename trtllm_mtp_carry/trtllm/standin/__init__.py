@@ -9,7 +9,7 @@ its name and cites the file and commit it was read from (diff one against the ot
 | stand-in module | TensorRT-LLM module |
 | --- | --- |
 | `llm` | `tensorrt_llm/llmapi/llm.py` (`LLM`, the process split) |
-| `llm_args` | `tensorrt_llm/llmapi/llm_args.py` (`KvCacheConfig`, `MambaStateConfig`) |
+| `llm_args` | `tensorrt_llm/llmapi/llm_args.py` (`KvCacheConfig`, `MambaStateConfig`, `speculative_config`'s `DecodingBaseConfig`, `CacheTransceiverConfig`) |
 | `py_executor_creator` | `_torch/pyexecutor/py_executor_creator.py` (`create_py_executor`) |
 | `_util` | `_torch/pyexecutor/_util.py` (`create_py_executor_instance`, `KvCacheCreator`: the KV managers' build and KV cache estimation) |
 | `py_executor` | `_torch/pyexecutor/py_executor.py` (`PyExecutor`'s loop) |
@@ -17,7 +17,7 @@ its name and cites the file and commit it was read from (diff one against the ot
 | `scheduler` | `_torch/pyexecutor/scheduler.py` (`ScheduledRequests`) |
 | `kv_cache_manager_v2` | `_torch/pyexecutor/kv_cache/kv_cache_manager_v2.py` (`KVCacheManagerV2`, the draft pool) |
 | `mamba_cache_manager_v2` | `_torch/pyexecutor/kv_cache/mamba_cache_manager/mamba_cache_manager_v2.py` (the hybrid target) |
-| `qsa_cache_manager` | `_torch/attention/backends/sparse/qsa/cache_manager.py` (`QSAMambaHybridCacheManagerV2`, the QSA hybrid's draft pool) |
+| `qsa_cache_manager` | `_torch/attention/backends/sparse/qsa/cache_manager.py` (`QSAMambaHybridCacheManagerV2`, the QSA hybrid's draft pool @ 38198e34) and `_torch/modules/qwen4_exp/cache_manager.py` (`Qwen4ExpHybridCacheManagerV2`, the class newer trees build and `qsa/cache_manager.py` re-exports under the old name) |
 | `llm_request` | `_torch/pyexecutor/llm_request.py` (`LlmRequest`, its states) |
 | `conversation_params`, `mapping` | `tensorrt_llm/conversation_params.py`, `tensorrt_llm/mapping.py` |
 | `conformant` | (the stand-in's guard: `TRTLLM_NAMES`, `Conformant`) |
@@ -52,7 +52,14 @@ from .kv_cache_manager_v2 import (
     poison_page,
 )
 from .llm import StandinLLM
-from .llm_args import QWEN3_NEXT_MODEL_DEFAULTS, BlockReuseConfig, KvCacheConfig, MambaStateConfig
+from .llm_args import (
+    QWEN3_NEXT_MODEL_DEFAULTS,
+    BlockReuseConfig,
+    CacheTransceiverConfig,
+    DecodingBaseConfig,
+    KvCacheConfig,
+    MambaStateConfig,
+)
 from .llm_request import (
     FinishReason,
     LlmRequest,
@@ -68,7 +75,7 @@ from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2
 from .mapping import Mapping
 from .py_executor import StandinPyExecutor
 from .py_executor_creator import create_py_executor
-from .qsa_cache_manager import QSAMambaHybridCacheManagerV2
+from .qsa_cache_manager import QSAMambaHybridCacheManagerV2, Qwen4ExpHybridCacheManagerV2
 from .resource_manager import (
     BaseResourceManager,
     DataType,
@@ -83,10 +90,10 @@ TargetKVManager = MambaHybridCacheManagerV2
 
 __all__ = [
     "BAD_PAGE_INDEX", "QWEN3_NEXT_MODEL_DEFAULTS", "TRTLLM_NAMES", "VERSIONS", "BaseResourceManager",
-    "BlockReuseConfig", "joint_reuse", "poison_page",
+    "BlockReuseConfig", "CacheTransceiverConfig", "DecodingBaseConfig", "joint_reuse", "poison_page",
     "Conformant", "ConversationParams", "DataType", "DraftKVManager", "FinishReason",
     "KVCacheManagerV2", "KvCacheConfig", "LlmRequest", "LlmRequestState", "MambaHybridCacheManagerV2",
-    "MambaStateConfig", "Mapping", "PagedRows", "QSAMambaHybridCacheManagerV2", "ResourceManager", "ResourceManagerType",
+    "MambaStateConfig", "Mapping", "PagedRows", "QSAMambaHybridCacheManagerV2", "Qwen4ExpHybridCacheManagerV2", "ResourceManager", "ResourceManagerType",
     "ScheduledRequests", "SeqSlotManager", "StandinLLM", "StandinLlmArgs", "StandinPyExecutor",
     "TargetKVManager", "create_py_executor", "create_py_executor_instance", "get_cache_salt_id",
     "is_context_finished", "is_context_init_state", "is_finished", "is_generation_complete_state",

@@ -57,10 +57,10 @@ from ...engine.model import HybridLM
 from ..options import MAMBA_STATE_FIELDS
 from .conformant import Conformant
 from .kv_cache_manager_v2 import DraftKVManager, Nvfp4PagedRows, PagedRows
-from .llm_args import KvCacheConfig
+from .llm_args import SEPARATE_DRAFT_POOL, CacheTransceiverConfig, DecodingBaseConfig, KvCacheConfig
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
 from .mapping import Mapping
-from .qsa_cache_manager import QSAMambaHybridCacheManagerV2, qsa_roles
+from .qsa_cache_manager import qsa_class, qsa_roles
 from .resource_manager import (
     _TORCH_DTYPES,
     DataType,
@@ -82,7 +82,7 @@ _ALL_SNAPSHOT = MAMBA_STATE_FIELDS
 _UNPAIRED_V2_HYBRID: dict[str, Any] = {
     "target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
     "pairing_reads": PAIRING_READ_MAIN, "supports": False, "class_attrs": {PAIRING_READ_MAIN: False},
-    "topology": "unpaired", "snapshot_options": _ALL_SNAPSHOT}
+    "topology": "unpaired", "snapshot_options": _ALL_SNAPSHOT, "raw_indices": False}
 """The releases with #18093 and main-line alike: the V2 hybrid class opts out of the match
 backoff the creator reads (`VERSIONS` gives each tree its own copy)."""
 
@@ -99,7 +99,7 @@ VERSIONS: dict[str, dict[str, Any]] = {
     # 1.4.0rc1, whose hybrid class opts out as main-line's does.
     "1.2.1": {"target_class": "CppMambaHybridCacheManager", "draft_class": None, "markers": False,
               "pairing_reads": None, "supports": False, "class_attrs": {}, "topology": "unpaired",
-              "snapshot_options": None},
+              "snapshot_options": None, "raw_indices": False},
     "1.3.0rc29": dict(_UNPAIRED_V2_HYBRID),
     "1.4.0rc1": dict(_UNPAIRED_V2_HYBRID),
     # main-line: `kv_cache/mamba_cache_manager.py` @ 003f8d08 sets
@@ -111,14 +111,14 @@ VERSIONS: dict[str, dict[str, Any]] = {
     # nothing, inheriting `KVCacheManagerV2`'s True, under the 0004396 creator: paired markers
     "pr18843": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
                 "pairing_reads": PAIRING_READ_MAIN, "supports": True, "class_attrs": {},
-                "topology": "paired", "snapshot_options": _ALL_SNAPSHOT},
+                "topology": "paired", "snapshot_options": _ALL_SNAPSHOT, "raw_indices": False},
     # PR #19303 (open), tree 38198e34: `_joint_reuse_supported` reads
     # `_supports_draft_reuse_match_backoff` on the target class; the hybrid declines the match
     # backoff itself and opts in for its draft pool (test_joint_reuse_pairing.py: pairs)
     "main+19303": {"target_class": "MambaHybridCacheManagerV2", "draft_class": None, "markers": True,
                    "pairing_reads": PAIRING_READ_19303, "supports": True,
                    "class_attrs": {PAIRING_READ_MAIN: False, PAIRING_READ_19303: True},
-                   "topology": "paired", "snapshot_options": _ALL_SNAPSHOT},
+                   "topology": "paired", "snapshot_options": _ALL_SNAPSHOT, "raw_indices": True},
     # the QSA hybrid on the same tree: `qsa/cache_manager.py` @ 38198e34 sets
     # `_supports_draft_reuse_match_backoff = False` (test_joint_reuse_pairing.py: does not pair);
     # its draft pool is a `QSAMambaHybridCacheManagerV2` too (`standin/qsa_cache_manager.py`)
@@ -126,9 +126,25 @@ VERSIONS: dict[str, dict[str, Any]] = {
                        "draft_class": "QSAMambaHybridCacheManagerV2", "markers": True,
                        "pairing_reads": PAIRING_READ_19303, "supports": False,
                        "class_attrs": {PAIRING_READ_MAIN: False, PAIRING_READ_19303: False},
-                       "topology": "unpaired", "snapshot_options": _ALL_SNAPSHOT},
+                       "topology": "unpaired", "snapshot_options": _ALL_SNAPSHOT, "raw_indices": True},
+    # the QSA hybrid on newer trees: `modules/qwen4_exp/cache_manager.py` @
+    # 6ff2801f55462b926cc837a7f230fae63bc62fdc defines `Qwen4ExpHybridCacheManagerV2(
+    # MambaHybridCacheManagerV2)` (the QSA side pages when `sparse_attention_config` is set) and
+    # the sparse-attention `registry.py` @ 6ff2801f builds it for `qsa` on KV cache manager V2;
+    # `qsa/cache_manager.py` (the index's newest version) only re-exports it as
+    # `QSAMambaHybridCacheManagerV2`, so the class the executor holds is named `Qwen4Exp...`.
+    # `_util.py` @ 6ff2801f reads `_supports_reuse_match_backoff`, which the class inherits (False
+    # on the hybrid parent, `mamba_cache_manager.py` @ 003f8d08): unpaired. `raw_indices`: not read
+    # at 6ff2801f; played as 38198e34 has it (a tree without it stands aside at the probe)
+    "main:qsa": {"target_class": "Qwen4ExpHybridCacheManagerV2", "draft_class": "Qwen4ExpHybridCacheManagerV2",
+                 "markers": True, "pairing_reads": PAIRING_READ_MAIN, "supports": False,
+                 "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
+                 "snapshot_options": _ALL_SNAPSHOT, "raw_indices": True},
 }
-"""The stand-in's TensorRT-LLM version profiles (`create_py_executor(version=...)`)."""
+"""The stand-in's TensorRT-LLM version profiles (`create_py_executor(version=...)`). `raw_indices`:
+the tree's `KVCacheManagerV2.get_batch_cache_indices` takes `raw_indices=` (38198e34 does;
+0004396720054fd8e205cbf616f21f0b57c6b412 and 1fe0b08f23988c560890aa49894881af28479ba9 do not),
+read only where the draft pool is QSA's (the plain stand-in pool's ids need no raw form)."""
 
 
 def joint_reuse(profile: dict[str, Any], has_separate_one_model_draft: bool, enable_block_reuse: bool) -> bool:
@@ -164,6 +180,10 @@ class StandinLlmArgs:
     stop_token_ids: tuple[int, ...] = ()
     extra_resource_managers: dict[str, Any] = field(default_factory=dict)
     kv_cache_compression_config: Any = None  # `TorchLlmArgs.kv_cache_compression_config` (None: off)
+    # `TorchLlmArgs.speculative_config` (None: no speculation; `create_py_executor` builds it from
+    # `max_draft_len` and `decoding_type`) and `.cache_transceiver_config` (None: not disaggregated)
+    speculative_config: DecodingBaseConfig | None = None
+    cache_transceiver_config: CacheTransceiverConfig | None = None
     pool: PagedRows | None = None  # the one stand-in page pool (draft or folded MTP pages)
     device_memory: StandinDeviceMemory | None = None  # the modelled device (None: not modelled)
     device: str = "cpu"  # where the page pool lives (the model computes on the CPU)
@@ -194,13 +214,23 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
         a.pool = PagedRows(a.num_pages, cfg.num_kv_heads, a.tokens_per_block, cfg.head_dim,
                            dtype, device=a.device, roles=roles)
     mtp_layer = cfg.num_layers  # the MTP layer's global index is num_hidden_layers
-    has_separate = a.max_draft_len > 0 and a.topology != "folded"
+    # `should_use_separate_draft_kv_cache` (one-engine and `_allow_separate_draft_kv_cache`), which
+    # `create_py_executor` sets False on a disaggregated worker (PR #11689: "disabled for disaggregated
+    # mode (cache_transceiver_config is not None)"); without one the MTP layer's KV is folded into
+    # the target pool. A decoding type without a separate pool is played folded too (the stand-in
+    # drafts with the MTP layer whatever the type; outputs never depend on the drafter)
+    spec = a.speculative_config
+    has_separate = (a.max_draft_len > 0 and a.topology != "folded" and spec is not None
+                    and spec.decoding_type in SEPARATE_DRAFT_POOL and a.cache_transceiver_config is None)
+    if a.max_draft_len > 0 and not has_separate:
+        a.topology = "folded"
     if a.topology is None:
         a.topology = "paired" if joint_reuse(profile, has_separate, a.kv_cache_config.enable_block_reuse) \
             else "unpaired"
     draft: DraftKVManager | None = None
     if has_separate:
-        draft_cls = DraftKVManager if profile["draft_class"] is None else QSAMambaHybridCacheManagerV2
+        draft_cls = DraftKVManager if profile["draft_class"] is None else qsa_class(
+            profile["draft_class"], profile["raw_indices"])
         draft = draft_cls(a.pool, mtp_layer=mtp_layer, paired=a.topology == "paired",
                                entries=a.prefix_entries, draft_len=a.max_draft_len,
                                dtype=a.kv_dtype, mapping=mapping, kv_cache_config=a.kv_cache_config)
@@ -396,15 +426,19 @@ def create_py_executor_instance(
     with the KV cache manager moved to the end, then the cross manager (when not None), then the
     compression manager. The worker hook (`trtllm.worker`) wraps this function, as it wraps
     TensorRT-LLM's, to add the carry before the executor exists. The stand-in models no LoRA
-    (`lora_config` must be None) and no disaggregation (`cache_transceiver_config` None).
+    (`lora_config` must be None); `cache_transceiver_config` (a disaggregated worker) is kept,
+    what it does to the draft pool played by `build_managers` (no KV transfer is modelled).
     """
     from .py_executor import StandinPyExecutor
 
     args = llm_args
     assert isinstance(args, StandinLlmArgs)
     assert max_batch_size is not None
-    if lora_config is not None or cache_transceiver_config is not None:
-        raise NotImplementedError("the stand-in models neither LoRA nor disaggregated serving")
+    if lora_config is not None:
+        raise NotImplementedError("the stand-in models no LoRA")
+    if (cache_transceiver_config is None) != (args.cache_transceiver_config is None):
+        raise ValueError("cache_transceiver_config must be llm_args.cache_transceiver_config, as "
+                         "py_executor_creator passes it")
     if max_num_sequences is None:
         # llm_args.disable_overlap_scheduler is the stand-in's `not overlap_scheduler`
         max_num_sequences = compute_max_num_sequences(mapping, max_batch_size, not args.overlap_scheduler)

@@ -44,7 +44,13 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
     "QSAMambaHybridCacheManagerV2": frozenset({
         "qsa_sparse_layer_ids", "qsa_position_layer_id", "qsa_index_dim", "qsa_index_kv_heads",
         "get_index_k_buffer", "get_qsa_position_buffer", "get_buffers", "get_batch_cache_indices"}),
-    "KvCacheConfig": frozenset({"enable_block_reuse", "mamba_state_config"}),
+    # the class newer trees build for it (modules/qwen4_exp/cache_manager.py @ 6ff2801f): the same names
+    "Qwen4ExpHybridCacheManagerV2": frozenset({
+        "qsa_sparse_layer_ids", "qsa_position_layer_id", "qsa_index_dim", "qsa_index_kv_heads",
+        "get_index_k_buffer", "get_qsa_position_buffer", "get_buffers", "get_batch_cache_indices"}),
+    "KvCacheConfig": frozenset({"enable_block_reuse", "mamba_state_config", "block_reuse_config"}),
+    # `TorchLlmArgs.speculative_config` (llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412)
+    "DecodingBaseConfig": frozenset({"decoding_type"}),
     "KvCacheCreator": frozenset({"try_prepare_estimation", "_llm_args"}),
     "MambaStateConfig": frozenset({
         "periodic_snapshot_interval", "additional_snapshot_offsets_from_start",

@@ -402,6 +402,14 @@ class KVCacheManagerV2(Conformant, BaseResourceManager):
         # 00be09f7): its pool addresses
         self.impl = KVCacheManager(paged) if paged is not None else None
 
+    def preempt_request(self, req: Any) -> None:
+        """`KVCacheManagerV2.preempt_request` (kv_cache_manager_v2.py @
+        38198e34582cf777ecc72062f477987284ba9999; absent @ 0004396720054fd8e205cbf616f21f0b57c6b412):
+        without a KV connector, a draft mirror or a capacity-only release, `_release_preempted`,
+        which calls this manager's own `free_resources(req)` ("The caller resets the request to
+        context state"): the pages go at once, not through `ResourceManager.free_resources`."""
+        self.free_resources(req)
+
     def get_max_resource_count(self) -> int:
         return 1
 

@@ -76,6 +76,13 @@ class StandinLLM(Conformant):
         self._executor = _WorkerProxy(py_executor_creator.create_py_executor(model, **executor_options))
 
     @property
+    def args(self) -> Any:
+        """`LLM.args`: the `TorchLlmArgs` the executor was built from (the stand-in's
+        `_util.StandinLlmArgs`: `speculative_config`, `cache_transceiver_config`,
+        `kv_cache_compression_config` are TensorRT-LLM's names)."""
+        return self.executor.llm_args
+
+    @property
     def executor(self) -> StandinPyExecutor:
         """The PyExecutor, wherever it runs (the stand-in's handle for tests and scripts)."""
         proxy = self._executor

@@ -147,3 +147,35 @@ class KvCacheConfig(Conformant):
 
 QWEN3_NEXT_MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"kv_cache_config": {"enable_block_reuse": False}}
 """Qwen3-Next's `get_model_defaults` (modeling_qwen3_next.py @ 00022b04): block reuse off."""
+
+
+@dataclass
+class DecodingBaseConfig(Conformant):
+    """`TorchLlmArgs.speculative_config` (`llm_args.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412):
+    the union of decoding configs tagged by `decoding_type` (`MTP`, `Eagle3`, `NGram`,
+    `Draft_Target`, ...), each a `DecodingBaseConfig` with `max_draft_len` (MTP's
+    `num_nextn_predict_layers` is its deprecated alias). What the stand-in builds for each type is
+    the draft pool the creator gives it (`_util.build_managers`); its drafter is the reference
+    model's MTP layer whatever the type (outputs never depend on the drafter)."""
+
+    TRTLLM_CLASS = "DecodingBaseConfig"
+
+    decoding_type: str = "MTP"
+    max_draft_len: int = 3
+
+
+@dataclass
+class CacheTransceiverConfig:
+    """`TorchLlmArgs.cache_transceiver_config` (`llm_args.py` @ 0004396): set on a disaggregated
+    worker (`backend`: `DEFAULT`, `UCX`, `NIXL`, `MOONCAKE`, `MPI`). The stand-in models what it
+    does to the draft pool (none separate: `_util.build_managers`), not the KV transfer."""
+
+    backend: str = "DEFAULT"
+
+
+SEPARATE_DRAFT_POOL = frozenset({"MTP", "Eagle3"})
+"""The decoding types the stand-in builds a separate draft KV pool for when the creator allows it:
+`speculative/interface.py` (index versions) `should_use_separate_draft_kv_cache` is
+`spec_dec_mode.use_one_engine()` and `_allow_separate_draft_kv_cache`, and one-engine modes are
+one-model MTP and Eagle3, the external drafters (PARD, DFlash, one-model draft-target) and SA;
+NGram is not one-engine (no draft pool). The stand-in plays MTP and Eagle3 of those."""

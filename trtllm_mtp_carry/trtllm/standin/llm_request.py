@@ -119,6 +119,7 @@ class LlmRequest(Conformant):
                  is_dummy: bool = False, py_client_id: int | None = None) -> None:
         self.py_request_id = py_request_id
         self.prompt = list(prompt)
+        self.original_prompt_len = len(prompt)  # the client's prompt (a recompute pause grows `prompt`)
         self.max_new_tokens = max_new_tokens
         self.py_conversation_params = py_conversation_params
         self.cache_salt = cache_salt  # what the client sent (the executor sees only the id)
@@ -200,6 +201,18 @@ class LlmRequest(Conformant):
                                for r in self.finish_reasons]
         self.state = LlmRequestState.GENERATION_COMPLETE
 
+    def reset_for_recompute(self, max_input_len: int = 0x7FFFFFFF) -> None:
+        """`LlmRequest.reset_for_recompute` as `_pause_recompute_paused_requests` calls it
+        (`py_executor.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412, with
+        `_UNBOUNDED_PAUSE_MAX_INPUT_LEN`: "Recompute pause should replay all generated tokens"):
+        every token it had is now its prompt, and it is a context request again from position 0
+        (the KV manager's lookup sets the reused position when it is admitted again)."""
+        self.prompt = list(self.tokens[:max_input_len])
+        self.state = LlmRequestState.CONTEXT_INIT
+        self.context_current_position = self.prepopulated_prompt_len = self.context_chunk_size = 0
+        self.py_draft_tokens = []
+
     @property
     def output(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        """The tokens generated after the client's prompt (across recompute pauses)."""
+        return self.tokens[self.original_prompt_len:]

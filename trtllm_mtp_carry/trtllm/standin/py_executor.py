@@ -34,7 +34,7 @@ from .conversation_params import ConversationParams
 from .kv_cache_manager_v2 import DraftKVManager
 from .llm_request import FinishReason, LlmRequest, LlmRequestState
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2
-from .qsa_cache_manager import QsaIndexer, QSAMambaHybridCacheManagerV2
+from .qsa_cache_manager import QsaIndexer, _QsaDraftPool
 from .resource_manager import ResourceManager, ResourceManagerType
 from .scheduler import ScheduledRequests
 
@@ -82,7 +82,7 @@ class StandinPyExecutor(Conformant):
         self.paged = a.pool
         # a QSA draft pool's MTP layer runs the sparse indexer, which writes its side rows
         self.indexer = (QsaIndexer(self.draft, self.cfg.hidden_size, self.cfg.rotary_dim, self.cfg.rope_theta)
-                        if isinstance(self.draft, QSAMambaHybridCacheManagerV2) else None)
+                        if isinstance(self.draft, _QsaDraftPool) else None)
         self.started = False
         self.waiting: deque[LlmRequest] = deque()
         self.active: list[LlmRequest] = []
@@ -146,6 +146,28 @@ class StandinPyExecutor(Conformant):
     def fail(self, rid: int) -> None:
         """An error mid-flight for request `rid` (`_handle_errors`): see `cancel(failed=True)`."""
         self.cancel(rid, failed=True)
+
+    def preempt(self, rid: int) -> None:
+        """The V2 scheduler preempts running request `rid` for pages, between two steps
+        (scheduler_v2.py @ 38198e34582cf777ecc72062f477987284ba9999, `_preempt_or_defer`, from
+        `_try_preempt_for_pages` for a context request and `_try_recompute_pause_for_gen` for a
+        generation one): `kv_cache_manager.preempt_request(req)` (its own `free_resources`), then
+        `draft_kv_cache_manager.free_resources(req)` called directly, and the victim joins
+        `recompute_paused`. The executor then tears it down through every resource manager, the
+        carry's included (`_terminate_recompute_paused_requests` -> `_free_request_resources` ->
+        `resource_manager.free_resources(request)`, `py_executor.py` @
+        0004396720054fd8e205cbf616f21f0b57c6b412; the V2 managers' free is a no-op for a request
+        they no longer hold) and resets it (`_pause_recompute_paused_requests` ->
+        `reset_for_recompute`): it is scheduled again as a context request under the same id, and
+        its draft pages are fresh."""
+        req = next(r for r in self.active if r.py_request_id == rid)
+        self.target.preempt_request(req)
+        if self.draft is not None:
+            self.draft.free_resources(req)
+        self.resource_manager.free_resources(req)  # _terminate_recompute_paused_requests
+        req.reset_for_recompute()  # _pause_recompute_paused_requests
+        self.active.remove(req)
+        self.waiting.appendleft(req)
 
     def _terminate(self, req: LlmRequest) -> None:
         self.active.remove(req)

@@ -11,8 +11,8 @@ Newer versions pass `llm_args=` instead of `pytorch_backend_config=` and add
 the set 000429d5 passes (the `_util.py` @ 0004396 it calls has no `pytorch_backend_config`).
 `py_executor_creator.py` @ 000429d5 is the only version of this file the index holds and it
 builds `KvCacheCreator(...)` without `is_disagg`, which `_util.py` @ 0004396 requires: the
-stand-in passes `is_disagg=False` (no cache transceiver, as `_util` derives it) with the
-other keywords 000429d5 passes. The KV managers come from `KvCacheCreator`, imported by name from
+stand-in passes `is_disagg=` whether `cache_transceiver_config` is set, with the other keywords
+000429d5 passes. The KV managers come from `KvCacheCreator`, imported by name from
 `._util` and built through this module's global name (@ 000429d57d42ecc8d481e5cdf653fff238be5974):
 `kv_cache_creator = KvCacheCreator(...)`, `estimating_kv_cache =
 kv_cache_creator.try_prepare_estimation()`, `kv_cache_creator.build_managers(resources,
@@ -39,7 +39,7 @@ from ._util import (
     StandinLlmArgs,
     create_py_executor_instance,
 )
-from .llm_args import KvCacheConfig
+from .llm_args import CacheTransceiverConfig, DecodingBaseConfig, KvCacheConfig
 from .mapping import Mapping as TrtllmMapping
 from .resource_manager import DataType
 from .torch_cuda import StandinDeviceMemory
@@ -50,6 +50,8 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
                        version: str = "1.3.0rc29", max_draft_len: int = 3, chunk_size: int = 64,
                        tokens_per_block: int = 32, num_pages: int = 4096, prefix_entries: int = 64,
                        max_batch: int = 8, kv_dtype: DataType = DataType.BF16, tp_size: int = 1,
+                       decoding_type: str = "MTP",
+                       cache_transceiver_config: Mapping[str, Any] | CacheTransceiverConfig | None = None,
                        enable_attention_dp: bool = False, overlap_scheduler: bool = False,
                        stop_token_ids: Sequence[int] = (),
                        extra_resource_managers: Mapping[str, Any] | None = None,
@@ -78,14 +80,25 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
     the budget. `device` is where the page pool (the draft KV pages) lives, `cpu` or a GPU's
     (the adapter's gathers and scatters then run there, into arenas reserved there; the
     model computes on the CPU).
+
+    `decoding_type` is `speculative_config.decoding_type` (`MTP`; `Eagle3` gets a separate draft
+    pool too, other types none: `_util.build_managers`; the stand-in drafts with the MTP layer
+    whatever the type); `max_draft_len=0` is no `speculative_config` at all.
+    `cache_transceiver_config` (a dict as in `llm.yaml`, or a `CacheTransceiverConfig`) makes a
+    disaggregated worker: `_allow_separate_draft_kv_cache = False` (PR #11689), so no separate draft
+    pool, and `KvCacheCreator(is_disagg=True)`.
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {', '.join(VERSIONS)}, got {version!r}")
     config = KvCacheConfig.from_dict(kv_cache_config)
     if enable_block_reuse is not None:
         config = dataclasses.replace(config, enable_block_reuse=enable_block_reuse)
+    transceiver = (CacheTransceiverConfig(**cache_transceiver_config)
+                   if isinstance(cache_transceiver_config, Mapping) else cache_transceiver_config)
     args = StandinLlmArgs(
         model=model.eval(), kv_cache_config=config,
+        speculative_config=DecodingBaseConfig(decoding_type, max_draft_len) if max_draft_len else None,
+        cache_transceiver_config=transceiver,
         topology=topology, version=version,
         max_draft_len=max_draft_len, chunk_size=chunk_size, tokens_per_block=tokens_per_block,
         num_pages=num_pages, prefix_entries=prefix_entries, max_batch=max_batch, kv_dtype=kv_dtype,
@@ -104,8 +117,9 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
         kv_connector_manager=None, max_num_tokens=args.chunk_size, max_beam_width=1,
         tokens_per_block=args.tokens_per_block, max_seq_len=1 << 20, max_batch_size=args.max_batch,
         kv_cache_config=args.kv_cache_config, llm_args=args,
-        speculative_config=SimpleNamespace(max_draft_len=args.max_draft_len) if args.max_draft_len else None,
-        sparse_attention_config=None, profiling_stage_data=None, is_disagg=False, execution_stream=None,
+        speculative_config=args.speculative_config,
+        sparse_attention_config=None, profiling_stage_data=None,
+        is_disagg=args.cache_transceiver_config is not None, execution_stream=None,
         skip_est=not estimate_kv_cache)
     estimating_kv_cache = kv_cache_creator.try_prepare_estimation()
     kv_cache_creator.build_managers(resources, estimating_kv_cache)
@@ -132,4 +146,4 @@ def _instance(resources: OrderedDict[Any, Any], args: StandinLlmArgs, model_engi
         garbage_collection_gen0_threshold=None, kv_connector_manager=None,
         max_seq_len=1 << 20, max_batch_size=args.max_batch, max_beam_width=1,
         max_num_tokens=args.chunk_size, peft_cache_config=None, scheduler_config=None,
-        cache_transceiver_config=None, virtual_memory_pools=None, execution_stream=None)
+        cache_transceiver_config=args.cache_transceiver_config, virtual_memory_pools=None, execution_stream=None)

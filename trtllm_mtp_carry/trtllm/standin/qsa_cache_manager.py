@@ -76,13 +76,13 @@ def qsa_roles(num_kv_heads: int, head_dim: int, kv_elem_bytes: int) -> int:
     return 3 if index_bytes == num_kv_heads * head_dim * kv_elem_bytes else 2
 
 
-class QSAMambaHybridCacheManagerV2(DraftKVManager):
+class _QsaDraftPool(DraftKVManager):
     """The QSA hybrid's separate one-model draft pool (is_draft): the MTP layer's K/V pages and,
-    in the same slot, its index keys and the request's position coordinates."""
+    in the same slot, its index keys and the request's position coordinates. The class a tree
+    builds it as is below (`qsa_class`); what makes it QSA's is what it creates (the side pages,
+    `qsa_position_layer_id` set), whatever it is called."""
 
-    TRTLLM_CLASS = "QSAMambaHybridCacheManagerV2"
     _supports_reuse_match_backoff = False  # the hybrid parent's value (mamba_cache_manager.py @ 38198e34)
-    _supports_draft_reuse_match_backoff = False  # qsa/cache_manager.py @ 38198e34
 
     def __init__(self, paged: PagedRows, *args: Any, **kwargs: Any) -> None:
         super().__init__(paged, *args, **kwargs)
@@ -120,9 +120,8 @@ class QSAMambaHybridCacheManagerV2(DraftKVManager):
         """`[num_slots, tpb, 3]` int32 position coordinates."""
         return self._position
 
-    def get_batch_cache_indices(self, request_ids: list[int], layer_idx: int | None = None,
-                                num_blocks_per_seq: Any = None, *,
-                                raw_indices: bool = False) -> list[list[int]]:
+    def _indices(self, request_ids: list[int], layer_idx: int | None, num_blocks_per_seq: Any,
+                 raw_indices: bool) -> list[list[int]]:
         """As `KVCacheManagerV2.get_batch_cache_indices` @ 38198e34: base slot ids with
         `raw_indices`, else each `slot * scale // kv_factor` (`BAD_PAGE_INDEX` kept)."""
         slots = super().get_batch_cache_indices(request_ids, layer_idx, num_blocks_per_seq)
@@ -131,11 +130,73 @@ class QSAMambaHybridCacheManagerV2(DraftKVManager):
         return [[s if s == BAD_PAGE_INDEX else s * self._scale // _KV_FACTOR for s in row] for row in slots]
 
 
+class _RawIndices:
+    """A tree whose `KVCacheManagerV2.get_batch_cache_indices` takes `raw_indices=` (38198e34)."""
+
+    def get_batch_cache_indices(self, request_ids: list[int], layer_idx: int | None = None,
+                                num_blocks_per_seq: Any = None, *,
+                                raw_indices: bool = False) -> list[list[int]]:
+        return self._indices(request_ids, layer_idx, num_blocks_per_seq, raw_indices)  # type: ignore[attr-defined, no-any-return]
+
+
+class _NoRawIndices:
+    """A tree whose base lacks it (0004396720054fd8e205cbf616f21f0b57c6b412,
+    1fe0b08f23988c560890aa49894881af28479ba9): only the scaled ids; `raw_indices=` is a TypeError."""
+
+    def get_batch_cache_indices(self, request_ids: list[int], layer_idx: int | None = None,
+                                num_blocks_per_seq: Any = None) -> list[list[int]]:
+        return self._indices(request_ids, layer_idx, num_blocks_per_seq, False)  # type: ignore[attr-defined, no-any-return]
+
+
+class QSAMambaHybridCacheManagerV2(_RawIndices, _QsaDraftPool):
+    """The class `qsa/cache_manager.py` defines @ 38198e34582cf777ecc72062f477987284ba9999 (and
+    @ 2d6d77fd467c8595c888916ecca9500dcd7cf561, 679ce67bc87a4e7dcf96a7490e1550d1bd7f4820)."""
+
+    TRTLLM_CLASS = "QSAMambaHybridCacheManagerV2"
+    _supports_draft_reuse_match_backoff = False  # qsa/cache_manager.py @ 38198e34
+
+
+class Qwen4ExpHybridCacheManagerV2(_RawIndices, _QsaDraftPool):
+    """The class newer trees build for `qsa` on KV cache manager V2: `modules/qwen4_exp/
+    cache_manager.py` @ 6ff2801f55462b926cc837a7f230fae63bc62fdc (`Qwen4ExpHybridCacheManagerV2(
+    MambaHybridCacheManagerV2)`, the QSA side pages only when `sparse_attention_config` is set:
+    `qsa_position_layer_id` None otherwise), built by the sparse-attention `registry.py` @ 6ff2801f. The
+    index's newest `qsa/cache_manager.py` (not named by a commit there) holds only
+    `from ...qwen4_exp.cache_manager import Qwen4ExpHybridCacheManagerV2 as
+    QSAMambaHybridCacheManagerV2`: `QWEN4_EXP_ALIAS` below. That tree's `_util.py` reads
+    `_supports_reuse_match_backoff` (inherited False): unpaired."""
+
+    TRTLLM_CLASS = "Qwen4ExpHybridCacheManagerV2"
+
+
+QWEN4_EXP_ALIAS: dict[str, type[_QsaDraftPool]] = {"QSAMambaHybridCacheManagerV2": Qwen4ExpHybridCacheManagerV2}
+"""The newest tree's `qsa/cache_manager.py`: the old name bound to the new class (a re-export), so
+code importing `QSAMambaHybridCacheManagerV2` there gets a class whose `__name__` is
+`Qwen4ExpHybridCacheManagerV2`."""
+
+_QSA_CLASSES: dict[tuple[str, bool], type[_QsaDraftPool]] = {}
+
+
+def qsa_class(name: str, raw_indices: bool) -> type[_QsaDraftPool]:
+    """The QSA draft pool's class as a tree names it (`QSAMambaHybridCacheManagerV2` or
+    `Qwen4ExpHybridCacheManagerV2`), over a base with or without `raw_indices`."""
+    base = {"QSAMambaHybridCacheManagerV2": QSAMambaHybridCacheManagerV2,
+            "Qwen4ExpHybridCacheManagerV2": Qwen4ExpHybridCacheManagerV2}[name]
+    if raw_indices:
+        return base
+    key = (name, raw_indices)
+    if key not in _QSA_CLASSES:
+        _QSA_CLASSES[key] = type(name, (_NoRawIndices, base), {
+            "__doc__": f"{name} on a tree whose KVCacheManagerV2 lacks raw_indices.",
+            "get_batch_cache_indices": _NoRawIndices.get_batch_cache_indices})
+    return _QSA_CLASSES[key]
+
+
 class QsaIndexer:
     """The QSA indexer's cache writes (`QSAIndexer.update_cache_and_compress`, indexer.py @
     6dc94b06) over the stand-in's draft pool: raw keys and coordinates per key, group anchors."""
 
-    def __init__(self, manager: QSAMambaHybridCacheManagerV2, hidden_size: int, rotary_dim: int,
+    def __init__(self, manager: _QsaDraftPool, hidden_size: int, rotary_dim: int,
                  rope_theta: float) -> None:
         self.manager = manager
         gen = torch.Generator().manual_seed(0x95A)

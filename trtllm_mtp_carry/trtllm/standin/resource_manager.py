@@ -36,8 +36,11 @@ class DataType(enum.Enum):
     NVFP4 = "NVFP4"  # `_create_kv_cache_manager` (_util.py @ 38198e34) for an FP4 KV cache
 
 
-# the torch dtype KV pages of each DataType are viewed as (`_utils.py` @ 000a01de
-# `_torch_to_binding_dtype_dict`: float8_e4m3fn <-> DataType.FP8, `_binding_dtype_size` 1 byte)
+# the torch dtype KV pages of each DataType are viewed as: `KVCacheManagerV2.get_buffers` hands the
+# pool's DataType to `convert_to_torch_tensor(TensorWrapper(...))` (only NVFP4 re-typed to int8:
+# kv_cache_manager_v2.py @ 38198e34582cf777ecc72062f477987284ba9999), the QSA views map it with
+# `binding_to_torch_dtype` (modules/qwen4_exp/cache_manager.py @ 6ff2801f55462b926cc837a7f230fae63bc62fdc);
+# FP8 pages are float8_e4m3fn, one byte an element (what the probe checks on the live view)
 _TORCH_DTYPES = {DataType.BF16: torch.bfloat16, DataType.HALF: torch.float16,
                  DataType.FLOAT: torch.float32, DataType.FP8: torch.float8_e4m3fn,
                  DataType.NVFP4: torch.int8}  # get_buffers re-types an NVFP4 pool to int8 (packed
