@@ -18,8 +18,6 @@ computed) holds for the same tokens. On the STAND-IN: no TensorRT-LLM ran.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from standin_helpers import CHUNK, make_llm, padded, user_tokens
@@ -91,20 +89,28 @@ def test_a_preempted_request_deposits_only_rows_its_pages_held(preempt_at: str) 
     plain, _ = _turns(plain_llm, None)
     # greedy: the target verifies every draft, so preemption and the carry change no output
     assert [r.output for r in turns] == [r.output for r in rebuilt] == [r.output for r in plain]
-    stats: dict[str, Any] = carry.stats()
-    assert stats["faults"] == {} and sum(stats["errors"].values()) == 0
+    stats = carry.stats()
+    assert stats.faults == {} and sum(stats.fault_steps.values()) == 0
     paused = "context_unfinished" if preempt_at == "context" else "preempted"
-    assert stats["skipped"][paused] == 1  # the free after the draft pool let the pages go
-    assert stats["turns"]["resumed"] == 1
+    assert stats.skipped[paused] == 1  # the free after the draft pool let the pages go
+    assert stats.turns["resumed"] == 1
     resumed = carry.manager.turn(preempted)
     assert resumed is not None and resumed["resumed"] is True
-    # every deposit is the rows the pages held, and those are the rows a rebuild computes
-    deposited = [(r.py_request_id, len(r.get_tokens(0))) for r in turns
-                 if carry.manager.turn(r.py_request_id)["rows_deposited"]]
+    # every deposit is the rows the pages held for its run of keys (after a turn that adopted
+    # nothing, the run its context computed: keys [R, N - 1)), and those are the rows a rebuild
+    # computes for the same keys
+    deposited = [(r.py_request_id, len(r.get_tokens(0)), carry.manager.turn(r.py_request_id)["rows_deposited"])
+                 for r in turns if carry.manager.turn(r.py_request_id)["rows_deposited"]]
     assert deposited  # the cold turn's at least
     by_turn = {r.py_request_id: w.py_request_id for r, w in zip(turns, rebuilt, strict=True)}
-    for rid, n in deposited:
-        assert torch.equal(got[(rid, n)], want[(by_turn[rid], n)])
+    for rid, n, rows in deposited:
+        mine, rebuilt_rows = got[(rid, n)][n - 1 - rows:], want[(by_turn[rid], n)][n - 1 - rows:]
+        if carry.manager.turn(rid)["reused"] % CHUNK == 0:  # its context ran in the rebuild's chunks: the same bits
+            assert torch.equal(mine, rebuilt_rows)
+        else:  # other chunk boundaries round a few rows differently (one bf16 ulp); a row the
+            # pages never held (the pool's poison, another request's rows) is off by its scale
+            assert torch.allclose(mine.view(torch.bfloat16).float(), rebuilt_rows.view(torch.bfloat16).float(),
+                                  rtol=2**-7, atol=2**-7)
     for llm in (carry_llm, rebuild_llm, plain_llm):
         llm.executor.check()
 
