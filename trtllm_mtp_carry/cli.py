@@ -225,7 +225,7 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
         load_llm_options,
         reuse_stand_aside,
     )
-    from .trtllm.probe import parallel_refusal
+    from .trtllm.probe import parallel_refusal, tensor_parallel_note
 
     rest, options = load_llm_options(path)
     try:
@@ -236,7 +236,8 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     state = kv["mamba_state_config"]
     aside = None if options.enable else "not configured (mtp_carry.enable is false)"
     aside = aside or parallel_refusal(rest.get("tensor_parallel_size", 1),
-                                      bool(rest.get("enable_attention_dp", False)))
+                                      bool(rest.get("enable_attention_dp", False)),
+                                      rest.get("pipeline_parallel_size", 1))
     raw = rest.get("kv_cache_config") or {}
     fixed = [f"{k}={raw[k]}" for k in ("max_gpu_total_bytes", "max_tokens") if raw.get(k)]
     fraction = raw.get("free_gpu_memory_fraction", 0.9)
@@ -247,6 +248,7 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     return {
         **reserve,
         "trtllm_kv_cache_size": size,
+        "trtllm_tensor_parallel": tensor_parallel_note(rest.get("tensor_parallel_size", 1)),
         "trtllm_metrics_port": options.metrics_port if options.enable else None,
         "llm_config": path,
         "llm_config_block_reuse": kv["enable_block_reuse"],
@@ -341,6 +343,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             ("block reuse (--llm-config)", yes(report["llm_config_block_reuse"]),
              "kv_cache_config.enable_block_reuse (Qwen3-Next's default: off)"),
             ("snapshot placement (--llm-config)", "-", report["llm_config_snapshot_placement"]),
+            ("tensor parallel (--llm-config)", "-", report["trtllm_tensor_parallel"]),
         ]
         if report["trtllm_metrics_port"] is not None:
             rows[-1:-1] = [("worker metrics (metrics_port)", report["trtllm_metrics_port"],

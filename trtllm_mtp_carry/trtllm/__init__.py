@@ -107,7 +107,7 @@ class CarryAttachment:
         else:
             from ..core.outcome import NO_CARRY_REASONS, OUTCOME_KINDS
             from .carried import CarriedRows
-            from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS
+            from .manager import ERROR_STEPS, SKIP_REASONS, TURN_KINDS, VETO_STEPS
 
             # the held part is an empty store's own stats (no arena, no host tier): the same keys armed
             held = CarriedRows(None, self._device_bytes() or 0, host_budget_bytes=0,
@@ -117,6 +117,7 @@ class CarryAttachment:
                    "rows_scattered": 0, "rows_deposited": 0, "rows_computed": 0,
                    "no_carry_reasons": dict.fromkeys(NO_CARRY_REASONS, 0), "sessions_ended": 0,
                    "rows_freed": 0, "errors": dict.fromkeys(ERROR_STEPS, 0), "faults": {}, "live_requests": 0,
+                   "lockstep": {"tp_size": 1, "agreements": 0, "vetoed": dict.fromkeys(VETO_STEPS, 0)},
                    **held, "carry_slots": self.slots}
         return {"topology": self.topology, "armed": self.armed, **out}
 

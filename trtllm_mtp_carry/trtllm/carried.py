@@ -24,6 +24,11 @@ Invariants:
   `session_end` (`CarryStore.evict_session`), as the reference runtime's
   `forget_session` does.
 - Thread-safe: `stats()` may be read while the executor thread deposits.
+- Plan, then act: `stage` admits a deposit (evicting what the policy names) and places its
+  rows; `commit` makes it an entry, `abort` refuses it (`oom`: the executor could not hold it,
+  on this or another tensor-parallel rank) and frees its rows; `deposit` is the two at once.
+  The store reads `clock` (the lockstep's agreed clock under tensor parallelism) for its idle
+  TTL and the `returns` policy's ages.
 - Host tier (`host_budget_bytes` > 0; the store decides, `CarryStore`): an entry
   leaving the device budget has its rows copied to host memory (pinned when they
   are on a GPU: on GB10's unified memory that is system memory outside
@@ -57,7 +62,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -135,6 +141,21 @@ class TakenRows:
         return self.codec.head(self.rows, n)
 
 
+@dataclass(frozen=True, slots=True)
+class StagedDeposit:
+    """A deposit `stage` admitted and placed, not yet an entry: `commit` or `abort` it.
+
+    `tier` is where its rows are: `device` (in the device rows, the store not yet told) or
+    `host` (the device tier refused it and the host tier took it: already an entry there)."""
+
+    key: int
+    tokens: Sequence[int]
+    rows: int
+    nbytes: int
+    session: int | None
+    tier: str
+
+
 class CarriedRows:
     """Carried MTP rows keyed by carry key, bounded as the core's `CarryStore` bounds them."""
 
@@ -142,7 +163,7 @@ class CarriedRows:
                  idle_s: float | None = None, host_budget_bytes: int | None = None,
                  row_dtype: str | None = None, arena: RowArena | None = None,
                  host_arena: RowArena | None = None, pool_dtype: torch.dtype | None = None,
-                 codec: RowCodec | None = None) -> None:
+                 codec: RowCodec | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         host = carry_host_memory() if host_budget_bytes is None else host_budget_bytes
         self.row_dtype = carry_row_dtype() if row_dtype is None else check_row_dtype(row_dtype, "row_dtype")
         # the rows' one format: `codec` (the manager's, from its draft pages: K/V, or K/V with a QSA
@@ -151,7 +172,7 @@ class CarriedRows:
         self.codec: RowCodec | None = (codec if codec is not None else
                                        None if pool_dtype is None else codec_for(self.row_dtype, pool_dtype))
         self._store = CarryStore(slots, budget_bytes=budget_bytes, policy=policy, idle_s=idle_s,
-                                 host_budget_bytes=host)
+                                 host_budget_bytes=host, clock=clock)
         self._rows = HeldRows(arena, self.codec)  # device rows: in the arena when one is reserved
         self._host = HeldRows(host_arena, self.codec)  # host tier rows: in the pinned arena when one is reserved
         self._host_device: dict[int, torch.device] = {}  # host entry -> the device its rows came from
@@ -211,7 +232,18 @@ class CarriedRows:
                 session: int | None = None) -> bool:
         """Keep `rows` (keys `0 .. n-1`, `n <= len(tokens) - 1`, held in `codec`'s form) under
         `key`, an entry of conversation `session` (None: `key` itself), charged the bytes held;
-        False if refused. TypeError for rows in another form."""
+        False if refused. TypeError for rows in another form. (`stage`, then `commit`.)"""
+        with self._lock:
+            staged = self.stage(key, tokens, rows, session)
+            if staged is not None:
+                self.commit(staged)
+            return staged is not None
+
+    def stage(self, key: int, tokens: Sequence[int], rows: Rows,
+              session: int | None = None) -> StagedDeposit | None:
+        """Admit `deposit`'s rows and place them (evicting what the policy names), without making
+        them an entry yet; None when refused (counted: `not_admitted`, `too_large`, `oom`).
+        TypeError for rows in another form."""
         # rows: [n, 2, Hkv, D], a copy owned by the store from now on
         codec = self._bind(rows)
         n = rows.shape[0]
@@ -221,16 +253,37 @@ class CarriedRows:
             evicted = self._store.admit(key, nbytes, session) if n > 0 else None
             if evicted is None:  # refused (the store counts why); older rows of `key` are stale
                 self._evict(key, "replaced")
-                return n > 0 and self._deposit_host(key, tokens, rows, nbytes, session)
+                if n > 0 and self._deposit_host(key, tokens, rows, nbytes, session):
+                    return StagedDeposit(key, tokens, n, nbytes, session, "host")
+                return None
             for old in evicted:
                 del self._rows[old.session_hash]
             try:
                 self._rows.put(key, rows)  # into the arena: the one allocation a deposit makes
             except torch.OutOfMemoryError as exc:
                 self._refuse_oom(key, exc)
-                return False
-            self._store.put(CarriedDrafter((), n, n - 1, tokens, key), nbytes, session)
-            return True
+                return None
+            return StagedDeposit(key, tokens, n, nbytes, session, "device")
+
+    def commit(self, staged: StagedDeposit) -> None:
+        """Make `staged` an entry (a host-tier deposit already is one)."""
+        with self._lock:
+            if staged.tier == "device":
+                n = staged.rows
+                self._store.put(CarriedDrafter((), n, n - 1, staged.tokens, staged.key), staged.nbytes,
+                                staged.session)
+
+    def abort(self, staged: StagedDeposit) -> None:
+        """Refuse `staged` after all: its rows are freed and the refusal counted `oom` (the
+        executor could not hold the rows: on this rank, or on another tensor-parallel rank, so
+        none keeps them); a host-tier entry leaves as `fault`. What admitting it evicted stays
+        evicted (as on every rank)."""
+        with self._lock:
+            if staged.tier == "device":
+                del self._rows[staged.key]
+                self._store.refuse(staged.key)
+            else:
+                self._store.evict(staged.key, "fault")
 
     def _bind(self, rows: Rows) -> RowCodec:
         """The codec `rows` must be held in (bound here from the first rows when no pool dtype was

@@ -98,6 +98,7 @@ from .arena import Reserved
 from .carried import CarriedRows, _current_stream, _on_stream
 from .draft_pages import pages_of
 from .identity import conversation_session, request_session, request_session_key
+from .lockstep import Lockstep
 from .options import CarryOptions
 
 logger = logging.getLogger("trtllm_mtp_carry")
@@ -129,6 +130,26 @@ PAUSED_LOG = 4096
 
 TURN_LOG = 4096
 """How many recent requests' turn records `turn()` and `pop_turn()` each keep (oldest dropped first)."""
+
+VETO_STEPS: tuple[str, ...] = ("key", "adopt", "deposit")
+"""`stats()["lockstep"]["vetoed"]`: carry steps the tensor-parallel ranks did not take because
+they did not agree, counted alike on every rank: `key` (a first-seen request the ranks would
+not judge with the same carry key and reused depth), `adopt` (an adoption some rank could not
+make: no rank restores), `deposit` (rows some rank could not hold: no rank keeps them). A
+step vetoed by a rank's own gather or skip is a skip (`skipped`), not a veto."""
+
+NOTHING = -1
+"""A freed request's deposit vote when it has no row to keep (fewer than two tokens)."""
+
+
+@dataclass(frozen=True)
+class _Adoption:
+    """An adoption one rank prepared: its rows `[0, rows)`, the entry taken, the request's pages."""
+
+    rows: int
+    taken: Any  # carried.TakenRows
+    pages: Any  # the request's page ids for the MTP layer
+    buf: Any  # the MTP layer's page views
 
 
 @dataclass
@@ -191,10 +212,13 @@ class CarryManagerCore:
     """The carry's resource-manager logic over one draft KV manager's MTP layer (see module doc)."""
 
     def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions,
-                 report: Callable[[str], None] | None = None, reserved: Reserved | None = None) -> None:
+                 report: Callable[[str], None] | None = None, reserved: Reserved | None = None,
+                 lockstep: Lockstep | None = None) -> None:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
+        # the agreements with the other tensor-parallel ranks, and the clock the store reads
+        self.lockstep = Lockstep.single() if lockstep is None else lockstep
         slots = carry_slots() if options.carry_slots is None else options.carry_slots
         idle_s = carry_idle_s() or None  # 0: entries never expire
         # issue 33: the rows live in the arenas reserved at install (trtllm/arena.py)
@@ -206,7 +230,8 @@ class CarryManagerCore:
                                    row_dtype=options.carry_row_dtype, pool_dtype=self._pool_dtype(),
                                    codec=self.pages.codec(options.carry_row_dtype or carry_row_dtype()),
                                    arena=None if reserved is None else reserved.device,
-                                   host_arena=None if reserved is None else reserved.host)
+                                   host_arena=None if reserved is None else reserved.host,
+                                   clock=self.lockstep.now)
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
         self._outcomes: Counter[str] = Counter()
@@ -219,6 +244,8 @@ class CarryManagerCore:
         self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_request_id
         self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
         self._no_carry: Counter[str] = Counter()  # no_carry outcomes by reason
+        self._vetoed: Counter[str] = Counter()  # steps the ranks did not agree on (VETO_STEPS)
+        self._vetoed_logged = False
         self.rows_scattered = 0
         self.rows_deposited = 0
         self.rows_computed = 0  # the prompts' pair keys [R, L - 1) TensorRT-LLM's context computed
@@ -261,7 +288,12 @@ class CarryManagerCore:
 
         One request's fault drops that request's carry state only: the others go on.
         Arguments past the batch (what `ResourceManager` gives KV cache managers, e.g.
-        `attn_metadata`) are accepted and not read."""
+        `attn_metadata`) are accepted and not read.
+
+        Under tensor parallelism the first-seen requests are judged in lockstep (`_adopt`):
+        every rank reaches the same agreements here, whatever its own steps did."""
+        firsts = [(int(r.py_request_id), r) for r in scheduled_batch.context_requests
+                  if not r.is_dummy_request and int(r.py_request_id) not in self._live]
         for request in scheduled_batch.context_requests:
             rid = None
             try:
@@ -269,6 +301,8 @@ class CarryManagerCore:
                 self._prepare_one(rid, request)
             except Exception as exc:  # the turn runs blind; nothing more is written for it
                 self._fault("prepare", exc, rid)
+        if firsts:
+            self._adopt(firsts)
 
     def _prepare_one(self, rid: int, request: Any) -> None:
         # this chunk reaches the prompt's end (C++ isLastContextChunk, read in our own
@@ -306,9 +340,6 @@ class CarryManagerCore:
             _remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
                 _remember(self._client_log, int(client), record, TURN_LOG)
-        if key is None or reused == 0:
-            return
-        self._adopt(rid, request, live)
 
     @_guarded(None, "free")
     def free_resources(self, request: Any, *args: Any, **kwargs: Any) -> None:
@@ -369,32 +400,58 @@ class CarryManagerCore:
             return freed
 
     def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
+        """Deposit a freed request's valid rows. A request the carry tracks (`live`, seen in
+        prepare: the same requests on every rank) deposits in lockstep: every rank gathers, then
+        `agree_deposit` (deposit only if every rank gathered the same rows of the same key, else
+        every rank skips for the same reason), then every rank stages, then `agree` (commit only
+        if every rank placed the rows, else every rank refuses them as `oom`)."""
         tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
         why = self._skip_reason(request, live, len(tokens))
-        if why is not None:
-            self._skip(why, live)
+        if live is None:  # never tracked (a dummy, or freed before it was scheduled): no vote
+            if why is not None:
+                self._skip(why, live)
             return False
-        assert live is not None and live.key is not None
         valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
-        if valid <= 0:
+        rows = None
+        if why is None and valid > 0:
+            try:
+                pages = self.pages.page_ids(rid)
+                buf = self.pages.views()
+                with self._draft_stream():
+                    codec = self.carried.codec or self.pages.codec(self.carried.row_dtype)
+                    rows = codec.gather_pages(buf, pages, 0, valid)  # [valid, 2, Hkv, D], held form
+                    self._sync()
+            except Exception as exc:  # the carry may cost acceptance, never the executor
+                self._fault("deposit", exc, rid)
+                why = "fault"
+        status = 1 + SKIP_REASONS.index(why) if why is not None else 0 if valid > 0 else NOTHING
+        agreed = self.lockstep.agree_deposit(live.key or 0, status, valid)
+        if agreed != 0:
+            if agreed > 0:
+                self._skip(SKIP_REASONS[agreed - 1], live)
+            elif agreed == -1:  # every rank would deposit, but not the same key or rows
+                self._skip("fault", live)
             return False
-        try:
-            pages = self.pages.page_ids(rid)
-            buf = self.pages.views()
-            with self._draft_stream():
-                codec = self.carried.codec or self.pages.codec(self.carried.row_dtype)
-                rows = codec.gather_pages(buf, pages, 0, valid)  # [valid, 2, Hkv, D], held form
-                self._sync()
-        except Exception as exc:  # the carry may cost acceptance, never the executor
-            self._fault("deposit", exc, rid)
-            self._skip("fault", live)
-            return False
+        assert rows is not None and live.key is not None
         with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
+            staged = None
             if live.forgotten:
                 self._skip("session_end", live)
+            else:
+                try:
+                    staged = self.carried.stage(live.key, tokens, rows, live.conversation)
+                except Exception as exc:  # the store itself: a fault of the free, not of the gather
+                    self._fault("free", exc, rid)
+                    self._skip("fault", live)
+            every, some = self.lockstep.agree_all(staged is not None)
+            if not every:
+                if some:  # a rank could not hold the rows: no rank keeps them
+                    self._vetoed["deposit"] += 1
+                if staged is not None:
+                    self.carried.abort(staged)
                 return False
-            if not self.carried.deposit(live.key, tokens, rows, live.conversation):
-                return False
+            assert staged is not None
+            self.carried.commit(staged)
             self.rows_deposited += valid
             live.record["rows_deposited"] = valid
         return True
@@ -447,6 +504,8 @@ class CarryManagerCore:
                 "errors": {step: self._errors.get(step, 0) for step in ERROR_STEPS},
                 "faults": dict(sorted(self._faults.items())),
                 "live_requests": len(self._live),
+                "lockstep": {"tp_size": self.lockstep.tp_size, "agreements": self.lockstep.agreements,
+                             "vetoed": {step: self._vetoed.get(step, 0) for step in VETO_STEPS}},
                 **self.carried.stats(),
             }
 
@@ -471,16 +530,57 @@ class CarryManagerCore:
 
     # ---- steps -------------------------------------------------------------------------
 
-    def _adopt(self, rid: int, request: Any, live: _Live) -> None:
-        assert live.key is not None
-        # int64 buffer: decide_adopt compares it with the entry's buffer in typed memory
-        prompt = array("q", request.get_tokens(0))
-        ticket = self._tickets.draw()
-        # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
-        # the span the core's plan may append, so it is this ticket's projected store range.
-        projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
-        outcome, taken = self.carried.judge_and_take(live.key, prompt, ticket, projected,
-                                                     live.conversation)
+    def _adopt(self, firsts: list[tuple[int, Any]]) -> None:
+        """Judge and restore this batch's first-seen context requests, in lockstep.
+
+        Every rank agrees which requests it would judge (the same carry key and reused depth R
+        on every rank: `agree_first_sights`, which also fixes the clock the judges read),
+        judges and takes them, resolves their pages, then agrees the rows each can restore
+        (`agree_rows`, the MIN over ranks) before any rank scatters: rows of keys `[0, m)`
+        land on every rank, or on none (a rank that could not adopt cancels every rank's
+        adoption; that turn's carry is dropped on every rank, counted in `vetoed`)."""
+        wants: list[tuple[int, int]] = []
+        for rid, _ in firsts:
+            live = self._live.get(rid)
+            judged = live is not None and live.key is not None and live.reused > 0 and not live.dropped
+            wants.append((live.key, live.reused) if judged and live is not None and live.key is not None
+                         else (0, 0))
+        eligible = self.lockstep.agree_first_sights(wants)
+        plans: list[tuple[int, _Live | None, _Adoption | None]] = []
+        for (rid, request), ok in zip(firsts, eligible, strict=True):
+            if ok == 1:
+                live = self._live.get(rid)
+                plans.append((rid, live, self._plan_adoption(rid, request, live)))
+            elif ok == -1:  # the ranks would not judge it alike: none does
+                self._disagreement(rid)
+        if not plans:
+            return
+        agreed, best = self.lockstep.agree_rows([0 if p is None else p.rows for _, _, p in plans])
+        for (rid, live, plan), m, top in zip(plans, agreed, best, strict=True):
+            if m > 0 and plan is not None and live is not None:
+                self._scatter(rid, live, plan, m)
+            elif top > 0:  # some rank could adopt and another could not: none does
+                with self._lock:
+                    self._vetoed["adopt"] += 1
+                    if live is not None:
+                        live.dropped = True  # it adopts and deposits nothing, on every rank
+
+    def _plan_adoption(self, rid: int, request: Any, live: _Live | None) -> _Adoption | None:
+        """Judge request `rid` (the core's `decide_adopt`), take its entry and resolve its pages:
+        the rows this rank can restore, or None (a miss, or a fault: counted, the turn blind)."""
+        try:
+            assert live is not None and live.key is not None
+            # int64 buffer: decide_adopt compares it with the entry's buffer in typed memory
+            prompt = array("q", request.get_tokens(0))
+            ticket = self._tickets.draw()
+            # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
+            # the span the core's plan may append, so it is this ticket's projected store range.
+            projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
+            outcome, taken = self.carried.judge_and_take(live.key, prompt, ticket, projected,
+                                                         live.conversation)
+        except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
+            self._fault("prepare", exc, rid)
+            return None
         with self._lock:
             self._outcomes[outcome.kind] += 1
             live.record["outcome"] = outcome.kind
@@ -488,14 +588,21 @@ class CarryManagerCore:
                 live.record["no_carry_reason"] = outcome.reason
                 self._no_carry[outcome.reason] += 1
         if not isinstance(outcome, Adopted) or taken is None:
-            return  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
-        n = min(outcome.rows, live.reused)
+            return None  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
         try:
             pages = self.pages.page_ids(rid)
             buf = self.pages.views()
+        except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
+            self._fault("scatter", exc, rid)
+            return None
+        return _Adoption(min(outcome.rows, live.reused), taken, pages, buf)
+
+    def _scatter(self, rid: int, live: _Live, plan: _Adoption, n: int) -> None:
+        """Rows of keys `[0, n)` (the agreed range) into request `rid`'s pages."""
+        try:
             with self._draft_stream():
                 # head: host-tier rows make the draft stream wait for their copy back (GPU side)
-                taken.codec.scatter_pages(buf, pages, 0, taken.head(n))
+                plan.taken.codec.scatter_pages(plan.buf, plan.pages, 0, plan.taken.head(n))
             self._forward_waits_for_draft_stream()
         except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
             self._fault("scatter", exc, rid)
@@ -504,6 +611,19 @@ class CarryManagerCore:
             live.valid = n
             self.rows_scattered += n
             live.record["rows_scattered"] = n
+
+    def _disagreement(self, rid: int) -> None:
+        """Ranks disagreed on whether (or with which key or depth) to judge request `rid`: it
+        runs blind on every rank. Logged once: a TensorRT-LLM build that does not broadcast
+        `py_conversation_params` to every rank carries nothing under tensor parallelism."""
+        with self._lock:
+            self._vetoed["key"] += 1
+            first = not self._vetoed_logged
+            self._vetoed_logged = True
+        if first:
+            logger.warning("mtp carry: the tensor-parallel ranks disagree on request %s's carry key or "
+                           "reused depth (does every rank receive its conversation id?): no rank "
+                           "carries it; later disagreements are counted in lockstep.vetoed.key", rid)
 
     def _fault(self, step: str, exc: Exception, rid: int | None) -> None:
         """An exception inside the carry: counted by kind and step, logged once per (step, kind),

@@ -45,6 +45,10 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
         "qsa_sparse_layer_ids", "qsa_position_layer_id", "qsa_index_dim", "qsa_index_kv_heads",
         "get_index_k_buffer", "get_qsa_position_buffer", "get_buffers", "get_batch_cache_indices"}),
     "KvCacheConfig": frozenset({"enable_block_reuse", "mamba_state_config"}),
+    # the executor's parallel mapping (mapping.py @ 05ebebb2) and communicator (communicator.py
+    # @ a1cf28f9): what the worker install and the lockstep read
+    "Mapping": frozenset({"tp_size", "tp_rank", "pp_size", "rank", "enable_attention_dp"}),
+    "Distributed": frozenset({"tp_allgather"}),
     "KvCacheCreator": frozenset({"try_prepare_estimation", "_llm_args"}),
     "MambaStateConfig": frozenset({
         "periodic_snapshot_interval", "additional_snapshot_offsets_from_start",
