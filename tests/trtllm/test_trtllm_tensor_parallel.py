@@ -86,6 +86,7 @@ def test_every_rank_adopts_the_same_key_range_every_turn_and_each_shard_comes_ba
     assert all(rec["outcome"] == "adopted" and rec["rows_scattered"] == rec["reused"] for rec in warm)
     stats = first["stats"]
     assert stats["outcomes"]["adopted"] == SESSIONS * (TURNS - 1) and stats["deposits"] == SESSIONS * TURNS
+    assert single["stats"]["lockstep"] == {"tp_size": 1, "agreements": 0}  # one rank: no collective
     for r, rank in enumerate(ranks):
         res = rank["turns"]
         # each rank's pool holds its shard: ceil(2 / tp) heads, a head repeated at TP 4
@@ -97,8 +98,8 @@ def test_every_rank_adopts_the_same_key_range_every_turn_and_each_shard_comes_ba
             assert torch.equal(res["rows"][rid], rows[:, :, res["heads"]]), (tp, r, rid)
         # one agreement per install, two per batch of first-seen requests (one when none is
         # warm), two per freed request: the same count on every rank
-        assert res["stats"]["lockstep"] == {"tp_size": tp, "agreements": 1 + 1 + 2 * (TURNS - 1) + 2 * SESSIONS * TURNS,
-                                            "vetoed": {"key": 0, "adopt": 0, "deposit": 0}}
+        assert res["stats"]["lockstep"] == {"tp_size": tp, "agreements": 1 + 1 + 2 * (TURNS - 1) + 2 * SESSIONS * TURNS}
+        assert res["stats"]["vetoed"] == {"key": 0, "adopt": 0, "deposit": 0}
         assert res["lines"][-1].endswith(f"; rank {r} of {tp}, decisions in lockstep")
 
 
@@ -110,7 +111,7 @@ def test_a_rank_that_cannot_resolve_a_requests_pages_at_adoption_makes_every_ran
     stats = first["stats"]
     # turn 1's first adoption: judged on every rank, vetoed by the last rank's page fault, so no
     # rank scatters; that turn deposits nothing, so the session's next turn misses too
-    assert stats["lockstep"]["vetoed"] == {"key": 0, "adopt": 1, "deposit": 0}
+    assert stats["vetoed"] == {"key": 0, "adopt": 1, "deposit": 0}
     assert stats["outcomes"]["adopted"] == 3 and stats["outcomes"]["no_carry"] == 1
     assert stats["skipped"]["fault"] == 1 and stats["rows_scattered"] == sum(
         rec["rows_scattered"] for rec in first["records"].values())
@@ -126,7 +127,7 @@ def test_a_rank_that_cannot_gather_at_free_makes_every_rank_skip_that_deposit(
     first = _same_on_every_rank(ranks, "deposit_fault")
     stats = first["stats"]
     assert stats["skipped"]["fault"] == 1 and stats["deposits"] == 2 * 3 - 1 - 1  # and its next turn: a gap
-    assert stats["outcomes"]["no_carry"] == 1 and stats["lockstep"]["vetoed"] == {"key": 0, "adopt": 0, "deposit": 0}
+    assert stats["outcomes"]["no_carry"] == 1 and stats["vetoed"] == {"key": 0, "adopt": 0, "deposit": 0}
     assert [r["deposit_fault"]["stats"]["errors"]["deposit"] for r in ranks] == [0] * (tp - 1) + [1]
 
 
@@ -137,7 +138,7 @@ def test_a_rank_whose_arena_is_full_makes_every_rank_refuse_the_deposit(
     first = _same_on_every_rank(ranks, "arena_full")
     stats = first["stats"]
     # turn 0's two deposits: placed on every rank but the last, so refused on every rank
-    assert stats["refusals"]["oom"] == 2 and stats["lockstep"]["vetoed"]["deposit"] == 2
+    assert stats["refusals"]["oom"] == 2 and stats["vetoed"]["deposit"] == 2
     assert stats["deposits"] == 0 and stats["entries"] == 0
     assert stats["outcomes"]["no_carry"] == 4 and stats["no_carry_reasons"]["oom"] == 4
     assert [r["arena_full"]["stats"]["faults"] for r in ranks] == [{}] * tp  # a refusal, not a fault
@@ -171,3 +172,23 @@ def test_the_stand_in_rank_refuses_requests_and_a_single_process_cannot_run_two_
 
     with pytest.raises(RuntimeError, match="runs one process per rank: initialize torch.distributed"):
         StandinLLM(model(), tp_size=2, single_process=True)
+
+
+def test_info_says_a_tensor_parallel_worker_carries_every_ranks_shard_in_lockstep(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from trtllm_mtp_carry.cli import main
+
+    path = tmp_path / "llm.yaml"
+    path.write_text("speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 3}\n"
+                    "kv_cache_config:\n  enable_block_reuse: true\n"
+                    "  mamba_state_config: {additional_snapshot_offsets_from_end: [0]}\n"
+                    "tensor_parallel_size: 4\n")
+    assert main(["info", "--json", "--llm-config", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["llm_config_stands_aside"] is None and report["carry_armed"]
+    assert report["trtllm_tensor_parallel"] == (
+        "TP=4: every rank carries its own shard of the MTP layer's KV heads (ceil(heads / 4) each); each "
+        "carry decision is agreed across the ranks (one or two small all-gathers when a request starts "
+        "and when it ends): trtllm/lockstep.py")

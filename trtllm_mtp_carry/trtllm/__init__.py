@@ -117,7 +117,7 @@ class CarryAttachment:
                    "rows_scattered": 0, "rows_deposited": 0, "rows_computed": 0,
                    "no_carry_reasons": dict.fromkeys(NO_CARRY_REASONS, 0), "sessions_ended": 0,
                    "rows_freed": 0, "errors": dict.fromkeys(ERROR_STEPS, 0), "faults": {}, "live_requests": 0,
-                   "lockstep": {"tp_size": 1, "agreements": 0, "vetoed": dict.fromkeys(VETO_STEPS, 0)},
+                   "lockstep": {"tp_size": 1, "agreements": 0}, "vetoed": dict.fromkeys(VETO_STEPS, 0),
                    **held, "carry_slots": self.slots}
         return {"topology": self.topology, "armed": self.armed, **out}
 

@@ -132,7 +132,7 @@ TURN_LOG = 4096
 """How many recent requests' turn records `turn()` and `pop_turn()` each keep (oldest dropped first)."""
 
 VETO_STEPS: tuple[str, ...] = ("key", "adopt", "deposit")
-"""`stats()["lockstep"]["vetoed"]`: carry steps the tensor-parallel ranks did not take because
+"""`stats()["vetoed"]`: carry steps the tensor-parallel ranks did not take because
 they did not agree, counted alike on every rank: `key` (a first-seen request the ranks would
 not judge with the same carry key and reused depth), `adopt` (an adoption some rank could not
 make: no rank restores), `deposit` (rows some rank could not hold: no rank keeps them). A
@@ -504,8 +504,8 @@ class CarryManagerCore:
                 "errors": {step: self._errors.get(step, 0) for step in ERROR_STEPS},
                 "faults": dict(sorted(self._faults.items())),
                 "live_requests": len(self._live),
-                "lockstep": {"tp_size": self.lockstep.tp_size, "agreements": self.lockstep.agreements,
-                             "vetoed": {step: self._vetoed.get(step, 0) for step in VETO_STEPS}},
+                "lockstep": {"tp_size": self.lockstep.tp_size, "agreements": self.lockstep.agreements},
+                "vetoed": {step: self._vetoed.get(step, 0) for step in VETO_STEPS},
                 **self.carried.stats(),
             }
 
@@ -623,7 +623,7 @@ class CarryManagerCore:
         if first:
             logger.warning("mtp carry: the tensor-parallel ranks disagree on request %s's carry key or "
                            "reused depth (does every rank receive its conversation id?): no rank "
-                           "carries it; later disagreements are counted in lockstep.vetoed.key", rid)
+                           "carries it; later disagreements are counted in vetoed.key", rid)
 
     def _fault(self, step: str, exc: Exception, rid: int | None) -> None:
         """An exception inside the carry: counted by kind and step, logged once per (step, kind),
