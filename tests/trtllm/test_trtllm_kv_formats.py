@@ -205,8 +205,8 @@ def test_a_v1_manager_is_one_line_in_info_and_the_worker(tmp_path: Path,
      "pipeline stage only, whose PyExecutor loop keeps several micro-batches in flight (not modelled); "
      "use tensor parallelism (pipeline_parallel_size 1)"),
     ("enable_attention_dp: true\n", {"enable_attention_dp": True},
-     "attention data parallelism is on: each rank serves its own requests with every KV head, so a "
-     "session's next turn may land on a rank whose carry never held its rows; the carry stands aside "
+     "attention data parallelism is on: TensorRT-LLM then folds the MTP layer's KV into the target pool "
+     "(no separate draft pool) and each rank serves its own requests; the carry stands aside "
      "(enable_attention_dp must be false)"),
 ])
 def test_a_parallel_mapping_the_carry_refuses_is_one_line_in_info_and_the_worker(

@@ -216,9 +216,9 @@ def parallel_refusal(tp_size: object, enable_attention_dp: bool, pp_size: object
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         return f"tensor parallel size {tp_size!r}: not a positive int"
     if enable_attention_dp:
-        return ("attention data parallelism is on: each rank serves its own requests with every KV "
-                "head, so a session's next turn may land on a rank whose carry never held its rows; "
-                "the carry stands aside (enable_attention_dp must be false)")
+        return ("attention data parallelism is on: TensorRT-LLM then folds the MTP layer's KV into the "
+                "target pool (no separate draft pool) and each rank serves its own requests; the carry "
+                "stands aside (enable_attention_dp must be false)")
     if pp_size != 1:
         return (f"pipeline parallel size {pp_size}: the carry stands aside: the MTP layer's draft pages "
                 "live on the last pipeline stage only, whose PyExecutor loop keeps several micro-batches "
