@@ -130,10 +130,12 @@ class Ranked:
         rm.free_resources = capture
 
     def turns(self, turns: int = TURNS, sessions: int = SESSIONS,
-              between: Callable[[int], None] | None = None) -> None:
+              between: Callable[[int], None] | None = None,
+              during: Callable[[int, list[Any]], None] | None = None) -> None:
         """`sessions` conversations of `turns` turns, interleaved; `between(t)` runs on every rank
-        before turn t. Every warm prompt is the history plus new user tokens to a multiple of
-        CHUNK (R chunk-aligned)."""
+        before turn t, `during(t, requests)` after its requests were submitted (rank 0's; none
+        elsewhere) and before the executor runs them to the end. Every warm prompt is the
+        history plus new user tokens to a multiple of CHUNK (R chunk-aligned)."""
         from trtllm_mtp_carry.trtllm.standin import ConversationParams
 
         prompts = [user_tokens(1000 * i, 2 * CHUNK) for i in range(sessions)]
@@ -145,6 +147,8 @@ class Ranked:
                 reqs = [self.llm.generate_async(prompts[i], MAX_NEW,
                                                 conversation_params=ConversationParams(conversation_id=f"s{i}"))
                         for i in range(sessions)]
+            if during is not None:
+                during(t, reqs)
             self.llm.run_until_done()
             for i, req in enumerate(reqs):
                 history = req.get_tokens(0)
@@ -277,6 +281,22 @@ def slow_skewed_rank(tp: int) -> dict[str, Any]:
     return ranked.result()
 
 
+def cancel(tp: int) -> dict[str, Any]:
+    """Rank 0 cancels session 0's turn-1 request after its first iteration: the executor
+    broadcasts the cancellation and every rank frees it at the same iteration."""
+    ranked = Ranked(tp)
+
+    def during(t: int, reqs: list[Any]) -> None:
+        if t != 1:
+            return
+        ranked.executor.step()  # every rank: the new requests fetched, their first chunks run
+        if ranked.rank == 0:
+            ranked.executor.cancel(reqs[0].py_request_id)
+
+    ranked.turns(during=during, **SHORT)
+    return ranked.result()
+
+
 def install_fails(tp: int) -> dict[str, Any]:
     """The last rank cannot reserve its carry memory: every rank stands aside."""
     from trtllm_mtp_carry.trtllm import arena
@@ -297,5 +317,5 @@ def install_fails(tp: int) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "turns": turns, "adopt_fault": adopt_fault, "deposit_fault": deposit_fault, "arena_full": arena_full,
-    "slow_skewed_rank": slow_skewed_rank, "install_fails": install_fails,
+    "slow_skewed_rank": slow_skewed_rank, "cancel": cancel, "install_fails": install_fails,
 }

@@ -138,8 +138,9 @@ not judge with the same carry key and reused depth), `adopt` (an adoption some r
 make: no rank restores), `deposit` (rows some rank could not hold: no rank keeps them). A
 step vetoed by a rank's own gather or skip is a skip (`skipped`), not a veto."""
 
-NOTHING = -1
-"""A freed request's deposit vote when it has no row to keep (fewer than two tokens)."""
+NOTHING = 1 + len(SKIP_REASONS)
+"""A freed request's deposit vote when it has no row to keep (fewer than two tokens): after
+the skip reasons' votes (`1 + SKIP_REASONS.index(why)`), counted as none of them."""
 
 
 @dataclass(frozen=True)
@@ -403,14 +404,20 @@ class CarryManagerCore:
         """Deposit a freed request's valid rows. A request the carry tracks (`live`, seen in
         prepare: the same requests on every rank) deposits in lockstep: every rank gathers, then
         `agree_deposit` (deposit only if every rank gathered the same rows of the same key, else
-        every rank skips for the same reason), then every rank stages, then `agree` (commit only
-        if every rank placed the rows, else every rank refuses them as `oom`)."""
-        tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
-        why = self._skip_reason(request, live, len(tokens))
+        every rank skips for the same reason), then every rank stages, then `agree_all` (commit
+        only if every rank placed the rows, else every rank refuses them as `oom`)."""
         if live is None:  # never tracked (a dummy, or freed before it was scheduled): no vote
+            tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
+            why = self._skip_reason(request, live, len(tokens))
             if why is not None:
                 self._skip(why, live)
             return False
+        try:  # whatever this rank's request looks like, it reaches the vote below
+            tokens = list(request.get_tokens(0))
+            why = self._skip_reason(request, live, len(tokens))
+        except Exception as exc:
+            self._fault("free", exc, rid)
+            tokens, why = [], "fault"
         valid = len(tokens) - 1  # key k consumed tokens[0 ..= k + 1]: keys [0, N - 1)
         rows = None
         if why is None and valid > 0:
@@ -427,7 +434,7 @@ class CarryManagerCore:
         status = 1 + SKIP_REASONS.index(why) if why is not None else 0 if valid > 0 else NOTHING
         agreed = self.lockstep.agree_deposit(live.key or 0, status, valid)
         if agreed != 0:
-            if agreed > 0:
+            if 0 < agreed < NOTHING:
                 self._skip(SKIP_REASONS[agreed - 1], live)
             elif agreed == -1:  # every rank would deposit, but not the same key or rows
                 self._skip("fault", live)
