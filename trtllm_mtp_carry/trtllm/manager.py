@@ -67,6 +67,16 @@ Invariants:
 - Nothing is written outside the request's own fresh pages for keys `[0, R)`;
   the manager is installed only on the unpaired topology (never on paired or
   folded pools, whose pages below R are shared tree blocks).
+- Tensor parallelism (`lockstep`, trtllm/lockstep.py; a no-op at TP=1): each rank's
+  manager holds its head shard's rows and takes every decision as the other ranks do.
+  Prepare agrees once per batch of first-seen context requests (the clock, and each
+  request's carry key and R), then, if any may adopt, the rows each rank can restore
+  (`_adopt`: every rank scatters keys `[0, MIN)`, or none does); free agrees on every
+  request it tracks (`_deposit`: the same rows of the same key, then their placement).
+  Every rank reaches those agreements alike, whatever its own steps did: a local fault
+  votes no and is counted in that rank's `faults`/`errors`; the turn's outcome, skip and
+  every other counter are the agreed ones, the same on every rank. `forget_conversation`
+  is `attach`'s (one process, TP=1).
 """
 
 from __future__ import annotations

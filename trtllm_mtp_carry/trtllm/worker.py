@@ -51,6 +51,11 @@ Invariants:
   wrap) or the interpreter start (an unexpected one is that one stand-aside line naming
   it, and the executor is built without the carry).
 - The carry is added only on the unpaired topology (see `probe.probe_managers`).
+- Under tensor parallelism the hook runs on every rank (each its own executor and head
+  shard) and the ranks agree once per build, through the executor's communicator
+  (`create_py_executor_instance(dist=...)`), that every rank installed with the same carry
+  memory: the carry is on every rank or on none (`trtllm/lockstep.py`). Every rank must
+  have `TRTLLM_MTP_CARRY_WORKER` set: a rank without the hook never joins the agreement.
 """
 
 from __future__ import annotations
