@@ -49,6 +49,8 @@ Invariants:
   never skips a vote. A call whose ranks send vectors of different widths (ranks that
   disagree on what is being voted) raises `LockstepError` on every rank alike.
 - `agreements` counts the collectives this rank made (the same count on every rank).
+- Votes travel as Python ints through the object all-gather (`tp_allgather`), not an int64
+  tensor: carry keys are u64 and do not fit int64.
 """
 
 from __future__ import annotations
