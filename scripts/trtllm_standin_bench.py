@@ -106,7 +106,7 @@ class DataPath:
 
     Wraps the installed `CarryManager`'s `_deposit` (gather into the arena) and `_adopt`
     (decide, take, scatter) on the instance, the layout functions it calls (the copies
-    alone), and its `CarriedRows` `deposit` / `judge_and_take` (which rows went in under
+    alone), and its `CarriedRows` `stage` / `judge_and_take` (which rows went in under
     which key, and which key a scatter serves). `turn` labels the calls of the request
     being run."""
 
@@ -138,9 +138,9 @@ class DataPath:
                     else:
                         fn = DataPath._gathered(fn, gather_rows)
                     setattr(cls, name, fn)
-        deposit, judge_and_take = carried.deposit, carried.judge_and_take
+        stage, judge_and_take = carried.stage, carried.judge_and_take
 
-        def kept(key: int, tokens: object, rows: object, session: object = None) -> bool:
+        def kept(key: int, tokens: object, rows: object, session: object = None) -> object:
             # what the pages will hold once scattered: the rows, unpacked when packed (set
             # aside: not part of the deposit's time)
             with self._aside("deposit_aside_ms"):
@@ -148,13 +148,13 @@ class DataPath:
                     self._deposited[key], self._truth = self._truth, None
                 else:
                     self._deposited[key] = _pool_rows(rows)  # the pool's form
-            return bool(deposit(key, tokens, rows, session))
+            return stage(key, tokens, rows, session)
 
         def taken(key: int, *args: object, **kwargs: object) -> object:
             self._taking = key
             return judge_and_take(key, *args, **kwargs)
 
-        carried.deposit, carried.judge_and_take = kept, taken
+        carried.stage, carried.judge_and_take = kept, taken
 
     def _sync(self) -> None:
         if self._cuda:

@@ -265,7 +265,7 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     from .trtllm.kv_formats import verdict_of_options
     from .trtllm.llm_yaml import read_llm_args
     from .trtllm.options import load_llm_options, reuse_stand_aside
-    from .trtllm.probe import parallel_refusal
+    from .trtllm.probe import parallel_refusal, tensor_parallel_note
     from .trtllm.verdict import (
         Verdict,
         carry_options_verdict,
@@ -290,7 +290,8 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
         "kv_cache_compression_config": None if compression is None else {"algorithm": compression.algorithm},
         "quant_config": args.quant_config}, checkpoint.kv_cache_quant_algo, model_dtype)
     spec = args.speculative_config
-    parallel = parallel_refusal(args.tensor_parallel_size, bool(args.enable_attention_dp))
+    parallel = parallel_refusal(args.tensor_parallel_size, bool(args.enable_attention_dp),
+                                args.pipeline_parallel_size)
     never = reuse_stand_aside(reuse, True, {**state, "periodic_snapshot_interval": (
         state["periodic_snapshot_interval"] or kv.ignored_interval)}, policy=kv.block_reuse_config.policy)
     aside = first(
@@ -310,6 +311,7 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     return {
         **reserve,
         "trtllm_kv_cache_size": size,
+        "trtllm_tensor_parallel": tensor_parallel_note(args.tensor_parallel_size),
         "trtllm_metrics_port": options.metrics_port if options.enable else None,
         "llm_config": path,
         "llm_config_block_reuse": reuse,
@@ -413,6 +415,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             ("block reuse (--llm-config)", yes(report["llm_config_block_reuse"]),
              "kv_cache_config.enable_block_reuse (Qwen3-Next's default: off)"),
             ("snapshot placement (--llm-config)", "-", report["llm_config_snapshot_placement"]),
+            ("tensor parallel (--llm-config)", "-", report["trtllm_tensor_parallel"]),
         ]
         if report["trtllm_metrics_port"] is not None:
             rows[-1:-1] = [("worker metrics (metrics_port)", report["trtllm_metrics_port"],

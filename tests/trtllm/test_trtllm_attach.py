@@ -12,7 +12,7 @@ from standin_helpers import model
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
 from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
-from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
+from trtllm_mtp_carry.trtllm.standin import DataType, Mapping, StandinLLM
 
 
 def _llm(**options: Any) -> StandinLLM:
@@ -27,9 +27,17 @@ def _refusal(llm: Any) -> str:
     return msg
 
 
-def test_tp_above_one_is_refused() -> None:
-    assert _refusal(_llm(tp_size=2)) == (
-        "tensor parallel size 2: the carry runs in-process with TP=1 only")
+def test_attach_refuses_a_tensor_parallel_executor_in_one_line_naming_the_worker_install() -> None:
+    """attach holds one process's executor: at TP above 1 the carry is the worker install's
+    (every rank carries its head shard, in lockstep: test_trtllm_tensor_parallel.py). A
+    single-process stand-in cannot run two ranks, so rank 0's managers are given a TP=2 mapping."""
+    llm = _llm()
+    for manager in llm.executor.resource_manager.resource_managers.values():
+        if hasattr(manager, "mapping"):
+            manager.mapping = Mapping(world_size=2, rank=0, tp_size=2)
+    assert _refusal(llm) == (
+        "tensor parallel size 2: attach reaches one in-process executor (TP=1); at TP above 1 install the "
+        "carry in TensorRT-LLM's workers (TRTLLM_MTP_CARRY_WORKER), which carry on every rank")
 
 
 def test_a_kv_format_the_carry_does_not_move_stands_aside_in_the_verdict_line() -> None:

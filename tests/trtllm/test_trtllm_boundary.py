@@ -226,9 +226,9 @@ def test_a_fault_at_deposit_or_free_keeps_nothing_and_later_sessions_adopt(
     e1 = turn("e", None, 200)
     llm.run_until_done()
     d2, e2 = turn("d", d1, 5), turn("e", e1, 6)
-    store.deposit = lambda *a, **k: _raise(kind)  # at free: the store raises
+    store.stage = lambda *a, **k: _raise(kind)  # at free: the store raises
     llm.run_until_done()
-    del store.deposit
+    del store.stage
     e3, f1 = turn("e", e2, 7), turn("f", None, 400)
     llm.run_until_done()
     f2 = turn("f", f1, 8)
@@ -265,9 +265,9 @@ def test_a_second_step_faulting_with_the_same_kind_is_logged_too(caplog: pytest.
     undo()
     store = carry.manager.carried
     turn("h", None, 200), turn("k", None, 300)
-    store.deposit = lambda *a, **k: _raise(KeyError)  # at free, twice: the store raises
+    store.stage = lambda *a, **k: _raise(KeyError)  # at free, twice: the store raises
     llm.run_until_done()
-    del store.deposit
+    del store.stage
     stats = carry.stats()
     assert stats["faults"] == {"KeyError": 3}
     assert stats["errors"] == {"prepare": 1, "scatter": 0, "deposit": 0, "free": 2, "other": 0}

@@ -20,7 +20,7 @@ from trtllm_mtp_carry.cli import main
 from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict, resolve_kv_format, verdict_of_draft
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG, TrtllmAdapterError
 from trtllm_mtp_carry.trtllm.probe import probe_managers
-from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
+from trtllm_mtp_carry.trtllm.standin import DataType, Mapping, StandinLLM
 
 BF16 = "BF16 KV: the drafter's rows are carried as the draft pool holds them"
 FP8 = "FP8 KV: the drafter's rows are carried bit for bit as the pool's own float8_e4m3fn bytes, never re-scaled"
@@ -175,20 +175,29 @@ def test_a_v1_manager_is_one_line_in_info_and_the_worker(tmp_path: Path,
     assert str(exc.value) == want
 
 
-@pytest.mark.parametrize(("extra", "options", "want"), [
-    ("tensor_parallel_size: 2\n", {"tp_size": 2},
-     "tensor parallel size 2: the carry runs in-process with TP=1 only"),
+@pytest.mark.parametrize(("extra", "mapping", "want"), [
+    ("pipeline_parallel_size: 2\n", {"world_size": 2, "pp_size": 2},
+     "pipeline parallel size 2: the carry stands aside: the MTP layer's draft pages live on the last "
+     "pipeline stage only, whose PyExecutor loop keeps several micro-batches in flight (not modelled); "
+     "use tensor parallelism (pipeline_parallel_size 1)"),
     ("enable_attention_dp: true\n", {"enable_attention_dp": True},
-     "attention data parallelism is on: the carry needs one executor holding every request's draft "
-     "pages (enable_attention_dp must be false)"),
+     "attention data parallelism is on: TensorRT-LLM then folds the MTP layer's KV into the target pool "
+     "(no separate draft pool) and each rank serves its own requests; the carry stands aside "
+     "(enable_attention_dp must be false)"),
 ])
 def test_a_parallel_mapping_the_carry_refuses_is_one_line_in_info_and_the_worker(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, options: dict[str, Any],
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, mapping: dict[str, Any],
         want: str) -> None:
+    """Attention DP and pipeline parallelism stand aside (tensor parallelism is carried:
+    test_trtllm_tensor_parallel.py). The stand-in runs one stage, so the worker's managers are
+    given the mapping the file asks for."""
     path = _yaml(tmp_path, "auto", extra)
     report = _info(capsys, "--llm-config", str(path))
     assert (report["carry_armed"], report["carry_armed_reason"]) == (False, f"stands aside under {path}: {want}")
-    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, **options)
+    llm = StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64)
+    for manager in llm.executor.resource_manager.resource_managers.values():
+        if hasattr(manager, "mapping"):
+            manager.mapping = Mapping(**mapping)
     with pytest.raises(TrtllmAdapterError) as exc:
         probe_managers(llm.executor.resource_manager.resource_managers, "stand-in")
     assert str(exc.value) == want

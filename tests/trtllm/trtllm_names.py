@@ -34,6 +34,7 @@ RECEIVERS = {
     "probe.resource_manager": "ResourceManager",
     "scheduled_batch": "ScheduledRequests", "batch": "ScheduledRequests",
     "mapping": "Mapping",
+    "dist": "Distributed", "self.dist": "Distributed",
     "params": "ConversationParams",
     "tensorrt_llm": "tensorrt_llm",
     "kv_cache_config": "KvCacheConfig", "state_config": "MambaStateConfig",
@@ -46,6 +47,7 @@ FILES = [
     "trtllm_mtp_carry/trtllm/manager.py", "trtllm_mtp_carry/trtllm/identity.py",
     "trtllm_mtp_carry/trtllm/worker.py", "trtllm_mtp_carry/trtllm/carried.py",
     "trtllm_mtp_carry/trtllm/metrics.py", "trtllm_mtp_carry/trtllm/draft_pages.py",
+    "trtllm_mtp_carry/trtllm/lockstep.py",
 ]
 """The adapter: code that runs inside TensorRT-LLM's executor and must lean on nothing else."""
 

@@ -7,7 +7,7 @@ TensorRT-LLM's resource manager (`trtllm/manager.py`) translate their events int
 
 from .ledger import FAULT_STEPS, FaultLedger, guarded
 from .service import CarryService, DepositPlan
-from .stats import SKIP_REASONS, TURN_KINDS, CarryStats, TurnCounters
+from .stats import SKIP_REASONS, TURN_KINDS, VETO_STEPS, CarryStats, TurnCounters
 
-__all__ = ["FAULT_STEPS", "SKIP_REASONS", "TURN_KINDS", "CarryService", "CarryStats", "DepositPlan",
+__all__ = ["FAULT_STEPS", "SKIP_REASONS", "TURN_KINDS", "VETO_STEPS", "CarryService", "CarryStats", "DepositPlan",
            "FaultLedger", "TurnCounters", "guarded"]

@@ -55,9 +55,18 @@ from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
 from .homes import RowHome, Runs
 from .host_tier import HostTier
 from .ledger import FaultLedger
-from .stats import SKIP_REASONS, TURN_KINDS, CarryStats, TurnCounters
+from .stats import SKIP_REASONS, TURN_KINDS, VETO_STEPS, CarryStats, TurnCounters
 
 __all__ = ["CarryService", "DepositPlan"]
+
+
+Agree = Callable[[bool], tuple[bool, bool]]
+"""An executor's agreement with its peers: `agree(ok)` is `(every peer said ok, some did)`."""
+
+
+def _alone(ok: bool) -> tuple[bool, bool]:
+    """The agreement of an executor with no peers: its own word."""
+    return ok, ok
 
 
 @dataclass(frozen=True)
@@ -160,13 +169,14 @@ class CarryService:
     # ---- deposits ----------------------------------------------------------------------
 
     def plan_deposit(self, key: int, source: Any, rows: int, session: int | None = None,
-                     share: Any = None) -> DepositPlan | None:
+                     share: Any = None, agree: Agree | None = None) -> DepositPlan | None:
         """Admit `rows` rows of `source` under carry key `key`, or refuse them, before any row
         moves: None when refused (the store counts why: `not_admitted`, `too_large`, or `oom`
         when the home has no room). Admitted: the entries the store chose left (their rows
         freed, or demoted to the host tier) and the home reserved the room. `share` (the prefix
         keys of the turn's tokens) first merges full prefix blocks into equal published ones,
-        where the home shares blocks."""
+        where the home shares blocks. `agree(ok)` is the executor's agreement with its peers
+        (tensor-parallel ranks): `(every, some)` said ok; the room counts only if every one has it."""
         with self.lock:
             self.expire()
             if share is not None and self.share:
@@ -181,17 +191,36 @@ class CarryService:
                 return DepositPlan(key, rows, nbytes, session, "host")  # the host tier's second chance
             for old in evicted:
                 self.home.free(old.session_hash)
-            if not self.home.reserve(key, rows):
+            reserved = self.home.reserve(key, rows)
+            if not (agree or _alone)(reserved)[0]:  # no room here, or at a peer: refused everywhere
+                if reserved:
+                    self.home.unreserve(key)
                 self.store.refuse(key)
                 return None
             return DepositPlan(key, rows, nbytes, session, "device")
 
-    def deposit(self, plan: DepositPlan, source: Any, runs: Runs, tokens: Sequence[int], ticket: int = 0) -> bool:
+    def deposit(self, plan: DepositPlan, source: Any, runs: Runs, tokens: Sequence[int], ticket: int = 0,
+                agree: Agree | None = None) -> bool:
         """Carry `plan`'s rows out of `source` (keys `runs`) as the entry of `tokens` (the turn's
         tokens: prompt and output). Returns whether an entry was kept (the host tier may refuse
-        a host-bound plan). On an exception nothing is kept and the room is given back."""
+        a host-bound plan). On an exception nothing is kept and the room is given back. With
+        `agree` (the executor's peers, as `plan_deposit`), the entry is kept only if every peer
+        carried its rows out: where some did and others did not, every one refuses it (`oom`)."""
         with self.lock:
-            entry = self.home.carry_out(source, plan.key, plan.rows, runs, tokens, loose=plan.tier == "host")
+            error: Exception | None = None
+            try:
+                entry = self.home.carry_out(source, plan.key, plan.rows, runs, tokens, loose=plan.tier == "host")
+            except Exception as exc:  # the home gave the room back
+                error = exc
+            every, some = (agree or _alone)(error is None)
+            if not every and some:  # a peer could not hold them (or this one): none keeps them
+                if error is None:
+                    self.home.free(plan.key)
+                self.store.refuse(plan.key)
+            if error is not None:
+                raise error
+            if not every:
+                return False
             if plan.tier == "host":
                 if not self.store.deposit_host(entry, plan.nbytes, plan.session):
                     self.home.free(plan.key)
@@ -356,6 +385,7 @@ class CarryService:
             t = s.tier_stats()
             faults, steps, turns_faulted = self.ledger.counts()
             home_fields = self.home.stats_fields()
+            executor.setdefault("vetoed", dict.fromkeys(VETO_STEPS, 0))
             return CarryStats(
                 armed=self.armed, policy=self.policy, row_dtype=self.home.codec.name,
                 eviction_policy=s.policy, carry_slots=s.slots, carry_memory_bytes=s.budget_bytes or 0,

@@ -40,6 +40,15 @@ SKIP_REASONS: tuple[str, ...] = (
 the store refused is counted in `refusals` instead)."""
 
 
+VETO_STEPS: tuple[str, ...] = (
+    "key",  # a turn the peers would not judge with the same carry key and reused depth
+    "adopt",  # an adoption some peer could not make: no peer restores
+    "deposit",  # rows some peer could not hold: no peer keeps them
+)
+"""Carry steps an executor's peers (tensor-parallel ranks) did not take because they did not
+agree, in the order `CarryStats.vetoed` lists them (always 0 for an executor without peers)."""
+
+
 @dataclass
 class TurnCounters:
     """What executors count per turn, through the service (mutable; read under its lock)."""
@@ -58,6 +67,9 @@ class TurnCounters:
     turns_cancelled_kept: int = 0
     sessions_ended: int = 0
     rows_freed: int = 0
+    tp_size: int = 1
+    agreements: int = 0
+    vetoed: dict[str, int] = field(default_factory=dict)
     share_ms: float = 0.0
 
 
@@ -99,6 +111,8 @@ class CarryStats:
 
     Faults: `faults` by exception class, `fault_steps` by `FAULT_STEPS`, `turns_faulted`.
     Sessions: `sessions_ended` (forgotten sessions) and the carried `rows_freed` with them.
+    Peers (tensor-parallel ranks, each carrying its shard of the heads): `tp_size`,
+    `agreements` (collectives this executor made with them) and `vetoed` (`VETO_STEPS`).
     """
 
     armed: bool = False
@@ -163,6 +177,9 @@ class CarryStats:
     turns_faulted: int = 0
     sessions_ended: int = 0
     rows_freed: int = 0
+    tp_size: int = 1
+    agreements: int = 0
+    vetoed: dict[str, int] = field(default_factory=dict)
 
     @property
     def rows_computed(self) -> int:

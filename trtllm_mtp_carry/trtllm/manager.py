@@ -57,14 +57,21 @@ Invariants:
 - Nothing is written outside the request's own fresh pages for keys below `R`; the manager
   is installed only on the unpaired topology (never on paired or folded pools).
 - After `shutdown` the service holds nothing (`CarryService.detach` raises if it does).
+- Tensor parallelism (`lockstep`, trtllm/lockstep.py; a no-op at TP=1): each rank's manager
+  holds its head shard's rows and takes every decision as the other ranks do. Prepare agrees
+  once per batch of first-seen context requests (the clock, each request's carry key and R),
+  then the rows each rank can restore (every rank restores the MIN, or none does); free agrees
+  on the run to deposit, then the service agrees the room and the gathered rows (kept only if
+  every rank has them). Every rank reaches those agreements alike, whatever its own steps did:
+  a local fault votes no and is counted in that rank's `faults`; the outcomes, skips and every
+  other counter are the agreed ones. `forget_conversation` is `attach`'s (one process, TP=1).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -75,10 +82,12 @@ from ..core.outcome import Adopted, CarryOutcome
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
 from ..dataplane.row_codec import RowCodec, Rows
-from ..service import CarryService, CarryStats, guarded, streams
+from ..service import VETO_STEPS, CarryService, CarryStats, guarded, streams
 from ..service.homes import ArenaHome, Runs
+from ..service.stats import SKIP_REASONS
 from .draft_pages import DraftPages, pages_of
 from .identity import conversation_session, request_session, request_session_key
+from .lockstep import Lockstep
 from .options import CarryOptions
 from .reservation import Reserved, reserve_for
 
@@ -91,6 +100,20 @@ PAUSED_LOG = 4096
 
 TURN_LOG = 4096
 """How many recent requests' turn records `turn()` and `pop_turn()` each keep (oldest dropped first)."""
+
+NOTHING = 1 + len(SKIP_REASONS)
+"""A freed request's deposit vote when it has no row to keep: after the skip reasons' votes
+(`1 + SKIP_REASONS.index(why)`), counted as none of them."""
+
+
+@dataclass(frozen=True)
+class _Adoption:
+    """What one rank's judge found for a first-seen request: the outcome, and the rows of the
+    entry's keys below R this rank can restore (`first`: the entry's first key)."""
+
+    outcome: CarryOutcome | None
+    rows: int
+    first: int
 
 
 @dataclass
@@ -141,16 +164,17 @@ class TurnPages:
     one run of keys at a time, at the request's page ids."""
 
     def __init__(self, pages: DraftPages, rid: int) -> None:
-        self.buf = pages.views()
-        self.ids = pages.page_ids(rid)
+        self.pages = pages
+        self.rid = rid
 
     def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
-        (lo, n), = runs
-        codec.gather_pages(self.buf, self.ids, lo, lo + n, out=out)
+        (lo, n), = runs  # the page lookup runs here, inside the service's step (a fault is the step's)
+        codec.gather_pages(self.pages.views(), self.pages.page_ids(self.rid), lo, lo + n, out=out)
 
     def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
+        buf, ids = self.pages.views(), self.pages.page_ids(self.rid)
         for lo, n in runs:  # one run: the entry's keys below R
-            codec.scatter_pages(self.buf, self.ids, lo, codec.head(rows, n))
+            codec.scatter_pages(buf, ids, lo, codec.head(rows, n))
 
 
 def _other_default(value: object) -> Callable[..., object]:
@@ -165,17 +189,21 @@ class CarryManagerCore:
     sized its KV cache); without it the arenas are reserved here from `options`. `slots`
     (None: no cap), `eviction`, `idle_s` (None: never) and `clock` override the process
     settings `options` does not carry (`carry_slots()` unless `options.carry_slots`,
-    `carry_eviction()`, `carry_idle_s()`, the monotonic clock), as `CarryRuntime`'s do."""
+    `carry_eviction()`, `carry_idle_s()`, the lockstep's clock), as `CarryRuntime`'s do.
+    `lockstep` is the agreement with the other tensor-parallel ranks (`trtllm/lockstep.py`;
+    None: one rank, no collective)."""
 
     _UNSET: Any = object()
 
     def __init__(self, draft: Any, mtp_layer: int, options: CarryOptions,
                  report: Callable[[str], None] | None = None, reserved: Reserved | None = None,
-                 *, slots: int | None = _UNSET, eviction: str | None = None, idle_s: float | None = _UNSET,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 *, lockstep: Lockstep | None = None, slots: int | None = _UNSET, eviction: str | None = None,
+                 idle_s: float | None = _UNSET, clock: Callable[[], float] | None = None) -> None:
         self.draft = draft
         self.mtp_layer = mtp_layer
         self.options = options
+        # the agreements with the other tensor-parallel ranks, and the clock the store reads
+        self.lockstep = Lockstep.single() if lockstep is None else lockstep
         self.reserved = reserved if reserved is not None else reserve_for(draft, mtp_layer, options)
         # the MTP layer's pages and the codec of their rows (K/V, or K/V with QSA's side rows)
         self.pages = pages_of(draft, mtp_layer)
@@ -188,7 +216,8 @@ class CarryManagerCore:
             idle_s = carry_idle_s() or None  # 0: entries never expire
         self.service = CarryService(home, slots=slots, budget_bytes=self.reserved.device.capacity,
                                     eviction=carry_eviction() if eviction is None else eviction,
-                                    idle_s=idle_s, clock=clock, host_arena=self.reserved.host)
+                                    idle_s=idle_s, clock=self.lockstep.now if clock is None else clock,
+                                    host_arena=self.reserved.host)
         self.ledger = self.service.ledger
         self._tickets = TicketCounter()
         self._live: dict[int, _Live] = {}
@@ -196,6 +225,9 @@ class CarryManagerCore:
         self._turn_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_request_id
         self._client_log: OrderedDict[int, dict[str, object]] = OrderedDict()  # by py_client_id
         self._freed = 0  # requests freed, for `options.stats_every`
+        self._vetoed: Counter[str] = Counter()  # steps the ranks did not agree on (VETO_STEPS)
+        self._vetoed_logged = False
+        self._vetoed_now = False  # the last agreement: some rank could, another could not
         self._report = report or (lambda line: logger.info("%s", line))
 
     @property
@@ -235,7 +267,12 @@ class CarryManagerCore:
 
         One request's fault drops that request's carry state only: the others go on.
         Arguments past the batch (what `ResourceManager` gives KV cache managers, e.g.
-        `attn_metadata`) are accepted and not read."""
+        `attn_metadata`) are accepted and not read.
+
+        Under tensor parallelism the first-seen requests are judged in lockstep (`_adopt`):
+        every rank reaches the same agreements here, whatever its own steps did."""
+        firsts = [(int(r.py_request_id), r) for r in scheduled_batch.context_requests
+                  if not r.is_dummy_request and int(r.py_request_id) not in self._live]
         for request in scheduled_batch.context_requests:
             rid = None
             try:
@@ -243,6 +280,8 @@ class CarryManagerCore:
                 self._prepare_one(rid, request)
             except Exception as exc:  # the turn runs blind; nothing more is written for it
                 self._fault("prepare", exc, rid)
+        if firsts:
+            self._adopt_firsts(firsts)
 
     def _prepare_one(self, rid: int, request: Any) -> None:
         # this chunk reaches the prompt's end (C++ isLastContextChunk, read in our own
@@ -279,14 +318,6 @@ class CarryManagerCore:
             _remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
                 _remember(self._client_log, int(client), record, TURN_LOG)
-        adopted = key is not None and self._adopt(rid, request, live)
-        with self._lock:
-            c = self.service.counters
-            if adopted:
-                c.rows_appended += computed
-            else:
-                c.rows_prefilled += computed
-                c.turns_blind += reused > 0
 
     def _free_fault(self, request: Any, *args: Any, **kwargs: Any) -> None:
         return None  # `free_resources` records its own faults; this answers one outside them
@@ -345,32 +376,51 @@ class CarryManagerCore:
             return self.service.forget_session(conversation)
 
     def _deposit(self, rid: int, request: Any, live: _Live | None) -> bool:
-        tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
-        why = self._skip_reason(request, live, len(tokens))
-        if why is not None:
-            self._skip(why, live)
+        """Deposit a freed request's valid run. A request the carry tracks (`live`, seen in
+        prepare: the same requests on every tensor-parallel rank) deposits in lockstep: every rank
+        agrees on the key, the run and whether to deposit (`agree_deposit`: else every rank skips
+        for the same reason), then the service plans (the same admission everywhere, the room
+        agreed) and gathers (kept only if every rank carried its shard out)."""
+        if live is None:  # never tracked (a dummy, or freed before it was scheduled): no vote
+            tokens = [] if request.is_dummy_request else list(request.get_tokens(0))
+            why = self._skip_reason(request, live, len(tokens))
+            if why is not None:
+                self._skip(why, live)
             return False
-        assert live is not None and live.key is not None
-        lo, hi = live.valid_run(len(tokens))  # key k consumed tokens[0 ..= k + 1]: keys < N - 1
-        if hi <= lo:
-            self._skip("no_rows", live)
+        try:  # whatever this rank's request looks like, it reaches the vote below
+            tokens = list(request.get_tokens(0))
+            why = self._skip_reason(request, live, len(tokens))
+        except Exception as exc:
+            self._fault("deposit", exc, rid)
+            tokens, why = [], "fault"
+        lo, hi = live.valid_run(len(tokens)) if why is None else (0, 0)  # keys < N - 1
+        status = 1 + SKIP_REASONS.index(why) if why is not None else 0 if hi > lo else NOTHING
+        agreed = self.lockstep.agree_deposit(live.key or 0, status, hi - lo)
+        if agreed != 0:
+            self._skip(SKIP_REASONS[agreed - 1] if 0 < agreed < NOTHING else
+                       "no_rows" if agreed == NOTHING else "fault", live)
             return False
+        assert live.key is not None
         with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
-            if live.forgotten:
+            if live.forgotten:  # (attach's: one rank)
                 self._skip("session_end", live)
                 return False
-            plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation)
+            self._vetoed_now = False
+            plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation, agree=self._agree)
             if plan is None:  # refused before any row moved (the store counts why)
                 return False
             try:
                 with self._draft_stream():
-                    kept = self.service.deposit(plan, TurnPages(self.pages, rid), ((lo, hi - lo),), tokens)
+                    kept = self.service.deposit(plan, TurnPages(self.pages, rid), ((lo, hi - lo),), tokens,
+                                                agree=self._agree)
                     self._sync()
             except Exception as exc:  # the carry may cost acceptance, never the executor
                 self._fault("deposit", exc, rid)
                 self._skip("fault", live)
                 self.service.repair()
                 return False
+            if not kept and self._vetoed_now:  # a peer could not gather its shard: the turn's deposit faulted
+                self._skip("fault", live)
             if kept:
                 self.service.deposited(rid)
                 live.record["rows_deposited"] = hi - lo
@@ -378,6 +428,16 @@ class CarryManagerCore:
                 self.service.counters.turns_cancelled_kept += bool(
                     getattr(request, "is_finished_due_to_cancellation", False))
             return kept
+
+    def _agree(self, ok: bool) -> tuple[bool, bool]:
+        """The service's agreement with the other tensor-parallel ranks (`Lockstep.agree_all`);
+        a rank that could not (while another could) is a vetoed deposit on every rank."""
+        every, some = self.lockstep.agree_all(ok)
+        self._vetoed_now = some and not every
+        if self._vetoed_now:
+            with self._lock:
+                self._vetoed["deposit"] += 1
+        return every, some
 
     def _skip(self, why: str, live: _Live | None) -> None:
         with self._lock:
@@ -416,7 +476,9 @@ class CarryManagerCore:
     def stats(self) -> CarryStats:
         """The carry's statistics, as every executor reports them (`service.CarryStats`)."""
         with self._lock:
-            return self.service.stats(live_turns=len(self._live))
+            return self.service.stats(live_turns=len(self._live), tp_size=self.lockstep.tp_size,
+                                      agreements=self.lockstep.agreements,
+                                      vetoed={k: self._vetoed.get(k, 0) for k in VETO_STEPS})
 
     def stats_line(self) -> str:
         """`stats()` as one line (zero counters left out): what `stats_every` prints."""
@@ -436,40 +498,96 @@ class CarryManagerCore:
 
     # ---- steps -------------------------------------------------------------------------
 
-    def _adopt(self, rid: int, request: Any, live: _Live) -> bool:
-        """Judge the session's entry and, if adopted, scatter its kept rows below R into the
-        request's pages; True when rows were adopted."""
-        assert live.key is not None
-        # int64 buffer: decide_adopt compares it with the entry's buffer in typed memory
-        prompt = array("q", request.get_tokens(0))
-        ticket = self._tickets.draw()
-        # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
-        # the span the core's plan may append, so it is this ticket's projected store range.
-        projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
-        with self._lock:  # the decision and the take in one step: a forget cannot come between
-            outcome = self.service.judge(live.key, prompt, ticket, projected, live.conversation)
-            self._decided(live, outcome)
-            if not isinstance(outcome, Adopted):
-                return False  # the turn runs blind over [0, R), as TensorRT-LLM does without the carry
-            entry = self.service.store.get(live.key)
-            assert entry is not None and entry.last_pair_key is not None
+    def _adopt_firsts(self, firsts: list[tuple[int, Any]]) -> None:
+        """Judge this batch's first-seen context requests and restore what they adopt, in lockstep.
+
+        Every rank agrees which requests it judges (the same carry key and reused depth R on every
+        rank: `agree_first_sights`, which also fixes the clock the judges read), judges them (the
+        same store, the same decisions), then agrees the rows each can restore (`agree_rows`, the
+        MIN over ranks: a rank whose pages cannot be read says 0) before any rank restores: rows
+        land on every rank, or on none (counted in `vetoed`; the entry stays for a later turn)."""
+        wants = []
+        for rid, _ in firsts:
+            live = self._live.get(rid)
+            judged = live is not None and live.key is not None and not live.dropped
+            wants.append((live.key, live.reused) if judged and live is not None and live.key is not None
+                         else (0, 0))
+        eligible = self.lockstep.agree_first_sights(wants)
+        plans: list[tuple[int, _Live, _Adoption]] = []
+        for (rid, request), ok in zip(firsts, eligible, strict=True):
+            live = self._live.get(rid)
+            if ok == 1 and live is not None:
+                plans.append((rid, live, self._judge(rid, request, live)))
+            elif ok == -1:  # the ranks would not judge it alike: none does
+                self._disagreement(rid)
+        agreed, best = self.lockstep.agree_rows([p.rows for _, _, p in plans]) if plans else ([], [])
+        for (rid, live, plan), m, top in zip(plans, agreed, best, strict=True):
+            adopted = isinstance(plan.outcome, Adopted) and self._restore(rid, live, plan, m, top)
+            with self._lock:
+                c = self.service.counters
+                computed = int(live.record["rows_computed"])  # type: ignore[call-overload]
+                if adopted:
+                    c.rows_appended += computed
+                else:
+                    c.rows_prefilled += computed
+                    c.turns_blind += live.reused > 0
+
+    def _judge(self, rid: int, request: Any, live: _Live) -> _Adoption:
+        """The core's decision for request `rid` (counted), and the rows of the entry's keys below
+        R this rank can restore (0: a miss, a fault, or pages this rank cannot read)."""
+        try:
+            assert live.key is not None
+            # int64 buffer: decide_adopt compares it with the entry's buffer in typed memory
+            prompt = array("q", request.get_tokens(0))
+            ticket = self._tickets.draw()
+            # TensorRT-LLM's context phase computes the MTP rows of keys [R, L) itself: that is
+            # the span the core's plan may append, so it is this ticket's projected store range.
+            projected = StoreRange(ticket, live.reused, max(live.reused, len(prompt)))
+            with self._lock:
+                outcome = self.service.judge(live.key, prompt, ticket, projected, live.conversation)
+                self._decided(live, outcome)
+                if not isinstance(outcome, Adopted):
+                    return _Adoption(outcome, 0, 0)  # blind over [0, R), as TensorRT-LLM without the carry
+                entry = self.service.store.get(live.key)
+                assert entry is not None and entry.last_pair_key is not None
             first = entry.last_pair_key - entry.rows + 1  # the entry's keys: one run from here
             n = max(0, min(outcome.rows, live.reused - first))  # keys below R only
-            try:
+        except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
+            self._fault("prepare", exc, rid)
+            return _Adoption(None, 0, 0)
+        try:
+            self.pages.page_ids(rid)  # this rank's pages for the request
+        except Exception as exc:  # this rank cannot restore: it says 0 rows (the peers then veto)
+            self._fault("prepare", exc, rid)
+            return _Adoption(outcome, 0, first)
+        return _Adoption(outcome, n, first)
+
+    def _restore(self, rid: int, live: _Live, plan: _Adoption, m: int, top: int) -> bool:
+        """Adopt the entry: its rows of keys `[first, first + m)` (the agreed count) into request
+        `rid`'s pages on the draft stream. True when the turn adopted (rows restored or not);
+        False when a rank could not and none does (`vetoed`), or a fault dropped the turn."""
+        if m < top:  # some rank could restore rows another could not: no rank does
+            with self._lock:
+                self._vetoed["adopt"] += 1
+            return False
+        assert live.key is not None
+        try:
+            with self._lock:
                 with self._draft_stream():
-                    self.service.adopt(rid, live.key, n, TurnPages(self.pages, rid))
+                    self.service.adopt(rid, live.key, m, TurnPages(self.pages, rid))
                 self._forward_waits_for_draft_stream()
-            except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
-                self._fault("prepare", exc, rid)
-                self.service.drop_turn(rid)
-                self.service.repair()
-                return False
-            live.run = (first, first + n) if n else (0, 0)
-            self.service.counters.rows_adopted += n
-            self.service.counters.keys_skipped += max(0, live.reused - (first + n)) if n else 0
-            live.record["rows_adopted"] = n
-            live.record["first_key"] = first
-            return True
+        except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
+            self._fault("prepare", exc, rid)
+            self.service.drop_turn(rid)
+            self.service.repair()
+            return False
+        with self._lock:
+            live.run = (plan.first, plan.first + m) if m else (0, 0)
+            self.service.counters.rows_adopted += m
+            self.service.counters.keys_skipped += max(0, live.reused - (plan.first + m)) if m else 0
+            live.record["rows_adopted"] = m
+            live.record["first_key"] = plan.first
+        return True
 
     def _decided(self, live: _Live, outcome: CarryOutcome) -> None:
         self.service.count_outcome(outcome)
@@ -477,6 +595,19 @@ class CarryManagerCore:
         reason = getattr(outcome, "reason", None)
         if reason is not None:
             live.record["no_carry_reason"] = reason
+
+    def _disagreement(self, rid: int) -> None:
+        """Ranks disagreed on whether (or with which key or depth) to judge request `rid`: it
+        runs blind on every rank. Logged once: a TensorRT-LLM build that does not broadcast
+        `py_conversation_params` to every rank carries nothing under tensor parallelism."""
+        with self._lock:
+            self._vetoed["key"] += 1
+            first = not self._vetoed_logged
+            self._vetoed_logged = True
+        if first:
+            logger.warning("mtp carry: the tensor-parallel ranks disagree on request %s's carry key or "
+                           "reused depth (does every rank receive its conversation id?): no rank "
+                           "carries it; later disagreements are counted in vetoed.key", rid)
 
     def _fault(self, step: str, exc: Exception, rid: int | None) -> None:
         """An exception inside the carry: recorded by the service's ledger (by class and step,

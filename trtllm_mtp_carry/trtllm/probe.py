@@ -133,11 +133,18 @@ def reach_executor(llm: Any) -> tuple[Any, str]:
 
 def probe_executor(llm: Any) -> ExecutorProbe:
     """Probe `llm`'s in-process executor (see `probe_managers`, with `LLM.args` as its
-    `llm_args`), after checking that `LLM.generate_async` takes `conversation_params`."""
+    `llm_args`), after checking that `LLM.generate_async` takes `conversation_params` and that it
+    is the one rank (`attach` holds one process's executor: tensor parallelism is the worker
+    install's)."""
     executor, version = reach_executor(llm)
     _require_conversation_params(llm)
     rm = _attr(executor, "resource_manager", "PyExecutor")
     managers = _attr(rm, "resource_managers", "ResourceManager")
+    found = _find(managers, DRAFT_KV) or _find(managers, TARGET_KV)
+    mapping = _attr(found[1], "mapping", "KV cache manager") if found is not None and found[1] is not None else None
+    tp = 1 if mapping is None else _attr(mapping, "tp_size", "Mapping")
+    if tp != 1:
+        raise TrtllmAdapterError(attach_tp_refusal(tp))
     return probe_managers(managers, version, executor, rm, llm_args=getattr(llm, "args", None))
 
 
@@ -167,7 +174,7 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
     `info --llm-config` gives for the same deployment.
 
     Refused (TrtllmAdapterError, one line each): a missing attribute or signature (for a QSA pool
-    also `raw_indices`), TP > 1, attention data parallelism, a V1 hybrid target manager, a draft
+    also `raw_indices`), attention data parallelism, pipeline parallelism (`parallel_refusal`), a V1 hybrid target manager, a draft
     manager other than KVCacheManagerV2, the fresh-page fill, and pairing markers that are
     missing or disagree (`_pairing`). Not refused but not runnable (the carry stands aside,
     `reason` says why): no speculative decoding or another decoding type than MTP, a
@@ -196,7 +203,8 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
         return aside(spec.reason, spec.details, "folded" if draft is None else "unpaired")
     mapping = _attr(draft if draft is not None else target, "mapping", "KV cache manager")
     tp = _attr(mapping, "tp_size", "Mapping")
-    parallel = parallel_refusal(tp, bool(_attr(mapping, "enable_attention_dp", "Mapping")))
+    parallel = parallel_refusal(tp, bool(_attr(mapping, "enable_attention_dp", "Mapping")),
+                                _attr(mapping, "pp_size", "Mapping"))
     if parallel is not None:
         raise TrtllmAdapterError(parallel)
     disagg = None if disaggregated is _UNKNOWN else disaggregation_verdict(bool(disaggregated))
@@ -238,16 +246,38 @@ def probe_managers(managers: Any, version: str, executor: Any = None,
                           "drafter's rows over the reused prefix", *verdict.details))
 
 
-def parallel_refusal(tp_size: object, enable_attention_dp: bool) -> str | None:
-    """Why the carry refuses this parallel mapping (one line), or None: TP above one, or attention
-    data parallelism. `info --llm-config` gives the same line from `tensor_parallel_size` and
-    `enable_attention_dp`."""
-    if tp_size != 1:
-        return f"tensor parallel size {tp_size}: the carry runs in-process with TP=1 only"
+def parallel_refusal(tp_size: object, enable_attention_dp: bool, pp_size: object = 1) -> str | None:
+    """Why the worker's carry stands aside under this parallel mapping (one line), or None.
+    Tensor parallelism is carried: every rank's carry holds its head shard and every decision
+    is agreed (`trtllm/lockstep.py`). Attention data parallelism and pipeline parallelism stand
+    aside. `info --llm-config` gives the same line from `tensor_parallel_size`,
+    `pipeline_parallel_size` and `enable_attention_dp`."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        return f"tensor parallel size {tp_size!r}: not a positive int"
     if enable_attention_dp:
-        return ("attention data parallelism is on: the carry needs one executor holding every "
-                "request's draft pages (enable_attention_dp must be false)")
+        return ("attention data parallelism is on: TensorRT-LLM then folds the MTP layer's KV into the "
+                "target pool (no separate draft pool) and each rank serves its own requests; the carry "
+                "stands aside (enable_attention_dp must be false)")
+    if pp_size != 1:
+        return (f"pipeline parallel size {pp_size}: the carry stands aside: the MTP layer's draft pages "
+                "live on the last pipeline stage only, whose PyExecutor loop keeps several micro-batches "
+                "in flight (not modelled); use tensor parallelism (pipeline_parallel_size 1)")
     return None
+
+
+def tensor_parallel_note(tp_size: object) -> str:
+    """What the worker's carry does at this tensor-parallel size (one line, for `info`)."""
+    if tp_size == 1:
+        return "TP=1: one rank carries every KV head"
+    return (f"TP={tp_size}: every rank carries its own shard of the MTP layer's KV heads (ceil(heads / "
+            f"{tp_size}) each); each carry decision is agreed across the ranks (two small all-gathers "
+            "when requests start, three when one ends): trtllm/lockstep.py")
+
+
+def attach_tp_refusal(tp_size: object) -> str:
+    """Why `attach` refuses a tensor-parallel executor (one line)."""
+    return (f"tensor parallel size {tp_size}: attach reaches one in-process executor (TP=1); at TP above 1 "
+            "install the carry in TensorRT-LLM's workers (TRTLLM_MTP_CARRY_WORKER), which carry on every rank")
 
 
 _MISSING = object()

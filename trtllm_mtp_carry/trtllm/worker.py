@@ -51,6 +51,11 @@ Invariants:
   wrap) or the interpreter start (an unexpected one is that one stand-aside line naming
   it, and the executor is built without the carry).
 - The carry is added only on the unpaired topology (see `probe.probe_managers`).
+- Under tensor parallelism the hook runs on every rank (each its own executor and head
+  shard) and the ranks agree once per build, through the executor's communicator
+  (`create_py_executor_instance(dist=...)`), that every rank installed with the same carry
+  memory: the carry is on every rank or on none (`trtllm/lockstep.py`). Every rank must
+  have `TRTLLM_MTP_CARRY_WORKER` set: a rank without the hook never joins the agreement.
 """
 
 from __future__ import annotations
@@ -160,7 +165,8 @@ def _wrapped(original: Callable[..., Any], standin: bool) -> Callable[..., Any]:
     def create_py_executor_instance(*args: Any, **kwargs: Any) -> Any:
         # py_executor_creator passes keywords only (`resources=`, `start_worker=False`, ...)
         if os.environ.get(ENV):  # unset since boot: TensorRT-LLM as is
-            _install(kwargs.get("resources"), standin, kwargs.get("llm_args"))
+            _install(kwargs.get("resources"), standin, kwargs.get("llm_args"), kwargs.get("dist"),
+                     kwargs.get("mapping"))
         return original(*args, **kwargs)
 
     create_py_executor_instance.__wrapped__ = original  # type: ignore[attr-defined]
@@ -219,36 +225,106 @@ def _drop_early() -> Any:
     return _early.pop() if _early else None
 
 
-def _install(resources: Any, standin: bool, llm_args: Any = None) -> None:
+def _install(resources: Any, standin: bool, llm_args: Any = None, dist: Any = None,
+             mapping: Any = None) -> None:
     """Add the carry manager to `resources`, or say in one line why not. Never raises: an
     unexpected exception anywhere here (the probe reading a name this build lacks, ...) is
-    that one line, and the executor is built without the carry."""
+    that one line, and the executor is built without the carry.
+
+    Under tensor parallelism (`mapping.tp_size` > 1) every rank runs this, and every rank
+    reaches one agreement at its end, whatever its own install did (`Lockstep.agree_install`
+    over the executor's communicator `dist`): the carry is installed on every rank or on none,
+    so no rank carries its heads alone."""
     from . import CARRY_MANAGER_KEY  # this package's own __init__, loaded with this module
 
     early = _drop_early()
+    manager, over_early = None, False
+    details: tuple[str, ...] = ()  # what the install read where, below its line
     try:
-        reserved = None
-        if isinstance(resources, dict):
-            # KV cache estimation builds the executor twice over one `resources` dict, tearing
-            # the KV managers down and building them again in between (`create_py_executor`): a
-            # carry manager from the first build holds a torn-down draft manager, never reused;
-            # its arenas are: reserved before the estimation measured, they are what it measured
-            old = resources.pop(CARRY_MANAGER_KEY, None)
-            reserved = getattr(old, "reserved", None)
-            if old is not None:
-                old.service.detach()  # its entries go; its arenas serve the new build
-        if reserved is not None:
-            _give_back(early)  # the first build's arenas serve: nothing of this creation's is used
-            early = None
-        if _install_checked(resources, standin, reserved, llm_args, early):
-            early = None  # the arenas are over its bytes now
+        lockstep = _lockstep(dist, mapping)
+    except Exception as exc:
+        lockstep = None
+        line = f"mtp carry: stands aside: {exc}"
+    else:
+        try:
+            reserved = None
+            if isinstance(resources, dict):
+                # KV cache estimation builds the executor twice over one `resources` dict, tearing
+                # the KV managers down and building them again in between (`create_py_executor`): a
+                # carry manager from the first build holds a torn-down draft manager, never reused;
+                # its arenas are: reserved before the estimation measured, they are what it measured
+                old = resources.pop(CARRY_MANAGER_KEY, None)
+                reserved = getattr(old, "reserved", None)
+                if old is not None:
+                    old.service.detach()  # its entries go; its arenas serve the new build
+            if reserved is not None:
+                _give_back(early)  # the first build's arenas serve: nothing of this creation's is used
+                early = None
+            manager, line, details, over_early = _install_checked(resources, standin, reserved, llm_args,
+                                                                  early, lockstep)
+        except Exception as exc:
+            manager = None
+            line = (f"mtp carry: stands aside: {type(exc).__name__} while installing the carry ({exc}); "
+                    "the executor is built without it")
+    try:
+        if lockstep is not None and lockstep.active:
+            manager, line = _agree_install(lockstep, manager, line)
+        if manager is not None:
+            resources[CARRY_MANAGER_KEY] = manager  # where extra_resource_managers go
+            _say(line, details)
+            if manager.options.metrics_port is not None:
+                from .metrics import export_worker_metrics
+
+                export_worker_metrics(manager, manager.options.metrics_port, report=_say)
+        elif line:  # (a bad carry file said its line at interpreter start)
+            _say(line, details)
     except Exception as exc:
         if isinstance(resources, dict):
             resources.pop(CARRY_MANAGER_KEY, None)
         _say(f"mtp carry: stands aside: {type(exc).__name__} while installing the carry ({exc}); "
              "the executor is built without it")
     finally:
-        _give_back(early)  # the carry stood aside: before configure_kv_cache_capacity measures
+        installed = manager is not None and isinstance(resources, dict) and resources.get(CARRY_MANAGER_KEY) is manager
+        if not (installed and over_early):  # else the arenas are over those bytes now
+            _give_back(early)  # the carry stood aside: before configure_kv_cache_capacity measures
+
+
+def _lockstep(dist: Any, mapping: Any) -> Any:
+    """The carry's agreements for this executor (`trtllm/lockstep.py`): over the executor's own
+    communicator `dist` (`create_py_executor_instance(dist=...)`, `Distributed.get(mapping)`) at
+    `mapping.tp_size` > 1, else the single-rank lockstep (no collective). TrtllmAdapterError
+    when a tensor-parallel executor gives no usable communicator."""
+    from .lockstep import Lockstep
+    from .options import TrtllmAdapterError
+
+    tp = 1 if mapping is None else getattr(mapping, "tp_size", 1)
+    if tp == 1:
+        return Lockstep.single()
+    if not callable(getattr(dist, "tp_allgather", None)):
+        raise TrtllmAdapterError(f"tensor parallel size {tp}: the executor gives the carry no communicator "
+                                 f"with tp_allgather ({type(dist).__name__}): no rank can agree with the others")
+    return Lockstep(dist, int(tp), int(mapping.tp_rank))
+
+
+def _agree_install(lockstep: Any, manager: Any, line: str) -> tuple[Any, str]:
+    """Every tensor-parallel rank installs or none does, with the same carry memory: one
+    agreement, reached by every rank whatever its own install did."""
+    reserved = getattr(manager, "reserved", None)
+    device = 0 if reserved is None else reserved.device.nbytes
+    host = 0 if reserved is None or reserved.host is None else reserved.host.nbytes
+    oks, same = lockstep.agree_install(manager is not None, device, host)
+    if all(oks) and same:
+        return manager, f"{line}; rank {lockstep.tp_rank} of {lockstep.tp_size}, decisions in lockstep"
+    if manager is not None:
+        manager.service.detach()
+    if not all(oks):
+        ranks = ", ".join(str(r) for r, ok in enumerate(oks) if not ok)
+        why = f"tensor-parallel rank(s) {ranks} of {lockstep.tp_size} could not install it (their line says why)"
+    else:
+        why = (f"the {lockstep.tp_size} tensor-parallel ranks reserved different carry memory (give every "
+               "rank the same carry file)")
+    return None, (f"mtp carry: stands aside: {why}: every rank stands aside, so none carries its shard of "
+                  f"the heads alone" if manager is not None else line)
 
 
 def _give_back(early: Any) -> None:
@@ -264,8 +340,10 @@ def _give_back(early: Any) -> None:
 
 
 def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_args: Any = None,
-                     early: Any = None) -> bool:
-    """Install the carry manager, or say why not; True when the arenas were built over `early`."""
+                     early: Any = None, lockstep: Any = None) -> tuple[Any, str, tuple[str, ...], bool]:
+    """Build the carry manager (not yet in `resources`), the line that says so and its details
+    (what was read where), or None and the line saying why the carry stands aside; the flag is
+    True when the arenas were built over `early`."""
     from . import CARRY_MANAGER_KEY
     from .manager import carry_manager_class
     from .options import TrtllmAdapterError
@@ -279,21 +357,19 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
                 "create_py_executor_instance was called without a resources= dict: this "
                 "TensorRT-LLM build is not one the worker hook was written against")
         options = checked_options(os.environ.get(ENV, ""))
-        if isinstance(options, Exception):
-            return False  # its one line was printed when the file was first read (at interpreter start)
+        if isinstance(options, Exception):  # its one line was printed when the file was first read
+            return None, "", (), False
         version = "stand-in" if standin else _trtllm_version()
         # the carry's own options first, then the executor: the order `info --llm-config` judges in
         # (trtllm/verdict.py), so both give the same reason
         own = carry_options_verdict(options)
         if own is not None:
-            _say(f"mtp carry: stands aside: {own.reason}", own.details)
-            return False
+            return None, f"mtp carry: stands aside: {own.reason}", own.details, False
         # `llm_args` (TorchLlmArgs): speculative_config, cache_transceiver_config and
         # kv_cache_compression_config, read as the creator reads them (probe.llm_args_facts)
         probe = probe_managers(resources, version, llm_args=llm_args)
         if not probe.runnable:
-            _say(f"mtp carry: stands aside: {probe.reason}", probe.details)
-            return False
+            return None, f"mtp carry: stands aside: {probe.reason}", probe.details, False
         assert probe.draft is not None and probe.mtp_layer is not None
         base = _base_resource_manager(probe.draft)
         over_early = False
@@ -319,22 +395,16 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
         else:
             reserved.release_entries()
         manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, options, report=_say,
-                                            reserved=reserved)
+                                            reserved=reserved, lockstep=lockstep)
         from ..dataplane.warm import warm_manager_kernels
 
         warm_manager_kernels(manager, reserved)  # no Triton compile inside a timed turn
-        resources[CARRY_MANAGER_KEY] = manager  # where extra_resource_managers go
-        _say(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
-             f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "
-             f"tokens_per_block {probe.tokens_per_block}): {probe.reason}; {reserved.line()}", probe.details)
-        if options.metrics_port is not None:
-            from .metrics import export_worker_metrics
-
-            export_worker_metrics(manager, options.metrics_port, report=_say)
-        return over_early
-    except TrtllmAdapterError as exc:
-        _say(f"mtp carry: stands aside: {exc}")
-        return False
+        return manager, (f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
+                         f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "
+                         f"tokens_per_block {probe.tokens_per_block}): {probe.reason}; {reserved.line()}"), \
+            probe.details, over_early
+    except TrtllmAdapterError as exc:  # the early bytes (if any) go back with the carry that stands aside
+        return None, f"mtp carry: stands aside: {exc}", (), False
 
 
 def _base_resource_manager(draft: Any) -> type:

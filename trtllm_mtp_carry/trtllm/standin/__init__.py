@@ -20,6 +20,7 @@ its name and cites the file and commit it was read from (diff one against the ot
 | `qsa_cache_manager` | `_torch/attention/backends/sparse/qsa/cache_manager.py` (`QSAMambaHybridCacheManagerV2`, the QSA hybrid's draft pool @ 38198e34) and `_torch/modules/qwen4_exp/cache_manager.py` (`Qwen4ExpHybridCacheManagerV2`, the class newer trees build and `qsa/cache_manager.py` re-exports under the old name) |
 | `llm_request` | `_torch/pyexecutor/llm_request.py` (`LlmRequest`, its states) |
 | `conversation_params`, `mapping` | `tensorrt_llm/conversation_params.py`, `tensorrt_llm/mapping.py` |
+| `communicator` | `_torch/distributed/communicator.py` (`Distributed`, `TorchDist`: the executor's communicator) |
 | `conformant` | (the stand-in's guard: `TRTLLM_NAMES`, `Conformant`) |
 
 Topologies: `unpaired` (draft pages fresh over the reused prefix, holding what an earlier
@@ -27,6 +28,10 @@ request left there or the pool's poison rows, never cleared: the blind drafter),
 the target's reuse is capped at the draft's matched depth), `folded` (no draft
 manager, `DRAFT_KV_CACHE_MANAGER: None`: the MTP layer's pages belong to the target
 manager and are restored with its prefix).
+
+Tensor parallelism: `create_py_executor(tp_size=N)` in each of N processes of a gloo
+process group builds that rank's executor: its draft pool holds the rank's KV-head shard,
+rank 0 alone takes requests and the executor broadcasts them (`py_executor`).
 
 Invariants:
 - Package code (any `trtllm_mtp_carry.*` module outside this package) reading a name of
@@ -42,6 +47,7 @@ Invariants:
 from __future__ import annotations
 
 from ._util import VERSIONS, StandinLlmArgs, create_py_executor_instance, joint_reuse
+from .communicator import Distributed, TorchDist
 from .conformant import TRTLLM_NAMES, Conformant
 from .conversation_params import ConversationParams
 from .kv_cache_manager_v2 import (
@@ -50,6 +56,7 @@ from .kv_cache_manager_v2 import (
     KVCacheManagerV2,
     PagedRows,
     poison_page,
+    shard_heads,
 )
 from .llm import StandinLLM
 from .llm_args import (
@@ -90,11 +97,11 @@ TargetKVManager = MambaHybridCacheManagerV2
 
 __all__ = [
     "BAD_PAGE_INDEX", "QWEN3_NEXT_MODEL_DEFAULTS", "TRTLLM_NAMES", "VERSIONS", "BaseResourceManager",
-    "BlockReuseConfig", "CacheTransceiverConfig", "DecodingBaseConfig", "joint_reuse", "poison_page",
-    "Conformant", "ConversationParams", "DataType", "DraftKVManager", "FinishReason",
+    "BlockReuseConfig", "CacheTransceiverConfig", "DecodingBaseConfig", "joint_reuse", "poison_page", "shard_heads",
+    "Conformant", "ConversationParams", "DataType", "Distributed", "DraftKVManager", "FinishReason",
     "KVCacheManagerV2", "KvCacheConfig", "LlmRequest", "LlmRequestState", "MambaHybridCacheManagerV2",
     "MambaStateConfig", "Mapping", "PagedRows", "QSAMambaHybridCacheManagerV2", "Qwen4ExpHybridCacheManagerV2", "ResourceManager", "ResourceManagerType",
-    "ScheduledRequests", "SeqSlotManager", "StandinLLM", "StandinLlmArgs", "StandinPyExecutor",
+    "ScheduledRequests", "SeqSlotManager", "StandinLLM", "StandinLlmArgs", "StandinPyExecutor", "TorchDist",
     "TargetKVManager", "create_py_executor", "create_py_executor_instance", "get_cache_salt_id",
     "is_context_finished", "is_context_init_state", "is_finished", "is_generation_complete_state",
     "is_generation_in_progress_state",

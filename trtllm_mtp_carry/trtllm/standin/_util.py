@@ -56,7 +56,7 @@ import torch
 from ...engine.model import HybridLM
 from ..options import MAMBA_STATE_FIELDS
 from .conformant import Conformant
-from .kv_cache_manager_v2 import DraftKVManager, Nvfp4PagedRows, PagedRows
+from .kv_cache_manager_v2 import DraftKVManager, Nvfp4PagedRows, PagedRows, shard_heads
 from .llm_args import SEPARATE_DRAFT_POOL, CacheTransceiverConfig, DecodingBaseConfig, KvCacheConfig
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2, target_class
 from .mapping import Mapping
@@ -175,6 +175,7 @@ class StandinLlmArgs:
     max_batch: int = 8
     kv_dtype: DataType = DataType.BF16
     tp_size: int = 1
+    rank: int = 0  # this rank's place in the tensor-parallel group (the world: the stand-in has no PP)
     enable_attention_dp: bool = False
     overlap_scheduler: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -188,6 +189,17 @@ class StandinLlmArgs:
     device_memory: StandinDeviceMemory | None = None  # the modelled device (None: not modelled)
     device: str = "cpu"  # where the page pool lives (the model computes on the CPU)
 
+    def mapping(self) -> Mapping:
+        """The executor's `Mapping`: one tensor-parallel group spanning the world."""
+        return Mapping(world_size=self.tp_size, rank=self.rank, tp_size=self.tp_size,
+                       enable_attention_dp=self.enable_attention_dp)
+
+    def kv_heads(self) -> list[int]:
+        """The model's KV heads this rank's draft pool holds (`shard_heads`; attention DP: all,
+        as `KVCacheManagerV2.__init__` splits heads over `tp_size = 1` then)."""
+        tp = 1 if self.enable_attention_dp else self.tp_size
+        return shard_heads(self.model.cfg.num_kv_heads, tp, self.rank if tp > 1 else 0)
+
 
 def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -> None:
     """`KvCacheCreator.build_managers` (`_util.py` @ 0004396): the pairing decision, then the
@@ -197,7 +209,11 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
     a = llm_args
     cfg = a.model.cfg
     profile = VERSIONS[a.version]
-    mapping = Mapping(a.tp_size, a.enable_attention_dp)
+    mapping = a.mapping()
+    heads = a.kv_heads()
+    if len(heads) != cfg.num_kv_heads and (a.kv_dtype == DataType.NVFP4 or profile["draft_class"] is not None):
+        raise NotImplementedError("the stand-in shards BF16 and FP8 draft pools over tensor-parallel "
+                                  "ranks only (not NVFP4, not QSA)")
     if a.kv_cache_compression_config is not None:
         # create_kv_cache_compression_manager: the stand-in models no compression algorithm
         raise NotImplementedError("the stand-in models no KV-cache compression "
@@ -212,7 +228,7 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
         roles = 2 if profile["draft_class"] is None else qsa_roles(
             cfg.num_kv_heads, cfg.head_dim, torch.empty((), dtype=dtype).element_size())
         a.pool = PagedRows(a.num_pages, cfg.num_kv_heads, a.tokens_per_block, cfg.head_dim,
-                           dtype, device=a.device, roles=roles)
+                           dtype, device=a.device, roles=roles, heads=heads)
     mtp_layer = cfg.num_layers  # the MTP layer's global index is num_hidden_layers
     # `should_use_separate_draft_kv_cache` (one-engine and `_allow_separate_draft_kv_cache`), which
     # `create_py_executor` sets False on a disaggregated worker (PR #11689: "disabled for disaggregated
@@ -252,10 +268,11 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
 def page_nbytes(llm_args: StandinLlmArgs) -> int:
     """Bytes of one page of the stand-in's pool `[2, Hkv, tpb, D]` (the KV cache it models)."""
     cfg = llm_args.model.cfg
+    heads = len(llm_args.kv_heads())  # this rank's shard
     if llm_args.kv_dtype == DataType.NVFP4:  # D/2 payload bytes and D/16 block scales a vector
-        return 2 * cfg.num_kv_heads * llm_args.tokens_per_block * (cfg.head_dim // 2 + cfg.head_dim // 16)
+        return 2 * heads * llm_args.tokens_per_block * (cfg.head_dim // 2 + cfg.head_dim // 16)
     elt = torch.empty((), dtype=_TORCH_DTYPES[llm_args.kv_dtype]).element_size()
-    return 2 * cfg.num_kv_heads * llm_args.tokens_per_block * cfg.head_dim * elt
+    return 2 * heads * llm_args.tokens_per_block * cfg.head_dim * elt
 
 
 def configure_kv_cache_capacity(llm_args: StandinLlmArgs, allocated_bytes: int) -> int:
@@ -458,7 +475,7 @@ def create_py_executor_instance(
         rm.resource_managers.move_to_end(ResourceManagerType.CROSS_KV_CACHE_MANAGER, last=True)
     if ResourceManagerType.KV_CACHE_COMPRESSION_MANAGER in rm.resource_managers:
         rm.resource_managers.move_to_end(ResourceManagerType.KV_CACHE_COMPRESSION_MANAGER, last=True)
-    executor = StandinPyExecutor(rm, model_engine, args, max_batch_size=max_batch_size)
+    executor = StandinPyExecutor(rm, model_engine, args, max_batch_size=max_batch_size, dist=dist)
     if start_worker:
         executor.start_worker()
     return executor

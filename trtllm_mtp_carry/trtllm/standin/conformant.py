@@ -51,6 +51,10 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
     "KvCacheConfig": frozenset({"enable_block_reuse", "mamba_state_config", "block_reuse_config"}),
     # `TorchLlmArgs.speculative_config` (llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412)
     "DecodingBaseConfig": frozenset({"decoding_type"}),
+    # the executor's parallel mapping (mapping.py @ 05ebebb2) and communicator (communicator.py
+    # @ a1cf28f9): what the worker install and the lockstep read
+    "Mapping": frozenset({"tp_size", "tp_rank", "pp_size", "rank", "enable_attention_dp"}),
+    "Distributed": frozenset({"tp_allgather"}),
     "KvCacheCreator": frozenset({"try_prepare_estimation", "_llm_args"}),
     "MambaStateConfig": frozenset({
         "periodic_snapshot_interval", "additional_snapshot_offsets_from_start",

@@ -113,13 +113,18 @@ class PagedRows:
     """
 
     def __init__(self, num_pages: int, num_kv_heads: int, tpb: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", roles: int = 2) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", roles: int = 2,
+                 heads: Sequence[int] | None = None) -> None:
         # `roles` K-sized pages a slot (V2 coalesces buffers of one size and lifecycle into one
         # slot: a QSA pool's index key joins K and V when it is as large, qsa_cache_manager.py);
-        # `buf` is the slot's K/V, `[slots, roles, ...][:, :2]`, strided when roles > 2
-        self.store = _register(torch.empty(num_pages, roles, num_kv_heads, tpb, head_dim, dtype=dtype,
+        # `buf` is the slot's K/V, `[slots, roles, ...][:, :2]`, strided when roles > 2.
+        # `heads`: the model's KV heads this pool holds (a tensor-parallel rank's shard,
+        # `shard_heads`), None: all `num_kv_heads`; the poison is the whole model's, sliced, so a
+        # rank's never-written page is the single-rank page's shard.
+        self.heads = list(range(num_kv_heads)) if heads is None else list(heads)
+        self.store = _register(torch.empty(num_pages, roles, len(self.heads), tpb, head_dim, dtype=dtype,
                                            device=device))
-        poison = poison_page(num_kv_heads, tpb, head_dim, dtype)
+        poison = poison_page(num_kv_heads, tpb, head_dim, dtype)[:, self.heads]
         self.store.copy_(poison[torch.arange(roles) % 2].expand_as(self.store))
         self.buf = self.store[:, :2]
         self.tpb = tpb
@@ -217,6 +222,22 @@ class PagedRows:
         return sum(1 for r in self._refs if r)
 
 
+def shard_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
+    """The KV heads a tensor-parallel rank holds: `ceil(num_kv_heads / tp_size)` of them
+    (`KVCacheManagerV2.__init__`, `kv_cache_manager_v2.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412:
+    `(num_kv_heads + tp_size - 1) // tp_size`, `tp_size` 1 under attention DP). Rank `r` holds heads
+    `[r * k, (r + 1) * k)` when `k = num_kv_heads / tp_size` is whole; with fewer heads than ranks
+    each head is repeated `tp_size / num_kv_heads` times in rank order, so rank `r` holds head
+    `r // (tp_size / num_kv_heads)` (`duplicate_kv_weight`, `modeling_utils.py` @
+    000a01de66f0eab4ab05640711f0253f50f5209c, which asserts either division is exact)."""
+    if num_kv_heads >= tp_size:
+        assert num_kv_heads % tp_size == 0, f"{num_kv_heads} KV heads do not split over TP {tp_size}"
+        k = num_kv_heads // tp_size
+        return list(range(tp_rank * k, (tp_rank + 1) * k))
+    assert tp_size % num_kv_heads == 0, f"TP {tp_size} is not a multiple of {num_kv_heads} KV heads"
+    return [tp_rank // (tp_size // num_kv_heads)]
+
+
 def poison_page(num_kv_heads: int, tpb: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The rows `[2, kv_heads, tpb, head_dim]` every never-written page holds: standard normal
     (the scale of real K/V rows), from `POISON_SEED`, so the same in every pool and run."""
@@ -252,6 +273,7 @@ class Nvfp4PagedRows(PagedRows):
                  device: torch.device | str = "cpu") -> None:
         if head_dim % 16:
             raise ValueError(f"NVFP4 KV needs head_dim a multiple of 16, got {head_dim}")
+        self.heads = list(range(num_kv_heads))  # every head: the stand-in shards BF16 and FP8 pools only
         self.store = _register(torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim // 2, dtype=torch.int8,
                                            device=device))
         self.scales = _register(torch.empty(num_pages, 2, num_kv_heads, tpb, head_dim // 16,

@@ -14,16 +14,33 @@ slot; generation runs MTP-Eagle steps: verify, then rows for all 1 + D positions
 past the accepted tokens are junk), then draft steps that write rows past the accepted
 tokens too.
 
+Tensor parallelism (`tp_size` > 1; `py_executor.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412):
+each rank is its own process with its own executor, resource managers and draft pool, which
+holds the rank's KV-head shard (`kv_cache_manager_v2.shard_heads`). Only rank 0 takes requests
+(`submit`; the source's request queue takes work on rank 0 only); every iteration starts with
+`_fetch_and_enqueue_requests`, where rank 0 drains its queue and `RequestBroadcaster.broadcast`
+sends the new requests (and cancellations, `is_canceled_request` items) to every rank
+(`dist.broadcast(payloads, root=0)`, `request_utils.py` @ 05a226428c22314134409e8f074d69de184fd19e;
+`py_conversation_params` rides along as a Python object, as in the trees that collect it).
+Each rank then schedules by itself: identical inputs and capacities give identical batches, so
+prepare and free run in the same order on every rank. The model runs replicated on every rank
+(the stand-in computes every head and writes the rank's shard); the MTP attention reads the
+rank's own pages and gathers the other ranks' heads (`TorchDist.tp_allgather`), which is where
+the real attention all-reduces its heads: so a draft depends on every shard's rows.
+
 Invariants:
 - Greedy decoding: the target verifies every draft, so outputs never depend on the
   drafter's rows.
 - `check()` raises if a page or a target cache is held with nothing running (a leak).
+- Every rank makes the same collective calls in the same order (`run_until_done` fetches on
+  every iteration, exactly as often on every rank).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,12 +48,28 @@ import torch
 from ...dataplane.rope import apply_rope_reference
 from .conformant import Conformant
 from .conversation_params import ConversationParams
-from .kv_cache_manager_v2 import DraftKVManager
+from .kv_cache_manager_v2 import DraftKVManager, shard_heads
 from .llm_request import FinishReason, LlmRequest, LlmRequestState
 from .mamba_cache_manager_v2 import MambaHybridCacheManagerV2
 from .qsa_cache_manager import QsaIndexer, _QsaDraftPool
 from .resource_manager import ResourceManager, ResourceManagerType
 from .scheduler import ScheduledRequests
+
+
+@dataclass(frozen=True)
+class _QueueItem:
+    """What rank 0 broadcasts of a request (`RequestQueueItem`: its id, the executor request, the
+    Python-only objects beside it) or of a cancellation (`is_canceled_request`)."""
+
+    id: int
+    prompt: tuple[int, ...] = ()
+    max_new_tokens: int = 0
+    conversation_id: str | None = None
+    cache_salt: str | None = None
+    lora_task_id: int | None = None
+    dummy: bool = False
+    client_id: int | None = None
+    is_canceled_request: bool = False
 
 
 class StandinPyExecutor(Conformant):
@@ -57,8 +90,11 @@ class StandinPyExecutor(Conformant):
     TRTLLM_CLASS = "PyExecutor"
 
     def __init__(self, resource_manager: ResourceManager, model_engine: Any, llm_args: Any,  # _util.StandinLlmArgs
-                 *, max_batch_size: int) -> None:
+                 *, max_batch_size: int, dist: Any = None) -> None:
         a = llm_args
+        self.dist = dist  # communicator.TorchDist of a multi-rank world, else None
+        self.tp_rank = a.rank if dist is not None else 0
+        self.heads = a.kv_heads()  # the model's KV heads this rank's draft pool holds
         if a.topology not in ("unpaired", "paired", "folded"):
             raise ValueError(f"topology must be unpaired, paired or folded, got {a.topology!r}")
         self.resource_manager = resource_manager
@@ -84,6 +120,7 @@ class StandinPyExecutor(Conformant):
         self.indexer = (QsaIndexer(self.draft, self.cfg.hidden_size, self.cfg.rotary_dim, self.cfg.rope_theta)
                         if isinstance(self.draft, _QsaDraftPool) else None)
         self.started = False
+        self._queue: list[tuple[_QueueItem, LlmRequest | None]] = []  # rank 0's request queue
         self.waiting: deque[LlmRequest] = deque()
         self.active: list[LlmRequest] = []
         self.finished: dict[int, LlmRequest] = {}
@@ -106,13 +143,15 @@ class StandinPyExecutor(Conformant):
         """Queue a request (the executor request queue); returns its `LlmRequest`."""
         if not self.started:
             raise RuntimeError("the stand-in PyExecutor was not started (start_worker)")
+        if self.tp_rank != 0:
+            raise RuntimeError(f"rank {self.tp_rank} takes no requests: rank 0 takes them and broadcasts them")
         if len(prompt) < 2:
             raise ValueError(f"the stand-in needs a prompt of at least 2 tokens, got {len(prompt)}")
-        params = None if conversation_id is None else ConversationParams(conversation_id=conversation_id)
-        req = LlmRequest(self._next_id, list(prompt), max_new_tokens, params, cache_salt,
-                         lora_task_id, is_dummy=dummy, py_client_id=client_id)
+        item = _QueueItem(self._next_id, tuple(prompt), max_new_tokens, conversation_id, cache_salt,
+                          lora_task_id, dummy, client_id)
+        req = _request(item)
         self._next_id += 1
-        self.waiting.append(req)
+        self._queue.append((item, req))  # active from the next iteration's fetch
         return req
 
     def cancel(self, rid: int, *, failed: bool = False, free_first: bool = False) -> None:
@@ -124,7 +163,24 @@ class StandinPyExecutor(Conformant):
         in its running state). `failed=True` is `_handle_errors` instead: the state is
         set to GENERATION_COMPLETE directly (no finish reason), then freed. A queued
         request is dropped before it got resources.
+
+        With several ranks only rank 0 cancels: the cancellation is queued and broadcast, and
+        every rank applies it at the next iteration's fetch (`_handle_special_queue_items`
+        puts the id in `canceled_req_ids` on every rank); `failed` (an error on one rank) and
+        `free_first` are single-rank paths.
         """
+        if self.dist is not None and not failed and not free_first:
+            if self.tp_rank != 0:
+                raise RuntimeError(f"rank {self.tp_rank} takes no cancellations: rank 0 broadcasts them")
+            self._queue.append((_QueueItem(rid, is_canceled_request=True), None))
+            return
+        self._cancel(rid, failed=failed, free_first=free_first)
+
+    def _cancel(self, rid: int, *, failed: bool = False, free_first: bool = False) -> None:
+        for item, req in list(self._queue):
+            if item.id == rid and req is not None:
+                self._queue.remove((item, req))
+                return
         for req in list(self.waiting):
             if req.py_request_id == rid:
                 self.waiting.remove(req)
@@ -175,11 +231,32 @@ class StandinPyExecutor(Conformant):
         self.finished[req.py_request_id] = req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self._queue or self.waiting or self.active)
 
     def run_until_done(self) -> None:
-        while self.has_work():
-            self.step()
+        """Iterate until no rank has work: every rank fetches on every iteration (its
+        broadcast pairs with rank 0's), so all ranks stop after the same fetch."""
+        while True:
+            self._fetch_and_enqueue_requests()
+            if not (self.waiting or self.active):
+                return
+            self._iteration()
+
+    def _fetch_and_enqueue_requests(self) -> None:
+        """Rank 0 drains its request queue; with several ranks `dist.broadcast` hands every rank
+        the same items (`RequestBroadcaster._broadcast_requests`); new requests join the waiting
+        queue and cancellations are applied, in queue order, on every rank."""
+        mine, self._queue = self._queue, []
+        items = [item for item, _ in mine]
+        if self.dist is not None:
+            items = self.dist.broadcast(items, root=0)
+        local = {item.id: req for item, req in mine if req is not None}
+        for item in items:
+            if item.is_canceled_request:
+                self._cancel(item.id)
+            else:
+                req = local.get(item.id)
+                self.waiting.append(_request(item) if req is None else req)
 
     def check(self) -> None:
         """RuntimeError if pages or target caches are held with nothing running (a leak)."""
@@ -194,9 +271,14 @@ class StandinPyExecutor(Conformant):
 
     # ---- the executor loop -----------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self) -> list[LlmRequest]:
-        """One iteration: schedule, prepare resources, forward, update, free the finished."""
+        """One iteration: fetch new requests, schedule, prepare resources, forward, update, free
+        the finished."""
+        self._fetch_and_enqueue_requests()
+        return self._iteration()
+
+    @torch.no_grad()
+    def _iteration(self) -> list[LlmRequest]:
         while self.waiting and len(self.active) < self.max_batch:
             self._admit(self.waiting.popleft())
         batch = ScheduledRequests()
@@ -303,7 +385,7 @@ class StandinPyExecutor(Conformant):
     def _write_rows(self, req: LlmRequest, lo: int, nxt: torch.Tensor, hidden: torch.Tensor) -> None:
         # nxt: [n] t_{k+1}; hidden: [n, H] hidden_k for keys lo .. lo + n - 1
         x, _, k, v = self._mtp_qkv(nxt, hidden, torch.arange(lo, lo + nxt.shape[0]))
-        self.paged.write(req.py_request_id, lo, k, v)
+        self.paged.write(req.py_request_id, lo, k[:, self.heads], v[:, self.heads])  # this rank's heads
         self._index(req, lo, x)
 
     def _index(self, req: LlmRequest, lo: int, x: torch.Tensor) -> None:
@@ -330,15 +412,29 @@ class StandinPyExecutor(Conformant):
             kk = key + j
             x, q, k, v = self._mtp_qkv(token, h, torch.tensor([kk]))
             if j:  # later draft steps write their own rows (over drafted tokens) at key + j
-                self.paged.write(req.py_request_id, kk, k, v)
+                self.paged.write(req.py_request_id, kk, k[:, self.heads], v[:, self.heads])
                 self._index(req, kk, x)
-            rows_k, rows_v = self.paged.read(req.py_request_id, 0, kk + 1)
+            rows_k, rows_v = self._all_heads(*self.paged.read(req.py_request_id, 0, kk + 1))
             dt = x.dtype
             h, logits = d.finish(x, q, rows_k.to(x.device, dt), rows_v.to(x.device, dt), torch.arange(kk + 1),
                                  torch.tensor([kk]))
             token = logits.argmax(-1)
             out.append(int(token))
         return out
+
+    def _all_heads(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every KV head's rows `[n, Hkv, D]` from this rank's shard `k`, `v` `[n, h, D]`: one rank
+        holds them all; several gather the others' (`tp_allgather`), each head from the first
+        rank holding it. The attention reads each head's rows from the rank that wrote them."""
+        if self.dist is None:
+            return k, v
+        parts = self.dist.tp_allgather(torch.stack((k, v)).contiguous())  # per rank [2, n, h, D]
+        cfg = self.cfg
+        owners = [shard_heads(cfg.num_kv_heads, self.dist.tp_size, r) for r in range(self.dist.tp_size)]
+        full = [next(p[:, :, hs.index(h)] for p, hs in zip(parts, owners, strict=True) if h in hs)
+                for h in range(cfg.num_kv_heads)]
+        rows = torch.stack(full, dim=2)  # [2, n, Hkv, D]
+        return rows[0], rows[1]
 
     def _maybe_finish(self, req: LlmRequest) -> None:
         last = req.tokens[-1]
@@ -367,3 +463,10 @@ class StandinPyExecutor(Conformant):
 
     def _eos(self) -> int:
         return self._eos_id
+
+
+def _request(item: _QueueItem) -> LlmRequest:
+    """The `LlmRequest` of a queue item (`executor_request_to_llm_request`): the same on every rank."""
+    params = None if item.conversation_id is None else ConversationParams(conversation_id=item.conversation_id)
+    return LlmRequest(item.id, list(item.prompt), item.max_new_tokens, params, item.cache_salt,
+                      item.lora_task_id, is_dummy=item.dummy, py_client_id=item.client_id)

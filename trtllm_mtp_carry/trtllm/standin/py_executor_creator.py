@@ -39,8 +39,8 @@ from ._util import (
     StandinLlmArgs,
     create_py_executor_instance,
 )
+from .communicator import Distributed
 from .llm_args import CacheTransceiverConfig, DecodingBaseConfig, KvCacheConfig
-from .mapping import Mapping as TrtllmMapping
 from .resource_manager import DataType
 from .torch_cuda import StandinDeviceMemory
 
@@ -109,7 +109,8 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
         raise ValueError(f"topology must be unpaired, paired or folded, got {args.topology!r}")
     model_engine = SimpleNamespace(model=args.model)  # PyTorchModelEngine (.model)
     resources: OrderedDict[Any, Any] = OrderedDict()
-    mapping = TrtllmMapping(args.tp_size, args.enable_attention_dp)
+    dist = _rank_of(args)
+    mapping = args.mapping()
     # as create_py_executor: the creator through this module's global name, then
     # try_prepare_estimation (the worker hook reserves the carry's memory first, in its wrap)
     kv_cache_creator = KvCacheCreator(
@@ -123,24 +124,40 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
         skip_est=not estimate_kv_cache)
     estimating_kv_cache = kv_cache_creator.try_prepare_estimation()
     kv_cache_creator.build_managers(resources, estimating_kv_cache)
-    py_executor = _instance(resources, args, model_engine)
+    py_executor = _instance(resources, args, model_engine, dist)
     if estimating_kv_cache:
         first_draft = py_executor.draft
         kv_cache_creator.configure_kv_cache_capacity(py_executor)
         kv_cache_creator.teardown_managers(resources)
         del py_executor  # free before constructing new
         kv_cache_creator.build_managers(resources, False)
-        py_executor = _instance(resources, args, model_engine)
+        py_executor = _instance(resources, args, model_engine, dist)
         py_executor.estimation_draft = first_draft  # the stand-in's record, for tests
     py_executor.kv_cache_budget_bytes = kv_cache_creator.budget  # the stand-in's record, for tests
     py_executor.start_worker()
     return py_executor
 
 
-def _instance(resources: OrderedDict[Any, Any], args: StandinLlmArgs, model_engine: Any) -> Any:
+def _rank_of(args: StandinLlmArgs) -> Distributed | None:
+    """`dist = Distributed.get(mapping)` (py_executor_creator.py @ 000429d5), for a multi-rank
+    world: this process is one rank of a torch.distributed (gloo) group of `tp_size` processes,
+    each building its own executor; `args.rank` becomes its rank. None for one rank."""
+    if args.tp_size == 1:
+        return None
+    import torch.distributed as torch_dist
+
+    if not torch_dist.is_initialized() or torch_dist.get_world_size() != args.tp_size:
+        raise RuntimeError(f"a tp_size={args.tp_size} stand-in executor runs one process per rank: "
+                           f"initialize torch.distributed (gloo) with world_size {args.tp_size} in each first")
+    args.rank = torch_dist.get_rank()
+    return Distributed.get(args.mapping())
+
+
+def _instance(resources: OrderedDict[Any, Any], args: StandinLlmArgs, model_engine: Any,
+              dist: Distributed | None) -> Any:
     # through this module's global name, as py_executor_creator calls it (the hook wraps it)
     return create_py_executor_instance(
-        dist=None, resources=resources, mapping=TrtllmMapping(args.tp_size, args.enable_attention_dp),
+        dist=dist, resources=resources, mapping=args.mapping(),
         llm_args=args, ctx_chunk_config=None, model_engine=model_engine, start_worker=False,
         sampler=None, drafter=None, guided_decoder=None, lora_config=None,
         garbage_collection_gen0_threshold=None, kv_connector_manager=None,
