@@ -88,6 +88,10 @@ only after that process logged `Runtime shutdown initiated`; docs/DYNAMO.md name
 
 SHUTDOWN_MARK = "Runtime shutdown initiated"
 
+STOPPING_FILE = "stopping"
+"""Written in the deployment's directory before `stop()` signals the workers: every worker stops, so
+none offers its carried entries to peers that stop too (a single worker's SIGTERM still does)."""
+
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 
@@ -116,6 +120,10 @@ class DynamoSpec:
     worker_restarts: int = 3
     status_port: int | None = None  # the launcher's /health and /metrics (None: none)
     options: ServeOptions = field(default_factory=ServeOptions)
+    carry_moves: bool = True  # entries follow their sessions between workers (NIXL; the nixl extra)
+    pull_budget_ms: int = 1000  # how long a turn may wait for its entry from a peer
+    drain_s: int = 10  # how long a planned stop may spend handing entries to peers
+    carry_digests: bool = False  # each turn reports the digest of the rows it deposited
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers <= 0:
@@ -137,6 +145,10 @@ class DynamoSpec:
         if isinstance(self.worker_restarts, bool) or not isinstance(self.worker_restarts, int) \
                 or self.worker_restarts < 0:
             raise ValueError(f"worker restarts must be an int >= 0, got {self.worker_restarts!r}")
+        for name in ("pull_budget_ms", "drain_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name.replace('_', ' ')} must be a positive int, got {value!r}")
         if ":" in self.http_host:  # the sockets (free_port), URLs and broker addresses are IPv4's
             raise ValueError(f"host must be an IPv4 address or a host name, got {self.http_host!r}")
 
@@ -180,6 +192,13 @@ class DynamoSpec:
                 args += [flag, str(value)]
         if not self.kv_events:
             args += ["--no-kv-events"]
+        if self.carry_moves:
+            args += ["--transfer-host", self.http_host, "--carry-pull-budget-ms", str(self.pull_budget_ms),
+                     "--carry-drain-s", str(self.drain_s),
+                     "--stopping-file", str(Path(model_dir).parent / STOPPING_FILE)]
+            args += ["--carry-digests"] if self.carry_digests else []
+        else:
+            args += ["--no-carry-moves"]
         return args
 
 
@@ -521,6 +540,7 @@ class DynamoDeployment:
             self._status.close()
         with self._lock:
             workers = [w.process for w in self.workers]
+        (self.workdir / STOPPING_FILE).touch()
         deadline = time.monotonic() + timeout_s
         # the workers first (a frontend stopped before them logs Dynamo's KNOWN_SHUTDOWN_ERRORS
         # more often, measured), the broker last (events flow until the others stop)
