@@ -23,7 +23,11 @@ from pathlib import Path
 import pytest
 from dynamo_helpers import netns_unavailable
 
-from trtllm_mtp_carry.serve.dynamo.nixl_transport import UCX_SHARED_MEMORY, interface_of, ucx_environment
+from trtllm_mtp_carry.serve.dynamo.nixl_transport import (
+    UCX_SHARED_MEMORY,
+    interface_of,
+    ucx_environment,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                                 reason='NIXL is not installed (pip install -e ".[nixl]")')

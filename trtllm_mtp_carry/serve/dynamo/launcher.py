@@ -28,7 +28,8 @@ Ownership and invariants:
   slot; its discovery entries are removed at once, so the router stops sending
   to it. When a slot's restarts are spent, at the first death under `"exit"`, or
   when the frontend or the broker dies, `failure` names the process (one line,
-  also passed to `on_event`) and `failed` is set; `serve --dynamo` then stops.
+  passed to `on_failure`, by default `on_event`) and `failed` is set; `serve --dynamo`
+  then stops and prints it once, as its error line.
 - Each process runs in its own process group; `stop()` sends SIGTERM to
   every group, waits, then SIGKILLs what is left. Nothing outside the
   deployment is ever signalled.
@@ -264,7 +265,8 @@ class DynamoDeployment:
     `stop()` (or `with`, which does not supervise)."""
 
     def __init__(self, spec: DynamoSpec, python: str | None = None,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         require_dynamo()
         self.spec = spec
         self.python = python or sys.executable
@@ -276,6 +278,7 @@ class DynamoDeployment:
         self.model_dir = self.workdir / "model"
         self._broker_ports = (0, 0)
         self.on_event = on_event or (lambda line: print(line, flush=True))
+        self.on_failure = on_failure or self.on_event  # the line naming why supervision gave up
         self.restarts = 0  # workers restarted by the supervisor
         self.deaths = 0  # worker deaths the supervisor saw
         self.failure: str | None = None  # why supervision gave up (names the process)
@@ -470,7 +473,7 @@ class DynamoDeployment:
     def _give_up(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason
-            self.on_event(reason)
+            self.on_failure(reason)
             self.failed.set()
 
     def _watch(self, interval_s: float) -> None:
