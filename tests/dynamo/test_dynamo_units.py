@@ -260,3 +260,13 @@ def test_dynamo_spec_hands_the_moves_settings_to_its_workers() -> None:
     assert "--no-carry-moves" in DynamoSpec(carry_moves=False).worker_args("/d/model")
     with pytest.raises(ValueError, match="pull budget ms must be a positive int, got 0"):
         DynamoSpec(pull_budget_ms=0)
+
+
+def test_without_nixl_the_transport_names_the_extra(monkeypatch) -> None:
+    import sys
+
+    from trtllm_mtp_carry.serve.dynamo.nixl_transport import NixlMissing, NixlTransport
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # `import nixl._api` raises ImportError
+    with pytest.raises(NixlMissing, match=r'pip install -e "\.\[nixl\]" \(nixl==1\.5\.1\)'):
+        NixlTransport("w")

@@ -216,7 +216,7 @@ class CarryWorker(LLMEngine):
         self.peers: Any = None  # carry_peers.CarryPeers, when entries move between workers
         self._moves: Any = None  # its runtime.entry_moves.EntryMoves
         self._streams: dict[str, _StreamSink] = {}  # context id -> its sink, for abort()
-        self._remote: dict[int, bool] = {}  # session -> its turn in the engine adopts moved rows
+        self._remote: dict[int, bool] = {}  # session -> its turn in the engine found moved rows
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[CarryWorker, WorkerConfig]:
@@ -299,10 +299,10 @@ class CarryWorker(LLMEngine):
         from .carry_peers import CarryPeers
         from .nixl_transport import NixlMissing, NixlTransport, ucx_environment
 
-        os.environ.update(ucx_environment(o.transfer_host))  # read by UCX when the agent is made
         try:
+            os.environ.update(ucx_environment(o.transfer_host))  # read by UCX when the agent is made
             transport = NixlTransport(f"mtp-carry-{self.worker_id:x}-{os.getpid()}")
-        except NixlMissing as exc:
+        except (NixlMissing, ValueError) as exc:
             logger.warning("carried rows stay on their worker: %s", exc)
             return
         assert self.metrics is not None
@@ -361,8 +361,8 @@ class CarryWorker(LLMEngine):
             self.metrics.record_unadmitted("cancelled")
             yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
             return
-        if moved is not None:
-            self._remote[turn.corrid] = moved.receipt is not None
+        if moved is not None and moved.receipt is not None:
+            self._remote[turn.corrid] = True  # its adoption counts as remote (`_on_turn`)
         sink = _StreamSink(asyncio.get_running_loop())
         key = str(context.id())
         self._streams[key] = sink
