@@ -142,8 +142,8 @@ def read_sizes(sizes: list[int], reps: int) -> dict:
 
     from trtllm_mtp_carry.serve.dynamo.nixl_transport import NixlTransport, Offer, ucx_environment
 
-    peer = Path(__file__).resolve().parent.parent / "tests" / "dynamo" / "nixl_peer.py"
-    code = (f"import sys, json, os, time, torch; sys.path.insert(0, {str(peer.parent)!r}); import nixl_peer as p\n"
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, json, os, time, torch\n"
             "from trtllm_mtp_carry.serve.dynamo.nixl_transport import NixlTransport, ucx_environment\n"
             "os.environ.update(ucx_environment('127.0.0.1')); t = NixlTransport(f'h-{os.getpid()}')\n"
             f"rs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in {sizes!r}]\n"
@@ -152,7 +152,7 @@ def read_sizes(sizes: list[int], reps: int) -> dict:
             "while True:\n    t.pump()\n    try:\n        if sys.stdin.read() == '': break\n"
             "    except TypeError: pass\n    time.sleep(0.001)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(peer.parents[2])))
+                              env=dict(os.environ, PYTHONPATH=str(root)))
     assert holder.stdout is not None and holder.stdin is not None
     offers = next(json.loads(ln) for ln in holder.stdout if ln.startswith("["))
     os.environ.update(ucx_environment("127.0.0.1"))

@@ -17,7 +17,14 @@ Ownership and invariants:
   (`DYN_TCP_RPC_HOST`, `DYN_TCP_RESPONSE_STREAM_HOST`), each worker's system
   (metrics) server, the event broker's two ports (Dynamo's ZMQ publishers
   connect to it instead of binding 0.0.0.0 themselves) and the launcher's
-  status server (`StatusServer`). docs/DYNAMO.md lists them.
+  status server (`StatusServer`); each worker's `carry` endpoint shares its request
+  plane, its carry client's response stream binds `--host` too, and NIXL moves
+  carried rows on shared memory (no socket) unless `--host` is another address
+  (`--transfer-host`: UCX confined to that address's interface). docs/DYNAMO.md
+  lists them.
+- `stop()` writes `<workdir>/stopping` before it signals the workers: every worker
+  stops, so none hands its carried rows to peers that stop too (a single worker's
+  SIGTERM still does: `carry_peers`).
 - Readiness never asks a worker's `/health` (it answers 503 until the worker
   registers, and Dynamo logs each 503 as an ERROR): a worker is ready when its
   `generate` instance is in the discovery directory, the deployment when every
