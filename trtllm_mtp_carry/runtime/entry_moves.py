@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ..core import CarriedDrafter
-from ..dataplane.kv_pool import HostRows
+from ..dataplane.kv_pool import HostRows, PoolExhaustedError
 from .carry_runtime import CarryRuntime
 from .packed_rows import PackedEntry
 from .policy import DrafterPolicy
@@ -303,7 +303,11 @@ class EntryMoves:
             return self._receive_host(meta, rows)
         for old in evicted:
             rt._free(old)
-        held = pool.import_carried(meta.key, rows)  # may evict more for pool pressure, as a grow
+        try:
+            held = pool.import_carried(meta.key, rows)  # may evict more for pool pressure, as a grow
+        except PoolExhaustedError:  # live sequences took the blocks meanwhile: refused, as a deposit's oom
+            store.refuse(meta.key)
+            return "no_room"
         store.put(meta.entry(held.block_table), meta.nbytes, meta.session)
         return "received"
 

@@ -207,7 +207,7 @@ class CarryPeers:
         from dynamo._core import DistributedRuntime
 
         loop = asyncio.get_running_loop()
-        # the worker's runtime serves the system port (/metrics, /health): this one must not try to
+        # the worker's runtime serves the system port (/metrics, /health): this one must not bind it again
         saved = {k: os.environ.pop(k) for k in ("DYN_SYSTEM_PORT", "DYN_SYSTEM_ENABLED") if k in os.environ}
         try:
             self._runtime = DistributedRuntime(loop, discovery_backend, request_plane, event_plane=event_plane)
@@ -215,9 +215,16 @@ class CarryPeers:
             os.environ.update(saved)
         self._endpoint = self._runtime.endpoint(f"{namespace}.{component}.{CARRY_ENDPOINT}")
         self._serving = asyncio.ensure_future(self._endpoint.serve_endpoint(self._handle, graceful_shutdown=False))
+        self._serving.add_done_callback(self._served)
         self._client = await self._endpoint.client()
         self.self_id = int(self._endpoint.connection_id())
         self._pump = asyncio.ensure_future(self._pump_loop())
+
+    def _served(self, serving: asyncio.Future[Any]) -> None:
+        """The endpoint stopped serving: said once if it failed (peers then miss with `holder_gone`)."""
+        failure = None if serving.cancelled() else serving.exception()
+        if failure is not None:
+            self._log_once("serve_endpoint", failure)
 
     async def close(self) -> None:
         """Withdraw every loan, leave discovery, stop pumping."""
