@@ -55,6 +55,7 @@ def _executor_placement_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 FIRST = ("tests/trtllm/test_trtllm_worker_install.py", "tests/test_readme_blocks.py",
          "tests/dynamo/test_dynamo_failover.py", "tests/dynamo/test_dynamo_serving.py",
+         "tests/dynamo/test_dynamo_moves.py",
          "tests/serve/test_serve_cli.py", "tests/serve/test_triton_server.py",
          "tests/serve/test_bench_client.py", "tests/serve/test_triton_faults.py",
          "tests/test_progress.py", "tests/trtllm/test_trtllm_standin_carry.py",

@@ -171,6 +171,21 @@ def test_no_carry_turns_are_counted_by_their_reason():
     assert "carry: no_carry by reason memory=2 not_admitted=1" in summary_table({"carry": s})
 
 
+def test_adopted_turns_are_counted_by_where_their_rows_came_from():
+    run = PolicyRun("carry")
+    run.turns = [turn(0, "s0", 1, 10.0), turn(0, "s1", 1, 10.0), turn(0, "s2", 1, 10.0),
+                 turn(0, "s3", 1, 10.0, kind="no_carry")]
+    for t, source in zip(run.turns, ("remote", "local", "remote", ""), strict=True):
+        t.stats["rows_source"] = source  # what a Dynamo worker reports (entry moves)
+    s = policy_summary(run, first_measured=0)
+    assert s["adopted_by_source"] == {"local": 1, "remote": 2}
+    assert "carry: adopted by source local=1 remote=2" in summary_table({"carry": s})
+    carry, _ = carry_and_blind()  # no front end said: every adopted row was local, and no line says so
+    s = policy_summary(carry, first_measured=1)
+    assert s["adopted_by_source"] == {"local": 2, "remote": 0} and not s["sources_reported"]
+    assert "by source" not in summary_table({"carry": s})
+
+
 def test_the_host_tier_line_sums_hits_bytes_and_copy_time_over_measured_replays():
     carry, _ = carry_and_blind()
     tier = {"carry_host_memory_bytes": 8 << 20, "hits_device": 1, "hits_host": 2, "demotions": 3,

@@ -1,9 +1,10 @@
 """Failover behind Dynamo: the session's worker dies (SIGKILL) or stops (SIGTERM) mid-conversation.
 
 Pins: the next turn is served by another worker with the right output (the
-in-process greedy answer), the carry is refused there (nothing of the session
-on that worker) and the drafter built the slow way; the turn after adopts
-again on the new worker. Under hard affinity (set explicitly; the default is soft) a SIGKILL costs retryable
+in-process greedy answer); after the SIGKILL the carry is refused there (the rows
+died with the worker) and the drafter built the slow way, after the SIGTERM the
+stopping worker handed its rows over (the drain) and that turn adopts them; the
+turn after adopts again on the new worker. Under hard affinity (set explicitly; the default is soft) a SIGKILL costs retryable
 503s until the binding is dropped, and a SIGTERM hands over without a single failed request.
 """
 
@@ -36,10 +37,13 @@ def test_a_session_survives_sigkill_and_sigterm_of_its_worker(netns: Netns, refe
         assert turn["text"] == expected_text(reference_engine, turn["messages"], MAX_TOKENS)
     kinds = [t["carry"]["outcome_kind"] for t in turns]
     assert kinds[1] == kinds[3] == kinds[5] == "adopted"
-    for moved in (turns[2], turns[4]):  # the first turn on a new worker: no rows to carry there
-        assert moved["carry"]["outcome_kind"] == "no_carry"
-        assert moved["carry"]["drafter_rows_kept"] == 0
-        assert moved["carry"]["drafter_rows_computed"] >= moved["carry"]["prompt_tokens"] - 2
+    killed = turns[2]["carry"]  # the first turn after the SIGKILL: the rows died with the worker
+    assert (killed["outcome_kind"], killed["no_carry_reason"], killed["drafter_rows_kept"]) == (
+        "no_carry", "never_carried", 0)
+    assert killed["drafter_rows_computed"] >= killed["prompt_tokens"] - 2
+    stopped = turns[4]["carry"]  # after the SIGTERM: the stopping worker handed the rows over
+    assert (stopped["outcome_kind"], stopped["rows_source"]) == ("adopted", "remote"), stopped
+    assert stopped["drafter_rows_kept"] > 0 and stopped["moved_in"]["via"] in ("push", "pull")
     # SIGTERM under hard affinity (the default): the worker unregisters and the session moves
     # with no failed request (under soft affinity its next turn got one 503 first, measured)
     assert turns[4]["attempts"] == 1, turns[4]["failures"]

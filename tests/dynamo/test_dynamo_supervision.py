@@ -159,8 +159,9 @@ def test_host_moves_every_socket_of_the_deployment_there() -> None:
                  if any(f"pid={pid}," in ln for pid in pids) or ln.split()[3].endswith(f":{status_port}")]
     finally:
         d.stop()
-    # frontend: HTTP + response stream; broker: XSUB + XPUB; worker: request plane + system; status
-    assert len(local) == 7 and {addr.rsplit(":", 1)[0] for addr in local} == {"127.0.0.2"}, local
+    # frontend: HTTP + response stream; broker: XSUB + XPUB; worker: request plane + system + the
+    # response stream of its carry endpoint's client (entry moves; NIXL on shared memory opens none); status
+    assert len(local) == 8 and {addr.rsplit(":", 1)[0] for addr in local} == {"127.0.0.2"}, local
 
 
 def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests(
@@ -209,7 +210,7 @@ def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests
         delta = {k: m[k] - b[k] for k in m}
         # every request Dynamo handed this worker counted once: admitted by kind, else cancelled
         assert delta["outcomes"] == delta["requests"], (wid, delta)
-        assert m["outcomes"] - m["cancelled"] == m["runtime_outcomes"], (wid, m)
+        assert m["outcomes"] - m["cancelled"] - m["rejected"] == m["runtime_outcomes"], (wid, m)
         assert m["rows_adopted_total"] == m["rows_adopted_runtime"], (wid, m)
     routed = sum(m["requests"] - before.get(w, {"requests": 0.0})["requests"] for w, m in after.items())
     assert 20 <= routed <= 26  # 12 first turns + 6 finished + the long one and its queued follower;
@@ -218,6 +219,25 @@ def test_cancelled_turns_count_once_and_each_workers_outcomes_equal_its_requests
     # the queued follower at least (a turn hung up at once may also be cancelled before its
     # admission, by timing; each such one is in the outcomes = requests equality above)
     assert cancelled >= 1
+
+
+def test_a_request_the_worker_rejects_counts_once_as_rejected(deployment: DynamoDeployment) -> None:
+    # a 400 the worker gives (an unknown drafter policy, a prompt past the context) is a request
+    # Dynamo counted: it counts once in mtp_carry_outcomes_total too, as kind="rejected"
+    d, spec = deployment, deployment.spec
+    before = _metrics(d)
+    unknown = chat(spec.base_url, spec.name, [{"role": "user", "content": TOPIC}], 4, session_id="rj",
+                   policy="fastest", stream=False)
+    too_long = chat(spec.base_url, spec.name, [{"role": "user", "content": "y" * 33000}], 4, stream=False)
+    assert (unknown.status, too_long.status) == (400, 400), (unknown.error, too_long.error)
+    after = _settled(d, lambda m: all(x["outcomes"] == x["requests"] for x in m.values()))
+    rejected = 0.0
+    for wid, m in after.items():
+        b = before.get(wid, dict.fromkeys(m, 0.0))
+        assert m["outcomes"] - b["outcomes"] == m["requests"] - b["requests"], (wid, m, b)
+        assert m["outcomes"] - m["cancelled"] - m["rejected"] == m["runtime_outcomes"], (wid, m)
+        rejected += m["rejected"] - b["rejected"]
+    assert rejected == 2
 
 
 def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by_migration(
@@ -280,8 +300,10 @@ def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by
     assert 'mtp_carry_dynamo_workers{state="alive"} 2' in page.splitlines()
     assert "mtp_carry_dynamo_worker_restarts_total 1" in page.splitlines()
 
-    # the sessions go on: where a turn lands on a worker without the session's rows it
-    # misses honestly (never_carried); the turn after adopts again
+    # the sessions go on: where a turn lands on a worker without the session's rows it pulls them
+    # from the live worker holding them (adopted, remote), or, its holder dead, misses honestly
+    # (never_carried); the turn after adopts again
+    live = {int(wid, 16) for wid in _metrics(d) if wid}
     for i, reply in enumerate(results):
         history = histories[i] + [{"role": "assistant", "content": reply.text},
                                   {"role": "user", "content": "Shorter."}]
@@ -290,7 +312,10 @@ def test_a_worker_killed_mid_load_is_restarted_and_in_flight_streams_complete_by
         # the worker's own report names who finished the turn (nvext.worker_id keeps the first
         # routing of a migrated stream)
         if third.carry["worker_id"] == reply.carry["worker_id"]:
-            assert third.carry["outcome_kind"] == "adopted", (i, third.carry)
+            assert (third.carry["outcome_kind"], third.carry["rows_source"]) == ("adopted", "local"), (i, third.carry)
+        elif reply.carry["worker_id"] in live:
+            assert (third.carry["outcome_kind"], third.carry["rows_source"], third.carry["pull"]) == (
+                "adopted", "remote", "received"), (i, third.carry)
         else:
             assert (third.carry["outcome_kind"], third.carry["no_carry_reason"]) == (
                 "no_carry", "never_carried"), (i, third.carry)
@@ -372,10 +397,11 @@ def test_serve_exits_non_zero_naming_the_dead_worker_at_its_first_death_or_its_l
         (pid,) = re.findall(r"worker 0\s+pid (\d+)", "".join(lines))
         assert json.loads(_get(f"http://127.0.0.1:{status_port}/health")[1])["workers_alive"] == 1
         subprocess.run(["kill", "-KILL", pid], check=True)
-        _, err = process.communicate(timeout=120)
+        out, err = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
             process.communicate()
     assert process.returncode == 2
     assert err.splitlines()[-1] == f"trtllm-mtp-carry: error: worker 0 (pid {pid}) died: killed by SIGKILL; {why}"
+    assert ("".join(lines) + out + err).count(f"died: killed by SIGKILL; {why}") == 1  # printed once

@@ -196,21 +196,77 @@ def test_status_metrics_say_how_many_workers_are_alive_and_how_often_they_restar
 
 
 def test_tally_sums_one_workers_page_as_the_count_invariants_compare_it() -> None:
-    from trtllm_mtp_carry.serve.dynamo.metrics import tally
+    from trtllm_mtp_carry.serve.dynamo.metrics import TALLY_KEYS, tally
 
     page = "\n".join([
         "# HELP mtp_carry_outcomes_total turns by outcome",
         'mtp_carry_outcomes_total{instance="a1",kind="adopted"} 5',
         'mtp_carry_outcomes_total{instance="a1",kind="cancelled"} 2',
+        'mtp_carry_outcomes_total{instance="a1",kind="rejected"} 1',
         'mtp_carry_runtime{field="outcomes.adopted"} 5',
         'mtp_carry_runtime{field="outcomes.no_carry"} 1',
         'mtp_carry_runtime{field="rows_adopted"} 640',
         'mtp_carry_drafter_rows_total{source="adopted"} 600',
         'mtp_carry_drafter_rows_total{source="computed"} 90',
-        'dynamo_component_requests_total{dynamo_endpoint="generate",worker_id="a1"} 7',
+        'mtp_carry_adoptions_total{instance="a1",source="local"} 3',
+        'mtp_carry_adoptions_total{instance="a1",source="remote"} 2',
+        'mtp_carry_pulls_total{instance="a1",result="received"} 1',
+        'mtp_carry_pulls_total{instance="a1",result="no_holder"} 4',
+        'mtp_carry_moved_rows_total{instance="a1",direction="in"} 150',
+        'mtp_carry_moved_rows_total{instance="a1",direction="out"} 75',
+        'mtp_carry_drained_entries_total{instance="a1",result="moved"} 3',
+        'dynamo_component_requests_total{dynamo_endpoint="generate",worker_id="a1"} 8',
         'dynamo_component_requests_total{dynamo_endpoint="clear_kv_blocks",worker_id="a1"} 3',
     ])
-    assert tally(page) == ("a1", {"outcomes": 7.0, "cancelled": 2.0, "runtime_outcomes": 6.0, "requests": 7.0,
-                                  "rows_adopted_total": 600.0, "rows_adopted_runtime": 640.0})
-    assert tally("") == ("", dict.fromkeys(("outcomes", "cancelled", "runtime_outcomes", "requests",
-                                            "rows_adopted_total", "rows_adopted_runtime"), 0.0))
+    assert tally(page) == ("a1", {
+        "outcomes": 8.0, "cancelled": 2.0, "rejected": 1.0, "runtime_outcomes": 6.0, "requests": 8.0,
+        "rows_adopted_total": 600.0, "rows_adopted_runtime": 640.0, "adopted": 5.0, "adopted_remote": 2.0,
+        "pulls_received": 1.0, "moved_rows_in": 150.0, "moved_rows_out": 75.0, "drained_moved": 3.0,
+        "drained_dropped": 0.0})
+    assert tally("") == ("", dict.fromkeys(TALLY_KEYS, 0.0))
+
+
+def test_a_worker_counts_its_moves_in_the_mtp_carry_families() -> None:
+    from trtllm_mtp_carry.serve.dynamo.metrics import WorkerMetrics
+
+    m = WorkerMetrics("mtp-carry", "a1")
+    m.record_pull("received", 12.5)
+    m.record_pull("no_holder", 3.0)
+    m.record_pull("no_holder", 2.0)
+    m.record_moved("in", 76, 20480)
+    m.record_adoption("remote")
+    m.record_drain("dropped", 2)
+    m.record_unadmitted("rejected")
+    samples = [ln for ln in m.exposition().splitlines() if not ln.startswith("#")]
+    assert samples == [
+        'mtp_carry_outcomes_total{model="mtp-carry",instance="a1",kind="rejected"} 1',
+        'mtp_carry_adoptions_total{model="mtp-carry",instance="a1",source="remote"} 1',
+        'mtp_carry_pulls_total{model="mtp-carry",instance="a1",result="received"} 1',
+        'mtp_carry_pulls_total{model="mtp-carry",instance="a1",result="no_holder"} 2',
+        'mtp_carry_pull_ms_total{model="mtp-carry",instance="a1",result="received"} 12.5',
+        'mtp_carry_pull_ms_total{model="mtp-carry",instance="a1",result="no_holder"} 5',
+        'mtp_carry_moved_rows_total{model="mtp-carry",instance="a1",direction="in"} 76',
+        'mtp_carry_moved_bytes_total{model="mtp-carry",instance="a1",direction="in"} 20480',
+        'mtp_carry_drained_entries_total{model="mtp-carry",instance="a1",result="dropped"} 2']
+
+
+def test_dynamo_spec_hands_the_moves_settings_to_its_workers() -> None:
+    from trtllm_mtp_carry.serve.dynamo.launcher import DynamoSpec
+
+    args = DynamoSpec(http_host="127.0.0.2", pull_budget_ms=250, drain_s=4).worker_args("/d/model")
+    assert args[args.index("--transfer-host") + 1] == "127.0.0.2"
+    assert (args[args.index("--carry-pull-budget-ms") + 1], args[args.index("--carry-drain-s") + 1]) == ("250", "4")
+    assert args[args.index("--stopping-file") + 1] == "/d/stopping"
+    assert "--no-carry-moves" in DynamoSpec(carry_moves=False).worker_args("/d/model")
+    with pytest.raises(ValueError, match="pull budget ms must be a positive int, got 0"):
+        DynamoSpec(pull_budget_ms=0)
+
+
+def test_without_nixl_the_transport_names_the_extra(monkeypatch) -> None:
+    import sys
+
+    from trtllm_mtp_carry.serve.dynamo.nixl_transport import NixlMissing, NixlTransport
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # `import nixl._api` raises ImportError
+    with pytest.raises(NixlMissing, match=r'pip install -e "\.\[nixl\]" \(nixl==1\.5\.1\)'):
+        NixlTransport("w")

@@ -271,3 +271,23 @@ def test_a_request_cancelled_while_queued_is_never_started_and_counts_once_as_un
     assert [t.request_id for t in turns] == [first.result.request_id]  # the one admitted turn
     assert unadmitted == ["cancelled", "cancelled"]
     assert reasons == ["cancelled", "cancelled"]
+
+
+def test_a_call_runs_on_the_stepping_thread_between_steps_and_inline_once_stopped(model):
+    gen = torch.Generator().manual_seed(9)
+    server = serve(model)
+    seen: list[tuple[str, bool]] = []
+    try:
+        sink = ListSink()
+        server.enqueue(TurnRequest(corrid=77, start=True, end=True, input_ids=random_prompt(gen, 40)), sink)
+        ran = server.call(lambda: seen.append((threading.current_thread().name, sink.done.is_set())) or 7)
+        assert ran.result(120) == 7
+        failed = server.call(lambda: 1 // 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.result(120)
+        assert sink.done.wait(120) and not sink.errors
+    finally:
+        server.stop()
+    assert seen == [("mtp-carry-engine", False)]  # the engine's own thread, before the turn finished
+    after = server.call(lambda: threading.current_thread().name)
+    assert after.result(0) == threading.current_thread().name  # stopped: at once, in the caller's thread

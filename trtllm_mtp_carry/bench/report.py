@@ -83,6 +83,11 @@ def summarize(turns: Sequence[TurnRecord], drafts: bool = True) -> dict[str, Any
     misses = Counter(x.get("no_carry_reason") or "never_carried" for x in s
                      if x["outcome_kind"] == "no_carry")
     out["no_carry_reasons"] = dict(sorted(misses.items()))  # why no_carry: the session's entry was absent
+    # where adopted turns' rows came from: this worker's own deposit, or another worker's (moved by a
+    # pull or a drain: Dynamo workers report `rows_source`; every other front end's rows are local)
+    sources = Counter(x.get("rows_source") or "local" for x in s if x["outcome_kind"] == "adopted")
+    out["adopted_by_source"] = {k: sources.get(k, 0) for k in ("local", "remote")}
+    out["sources_reported"] = any("rows_source" in x for x in s)
     return out
 
 
@@ -303,6 +308,9 @@ def summary_table(summary: dict[str, dict[str, Any]]) -> str:
             notes.append(f"{policy}: refusals " + " ".join(f"{k}={v}" for k, v in s["refusals"].items()))
         if s.get("faults"):
             notes.append(f"{policy}: faults {s['faults']} (turns a fault inside the carry ran without it)")
+        if s.get("sources_reported"):
+            notes.append(f"{policy}: adopted by source " + " ".join(
+                f"{k}={v}" for k, v in s["adopted_by_source"].items()))
         if s.get("no_carry_reasons"):
             notes.append(f"{policy}: no_carry by reason "
                          + " ".join(f"{k}={v}" for k, v in s["no_carry_reasons"].items()))

@@ -110,6 +110,7 @@ EVICTION_CAUSES: tuple[str, ...] = (
     "replaced",  # the same key deposited newer rows
     "cleared",  # the runtime dropped every entry (`clear`)
     "fault",  # an exception inside the carry lost its rows (`discard`: the executor no longer holds them)
+    "moved",  # another worker took the entry's rows (a pull or a drain moved it there): one holder
 )
 """Why an entry left the store without being adopted, in the order counters list them."""
 

@@ -62,6 +62,7 @@ NO_CARRY_REASONS: tuple[str, ...] = (
     "oom",  # the last deposit was refused: its rows could not be allocated (the executor said so)
     "not_deposited",  # the last turn adopted the rows and ended without depositing them
     "fault",  # an exception inside the carry (store, data plane, host moves) lost the rows
+    "moved",  # evicted: another worker took the rows (the session's next turn landed there)
 )
 """Why a session's own carried entry was absent, in the order counters list them."""
 

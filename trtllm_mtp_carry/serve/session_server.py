@@ -6,7 +6,8 @@ run, steps it, and streams each request's new tokens to its `ResponseSink`.
 Requests of several sessions run concurrently through the same engine.
 
 Ownership and invariants:
-- Only the stepping thread touches the engine and the session table.
+- Only the stepping thread touches the engine and the session table; `call`
+  runs a function there between steps (once stopped, in the caller's thread).
 - A session (the correlation id) has at most one turn in the engine; a
   session's later requests wait in arrival order (the next turn's prompt is
   built from the previous turn's output).
@@ -40,14 +41,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..core.session import session_hash
 from .engines import ServingEngine
 from .options import POLICIES, ServeOptions
 
 logger = logging.getLogger("trtllm_mtp_carry.serve")
+
+T = TypeVar("T")
 
 ERROR_REASONS = (
     "invalid_request",  # a malformed input, or a value the engine refuses (out-of-vocabulary ids)
@@ -167,6 +171,7 @@ class SessionServer:
         self._inflight: dict[int, _InFlight] = {}  # engine request id -> its request
         self._busy: set[int] = set()  # sessions with a turn in the engine
         self._sessions: dict[int, _Session] = {}
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()  # `call`s waiting to run
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mtp-carry-engine", daemon=True)
@@ -196,6 +201,21 @@ class SessionServer:
             self._pending.append(_Pending(request, sink))
             self._cv.notify()
 
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn()` on the stepping thread between engine steps (it owns the engine and its
+        carry: moving a carried entry in or out goes through here); the future holds its result
+        or exception. Once the server stopped, `fn` runs at once in the caller's thread."""
+        future: Future[T] = Future()
+        with self._cv:
+            if self._thread.is_alive() and not self._stopping:
+                self._calls.append((fn, future))
+                self._cv.notify()
+                return future
+        if self._thread.is_alive():  # stopping: the engine is the caller's once the thread ended
+            self._thread.join()
+        _run_call(fn, future)
+        return future
+
     def refuse(self, sink: ResponseSink, error: ValueError) -> None:
         """Answer a request the front end could not parse: one error response, counted by
         reason (`error.reason` for a RequestError, else `invalid_request`)."""
@@ -207,18 +227,25 @@ class SessionServer:
         tick = 0.5 if self.idle_timeout_s is None else min(0.5, self.idle_timeout_s / 4)
         while True:
             with self._cv:
-                while not self._stopping and not self._inflight and not self._ready():
+                while not self._stopping and not self._inflight and not self._ready() and not self._calls:
                     self._cv.wait(tick)
                     self._expire_idle()
                 if self._stopping:
                     break
                 ready = self._take_ready()
+                calls, self._calls = list(self._calls), deque()
+            for fn, future in calls:
+                _run_call(fn, future)
             for pending in ready:
                 self._dispatch(pending)
             self._expire_idle()
             if self._inflight:
                 self._step()
         self._fail_all("the model is shutting down", "shutdown")
+        with self._cv:
+            calls, self._calls = list(self._calls), deque()
+        for fn, future in calls:  # queued before the stop: they still run, here
+            _run_call(fn, future)
 
     def _ready(self) -> bool:
         return any(p.request.corrid not in self._busy for p in self._pending)
@@ -414,6 +441,15 @@ class SessionServer:
             sink.error(message)
         except Exception as exc:
             logger.warning("error response not delivered (%s): %s", message, exc)
+
+
+def _run_call(fn: Callable[[], T], future: Future[T]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # the caller hears it from the future
+        future.set_exception(exc)
 
 
 class _Ended:

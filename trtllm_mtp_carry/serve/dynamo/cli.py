@@ -50,9 +50,30 @@ def add_dynamo_flags(p: argparse.ArgumentParser) -> None:
                    "(Dynamo's request migration; 0: off; default %(default)s)")
     g.add_argument("--on-worker-death", choices=("restart", "exit"), default="restart",
                    help="restart a worker that dies (default), or stop the deployment with an error")
+    g.add_argument("--no-carry-moves", dest="carry_moves", action="store_false",
+                   help="carried rows stay on the worker that deposited them (by default a turn that "
+                   "lands on another worker pulls its session's rows from the worker holding them, and a "
+                   "stopping worker hands its rows to the others, over NIXL: the nixl extra)")
+    g.add_argument("--carry-pull-budget-ms", type=positive_int, default=1000,
+                   help="how long a turn may wait for its session's rows from another worker "
+                   "(default %(default)s)")
+    g.add_argument("--carry-drain-s", type=positive_int, default=10,
+                   help="how long a stopping worker may spend handing its rows to the others "
+                   "(default %(default)s)")
     g.add_argument("--worker-restarts", type=non_negative_int, default=3,
                    help="restarts per worker before the deployment stops with an error naming it "
                    "(backoff 1 s, doubling; default %(default)s)")
+
+
+def _moves_line(spec: object) -> str:
+    """What the startup lines say about carried rows moving between workers."""
+    import importlib.util
+
+    if not getattr(spec, "carry_moves", False):
+        return "off (--no-carry-moves): carried rows stay on their worker"
+    if importlib.util.find_spec("nixl") is None:
+        return 'off: NIXL is not installed (pip install -e ".[nixl]"); carried rows stay on their worker'
+    return "carried rows follow their session to another worker (NIXL; shared memory on loopback)"
 
 
 def cmd_serve_dynamo(args: argparse.Namespace) -> int:
@@ -74,8 +95,10 @@ def cmd_serve_dynamo(args: argparse.Namespace) -> int:
             affinity_ttl_s=args.affinity_ttl_s, affinity_mode=args.affinity_mode,
             kv_events=args.kv_events, idle_timeout_s=args.idle_timeout_s,
             migration_limit=args.migration_limit, on_worker_death=args.on_worker_death,
-            worker_restarts=args.worker_restarts, status_port=args.metrics_port, options=options)
-        deployment = DynamoDeployment(spec)
+            worker_restarts=args.worker_restarts, status_port=args.metrics_port, options=options,
+            carry_moves=args.carry_moves, pull_budget_ms=args.carry_pull_budget_ms, drain_s=args.carry_drain_s)
+        # the failure line is this command's error line (`fail`, below): printed once, there
+        deployment = DynamoDeployment(spec, on_failure=lambda line: None)
     except (ValueError, DynamoMissing) as exc:
         return fail(str(exc))
     stop = threading.Event()
@@ -92,6 +115,7 @@ def cmd_serve_dynamo(args: argparse.Namespace) -> int:
                  f"  status  http://{spec.connect_host}:{args.metrics_port}/health and /metrics "
                  f"(workers alive, restarts)"]
         lines += [f"  worker {w.index}  pid {w.pid}  metrics {w.metrics_url}" for w in deployment.workers]
+        lines.append(f"  moves   {_moves_line(spec)}")
         lines += [f"  logs    {deployment.workdir}", "Ctrl-C stops every process."]
         print("\n".join(lines), flush=True)
         while not stop.wait(0.5):

@@ -17,7 +17,14 @@ Ownership and invariants:
   (`DYN_TCP_RPC_HOST`, `DYN_TCP_RESPONSE_STREAM_HOST`), each worker's system
   (metrics) server, the event broker's two ports (Dynamo's ZMQ publishers
   connect to it instead of binding 0.0.0.0 themselves) and the launcher's
-  status server (`StatusServer`). docs/DYNAMO.md lists them.
+  status server (`StatusServer`); each worker's `carry` endpoint shares its request
+  plane, its carry client's response stream binds `--host` too, and NIXL moves
+  carried rows on shared memory (no socket) unless `--host` is another address
+  (`--transfer-host`: UCX confined to that address's interface). docs/DYNAMO.md
+  lists them.
+- `stop()` writes `<workdir>/stopping` before it signals the workers: every worker
+  stops, so none hands its carried rows to peers that stop too (a single worker's
+  SIGTERM still does: `carry_peers`).
 - Readiness never asks a worker's `/health` (it answers 503 until the worker
   registers, and Dynamo logs each 503 as an ERROR): a worker is ready when its
   `generate` instance is in the discovery directory, the deployment when every
@@ -28,7 +35,8 @@ Ownership and invariants:
   slot; its discovery entries are removed at once, so the router stops sending
   to it. When a slot's restarts are spent, at the first death under `"exit"`, or
   when the frontend or the broker dies, `failure` names the process (one line,
-  also passed to `on_event`) and `failed` is set; `serve --dynamo` then stops.
+  passed to `on_failure`, by default `on_event`) and `failed` is set; `serve --dynamo`
+  then stops and prints it once, as its error line.
 - Each process runs in its own process group; `stop()` sends SIGTERM to
   every group, waits, then SIGKILLs what is left. Nothing outside the
   deployment is ever signalled.
@@ -88,6 +96,10 @@ only after that process logged `Runtime shutdown initiated`; docs/DYNAMO.md name
 
 SHUTDOWN_MARK = "Runtime shutdown initiated"
 
+STOPPING_FILE = "stopping"
+"""Written in the deployment's directory before `stop()` signals the workers: every worker stops, so
+none offers its carried entries to peers that stop too (a single worker's SIGTERM still does)."""
+
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 
@@ -116,6 +128,10 @@ class DynamoSpec:
     worker_restarts: int = 3
     status_port: int | None = None  # the launcher's /health and /metrics (None: none)
     options: ServeOptions = field(default_factory=ServeOptions)
+    carry_moves: bool = True  # entries follow their sessions between workers (NIXL; the nixl extra)
+    pull_budget_ms: int = 1000  # how long a turn may wait for its entry from a peer
+    drain_s: int = 10  # how long a planned stop may spend handing entries to peers
+    carry_digests: bool = False  # each turn reports the digest of the rows it deposited
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers <= 0:
@@ -137,6 +153,10 @@ class DynamoSpec:
         if isinstance(self.worker_restarts, bool) or not isinstance(self.worker_restarts, int) \
                 or self.worker_restarts < 0:
             raise ValueError(f"worker restarts must be an int >= 0, got {self.worker_restarts!r}")
+        for name in ("pull_budget_ms", "drain_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name.replace('_', ' ')} must be a positive int, got {value!r}")
         if ":" in self.http_host:  # the sockets (free_port), URLs and broker addresses are IPv4's
             raise ValueError(f"host must be an IPv4 address or a host name, got {self.http_host!r}")
 
@@ -180,6 +200,13 @@ class DynamoSpec:
                 args += [flag, str(value)]
         if not self.kv_events:
             args += ["--no-kv-events"]
+        if self.carry_moves:
+            args += ["--transfer-host", self.http_host, "--carry-pull-budget-ms", str(self.pull_budget_ms),
+                     "--carry-drain-s", str(self.drain_s),
+                     "--stopping-file", str(Path(model_dir).parent / STOPPING_FILE)]
+            args += ["--carry-digests"] if self.carry_digests else []
+        else:
+            args += ["--no-carry-moves"]
         return args
 
 
@@ -245,7 +272,8 @@ class DynamoDeployment:
     `stop()` (or `with`, which does not supervise)."""
 
     def __init__(self, spec: DynamoSpec, python: str | None = None,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         require_dynamo()
         self.spec = spec
         self.python = python or sys.executable
@@ -257,6 +285,7 @@ class DynamoDeployment:
         self.model_dir = self.workdir / "model"
         self._broker_ports = (0, 0)
         self.on_event = on_event or (lambda line: print(line, flush=True))
+        self.on_failure = on_failure or self.on_event  # the line naming why supervision gave up
         self.restarts = 0  # workers restarted by the supervisor
         self.deaths = 0  # worker deaths the supervisor saw
         self.failure: str | None = None  # why supervision gave up (names the process)
@@ -451,7 +480,7 @@ class DynamoDeployment:
     def _give_up(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason
-            self.on_event(reason)
+            self.on_failure(reason)
             self.failed.set()
 
     def _watch(self, interval_s: float) -> None:
@@ -521,6 +550,7 @@ class DynamoDeployment:
             self._status.close()
         with self._lock:
             workers = [w.process for w in self.workers]
+        (self.workdir / STOPPING_FILE).touch()
         deadline = time.monotonic() + timeout_s
         # the workers first (a frontend stopped before them logs Dynamo's KNOWN_SHUTDOWN_ERRORS
         # more often, measured), the broker last (events flow until the others stop)

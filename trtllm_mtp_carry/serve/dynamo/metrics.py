@@ -8,13 +8,25 @@ with the Python backend's `MetricFamily` interface, and rendered as
 Prometheus text for Dynamo's `/metrics` (`EngineMetrics.register_prometheus_expfmt_callback`).
 
 Plus `mtp_carry_kv_events_total{kind=stored|removed}`: the prefix-cache blocks
-this worker announced to the router (its KV events).
+this worker announced to the router (its KV events); and the moves of carried
+entries between workers (`carry_peers`):
+
+    mtp_carry_adoptions_total{source}         adopted turns by where their rows came from: local
+                                              (deposited here) or remote (moved here from a peer)
+    mtp_carry_pulls_total{result}             pulls on a miss: received, or the remote miss reason
+                                              (carry_peers.REMOTE_MISS_REASONS)
+    mtp_carry_pull_ms_total{result}           their wall time, summed (mean: over pulls_total)
+    mtp_carry_moved_rows_total{direction}     carried rows moved in (received) / out (lent, taken)
+    mtp_carry_moved_bytes_total{direction}    their bytes
+    mtp_carry_drained_entries_total{result}   entries a planned stop moved to peers / dropped
 
 `mtp_carry_outcomes_total` counts every request this worker was handed exactly
-once: at its admission by its carry outcome kind, or as `kind="cancelled"` when
-its client cancelled it before admission (the worker never started it). Their
-sum equals the requests Dynamo routed here (`dynamo_component_requests_total`
-of the `generate` endpoint), bad requests aside (400s, counted in neither).
+once: at its admission by its carry outcome kind, as `kind="cancelled"` when
+its client cancelled it before admission (the worker never started it), or as
+`kind="rejected"` when the worker refused it (a 400: an unknown drafter policy,
+a prompt past the context). Their sum equals the requests Dynamo routed here
+(`dynamo_component_requests_total` of the `generate` endpoint), which count
+rejected requests too.
 
 Labels: Dynamo's own labels of the worker (`auto_labels`: namespace,
 component, endpoint, model, ...) plus `instance=<worker id>`, so the counters
@@ -41,6 +53,27 @@ class WorkerMetrics:
             "mtp_carry_kv_events_total", "Prefix-cache blocks published to the router as KV events, "
             "by kind (stored, removed)", self._registry.MetricFamily.COUNTER)
         self._kv_events: dict[str, Any] = {}
+        counter = self._registry.MetricFamily.COUNTER
+        self._move_families = {
+            "adoptions": (self._registry.MetricFamily(
+                "mtp_carry_adoptions_total", "Adopted turns by where their rows came from (local, remote)",
+                counter), "source"),
+            "pulls": (self._registry.MetricFamily(
+                "mtp_carry_pulls_total", "Pulls of a missing entry from peers, by result (received or "
+                "the remote miss reason)", counter), "result"),
+            "pull_ms": (self._registry.MetricFamily(
+                "mtp_carry_pull_ms_total", "Wall milliseconds of pulls, by result", counter), "result"),
+            "moved_rows": (self._registry.MetricFamily(
+                "mtp_carry_moved_rows_total", "Carried rows moved between workers, by direction (in, out)",
+                counter), "direction"),
+            "moved_bytes": (self._registry.MetricFamily(
+                "mtp_carry_moved_bytes_total", "Bytes of carried rows moved between workers, by direction",
+                counter), "direction"),
+            "drained": (self._registry.MetricFamily(
+                "mtp_carry_drained_entries_total", "Carried entries a planned stop moved to peers or "
+                "dropped", counter), "result"),
+        }
+        self._move_metrics: dict[tuple[str, str], Any] = {}
         self.base_labels: dict[str, str] = {}  # Dynamo's labels of this worker
 
     def record_turn(self, stats: Any) -> None:
@@ -64,23 +97,54 @@ class WorkerMetrics:
                     labels={"model": self._model, "instance": self._worker, "kind": kind})
             metric.set(value)
 
+    def record_adoption(self, source: str) -> None:
+        """One adopted turn whose rows came from `source` (`local` or `remote`)."""
+        self._move("adoptions", source, 1)
+
+    def record_pull(self, result: str, ms: float) -> None:
+        """One pull on a miss and its wall time (`carry_peers.PULL_RESULTS`)."""
+        self._move("pulls", result, 1)
+        self._move("pull_ms", result, ms)
+
+    def record_moved(self, direction: str, rows: int, nbytes: int) -> None:
+        """An entry of `rows` rows, `nbytes` bytes, moved `in` (received) or `out` (taken by a peer)."""
+        self._move("moved_rows", direction, rows)
+        self._move("moved_bytes", direction, nbytes)
+
+    def record_drain(self, result: str, entries: int) -> None:
+        """Entries a planned stop `moved` to peers or `dropped`."""
+        self._move("drained", result, entries)
+
+    def _move(self, family: str, value: str, amount: float) -> None:
+        metric = self._move_metrics.get((family, value))
+        if metric is None:
+            fam, label = self._move_families[family]
+            metric = self._move_metrics[(family, value)] = fam.Metric(
+                labels={"model": self._model, "instance": self._worker, label: value})
+        metric.increment(amount)
+
     def exposition(self) -> str:
         """Every family in Prometheus text format (HELP, TYPE, one line per labelled series)."""
         return self._registry.exposition(self.base_labels)
 
 
-TALLY_KEYS = ("outcomes", "cancelled", "runtime_outcomes", "requests", "rows_adopted_total",
-              "rows_adopted_runtime")
+TALLY_KEYS = ("outcomes", "cancelled", "rejected", "runtime_outcomes", "requests", "rows_adopted_total",
+              "rows_adopted_runtime", "adopted", "adopted_remote", "pulls_received", "moved_rows_in",
+              "moved_rows_out", "drained_moved", "drained_dropped")
 """What `tally` sums from one worker's page (the counts the invariants above compare)."""
 
 
 def tally(page: str) -> tuple[str, dict[str, float]]:
     """One worker's `/metrics` page summed as the module's invariants compare it: (its Dynamo
     `worker_id`, "" if the page has none; {`outcomes`: sum of `mtp_carry_outcomes_total`,
-    `cancelled`: its kind="cancelled" part, `runtime_outcomes`: the runtime's `outcomes.*`
-    gauges, `requests`: Dynamo's `dynamo_component_requests_total` of `generate`,
-    `rows_adopted_total`: `drafter_rows_total{source="adopted"}`, `rows_adopted_runtime`: the
-    runtime's `rows_adopted`}). For the fault script and the Dynamo tests."""
+    `cancelled` and `rejected`: its kind="cancelled" and kind="rejected" parts,
+    `runtime_outcomes`: the runtime's `outcomes.*` gauges, `requests`: Dynamo's
+    `dynamo_component_requests_total` of `generate`, `rows_adopted_total`:
+    `drafter_rows_total{source="adopted"}`, `rows_adopted_runtime`: the runtime's
+    `rows_adopted`, `adopted`: outcomes kind="adopted", `adopted_remote`:
+    `adoptions_total{source="remote"}`, `pulls_received`: `pulls_total{result="received"}`,
+    `moved_rows_in`/`_out`: `moved_rows_total` by direction, `drained_moved`/`_dropped`:
+    `drained_entries_total` by result}). For the fault script and the Dynamo tests."""
     m = dict.fromkeys(TALLY_KEYS, 0.0)
     worker_id = ""
     for line in page.splitlines():
@@ -91,7 +155,16 @@ def tally(page: str) -> tuple[str, dict[str, float]]:
         name, v = head.split("{", 1)[0], float(value)
         if name == "mtp_carry_outcomes_total":
             m["outcomes"] += v
-            m["cancelled"] += v if labels["kind"] == "cancelled" else 0
+            if labels["kind"] in ("cancelled", "rejected", "adopted"):
+                m[labels["kind"]] += v
+        elif name == "mtp_carry_adoptions_total" and labels["source"] == "remote":
+            m["adopted_remote"] += v
+        elif name == "mtp_carry_pulls_total" and labels["result"] == "received":
+            m["pulls_received"] += v
+        elif name == "mtp_carry_moved_rows_total":
+            m[f"moved_rows_{labels['direction']}"] += v
+        elif name == "mtp_carry_drained_entries_total":
+            m[f"drained_{labels['result']}"] += v
         elif name == "mtp_carry_runtime" and labels["field"].startswith("outcomes."):
             m["runtime_outcomes"] += v
         elif name == "mtp_carry_runtime" and labels["field"] == "rows_adopted":

@@ -36,7 +36,16 @@ Invariants:
   `--router-mode kv` sees the prefixes this worker really holds; a salted
   request's blocks (`cache_salt`) are published with their salt.
 - The carry counters appear on this worker's Dynamo metrics endpoint
-  (`/metrics` of its system server), labelled with the worker's id.
+  (`/metrics` of its system server), labelled with the worker's id. A request
+  the worker refuses (400) counts once as `kind="rejected"`.
+- Carried rows follow a session to this worker (`carry_peers`, with the `nixl`
+  extra): a turn whose session has no entry here and never had one first pulls
+  the entry from the peer that holds it (within `--carry-pull-budget-ms`; any
+  failure is the turn's honest miss, the remote reason counted), and a planned
+  stop (SIGTERM) hands every entry to the peers before the worker exits
+  (within `--carry-drain-s`). The final chunk's `engine_data.mtp_carry` says
+  where an adopted turn's rows came from (`rows_source`), what the pull did
+  (`pull`, `pull_ms`) and the receipt of a moved entry (`moved_in`: its digest).
 """
 
 from __future__ import annotations
@@ -44,10 +53,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import queue
 import secrets
 import threading
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dynamo._core import Context
@@ -66,12 +77,15 @@ from dynamo.common.utils.token_ids import normalize_request_token_ids
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from ...argtypes import non_negative_int, positive_int
-from ...core.session import session_hash
+from ...core.session import carry_key, session_hash
 from ..engines import build_engine
 from ..options import ENGINES, POLICIES, ServeOptions
 from ..session_server import SessionServer, TurnRequest
 from .metrics import WorkerMetrics
 from .model_dir import write_model_dir
+
+REJECTED_REASONS = ("invalid_request", "unknown_session", "string_corrid")
+"""SessionServer error reasons of a request refused before admission (a 400): `kind="rejected"`."""
 
 logger = logging.getLogger("trtllm_mtp_carry.serve.dynamo")
 
@@ -186,18 +200,23 @@ class CarryWorker(LLMEngine):
     """The Dynamo `LLMEngine` of the carry: one engine, one SessionServer, KV events, metrics."""
 
     def __init__(self, options: ServeOptions, model_dir: str, served_model_name: str,
-                 idle_timeout_s: float | None, publish_kv_events: bool = True) -> None:
+                 idle_timeout_s: float | None, publish_kv_events: bool = True,
+                 moves: MoveOptions | None = None) -> None:
         self.options = options
         self.model_dir = model_dir
         self.served_model_name = served_model_name
         self.idle_timeout_s = idle_timeout_s
         self.publish_kv_events = publish_kv_events
+        self.move_options = moves
         self.worker_id = 0
         self.engine: Any = None
         self.server: SessionServer | None = None
         self.relay: KvEventRelay | None = None
         self.metrics: WorkerMetrics | None = None
+        self.peers: Any = None  # carry_peers.CarryPeers, when entries move between workers
+        self._moves: Any = None  # its runtime.entry_moves.EntryMoves
         self._streams: dict[str, _StreamSink] = {}  # context id -> its sink, for abort()
+        self._remote: dict[int, bool] = {}  # session -> its turn in the engine found moved rows
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[CarryWorker, WorkerConfig]:
@@ -210,8 +229,12 @@ class CarryWorker(LLMEngine):
             max_model_len=args.max_model_len, max_tokens=args.max_tokens,
             max_num_seqs=args.max_num_seqs, device=args.device,
         )
+        moves = None if args.no_carry_moves else MoveOptions(
+            args.namespace, args.component, args.discovery_backend, args.request_plane, args.event_plane,
+            args.transfer_host, args.carry_pull_budget_ms / 1e3, args.carry_drain_s, args.carry_digests,
+            args.stopping_file)
         worker = cls(options, args.model_dir, args.served_model_name, args.idle_timeout_s,
-                     publish_kv_events=not args.no_kv_events)
+                     publish_kv_events=not args.no_kv_events, moves=moves)
         config = WorkerConfig(
             namespace=args.namespace, component=args.component, endpoint="generate",
             model_name=args.model_dir, served_model_name=args.served_model_name,
@@ -234,8 +257,10 @@ class CarryWorker(LLMEngine):
         self.metrics = WorkerMetrics(self.served_model_name, f"{worker_id:x}")
         self.server = SessionServer(self.engine, self.options, idle_timeout_s=self.idle_timeout_s,
                                     on_turn=self._on_turn, on_forget=self.metrics.record_session_end,
-                                    on_unadmitted=self.metrics.record_unadmitted)
+                                    on_unadmitted=self.metrics.record_unadmitted, on_error=self._on_error)
         self.server.start()
+        if self.move_options is not None:
+            await self._start_moves(self.move_options)
         logger.info("mtp-carry worker %s serving %s (engine %s)", worker_id,
                     self.served_model_name, self.options.engine)
         return EngineConfig(
@@ -260,10 +285,49 @@ class CarryWorker(LLMEngine):
             pass
         return engine
 
+    async def _start_moves(self, o: MoveOptions) -> None:
+        """The carry endpoint and the NIXL agent (created once, here: about 0.5 s); without NIXL, or
+        for an engine without the reference runtime, entries stay where they are (one line says why)."""
+        from ...runtime.carry_runtime import CarryRuntime
+
+        runtime = getattr(self.engine, "runtime", None)
+        if not isinstance(runtime, CarryRuntime):
+            logger.warning("carried rows stay on their worker: engine %s has no reference carry runtime",
+                           self.options.engine)
+            return
+        from ...runtime.entry_moves import EntryMoves, model_identity
+        from .carry_peers import CarryPeers
+        from .nixl_transport import NixlMissing, NixlTransport, ucx_environment
+
+        try:
+            os.environ.update(ucx_environment(o.transfer_host))  # read by UCX when the agent is made
+            transport = NixlTransport(f"mtp-carry-{self.worker_id:x}-{os.getpid()}")
+        except (NixlMissing, ValueError) as exc:
+            logger.warning("carried rows stay on their worker: %s", exc)
+            return
+        assert self.metrics is not None
+        self._moves = EntryMoves(runtime)
+        self.peers = CarryPeers(self._moves, self._on_engine, transport, model_identity(self.engine),
+                                self.worker_id, self.metrics, pull_budget_s=o.pull_budget_s, drain_s=o.drain_s)
+        await self.peers.start(o.namespace, o.component, o.discovery_backend, o.request_plane, o.event_plane)
+
+    async def _on_engine(self, fn: Any) -> Any:
+        """`fn()` on the engine's thread (the SessionServer's), awaited."""
+        assert self.server is not None
+        return await asyncio.wrap_future(self.server.call(fn))
+
     def _on_turn(self, result: Any) -> None:
         assert self.metrics is not None
         self.metrics.record_turn(result.stats)
+        remote = self._remote.pop(result.session_id, False) if result.session_id is not None else False
+        if result.stats.outcome_kind == "adopted":
+            self.metrics.record_adoption("remote" if remote else "local")
         self.metrics.refresh(self.engine.runtime.stats())
+
+    def _on_error(self, reason: str) -> None:
+        if reason in REJECTED_REASONS:  # refused before admission: the request counts once, rejected
+            assert self.metrics is not None
+            self.metrics.record_unadmitted("rejected")
 
     async def kv_event_sources(self) -> list[KvEventSource]:
         if self.relay is None:
@@ -283,14 +347,22 @@ class CarryWorker(LLMEngine):
 
     async def generate(self, request: GenerateRequest,
                        context: Context) -> AsyncGenerator[GenerateChunk, None]:
-        assert self.server is not None
+        assert self.server is not None and self.metrics is not None
         normalize_request_token_ids(request)
-        turn = self._turn_request(request)
+        try:
+            turn = self._turn_request(request)
+        except InvalidArgument:  # a 400 Dynamo counted as a request: counted here once too
+            self.metrics.record_unadmitted("rejected")
+            raise
+        moved: Moved | None = None
+        if not (context.is_stopped() or context.is_killed()):
+            moved = await self._move_in(turn)
         if context.is_stopped() or context.is_killed():  # cancelled before it got here: never start it
-            assert self.metrics is not None
             self.metrics.record_unadmitted("cancelled")
             yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
             return
+        if moved is not None and moved.receipt is not None:
+            self._remote[turn.corrid] = True  # its adoption counts as remote (`_on_turn`)
         sink = _StreamSink(asyncio.get_running_loop())
         key = str(context.id())
         self._streams[key] = sink
@@ -312,7 +384,7 @@ class CarryWorker(LLMEngine):
                     yield {"token_ids": list(payload), "index": 0}
                     continue
                 ids, result = payload
-                yield self._final_chunk(ids, result)
+                yield await self._final_chunk(ids, result, turn, moved)
                 return
         finally:
             sink.stopped.set()
@@ -338,9 +410,35 @@ class CarryWorker(LLMEngine):
                            input_ids=list(token_ids), max_tokens=max_tokens, drafter_policy=policy,
                            cache_salt=salt)
 
-    def _final_chunk(self, ids: list[int], result: Any) -> GenerateChunk:
+    async def _move_in(self, turn: TurnRequest) -> Moved | None:
+        """Before a session's turn is queued: the entry a peer pushed here for it, or else, when the
+        session has no entry here and never had one, the entry pulled from the peer holding it
+        (None: the turn makes no carry decision, or entries do not move)."""
+        if self.peers is None or turn.start or not self._moves.carries(turn.drafter_policy):
+            return None
+        session = session_hash(turn.corrid)  # the engine's session of this corrid (engine.submit)
+        key = carry_key(session, turn.cache_salt)
+        receipt = self.peers.take_receipt(key)  # pushed here by a drain, not adopted yet
+        pull = None
+        if self._moves.pullable(key, session):
+            pull = await self.peers.pull(key, session, turn.input_ids or [])
+            receipt = self.peers.take_receipt(key) if pull.result == "received" else receipt
+        return Moved(key, pull, receipt)
+
+    async def _final_chunk(self, ids: list[int], result: Any, turn: TurnRequest,
+                           moved: Moved | None) -> GenerateChunk:
         stats = result.stats
         carry = dict(stats.as_dict(), worker_id=self.worker_id)
+        if self.peers is not None:
+            adopted = stats.outcome_kind == "adopted"
+            remote = moved is not None and moved.receipt is not None
+            carry.update(rows_source=("remote" if remote else "local") if adopted else "",
+                         pull=moved.pull.result if moved and moved.pull else "",
+                         pull_ms=round(moved.pull.ms, 3) if moved and moved.pull else 0.0,
+                         moved_in=moved.receipt.as_dict() if moved and moved.receipt else None)
+            if self.move_options is not None and self.move_options.digests and not turn.start:
+                key = carry_key(session_hash(turn.corrid), turn.cache_salt)
+                carry["carry_digest"] = await self._on_engine(lambda: self._moves.held_digest(key))
         return {
             "token_ids": list(ids), "index": 0, "finish_reason": result.finish_reason,
             "completion_usage": {
@@ -358,10 +456,46 @@ class CarryWorker(LLMEngine):
 
     async def cleanup(self) -> None:
         if self.server is not None:
-            self.server.stop()
-            self.server = None
+            self.server.stop()  # turns still running deposit their rows (cancelled) and migrate
+        if self.peers is not None:  # a planned stop: the entries go to the peers first
+            o = self.move_options
+            whole = o is not None and o.stopping_file is not None and os.path.exists(o.stopping_file)
+            try:
+                await self.peers.drain(offer=not whole)
+            finally:
+                await self.peers.close()
+                self.peers = None
+        self.server = None
         if self.relay is not None:
             self.relay.stop()
+
+
+@dataclass(frozen=True)
+class MoveOptions:
+    """Where the `carry` endpoint registers (the worker's own Dynamo settings), the address the
+    transfers may use (`transfer_host`: loopback keeps NIXL on shared memory), the pull budget, the
+    drain's bound, and whether each turn reports the digest of the rows it deposited."""
+
+    namespace: str
+    component: str
+    discovery_backend: str
+    request_plane: str
+    event_plane: str | None
+    transfer_host: str = "127.0.0.1"
+    pull_budget_s: float = 1.0
+    drain_s: float = 10.0
+    digests: bool = False
+    stopping_file: str | None = None  # present at a stop: the whole deployment stops (no peer to offer to)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What the moves did before a turn: its carry `key`, the pull (None: none was needed) and the
+    receipt of the entry it will find (None: none was moved here)."""
+
+    key: int
+    pull: Any
+    receipt: Any
 
 
 def _error(message: str) -> Exception:
@@ -419,6 +553,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--carry-idle-s", type=non_negative_int, default=None)
     p.add_argument("--carry-share", default=None)
     p.add_argument("--device", default=d.device)
+    g = p.add_argument_group("carried rows between workers (the nixl extra)")
+    g.add_argument("--no-carry-moves", action="store_true",
+                   help="never pull an entry from a peer nor hand entries over at a planned stop")
+    g.add_argument("--transfer-host", default="127.0.0.1",
+                   help="the address NIXL transfers may use (loopback: shared memory, no socket)")
+    g.add_argument("--carry-pull-budget-ms", type=positive_int, default=1000,
+                   help="how long a turn may wait for its entry from a peer (default %(default)s)")
+    g.add_argument("--carry-drain-s", type=positive_int, default=10,
+                   help="how long a planned stop may spend handing entries to peers (default %(default)s)")
+    g.add_argument("--stopping-file", default=None,
+                   help="a file whose presence at a stop means every worker stops: entries are dropped, "
+                   "not offered to peers (serve --dynamo writes it before stopping the deployment)")
+    g.add_argument("--carry-digests", action="store_true",
+                   help="report the digest of the rows each turn deposited (engine_data carry_digest)")
     return p
 
 
