@@ -19,13 +19,13 @@ import time
 
 import torch
 
-from trtllm_mtp_carry.runtime.entry_moves import digest_bytes
 from trtllm_mtp_carry.serve.dynamo.nixl_transport import (
     NixlTransport,
     Offer,
     TransferError,
     ucx_environment,
 )
+from trtllm_mtp_carry.service.moves import digest_bytes
 
 NBYTES = 1 << 20
 

@@ -19,10 +19,10 @@ from engine_factories import engine, random_prompt, tiny_model
 
 from trtllm_mtp_carry import carry_key, session_hash
 from trtllm_mtp_carry.runtime import CarryRuntime
-from trtllm_mtp_carry.runtime.entry_moves import EntryMoves
 from trtllm_mtp_carry.serve.dynamo.carry_peers import CarryPeers
 from trtllm_mtp_carry.serve.dynamo.metrics import WorkerMetrics
 from trtllm_mtp_carry.serve.dynamo.nixl_transport import UCX_SHARED_MEMORY, NixlTransport
+from trtllm_mtp_carry.service.moves import EntryMoves
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                                 reason='NIXL is not installed (pip install -e ".[nixl]")')
@@ -45,7 +45,7 @@ def _side(model, name: str, identity: str = "model-a") -> CarryPeers:  # type: i
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    peers = CarryPeers(EntryMoves(eng.runtime), _inline, transport, identity, worker_id=hash(name) & 0xFFFF,
+    peers = CarryPeers(EntryMoves(eng.runtime.service), _inline, transport, identity, worker_id=hash(name) & 0xFFFF,
                        metrics=WorkerMetrics("m", name))
     peers.engine = eng  # type: ignore[attr-defined]
     return peers

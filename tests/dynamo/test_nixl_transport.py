@@ -70,8 +70,8 @@ def reader():  # type: ignore[no-untyped-def]
 def _read(reader, offer: dict, deadline_s: float) -> dict:  # type: ignore[no-untyped-def]
     import torch
 
-    from trtllm_mtp_carry.runtime.entry_moves import digest_bytes
     from trtllm_mtp_carry.serve.dynamo.nixl_transport import Offer, TransferError
+    from trtllm_mtp_carry.service.moves import digest_bytes
 
     landing = torch.empty(offer["nbytes"], dtype=torch.uint8)
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""Entry moves over the reference runtime (`runtime/entry_moves.py`): an entry lent by one engine and
+"""Entry moves over the carry service (`service/moves.py`), on the reference engine: an entry lent by one engine and
 received by another is adopted there bit for bit, with the outputs and acceptance of the turn that
 adopts it where it was deposited; every refusal leaves the receiver's store as it was."""
 
@@ -10,7 +10,7 @@ from engine_factories import engine, random_prompt, tiny_model
 
 from trtllm_mtp_carry import EVICTION_CAUSES, carry_key, session_hash
 from trtllm_mtp_carry.runtime import CarryRuntime
-from trtllm_mtp_carry.runtime.entry_moves import EntryMeta, EntryMoves, digest_bytes
+from trtllm_mtp_carry.service.moves import EntryMeta, EntryMoves, digest_bytes
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_a_received_entry_is_adopted_bit_for_bit_as_where_it_was_deposited(model
     r1 = holder.generate("s", first, max_new_tokens=8)
     assert control.generate("s", first, max_new_tokens=8).output == r1.output
     key = carry_key(session_hash("s"))
-    lender, taker = EntryMoves(holder.runtime), EntryMoves(receiver.runtime)
+    lender, taker = EntryMoves(holder.runtime.service), EntryMoves(receiver.runtime.service)
     assert taker.pullable(key, session_hash("s")) and not lender.pullable(key, session_hash("s"))
     loan = lender.lend(key)
     assert loan is not None and loan.meta.digest == lender.held_digest(key) == digest_bytes(loan.raw)
@@ -78,12 +78,12 @@ def test_an_entry_lent_from_the_host_tier_moves_too(model):
     control.generate("h", first, max_new_tokens=6)
     holder.generate("other", two_turns(8)[0], max_new_tokens=6)  # "h" is demoted
     key = carry_key(session_hash("h"))
-    assert holder.runtime._store.tier(key) == "host"
-    lender = EntryMoves(holder.runtime)
+    assert holder.runtime.service.store.tier(key) == "host"
+    lender = EntryMoves(holder.runtime.service)
     loan = lender.lend(key)
     assert loan is not None
-    assert EntryMoves(receiver.runtime).receive(loan.meta, lambda landing: landing.copy_(loan.raw)) == "received"
-    assert lender.end_loan(loan, moved=True) and holder.runtime._store.tier(key) is None
+    assert EntryMoves(receiver.runtime.service).receive(loan.meta, lambda landing: landing.copy_(loan.raw)) == "received"
+    assert lender.end_loan(loan, moved=True) and holder.runtime.service.store.tier(key) is None
     check_all(holder)
     prompt = second_prompt(first, r1, extra)
     moved, kept = receiver.generate("h", prompt, max_new_tokens=6), control.generate("h", prompt, max_new_tokens=6)
@@ -98,16 +98,16 @@ def test_refused_receives_leave_the_receiver_unchanged(model):
     holder.generate("r", first, max_new_tokens=6)
     receiver.generate("r", first, max_new_tokens=6)  # the receiver holds the key already
     key = carry_key(session_hash("r"))
-    loan = EntryMoves(holder.runtime).lend(key)
+    loan = EntryMoves(holder.runtime.service).lend(key)
     assert loan is not None
     copy = lambda landing: landing.copy_(loan.raw)  # noqa: E731
-    assert EntryMoves(receiver.runtime).receive(loan.meta, copy) == "held_locally"
-    assert EntryMoves(fp8.runtime).receive(loan.meta, copy) == "format"  # bf16 blocks, an fp8 store
+    assert EntryMoves(receiver.runtime.service).receive(loan.meta, copy) == "held_locally"
+    assert EntryMoves(fp8.runtime.service).receive(loan.meta, copy) == "format"  # bf16 blocks, an fp8 store
     other = carrying(engine(model))
-    corrupt = EntryMoves(other.runtime).receive(loan.meta, lambda landing: (copy(landing), landing[7].add_(1)))
-    assert corrupt == "digest_mismatch" and not EntryMoves(other.runtime).holds(key)
+    corrupt = EntryMoves(other.runtime.service).receive(loan.meta, lambda landing: (copy(landing), landing[7].add_(1)))
+    assert corrupt == "digest_mismatch" and not EntryMoves(other.runtime.service).holds(key)
     short = EntryMeta(**{**loan.meta.__dict__, "nbytes": loan.meta.nbytes - 1})
-    assert EntryMoves(other.runtime).receive(short, copy) == "format"
+    assert EntryMoves(other.runtime.service).receive(short, copy) == "format"
     with pytest.raises(ValueError, match="runs"):
         EntryMeta(**{**loan.meta.__dict__, "runs": ((0, 3),)}).check()
     for eng in (receiver, fp8, other):
@@ -120,10 +120,10 @@ def test_ending_a_loan_keeps_a_newer_deposit_of_the_key(model):
     first, extra = two_turns(13)
     r1 = holder.generate("n", first, max_new_tokens=6)
     key = carry_key(session_hash("n"))
-    loan = EntryMoves(holder.runtime).lend(key)
+    loan = EntryMoves(holder.runtime.service).lend(key)
     assert loan is not None
     holder.generate("n", second_prompt(first, r1, extra), max_new_tokens=6)  # adopted and deposited again
-    assert not EntryMoves(holder.runtime).end_loan(loan, moved=True)
-    assert EntryMoves(holder.runtime).holds(key) and holder.runtime.stats().evictions["moved"] == 0
-    assert not EntryMoves(holder.runtime).end_loan(loan, moved=False)
+    assert not EntryMoves(holder.runtime.service).end_loan(loan, moved=True)
+    assert EntryMoves(holder.runtime.service).holds(key) and holder.runtime.stats().evictions["moved"] == 0
+    assert not EntryMoves(holder.runtime.service).end_loan(loan, moved=False)
     check_all(holder)

@@ -601,6 +601,13 @@ class CarryStore:
         self._counts.host_deposits += 1
         return True
 
+    def session_of(self, key: int) -> int:
+        """The session `key`'s entry belongs to (its key before the salt); KeyError if none is held."""
+        held = self._entries.get(key) or self._host_held(key)
+        if held is None:
+            raise KeyError(key)
+        return held.session
+
     def tier(self, key: int) -> str | None:
         """Which tier (`TIERS`) holds `key`'s entry, or None."""
         if key in self._entries:

@@ -254,6 +254,10 @@ class CarryRuntime:
         """A fresh non-zero ticket for an admitted sequence (the runtime's own counter)."""
         return self._tickets.draw()
 
+    def carries(self, policy: DrafterPolicy | str | None = None) -> bool:
+        """Whether a turn of drafter policy `policy` (None: the runtime's) makes a carry decision."""
+        return self.armed and self._policy_of(policy) is DrafterPolicy.CARRY
+
     def _policy_of(self, policy: DrafterPolicy | str | None) -> DrafterPolicy:
         """`policy` parsed (None: the runtime's), before any guard: a bad one is the caller's
         ValueError, never a fault that costs a turn its carry."""

@@ -161,6 +161,34 @@ class RowHome(ABC):
     @abstractmethod
     def rows_of(self, form: Any) -> int: ...
 
+    # ---- entry moves (`moves.py`): an entry's held bytes between workers ----------------
+
+    @abstractmethod
+    def layout(self) -> dict[str, Any]:
+        """The held form of this home's entries, as plain values (a receiver's must be equal)."""
+
+    @abstractmethod
+    def held_nbytes_for(self, rows: int) -> int:
+        """Bytes of the held range of an entry of `rows` rows (what `export_into` writes)."""
+
+    def fresh_blocks(self, rows: int) -> Sequence[int] | None:
+        """The block table a store charges an entry of `rows` rows arriving in fresh blocks (None:
+        charged by bytes)."""
+        return None
+
+    @abstractmethod
+    def form_for(self, rows: int, runs: Runs) -> Any:
+        """The form (`export_into`'s) of an entry of `rows` rows with keys `runs`."""
+
+    @abstractmethod
+    def runs_of(self, form: Any) -> Runs:
+        """The key runs of a held form."""
+
+    @abstractmethod
+    def receive(self, key: int, raw: torch.Tensor, rows: int, runs: Runs) -> tuple[int, ...]:
+        """Hold `raw` (an entry's held bytes from another worker) as `key`'s device rows, in the room
+        `reserve` took; returns its block table (empty where the store charges bytes)."""
+
     # ---- invariants --------------------------------------------------------------------
 
     @abstractmethod
@@ -243,6 +271,31 @@ class PoolHome(RowHome):
 
     def rows_of(self, form: Any) -> int:
         return int(form.rows)
+
+    def layout(self) -> dict[str, Any]:
+        pool = self.pool
+        return {"home": "pool", "codec": self.codec.name, "block_size": pool.block_size,
+                "num_kv_heads": pool.num_kv_heads, "head_dim": pool.head_dim,
+                "dtype": str(pool.k_cache.dtype).removeprefix("torch.")}
+
+    def held_nbytes_for(self, rows: int) -> int:
+        return _cdiv(rows, self.pool.block_size) * self.pool.block_nbytes
+
+    def fresh_blocks(self, rows: int) -> Sequence[int] | None:
+        return range(-1, -_cdiv(rows, self.pool.block_size) - 1, -1)  # no entry holds a negative id
+
+    def form_for(self, rows: int, runs: Runs) -> Any:
+        pool = self.pool
+        shape = (_cdiv(rows, pool.block_size), pool.block_size, pool.num_kv_heads, pool.head_dim)
+        return _BlockForm(shape, pool.k_cache.dtype, rows, runs)
+
+    def runs_of(self, form: Any) -> Runs:
+        return tuple(form.runs)
+
+    def receive(self, key: int, raw: torch.Tensor, rows: int, runs: Runs) -> tuple[int, ...]:
+        blocks = self.import_from(key, raw, self.form_for(rows, runs), None)
+        assert blocks is not None
+        return blocks
 
     def held_nbytes(self) -> int:
         blocks: set[int] = set()  # a shared block is held once
@@ -425,6 +478,26 @@ class ArenaHome(RowHome):
 
     def rows_of(self, form: Any) -> int:
         return int(form[0][0])
+
+    def layout(self) -> dict[str, Any]:
+        return {"home": "arena", "codec": self.codec.name, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim}
+
+    def held_nbytes_for(self, rows: int) -> int:
+        return rows * self.row_nbytes
+
+    def form_for(self, rows: int, runs: Runs) -> Any:
+        return self.shape(rows), runs
+
+    def runs_of(self, form: Any) -> Runs:
+        return tuple(form[1])
+
+    def receive(self, key: int, raw: torch.Tensor, rows: int, runs: Runs) -> tuple[int, ...]:
+        room = self.arena.view(("deposit", key))
+        room.copy_(raw.to(room.device))  # blocking: the bytes are the entry's once this returns
+        self.arena.rename(("deposit", key), key)
+        self._held[key] = _Held(self.shape(rows), runs)
+        return ()
 
     def held_nbytes(self) -> int:
         return sum(h.shape[0] for h in self._held.values() if h.loose is None) * self.row_nbytes

@@ -79,6 +79,9 @@ class HostHome(Protocol):
     def rows_of(self, form: Any) -> int:
         """How many rows a host copy of this form holds."""
 
+    def runs_of(self, form: Any) -> tuple[tuple[int, int], ...]:
+        """The key runs of a host copy of this form."""
+
 
 @dataclass
 class _Copy:
@@ -224,6 +227,22 @@ class HostTier:
         if raw is None:
             raw = outside = pinned_empty(nbytes) if self.arena.pinned else torch.empty(nbytes, dtype=torch.uint8)
         self._staged[key] = _Copy(self.home.export_into(key, raw), outside)
+
+    def stage_bytes(self, key: int, raw: torch.Tensor, form: Any) -> None:
+        """Stage `raw` (an entry's held bytes of `form`, received from another worker) as `key`'s
+        copy: the store's next demotion of `key` (its host tier's second chance) takes it."""
+        room = self.arena.take(("staged", key), raw.numel())
+        outside = None
+        if room is None:
+            room = outside = pinned_empty(raw.numel()) if self.arena.pinned else torch.empty_like(raw)
+        room.copy_(raw)
+        self._staged[key] = _Copy(form, outside)
+
+    def copy_of(self, key: int) -> tuple[torch.Tensor, Any]:
+        """A fresh host copy of `key`'s held bytes, and their key runs (entry moves)."""
+        copy = self._held[key]
+        raw = copy.outside if copy.outside is not None else self.arena.view(key)
+        return raw.clone(), self.home.runs_of(copy.form)
 
     def unstage(self, key: int) -> None:
         """Forget a staged copy the store did not demote (it evicted the entry instead)."""

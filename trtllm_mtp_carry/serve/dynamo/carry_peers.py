@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ...runtime.entry_moves import EntryMeta, EntryMoves, Loan, ReceivePlan, digest_tokens
+from ...service.moves import EntryMeta, EntryMoves, Loan, ReceivePlan, digest_tokens
 from .nixl_transport import NixlTransport, Offer, TransferError
 
 logger = logging.getLogger("trtllm_mtp_carry.serve.dynamo.moves")

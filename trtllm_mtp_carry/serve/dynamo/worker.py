@@ -214,7 +214,8 @@ class CarryWorker(LLMEngine):
         self.relay: KvEventRelay | None = None
         self.metrics: WorkerMetrics | None = None
         self.peers: Any = None  # carry_peers.CarryPeers, when entries move between workers
-        self._moves: Any = None  # its runtime.entry_moves.EntryMoves
+        self._moves: Any = None  # its service.moves.EntryMoves
+        self._runtime: Any = None  # the engine's CarryRuntime, when entries move
         self._streams: dict[str, _StreamSink] = {}  # context id -> its sink, for abort()
         self._remote: dict[int, bool] = {}  # session -> its turn in the engine found moved rows
 
@@ -295,7 +296,7 @@ class CarryWorker(LLMEngine):
             logger.warning("carried rows stay on their worker: engine %s has no reference carry runtime",
                            self.options.engine)
             return
-        from ...runtime.entry_moves import EntryMoves, model_identity
+        from ...service.moves import EntryMoves, model_identity
         from .carry_peers import CarryPeers
         from .nixl_transport import NixlMissing, NixlTransport, ucx_environment
 
@@ -306,7 +307,8 @@ class CarryWorker(LLMEngine):
             logger.warning("carried rows stay on their worker: %s", exc)
             return
         assert self.metrics is not None
-        self._moves = EntryMoves(runtime)
+        self._runtime = runtime
+        self._moves = EntryMoves(runtime.service)
         self.peers = CarryPeers(self._moves, self._on_engine, transport, model_identity(self.engine),
                                 self.worker_id, self.metrics, pull_budget_s=o.pull_budget_s, drain_s=o.drain_s)
         await self.peers.start(o.namespace, o.component, o.discovery_backend, o.request_plane, o.event_plane)
@@ -414,7 +416,7 @@ class CarryWorker(LLMEngine):
         """Before a session's turn is queued: the entry a peer pushed here for it, or else, when the
         session has no entry here and never had one, the entry pulled from the peer holding it
         (None: the turn makes no carry decision, or entries do not move)."""
-        if self.peers is None or turn.start or not self._moves.carries(turn.drafter_policy):
+        if self.peers is None or turn.start or not self._runtime.carries(turn.drafter_policy):
             return None
         session = session_hash(turn.corrid)  # the engine's session of this corrid (engine.submit)
         key = carry_key(session, turn.cache_salt)
