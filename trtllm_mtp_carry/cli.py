@@ -24,9 +24,7 @@ from .core import settings
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
     """Flags that pin the process-wide settings (shared by every subcommand)."""
     p.add_argument(
-        "--marconi-min-tokens",
         "--restore-threshold",
-        dest="marconi_min_tokens",
         type=non_negative_int,
         metavar="N",
         help="SSM snapshot restore floor in matched tokens (0 removes it); "
@@ -100,7 +98,7 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
 def apply_settings_flags(args: argparse.Namespace) -> list[str]:
     """Pin the settings named by flags; return a warning for each that was not applied."""
     pins: list[tuple[str, Callable[[Any, str], bool], Callable[[], object]]] = [
-        ("--marconi-min-tokens", settings.MARCONI_MIN_TOKENS.set, settings.marconi_min_tokens),
+        ("--restore-threshold", settings.MARCONI_MIN_TOKENS.set, settings.marconi_min_tokens),
         ("--mtp-max-seqs", settings.MTP_MAX_SEQS.set, settings.mtp_max_seqs),
         ("--carry-slots", settings.CARRY_SLOTS.set, lambda: settings.carry_slots() or "no cap"),
         ("--carry-memory", settings.set_carry_memory, settings.carry_memory),

@@ -142,7 +142,7 @@ def test_below_threshold_history_is_noted_once_naming_the_flag(capsys):
     assert capsys.readouterr().out == (
         f"note: session s0's history is {n} tokens (and 2 more), below the restore threshold "
         f"{marconi_min_tokens()}: its warm turns reuse nothing and run cold; lower the threshold "
-        "with --marconi-min-tokens N\n")
+        "with --restore-threshold N\n")
     _note_below_threshold([BenchSession("s0", short[0].history, [])], TOK)  # no warm turn: quiet
     assert capsys.readouterr().out == ""
 

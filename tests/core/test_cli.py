@@ -34,11 +34,11 @@ def test_info_defaults_configured_and_armed_at_the_default_dispatch_cap():
 
 
 def test_info_flags_pin_and_arm():
-    out = run_cli("info", "--json", "--mtp-max-seqs", "1", "--marconi-min-tokens", "128")
+    out = run_cli("info", "--json", "--mtp-max-seqs", "1", "--restore-threshold", "128")
     report = json.loads(out.stdout)
     assert (report["marconi_min_tokens"], report["marconi_min_tokens_source"]) == (
         128,
-        "--marconi-min-tokens",
+        "--restore-threshold",
     )
     assert report["carry_armed"] is True
 

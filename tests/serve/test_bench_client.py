@@ -96,7 +96,7 @@ def test_bench_cli_through_server_reports_policies_side_by_side(served, tmp_path
     assert data["first_measured_replay"] == 1 and data["outputs_identical"] is True
     assert data["config"]["server"] == served.endpoints.grpc and data["config"]["repeat"] == 2
     # the engine's sizes are the server's: none of this client's defaults is reported as if in effect
-    assert not {"draft_len", "chunk", "device", "dtype", "threads", "marconi_min_tokens",
+    assert not {"draft_len", "chunk", "device", "dtype", "threads", "restore_threshold",
                 "carry_slots"} & set(data["config"])
     assert list(data["policies"]) == ["carry", "blind"]
     assert data["summary"]["carry"]["outcomes"] == {"adopted": 2}
@@ -124,7 +124,7 @@ def test_bench_server_unreachable_is_one_error_line_naming_the_address(capsys):
 @pytest.mark.parametrize("flags, named", [
     (["--draft-len", "2"], "--draft-len"),  # the default value typed is still a choice
     (["--chunk", "256", "--carry-slots", "3"], "--chunk, --carry-slots"),
-    (["--restore-threshold", "0"], "--marconi-min-tokens"),
+    (["--restore-threshold", "0"], "--restore-threshold"),
     (["--device", "cpu", "--dtype", "float64", "--threads", "2", "--weights", "w"],
      "--device, --dtype, --threads, --weights"),
 ])

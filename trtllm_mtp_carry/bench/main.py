@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 DEFAULT_POLICIES = "carry,rebuild,blind,off"
 
 SERVER_SIDE_FLAGS = ("--draft-len", "--chunk", "--drafter-blocks", "--target-blocks", "--device", "--dtype",
-                     "--threads", "--weights", "--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots",
+                     "--threads", "--weights", "--restore-threshold", "--mtp-max-seqs", "--carry-slots",
                      "--carry-memory", "--carry-host-memory", "--carry-eviction", "--carry-idle-s",
                      "--carry-share", "--carry-row-dtype")
 """Flags that size or place the engine: with --server they are the server's parameters."""
@@ -256,7 +256,7 @@ def engine_config(args: argparse.Namespace, max_position: int, tokenizer: Any, s
 def server_side_flags(args: argparse.Namespace) -> list[str]:
     """The `SERVER_SIDE_FLAGS` the user typed (settings flags and paths default to None)."""
     typed = set(getattr(args, "given_flags", ()))
-    for flag in ("--marconi-min-tokens", "--mtp-max-seqs", "--carry-slots", "--weights",
+    for flag in ("--restore-threshold", "--mtp-max-seqs", "--carry-slots", "--weights",
                  "--drafter-blocks", "--target-blocks", "--carry-memory", "--carry-host-memory",
                  "--carry-eviction", "--carry-idle-s", "--carry-share", "--carry-row-dtype"):
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
@@ -515,7 +515,7 @@ def _note_below_threshold(sessions: list[Any], tokenizer: Any) -> None:
         more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
         print(f"note: session {name}'s history is {n} tokens{more}, below the restore threshold "
               f"{threshold}: its warm turns reuse nothing and run cold; lower the threshold with "
-              "--marconi-min-tokens N")
+              "--restore-threshold N")
 
 
 def _json(args: argparse.Namespace, env: dict[str, Any], runs: list[Any], summary: dict[str, Any],

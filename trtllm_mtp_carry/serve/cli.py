@@ -80,7 +80,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of a request that sends none (default %(default)s)")
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
-    p.add_argument("--marconi-min-tokens", dest="serve_marconi_min_tokens",
+    p.add_argument("--restore-threshold", dest="serve_marconi_min_tokens",
                    type=non_negative_int, default=None, metavar="N",
                    help="the model's SSM restore threshold (pinned in each instance); default env "
                    "TRTLLM_MTP_CARRY_MARCONI_MIN_TOKENS, else 256")
@@ -127,7 +127,7 @@ def _trtllm_spec(args: argparse.Namespace) -> TrtllmRepoSpec:
                                ("--carry-row-dtype", args.serve_carry_row_dtype,
                                 "carry_row_dtype in the mtp_carry section"),
                                ("--max-model-len", args.max_model_len, "max_seq_len"),
-                               ("--marconi-min-tokens", args.serve_marconi_min_tokens, None)):
+                               ("--restore-threshold", args.serve_marconi_min_tokens, None)):
         if value is not None:
             raise ValueError(f"{flag} is a reference-engine option; with --engine trtllm "
                              + (f"set {where} in --llm-options" if where else "it does not apply"))

@@ -190,7 +190,7 @@ class DynamoSpec:
                 "--max-tokens", str(o.max_tokens), "--max-num-seqs", str(o.max_num_seqs),
                 "--device", o.device]
         for flag, value in (("--max-model-len", o.max_model_len),
-                            ("--marconi-min-tokens", o.marconi_min_tokens),
+                            ("--restore-threshold", o.marconi_min_tokens),
                             ("--carry-slots", o.carry_slots), ("--carry-memory", o.carry_memory),
                             ("--carry-host-memory", o.carry_host_memory),
                             ("--carry-row-dtype", o.carry_row_dtype),

@@ -546,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=d.max_tokens)
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
-    p.add_argument("--marconi-min-tokens", type=non_negative_int, default=None)
+    p.add_argument("--restore-threshold", dest="marconi_min_tokens", type=non_negative_int, default=None)
     p.add_argument("--carry-slots", type=positive_int, default=None)
     p.add_argument("--carry-memory", default=None)
     p.add_argument("--carry-host-memory", default=None)
