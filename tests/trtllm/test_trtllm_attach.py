@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 from standin_helpers import model
 
+from trtllm_mtp_carry.core import OUTCOME_KINDS
+from trtllm_mtp_carry.service import CarryStats
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
 from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
@@ -17,6 +20,15 @@ from trtllm_mtp_carry.trtllm.standin import DataType, StandinLLM
 
 def _llm(**options: Any) -> StandinLLM:
     return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, single_process=True, **options)
+
+
+def gauge_names(stats: CarryStats) -> list[str]:
+    """The `mtp_carry_runtime{field}` names `stats` gives (a dict field as `field.key`), in order."""
+    names = []
+    for f in fields(stats):
+        value = getattr(stats, f.name)
+        names += [f"{f.name}.{k}" for k in value] if isinstance(value, dict) else [f.name]
+    return names
 
 
 def _refusal(llm: Any) -> str:
@@ -125,7 +137,7 @@ def test_unpaired_arms_and_installs_after_the_draft_manager() -> None:
                      CARRY_MANAGER_KEY]
     assert carry.info()[3] == ("carry armed", "yes", carry.reason)
     assert carry.info()[4] == ("carry slots (carry_slots)", "1", "carry_slots()")  # pinned by conftest
-    assert carry.stats()["carry_slots"] == 1
+    assert carry.stats().carry_slots == 1
     with pytest.raises(TrtllmAdapterError, match="already attached"):
         attach(llm)
     detach(llm)
@@ -145,15 +157,15 @@ def test_paired_folded_and_reuse_off_stand_aside_installing_nothing(
     assert (carry.topology, carry.armed, carry.manager) == (topology, False, None)
     assert carry.reason.startswith(reason)
     assert CARRY_MANAGER_KEY not in llm.executor.resource_manager.resource_managers
-    assert carry.stats()["outcomes"] == {k: 0 for k in carry.stats()["outcomes"]}  # type: ignore[union-attr]
+    assert carry.stats().outcomes == dict.fromkeys(OUTCOME_KINDS, 0)
 
 
 def test_a_carry_standing_aside_reports_every_stats_key_an_armed_one_does_at_zero() -> None:
     armed = attach(_llm()).stats()
     aside = attach(_llm(topology="paired")).stats()
-    assert list(aside) == list(armed)  # a scraper reads the same keys either way
-    assert (aside["armed"], aside["entries"], aside["bytes_held"], aside["reserved_bytes"]) == (False, 0, 0, 0)
-    assert aside["hits"] == {"device": 0, "host": 0} and aside["refusals"] == {
+    assert gauge_names(aside) == gauge_names(armed)  # a scraper reads the same keys either way
+    assert (aside.armed, aside.entries_held, aside.bytes_held, aside.reserved_bytes) == (False, 0, 0, 0)
+    assert (aside.hits_device, aside.hits_host) == (0, 0) and aside.refusals == {
         "not_admitted": 0, "too_large": 0, "oom": 0}
 
 
