@@ -348,10 +348,10 @@ class CarryManagerCore:
             if live.forgotten:
                 self._skip("session_end", live)
                 return False
-            plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation)
-            if plan is None:  # refused before any row moved (the store counts why)
-                return False
-            try:
+            try:  # a fault in the plan too (a demotion making room) leaves what `repair` mends
+                plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation)
+                if plan is None:  # refused before any row moved (the store counts why)
+                    return False
                 with self._draft_stream():
                     kept = self.service.deposit(plan, TurnPages(self.pages, rid), ((lo, hi - lo),), tokens)
                     self._sync()
