@@ -43,7 +43,7 @@ from ..core import CarriedDrafter, CarryStore
 from ..core.row_format import RowFormat
 from ..dataplane.arena import Arena
 from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool, HostRows
-from ..dataplane.row_codec import RowCodec, Rows, codec_for
+from ..dataplane.row_codec import CompositeCodec, RowCodec, Rows, codec_for
 from . import streams
 
 __all__ = ["ArenaHome", "PoolHome", "RowHome", "RowPages", "Runs", "head_runs"]
@@ -312,7 +312,9 @@ class ArenaHome(RowHome):
         self.head_dim = head_dim
         self.row_nbytes = codec.row_nbytes(num_kv_heads, head_dim)
         self._held: dict[int, _Held] = {}
-        self._format = codec.format(num_kv_heads, head_dim)
+        # rows with side rows (a QSA pool's: `CompositeCodec`) have no K/V-only RowFormat: the store
+        # charges what each deposit states, its rows at `row_nbytes` each
+        self._format = None if isinstance(codec, CompositeCodec) else codec.format(num_kv_heads, head_dim)
         self.pack_ms_each: list[float] = []  # wall ms of every carry out of the pages, in order
         self.unpack_ms_each: list[float] = []  # wall ms of every carry back into them, in order
 
