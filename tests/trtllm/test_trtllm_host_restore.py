@@ -156,7 +156,7 @@ def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the
     never overlap the prefill.) The CUDA calls are the manager's seam, recorded."""
     from standin_helpers import ADOPTION_ORDER, GATHER_ORDER, cold_then_warm_turn, make_llm
 
-    from trtllm_mtp_carry.trtllm import manager as manager_module
+    from trtllm_mtp_carry.service import streams as streams_mod
 
     log: list[str] = []
 
@@ -182,9 +182,9 @@ def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the
         yield
 
     draft_stream = DraftStream()
-    monkeypatch.setattr(manager_module, "_cuda_available", lambda: True)
-    monkeypatch.setattr(manager_module, "_on_stream", on_stream)
-    monkeypatch.setattr(manager_module, "_current_stream", lambda device: ExecutorStream())
+    monkeypatch.setattr(streams_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(streams_mod, "on_stream", on_stream)
+    monkeypatch.setattr(streams_mod, "current_stream", lambda device: ExecutorStream())
     llm, carry = make_llm("carry")
     assert carry is not None and carry.manager is not None
     carry.manager.draft._stream = draft_stream
