@@ -59,18 +59,22 @@ class RowsSink:
 class ArenaCarry:
     """A `CarryService` over an `ArenaHome` of `[2, Hkv, D]` rows of `row_dtype` for a `pool_dtype`
     pool: a device arena of `budget_bytes` (the store's budget) and, with `host_budget_bytes`, a
-    host tier of that many bytes (`arena`, `host_arena`: given ones instead)."""
+    host tier of that many bytes (`arena`, `host_arena_`: given ones instead). `device`: the device
+    the service and its host tier take the rows to be on (a test recording the CUDA seam,
+    `service.streams`, runs CUDA's path over CPU arenas with `cuda:0` here)."""
 
     def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent", *,
                  host_budget_bytes: int = 0, row_dtype: str = "bf16", pool_dtype: torch.dtype = torch.bfloat16,
                  num_kv_heads: int = 2, head_dim: int = 4, idle_s: float | None = None,
                  arena: Arena | None = None, host_arena_: Arena | None = None,
-                 codec: RowCodec | None = None) -> None:
+                 codec: RowCodec | None = None, device: torch.device | None = None) -> None:
         self.codec = codec if codec is not None else codec_for(row_dtype, pool_dtype)
         self.arena = arena if arena is not None else Arena.reserve(budget_bytes, "cpu")
         self.host_arena = host_arena_ if host_arena_ is not None else host_arena(host_budget_bytes,
                                                                                  torch.device("cpu"))
         self.home = ArenaHome(self.codec, self.arena, num_kv_heads, head_dim)
+        if device is not None:
+            self.home.device = device
         self.service = CarryService(self.home, slots=slots, budget_bytes=self.arena.capacity, eviction=policy,
                                     idle_s=idle_s, host_arena=self.host_arena)
         self._turns = itertools.count(1)
