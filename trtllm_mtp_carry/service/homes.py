@@ -338,7 +338,10 @@ class ArenaHome(RowHome):
         return None, rows * self.row_nbytes
 
     def reserve(self, key: int, rows: int) -> bool:
-        return self.arena.take(("deposit", key), rows * self.row_nbytes) is not None
+        try:
+            return self.arena.take(("deposit", key), rows * self.row_nbytes) is not None
+        except torch.OutOfMemoryError:  # a device compaction could not stage a range: nothing taken
+            return False
 
     def unreserve(self, key: int) -> None:
         self.arena.release(("deposit", key))

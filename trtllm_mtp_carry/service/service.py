@@ -39,6 +39,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -58,6 +59,8 @@ from .ledger import FaultLedger
 from .stats import SKIP_REASONS, TURN_KINDS, CarryStats, TurnCounters
 
 __all__ = ["CarryService", "DepositPlan"]
+
+logger = logging.getLogger("trtllm_mtp_carry")
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class CarryService:
         self.room_for = room_for
         self._leases: dict[Hashable, int] = {}  # turn -> the carry key whose rows it adopted
         self._host_rows_dropped = 0
+        self._oom_logged = False  # the first `oom` refusal is logged, later ones only counted
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -183,6 +187,11 @@ class CarryService:
                 self.home.free(old.session_hash)
             if not self.home.reserve(key, rows):
                 self.store.refuse(key)
+                if not self._oom_logged:
+                    self._oom_logged = True
+                    logger.warning("mtp carry: a deposit was refused as oom (no room for %d bytes where the "
+                                   "rows live); the carry keeps serving with what it holds; later ones are "
+                                   "counted in refusals.oom, not logged", nbytes)
                 return None
             return DepositPlan(key, rows, nbytes, session, "device")
 
