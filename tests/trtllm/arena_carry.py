@@ -59,7 +59,8 @@ class RowsSink:
 class ArenaCarry:
     """A `CarryService` over an `ArenaHome` of `[2, Hkv, D]` rows of `row_dtype` for a `pool_dtype`
     pool: a device arena of `budget_bytes` (the store's budget) and, with `host_budget_bytes`, a
-    host tier of that many bytes (`arena`, `host_arena_`: given ones instead). `device`: the device
+    host tier of that many bytes (`arena`, `host_arena_`: given ones instead; the store's budget
+    stays `budget_bytes`, so a test may give it more than the arena holds). `device`: the device
     the service and its host tier take the rows to be on (a test recording the CUDA seam,
     `service.streams`, runs CUDA's path over CPU arenas with `cuda:0` here)."""
 
@@ -75,7 +76,7 @@ class ArenaCarry:
         self.home = ArenaHome(self.codec, self.arena, num_kv_heads, head_dim)
         if device is not None:
             self.home.device = device
-        self.service = CarryService(self.home, slots=slots, budget_bytes=self.arena.capacity, eviction=policy,
+        self.service = CarryService(self.home, slots=slots, budget_bytes=budget_bytes, eviction=policy,
                                     idle_s=idle_s, host_arena=self.host_arena)
         self._turns = itertools.count(1)
 
