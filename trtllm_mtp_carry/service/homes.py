@@ -180,6 +180,10 @@ class RowHome(ABC):
     def idle(self) -> bool:
         """Nothing is held (every entry left and every reservation was given back)."""
 
+    def held(self) -> str:
+        """What the home holds, in words (what `CarryService.detach` names when it is not idle)."""
+        return f"{self.held_nbytes()} bytes"
+
     def stats_fields(self) -> dict[str, Any]:
         """`CarryStats` fields this home fills (`packs`, `unpacks`, ...)."""
         return {}
@@ -460,6 +464,9 @@ class ArenaHome(RowHome):
 
     def idle(self) -> bool:
         return not self._held and not self.arena.keys()
+
+    def held(self) -> str:
+        return f"{self.held_nbytes()} bytes of entries, arena ranges {self.arena.keys()}"
 
     def stats_fields(self) -> dict[str, Any]:
         return dict(packs=len(self.pack_ms_each), unpacks=len(self.unpack_ms_each),

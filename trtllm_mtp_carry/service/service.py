@@ -300,7 +300,7 @@ class CarryService:
             self.repair()
             left = []
             if not self.home.idle():
-                left.append(f"device home: {self.home.held_nbytes()} bytes")
+                left.append(f"device home: {self.home.held()}")
             if self.host is not None and not self.host.idle():
                 left.append(f"host tier: {self.host.keys()} {self.host.arena.keys()}")
             if left:
