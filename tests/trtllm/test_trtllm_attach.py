@@ -173,3 +173,60 @@ def test_a_disabled_carry_is_configured_off_and_says_so() -> None:
     carry = attach(_llm(), {"enable": False})
     assert (carry.armed, carry.reason) == (False, "not configured (mtp_carry.enable is false)")
     assert carry.info()[2] == ("carry configured", "no", "mtp_carry.enable")
+
+
+def _two_turns_with_a_host_entry() -> tuple[StandinLLM, Any]:
+    """Sessions a and b, two turns each, on a device arena of one first turn's rows and a host tier:
+    entries in both arenas when the turns end."""
+    from standin_helpers import CHUNK, make_llm, padded, user_tokens
+
+    from trtllm_mtp_carry.trtllm.standin import ConversationParams
+
+    llm, _ = make_llm("blind")
+    rows = 4 * CHUNK + 8 - 1
+    carry = attach(llm, {"carry_slots": 8, "carry_memory": 2 * rows * 256, "carry_host_memory": 8 * rows * 256})
+    firsts = {}
+    for name in "ab":
+        firsts[name] = llm.generate_async(user_tokens(100 * len(firsts), 4 * CHUNK), 8,
+                                          conversation_params=ConversationParams(conversation_id=name))
+        llm.run_until_done()
+    for name in "ab":
+        llm.generate_async(padded(firsts[name].get_tokens(0), 3), 8,
+                           conversation_params=ConversationParams(conversation_id=name))
+    llm.run_until_done()
+    return llm, carry
+
+
+def test_detach_leaves_no_arena_range_no_host_copy_and_no_entry_held() -> None:
+    llm, carry = _two_turns_with_a_host_entry()
+    manager, reserved = carry.manager, carry.manager.reserved
+    stats = carry.stats()
+    assert stats.entries_held >= 1 and stats.host_entries >= 1  # both arenas hold rows before
+    assert reserved.device.keys() and reserved.host.keys()
+    detach(llm)
+    assert reserved.device.keys() == [] == reserved.host.keys()
+    assert reserved.device.held_bytes == reserved.host.held_bytes == 0
+    assert (reserved.device.pending_bytes, reserved.host.pending_bytes) == (0, 0)
+    stats = manager.stats()
+    assert (stats.entries_held, stats.host_entries, stats.leases, stats.faults) == (0, 0, 0, {})
+    llm.executor.check()
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_range_held_behind_the_services_back_makes_detach_raise_naming_it(tier: str) -> None:
+    """The leak a check must catch: a range of an arena that no entry holds (here taken behind
+    the service's back). `detach` raises naming it; the resource manager's `shutdown` (what
+    PyExecutor calls) counts it as a fault at `other` and never raises."""
+    llm, carry = _two_turns_with_a_host_entry()
+    manager = carry.manager
+    arena = manager.reserved.device if tier == "device" else manager.reserved.host
+    assert arena.take("leaked", 256) is not None
+    expected = (r"device home: 0 bytes of entries, arena ranges \['leaked'\]" if tier == "device" else
+                r"host tier: \[\] \['leaked'\]")
+    with pytest.raises(RuntimeError, match=rf"^the carry holds rows after detaching: {expected}$"):
+        manager.service.detach()
+    assert manager.shutdown() is None  # PyExecutor's call: counted, logged, not raised
+    stats = manager.stats()
+    assert stats.faults == {"RuntimeError": 1} and stats.fault_steps["other"] == 1
+    arena.release("leaked")
+    manager.service.detach()  # nothing else was held
