@@ -48,8 +48,8 @@ from trtllm_mtp_carry.core import CarriedDrafter
 from trtllm_mtp_carry.dataplane import pinned
 from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
-from trtllm_mtp_carry.dataplane.row_codec import RowCodec, Rows, codec_for
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
+from trtllm_mtp_carry.dataplane.row_codec import RowCodec, Rows, codec_for
 from trtllm_mtp_carry.service import CarryService
 from trtllm_mtp_carry.service.homes import ArenaHome, PoolHome, Runs
 from trtllm_mtp_carry.service.host_tier import HostTier, host_arena

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.row_codec import (
     CompositeCodec,
     CompositeRows,
@@ -15,7 +16,6 @@ from trtllm_mtp_carry.dataplane.row_codec import (
     codec_for,
     codec_of,
 )
-from trtllm_mtp_carry.dataplane.arena import Arena
 
 HKV, TPB, D, SLOTS = 2, 4, 8, 6
 SIDES = (SideRows("position", (3,), torch.int32), SideRows("index_k", (1, HKV * D), torch.bfloat16))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from trtllm_mtp_carry.core.row_format import ROW_FORMATS, RowFormat, rows_nbytes
+from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows
 from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages
 from trtllm_mtp_carry.dataplane.row_codec import (
@@ -26,7 +27,6 @@ from trtllm_mtp_carry.dataplane.row_codec import (
     codec_of,
 )
 from trtllm_mtp_carry.dataplane.row_format import PackedRows
-from trtllm_mtp_carry.dataplane.arena import Arena
 
 HKV, D, TPB = 2, 32, 8  # D = 32: two block scales a vector, so V's 4-token interleave is no identity
 

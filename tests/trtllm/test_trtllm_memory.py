@@ -20,16 +20,15 @@ from typing import Any
 
 import pytest
 import torch
+from arena_carry import ArenaCarry
 from standin_helpers import CHUNK, model, padded, user_tokens
 
-from arena_carry import ArenaCarry
-
 from trtllm_mtp_carry.core import CarryStore
-from trtllm_mtp_carry.service import SKIP_REASONS
 from trtllm_mtp_carry.dataplane.arena import Arena
+from trtllm_mtp_carry.service import SKIP_REASONS
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
-from trtllm_mtp_carry.trtllm.reservation import row_nbytes
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
+from trtllm_mtp_carry.trtllm.reservation import row_nbytes
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
 from trtllm_mtp_carry.trtllm.standin.torch_cuda import StandinDeviceMemory
 
