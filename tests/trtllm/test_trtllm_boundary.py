@@ -146,9 +146,11 @@ def _turns(policy: str, inject: Inject | None = None, kind: type[Exception] = Ke
                 for name in "ab"}
         undo = [inject(llm, carry, reqs[name], kind) for name in targets] \
             if turn == 1 and inject is not None else []
-        llm.run_until_done()
-        for u in reversed(undo):
-            u()
+        try:
+            llm.run_until_done()
+        finally:  # an injection into a shared codec must not outlive its test
+            for u in reversed(undo):
+                u()
         for name, req in reqs.items():
             done[name].append(req)
             prompts[name] = padded(req.get_tokens(0), 31 * turn + 7 * len(name))
