@@ -2,9 +2,10 @@
 
 One carried entry of R rows of Qwen3-Next's MTP layer (2 KV heads x 256, K and V,
 bf16: 2,048 bytes a row) in a `DrafterKVPool` of 16-row blocks, moved the way the
-reference runtime's host tier moves it (`PoolHostMoves`): `demote` copies its
-blocks to host memory (`export_carried`, pinned on CUDA) and frees them;
-`restore` allocates fresh blocks and copies them back (`import_carried`). On the
+carry's one host tier moves it for the reference runtime (`service.host_tier.HostTier`
+over a `PoolHome`): `demote` copies its blocks to host memory (`export_carried`, into
+the tier's pinned arena on CUDA) and frees them; `restore` allocates fresh blocks and
+copies them back (`import_carried`, on the tier's side stream). On the
 CPU both are memory-to-memory copies; on CUDA the demote is timed to the end of
 its device-to-host copy and the restore to the end of its host-to-device copy
 (both synchronized, so the figure is the copy, not its launch). Each figure is
@@ -15,21 +16,20 @@ round trip.
 The ceiling, in the same run and the same rounds: a plain `copy_` of the same bytes
 between a device tensor and a pinned host tensor, each direction (`d2h`, `h2d`),
 synchronized the same way, so each copy's rate is a fraction of what the host link
-gives here. The TensorRT-LLM adapter's host tier (`trtllm/carried.py`: `demote` into
-pinned memory, `restore` back on its side stream, timed to the copy's end) is timed
-the same way on the same bytes (`[rows, 2, Hkv, D]` rows, bf16).
+gives here. The same host tier over the TensorRT-LLM adapter's home (`ArenaHome`: the
+entry's `[rows, 2, Hkv, D]` bf16 rows in the carry's device arena, as installed) is timed
+the same way on the same bytes (`a_demote`, `a_restore`).
 
-Pinned memory (issue 42 item 6): every pinned buffer here is registered for exactly its
-bytes: the runtime's host tier is one slab of its host budget (`dataplane/host_slab.py`),
-the adapter's a pinned host arena (`trtllm/arena.py`, as installed), the ceiling's buffer
-`pinned.pinned_empty`. The adapter runs with its arenas, as installed.
+Pinned memory: every pinned buffer here is registered for exactly its bytes: each host
+tier is one arena of its host budget (`dataplane/arena.py`, `host_tier.host_arena`), the
+ceiling's buffer `pinned.pinned_empty`.
 
 Headline lines (tab-separated; scripts/gpu_smoke.sh collects them), per size:
   FIGURE host tier <move> at <MiB>: the move's rate over the same-run pinned copy's,
          target >= 0.85 (PASS/MISS on CUDA; INFO on the CPU, where no host link is crossed).
   CHECK  pinned bytes held equal the budgets at <MiB>: the bytes registered while the moves
-         run are exactly the runtime's host budget, the adapter's host arena and the ceiling's
-         buffer (0 on the CPU), the host tier reports its budget (`pinned_nbytes`), and torch's
+         run are exactly the two host tiers' budgets and the ceiling's buffer (0 on the CPU),
+         the host tier reports its budget (`pinned_bytes`), and torch's
          pinned pool does not grow by a host copy after a demotion.
 
     python scripts/bench_host_tier.py [--rows 1024 8192 32768] [--repeat 30] [--device cpu|cuda]
@@ -46,11 +46,13 @@ import torch
 
 from trtllm_mtp_carry.core import CarriedDrafter
 from trtllm_mtp_carry.dataplane import pinned
+from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
-from trtllm_mtp_carry.runtime.host_moves import PoolHostMoves
-from trtllm_mtp_carry.trtllm.arena import RowArena
-from trtllm_mtp_carry.trtllm.carried import CarriedRows
+from trtllm_mtp_carry.dataplane.row_codec import RowCodec, Rows, codec_for
+from trtllm_mtp_carry.service import CarryService
+from trtllm_mtp_carry.service.homes import ArenaHome, PoolHome, Runs
+from trtllm_mtp_carry.service.host_tier import HostTier, host_arena
 
 BLOCK, HEADS, HEAD_DIM, KEY = 16, 2, 256, 0x5EED
 #: Target (issue 36): each host-tier move at >= 0.85 of the same-run pinned copy of the same bytes.
@@ -60,6 +62,16 @@ CEILING_FRACTION = 0.85
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _RowsInHand:
+    """Rows `[n, 2, Hkv, D]` standing for a request's pages (the adapter's deposit gathers keys [0, n))."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
+        codec.copy_(out, self.rows)
 
 
 def measure(rows: int, repeat: int, warmup: int, device: torch.device) -> dict[str, float]:
@@ -80,24 +92,27 @@ def measure(rows: int, repeat: int, warmup: int, device: torch.device) -> dict[s
     cuda = device.type == "cuda"
     gc.collect()  # an earlier size's buffers unregister now, not while this one counts
     registered0 = pinned.registered_bytes()
-    moves = PoolHostMoves(pool, nbytes)  # a host budget of the entry: its slab, pinned on CUDA
+    # a host budget of the entry: its arena, pinned on CUDA
+    moves = HostTier(PoolHome(pool), host_arena(nbytes, device))  # type: ignore[arg-type]
     # the ceiling: the same bytes between a device tensor and a pinned host tensor
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host_buf = pinned.pinned_empty(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
-    # the adapter's host tier on the same bytes: one entry's rows [rows, 2, Hkv, D], in its arenas
-    row = 2 * HEADS * HEAD_DIM * 2
-    adapter = CarriedRows(None, budget_bytes=nbytes, host_budget_bytes=nbytes, pool_dtype=torch.bfloat16,
-                          arena=RowArena.reserve(nbytes, row, device),
-                          host_arena=RowArena.reserve(nbytes, row, "cpu", pinned=cuda))
-    expected = 3 * nbytes if cuda else 0  # the slab, the adapter's host arena, the ceiling's buffer
+    # the adapter's home on the same bytes: one entry's rows [rows, 2, Hkv, D], in its device arena
+    home = ArenaHome(codec_for("bf16", torch.bfloat16), Arena.reserve(nbytes, device), HEADS, HEAD_DIM)
+    adapter = CarryService(home, slots=None, budget_bytes=nbytes, eviction="lrd", idle_s=None,
+                           host_arena=host_arena(nbytes, device))
+    assert adapter.host is not None
+    a_moves = adapter.host
+    expected = 3 * nbytes if cuda else 0  # the two host tiers' arenas, the ceiling's buffer
     registered = pinned.registered_bytes() - registered0
     pool0 = pinned.held()["torch_pool"]
     pool_growth = 0
     a_rows = torch.randn(blocks * BLOCK, 2, HEADS, HEAD_DIM, device=device).to(torch.bfloat16)
     tokens = list(range(a_rows.shape[0] + 1))
-    assert adapter.deposit(KEY, tokens, a_rows.clone())
-    a_entry = adapter.get(KEY)
-    assert a_entry is not None  # held on the device; the moves below are its HostMoves' own
+    plan = adapter.plan_deposit(KEY, None, a_rows.shape[0])
+    assert plan is not None and adapter.deposit(plan, _RowsInHand(a_rows), ((0, a_rows.shape[0]),), tokens)
+    a_entry = adapter.store.get(KEY)
+    assert a_entry is not None  # held on the device; the moves below are its host tier's own
     times: dict[str, list[float]] = {k: [] for k in ("d2h", "h2d", "demote", "restore", "a_demote", "a_restore")}
 
     def timed(name: str, i: int, fn: object) -> None:
@@ -118,20 +133,22 @@ def measure(rows: int, repeat: int, warmup: int, device: torch.device) -> dict[s
         entry = moves.restore(entry)
         moves.ready(KEY)
 
+    def adapter_restore() -> None:
+        a_moves.restore(a_entry)
+        a_moves.ready(KEY)
+
     for i in range(warmup + repeat):
         timed("d2h", i, lambda: host_buf.copy_(dev_buf, non_blocking=True))
         timed("demote", i, pool_demote)
         timed("h2d", i, lambda: dev_buf.copy_(host_buf, non_blocking=True))
         timed("restore", i, pool_restore)
-        timed("a_demote", i, lambda: adapter.demote(a_entry))
-        timed("a_restore", i, lambda: adapter.restore(a_entry))
+        timed("a_demote", i, lambda: a_moves.demote(a_entry))
+        timed("a_restore", i, adapter_restore)
         after = pool.gather_carried(KEY)
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), "rows changed"
-    taken = adapter.take(KEY)
-    taken.ready()
-    assert torch.equal(taken.rows, a_rows), "adapter rows changed"
+    assert torch.equal(home.rows(KEY), a_rows), "adapter rows changed"  # type: ignore[arg-type]
     out: dict[str, float] = {"rows": rows, "mib": nbytes / 2**20, "registered": registered,
-                             "registered_expected": expected, "host_tier_pinned": moves.pinned_nbytes,
+                             "registered_expected": expected, "host_tier_pinned": moves.pinned_bytes,
                              "host_tier_budget": nbytes if cuda else 0, "torch_pool_growth": pool_growth}
     for name, xs in times.items():
         q = statistics.quantiles(xs, n=4)
@@ -155,8 +172,9 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"host tier copies on {name} ({torch.get_num_threads()} CPU threads), torch {torch.__version__}; "
           f"median [p25-p75] ms of {args.repeat} round trips after {args.warmup} warm-up")
-    print("moves: demote/restore = the reference runtime's (PoolHostMoves), a_demote/a_restore = the "
-          "TensorRT-LLM adapter's (CarriedRows); d2h/h2d = a pinned copy_ of the same bytes (the ceiling)")
+    print("moves: demote/restore = the host tier over the reference runtime's pool (PoolHome), "
+          "a_demote/a_restore = over the TensorRT-LLM adapter's arena (ArenaHome); d2h/h2d = a pinned "
+          "copy_ of the same bytes (the ceiling)")
     print(f"{'rows':>7} {'MiB':>7} {'move':>10} {'ms [p25-p75]':>24} {'GB/s':>7} {'/ceiling':>9}")
     figures, checks = [], []
     for rows in args.rows:
@@ -176,8 +194,8 @@ def main() -> None:
               and r["torch_pool_growth"] < r["mib"] * 2**20)
         checks.append("\t".join((
             "CHECK", f"pinned bytes held equal the budgets at {r['mib']:.1f} MiB", "PASS" if ok else "FAIL",
-            f"registered {int(r['registered'])} B, expected {int(r['registered_expected'])} (host tier slab, "
-            f"adapter host arena, ceiling buffer); host tier pinned_nbytes {int(r['host_tier_pinned'])} of "
+            f"registered {int(r['registered'])} B, expected {int(r['registered_expected'])} (two host tier "
+            f"arenas, ceiling buffer); host tier pinned_bytes {int(r['host_tier_pinned'])} of "
             f"budget {int(r['host_tier_budget'])}; torch pinned pool grew {int(r['torch_pool_growth'])} B "
             f"after a demotion ({device.type})")))
     for line in figures + checks:

@@ -27,9 +27,11 @@ Operations (`kernel`: Triton on CUDA, plain torch on CPU, as `row_format` picks)
 - `unpack_blocks`   packed rows -> whole K and V blocks (its fp8 adoption, before the copy in).
 
 Then the reference runtime's fp8 deposit and adoption of one entry of `--entry-rows` rows
-(default 8,192; `runtime/packed_rows.PackedCarry`, what the session bench's `pack_ms`/`unpack_ms`
-time): `deposit` packs the entry out of the pool's blocks and frees them, `adoption` unpacks it
-into fresh blocks (`DrafterKVPool.carry_in`, then the codec's `scatter_blocks`), each paired with a copy of the same bf16 rows.
+(default 8,192; the carry's arena home, `service.homes.ArenaHome`, over the pool's sequence,
+`runtime.SequenceRows`: what the session bench's `pack_ms`/`unpack_ms` time): `deposit` packs
+the sequence's rows out of the pool's blocks into the room reserved in the arena and frees the
+blocks, `adoption` unpacks them into fresh blocks the sequence adopts
+(`DrafterKVPool.carry_in`, then the codec's `scatter_blocks`), each paired with a copy of the same bf16 rows.
 
 Headline lines (scripts/gpu_smoke.sh collects them), tab-separated:
   FIGURE <op>/copy at <keys> keys: the median ratio, target <= 2.0x (pack, unpack, gather_packed,
@@ -62,6 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trtllm_mtp_carry.dataplane.arena import Arena  # noqa: E402
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool  # noqa: E402
 from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages  # noqa: E402
 from trtllm_mtp_carry.dataplane.rope import RopeConfig  # noqa: E402
@@ -83,7 +86,8 @@ from trtllm_mtp_carry.dataplane.row_format import (  # noqa: E402
     unpack_into_blocks,
     unpack_rows,
 )
-from trtllm_mtp_carry.runtime.packed_rows import PackedCarry  # noqa: E402
+from trtllm_mtp_carry.runtime.carry_runtime import SequenceRows  # noqa: E402
+from trtllm_mtp_carry.service.homes import ArenaHome  # noqa: E402
 from trtllm_mtp_carry.trtllm.layout import (  # noqa: E402
     gather_packed_rows,
     gather_rows,
@@ -296,8 +300,19 @@ def entry_round_trips(rows: int, hkv: int, d: int, reps: int, warmup: int,
     k = torch.randn(rows, hkv, d, generator=g).to(torch.bfloat16).to(device)
     v = torch.randn(rows, hkv, d, generator=g).to(torch.bfloat16).to(device)
     pool.append_rows(1, torch.arange(rows), k, v)
-    pool.move_to_carried(1, 7)
-    carry = PackedCarry(pool, codec_for("fp8", pool.k_cache.dtype))
+    codec = codec_for("fp8", pool.k_cache.dtype)
+    home = ArenaHome(codec, Arena.reserve(rows * codec.row_nbytes(hkv, d), device), hkv, d)
+    runs, tokens = ((0, rows),), list(range(rows + 1))
+
+    def deposit() -> None:  # the turn's rows packed into their reserved room; its blocks freed
+        assert home.reserve(7, rows)
+        home.carry_out(SequenceRows(pool, 1), 7, rows, runs, tokens)
+        pool.free_sequence(1)
+
+    def adoption() -> None:  # unpacked into fresh blocks the next turn's sequence adopts
+        pool.allocate_sequence(1)
+        home.carry_in(7, SequenceRows(pool, 1), rows)
+
     src = torch.randn(rows, 2, hkv, d, generator=g).to(torch.bfloat16).to(device)
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -308,10 +323,10 @@ def entry_round_trips(rows: int, hkv: int, d: int, reps: int, warmup: int,
         dst.copy_(src)
         sync()
         t1 = time.perf_counter()
-        carry.pack(7)
+        deposit()
         sync()
         t2 = time.perf_counter()
-        carry.unpack(7)
+        adoption()
         sync()
         t3 = time.perf_counter()
         if i >= warmup:
@@ -319,6 +334,7 @@ def entry_round_trips(rows: int, hkv: int, d: int, reps: int, warmup: int,
             times["deposit"].append(t2 - t1)
             times["adoption"].append(t3 - t2)
     pool.check()
+    assert home.idle(), "the arena home holds rows after the adoptions"
     return times
 
 
@@ -399,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     entry = entry_round_trips(er, hkv, d, reps, args.warmup, device)
     print()
     print(f"reference runtime fp8 entry of {er} rows ({er * 2 * hkv * d * 2 / 2**20:.2f} MiB bf16): "
-          f"deposit = PackedCarry.pack, adoption = PackedCarry.unpack (synchronized); reps={reps}")
+          f"deposit = ArenaHome.carry_out, adoption = ArenaHome.carry_in (synchronized); reps={reps}")
     print(f"{'operation':16s} {'median ms':>10s} {'IQR ms':>17s}   {'/copy time: median [p25, p75]':s}")
     for op, ts in entry.items():
         q1, med, q3 = quartiles(ts)

@@ -4,11 +4,12 @@ bit for bit, read on the current stream with no sync first, with and without del
 each stream (`torch.cuda._sleep`) to widen any race window (issue 42, item 2).
 
 Greedy verification repairs any draft, so identical outputs prove nothing about restored rows:
-this reads them. Two paths, each as a session runs it:
-- the reference runtime's `PoolHostMoves` (the pool's blocks exported to host memory, freed,
+this reads them. The carry's one host tier (`service.host_tier.HostTier`) over each device home,
+as a session runs it:
+- the reference runtime's pool (`PoolHome`: the pool's blocks exported to host memory, freed,
   imported back into fresh blocks on a side stream; `ready` orders the current stream after it);
-- the TensorRT-LLM adapter's `CarriedRows` (bf16 and fp8 rows demoted to the host tier, taken
-  back on a side stream; `TakenRows.ready` orders the reader).
+- the TensorRT-LLM adapter's arena (`ArenaHome`: bf16 and fp8 rows demoted to the host tier,
+  adopted back through the service, copied on a side stream; the adoption orders the reader).
 With delays: one on the current stream before the blocks' previous owner's last write (a poison
 fill the copy back must follow), one on the side stream right before the copy back (the reader
 must wait for it). On the CPU the copies are synchronous and no delay is queued; the same
@@ -27,12 +28,14 @@ from contextlib import ExitStack
 import torch
 
 from trtllm_mtp_carry.core import CarriedDrafter
+from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
-from trtllm_mtp_carry.dataplane.row_format import PackedRows, pack_rows
-from trtllm_mtp_carry.runtime.host_moves import PoolHostMoves
-from trtllm_mtp_carry.trtllm import carried as carried_mod
-from trtllm_mtp_carry.trtllm.carried import CarriedRows
+from trtllm_mtp_carry.dataplane.row_codec import RowCodec, Rows, codec_for
+from trtllm_mtp_carry.dataplane.row_format import pack_rows
+from trtllm_mtp_carry.service import CarryService
+from trtllm_mtp_carry.service.homes import ArenaHome, PoolHome, Runs
+from trtllm_mtp_carry.service.host_tier import HostTier, host_arena
 
 H, D, B = 2, 128, 16
 
@@ -70,7 +73,8 @@ def pool_restore(device: torch.device, delay: Delays, gen: torch.Generator, rows
     held = pool.carried(5)
     truth = [t.clone() for t in pool.gather_carried(5)]
     _sync(device)
-    moves = PoolHostMoves(pool, pool.export_nbytes(5))  # a host budget of the entry: its pinned slab on CUDA
+    # a host budget of the entry: its pinned arena on CUDA
+    moves = HostTier(PoolHome(pool), host_arena(pool.export_nbytes(5), device))  # type: ignore[arg-type]
     entry = CarriedDrafter(held.block_table, held.rows, held.last_pair_key,
                            list(range(held.last_pair_key + 2)), 5)
     assert moves.demote(entry)
@@ -93,34 +97,55 @@ def pool_restore(device: torch.device, delay: Delays, gen: torch.Generator, rows
     return same, f"{rows} rows in {len(held.block_table)} blocks"
 
 
+class _Pages:
+    """A turn's pages as rows in hand: a deposit gathers `rows` (keys [0, n)); an adoption's scatter
+    reads what it is given on the current stream, no sync first (`got`: copies of its tensors)."""
+
+    def __init__(self, rows: Rows | None = None) -> None:
+        self.rows = rows
+        self.got: list[torch.Tensor] = []
+
+    def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
+        assert self.rows is not None
+        codec.copy_(out, self.rows)
+
+    def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
+        self.got = [t.clone() for t in codec.tensors(rows)]
+
+
 def adapter_restore(device: torch.device, delay: Delays, gen: torch.Generator, rows: int,
                     row_dtype: str) -> tuple[bool, str]:
-    """Deposit two entries into a one-entry device budget (the first demoted to the host tier),
-    take the first back (its copy delayed on the side stream), `head` it, compare unsynced."""
+    """Deposit two entries into a one-entry device arena (the first demoted to the host tier),
+    adopt the first back (its copy delayed on the side stream), read it unsynced: equal?"""
     form: Callable[[torch.Tensor], object] = pack_rows if row_dtype == "fp8" else (lambda r: r)
     first = torch.randn(rows, 2, H, D, generator=gen).to(torch.bfloat16).to(device)
     second = torch.randn(rows, 2, H, D, generator=gen).to(torch.bfloat16).to(device)
     a, b = form(first), form(second)
-    per = a.nbytes  # type: ignore[union-attr]
-    carried = CarriedRows(None, budget_bytes=per, policy="lrd", host_budget_bytes=4 * per, row_dtype=row_dtype)
-    truth = [t.clone() for t in ((a.payload, a.scales) if isinstance(a, PackedRows) else (a,))]  # type: ignore[union-attr]
+    codec = codec_for(row_dtype, torch.bfloat16)
+    per = codec.nbytes(a)  # type: ignore[arg-type]
+    home = ArenaHome(codec, Arena.reserve(per, device), H, D)
+    service = CarryService(home, slots=None, budget_bytes=per, eviction="lrd", idle_s=None,
+                           host_arena=host_arena(4 * per, device))
+    truth = [t.clone() for t in codec.tensors(a)]  # type: ignore[arg-type]
     tokens = list(range(rows + 2))
-    assert carried.deposit(11, tokens, a)  # type: ignore[arg-type]
-    assert carried.deposit(12, tokens, b)  # type: ignore[arg-type]  # 11 goes to host memory
-    if carried.stats()["host_entries"] != 1:
+    for key, held in ((11, a), (12, b)):  # 11 goes to host memory
+        plan = service.plan_deposit(key, None, rows)
+        assert plan is not None and service.deposit(plan, _Pages(held), ((0, rows),), tokens)  # type: ignore[arg-type]
+    if service.stats().host_entries != 1:
         return False, "the first entry was not demoted"
     _sync(device)
-    real = carried_mod._copy_to
+    real = codec.to
+    pages = _Pages()
     with ExitStack() as undo:
-        def late_copy(r: object, dev: torch.device) -> object:  # inside the side stream
+        def late_copy(r: Rows, dev: torch.device, non_blocking: bool = False) -> Rows:  # on the side stream
             delay()
-            return real(r, dev)  # type: ignore[arg-type]
+            return real(r, dev, non_blocking)
 
-        carried_mod._copy_to = late_copy  # type: ignore[assignment]
-        undo.callback(setattr, carried_mod, "_copy_to", real)
-        taken = carried.take(11)
-        head = taken.head(rows)  # the current stream waits for the copy back
-        got = [t.clone() for t in ((head.payload, head.scales) if isinstance(head, PackedRows) else (head,))]
+        codec.to = late_copy  # type: ignore[method-assign]  # the codec is shared: put back below
+        undo.callback(delattr, codec, "to")
+        service.adopt(1, 11, rows, pages)  # the current stream waits for the copy back, then reads
+        service.end_turn(1)
+    got = pages.got
     _sync(device)
     same = all(torch.equal(_bits(x), _bits(y)) for x, y in zip(got, truth, strict=True))
     return same, f"{rows} rows, {row_dtype}"

@@ -106,9 +106,9 @@ class DataPath:
 
     Wraps the installed `CarryManager`'s `_deposit` (gather into the arena) and `_adopt`
     (decide, take, scatter) on the instance, the layout functions it calls (the copies
-    alone), and its `CarriedRows` `stage` / `judge_and_take` (which rows went in under
-    which key, and which key a scatter serves). `turn` labels the calls of the request
-    being run."""
+    alone), its service's home `carry_out` (which rows went in under which key, from which
+    pair key) and its service's `adopt` (which key a scatter serves). `turn` labels the calls
+    of the request being run."""
 
     def __init__(self, manager: object, device: torch.device, delay_cycles: int | None = None) -> None:
         from trtllm_mtp_carry.dataplane.row_codec import CODECS
@@ -122,10 +122,11 @@ class DataPath:
         self.times: dict[tuple[int, int], dict[str, float]] = {}
         self.checks: list[tuple[int, bool]] = []  # (rows compared, equal) per scatter
         self._cuda = device.type == "cuda"
-        self._deposited: dict[int, torch.Tensor] = {}
+        self._deposited: dict[int, tuple[int, torch.Tensor]] = {}  # key -> (its first pair key, rows)
         self._taking: int | None = None
         self.manager = manager
-        m, carried = manager, manager.carried  # type: ignore[attr-defined]
+        m, service = manager, manager.service  # type: ignore[attr-defined]
+        home = service.home
         m._deposit = self._timed("deposit_ms", m._deposit, own=True)  # type: ignore[attr-defined]
         m._adopt = self._timed("adopt_ms", m._adopt, own=True)  # type: ignore[attr-defined]
         if not DataPath._patched:  # the codecs' page copies, once for every manager: `active` times them
@@ -138,23 +139,32 @@ class DataPath:
                     else:
                         fn = DataPath._gathered(fn, gather_rows)
                     setattr(cls, name, fn)
-        stage, judge_and_take = carried.stage, carried.judge_and_take
+        carry_out, adopt = home.carry_out, service.adopt
 
-        def kept(key: int, tokens: object, rows: object, session: object = None) -> object:
+        def kept(source: object, key: int, rows: int, runs: tuple[tuple[int, int], ...], *args: object,
+                 **kwargs: object) -> object:
+            entry = carry_out(source, key, rows, runs, *args, **kwargs)
             # what the pages will hold once scattered: the rows, unpacked when packed (set
             # aside: not part of the deposit's time)
             with self._aside("deposit_aside_ms"):
                 if self._truth is not None:  # delays: the rows the pages held, not what arrived
-                    self._deposited[key], self._truth = self._truth, None
+                    self._deposited[key], self._truth = (runs[0][0], self._truth), None
                 else:
-                    self._deposited[key] = _pool_rows(rows)  # the pool's form
-            return stage(key, tokens, rows, session)
+                    self._deposited[key] = (runs[0][0], _pool_rows(home.rows(key)))  # the pool's form
+            return entry
 
-        def taken(key: int, *args: object, **kwargs: object) -> object:
+        def taken(turn: object, key: int, *args: object, **kwargs: object) -> object:
             self._taking = key
-            return judge_and_take(key, *args, **kwargs)
+            return adopt(turn, key, *args, **kwargs)
 
-        carried.stage, carried.judge_and_take = kept, taken
+        home.carry_out, service.adopt = kept, taken
+
+    def want(self, lo: int, n: int) -> torch.Tensor | None:
+        """The rows deposited for pair keys `[lo, lo + n)` under the key being adopted (None: unknown)."""
+        if self._taking is None or self._taking not in self._deposited:
+            return None
+        first, rows = self._deposited[self._taking]
+        return rows[lo - first: lo - first + n]
 
     def _sync(self) -> None:
         if self._cuda:
@@ -239,19 +249,19 @@ class DataPath:
             path = DataPath.active
             if path is not None and path.delay_cycles is not None:
                 path._delay()  # on the draft stream (current here): the scatter lands late
-                want = path._deposited.get(path._taking) if path._taking is not None else None
+                want = path.want(lo, rows.shape[0])
                 scatter(codec, buf, pages, lo, rows, *args, **kwargs)
-                path._pending.append((buf, pages, lo, rows.shape[0], None if want is None else want[lo:]))
+                path._pending.append((buf, pages, lo, rows.shape[0], want))
                 return
             scatter(codec, buf, pages, lo, rows, *args, **kwargs)
             if path is None:
                 return
             with path._aside("adopt_aside_ms"):  # read back what landed in the pages
                 n = rows.shape[0]
-                want = path._deposited.get(path._taking) if path._taking is not None else None
+                want = path.want(lo, n)
                 got = gather_rows(buf if not isinstance(buf, torch.Tensor) else _raw(buf), pages, lo,
                                   lo + n)  # the pages' bytes, exactly
-                path.checks.append((n, want is not None and bool(torch.equal(got, _raw(want[lo:lo + n])))))
+                path.checks.append((n, want is not None and bool(torch.equal(got, _raw(want)))))
         return checked
 
 
@@ -442,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = _data_path_report(paths, warm_recs, col, device, args.delay_cycles)
     carry = managers.get("carry")
     if carry is not None:
-        print("carry stats:", json.dumps({k: v for k, v in carry.stats().items()
-                                           if k in ("outcomes", "rows_scattered", "deposits")}))
+        stats = carry.stats()
+        print("carry stats:", json.dumps({"outcomes": stats.outcomes, "rows_adopted": stats.rows_adopted,
+                                          "deposits": stats.deposits}))
     for line in figures:
         print(line)
     if args.json:
@@ -457,20 +468,20 @@ def _rows_carried(policy: str, path: DataPath, suffix: str) -> list[str]:
     compared as bytes with the rows gathered at the previous turn's free) and the bytes a carried
     row takes in the carry's row format (the codec's; the store charges exactly these)."""
     stats = path.manager.stats()  # type: ignore[attr-defined]
-    codec = path.manager.carried.codec  # type: ignore[attr-defined]
+    codec = path.manager.service.home.codec  # type: ignore[attr-defined]
     buf = path.manager.pages.kv()  # type: ignore[attr-defined]  # an NVFP4 pool: its logical shape
     per_row = codec.row_nbytes(buf.shape[2], buf.shape[4]) if codec is not None else 0
     equal = sum(n for n, ok in path.checks if ok)
     total = sum(n for n, _ in path.checks)
-    held = (f", {stats['bytes_held']} B held for {stats['rows_held']} rows"
-            if stats["rows_held"] else "")
+    held = (f", {stats.bytes_held} B held for {stats.rows_held} rows"
+            if stats.rows_held else "")
     # a packed codec's rows come back as their unpacked form (within FP8 rounding), never bit for bit
     bits = (f"{equal} of {total} rows" if codec is None or codec.exact else
             f"n/a: {codec.name} packs the rows ({equal} of {total} rows equal their unpacked form)")
     print(f"{policy}: rows carried bit for bit {bits}; {per_row} bytes per row "
-          f"({stats['row_dtype']} rows of {buf.dtype} pages{held})")
+          f"({stats.row_dtype} rows of {buf.dtype} pages{held})")
     return [f"FIGURE\tcarried rows bit for bit{suffix}\t{bits} ({policy}, {buf.dtype} pages)\t-\tINFO",
-            f"FIGURE\tcarried bytes per row{suffix}\t{per_row} B ({stats['row_dtype']}, {buf.dtype} pages)\t-\tINFO"]
+            f"FIGURE\tcarried bytes per row{suffix}\t{per_row} B ({stats.row_dtype}, {buf.dtype} pages)\t-\tINFO"]
 
 
 def _data_path_report(paths: dict[str, DataPath], warm_recs: list[dict], col, device: torch.device,  # type: ignore[no-untyped-def]

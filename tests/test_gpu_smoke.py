@@ -214,17 +214,16 @@ def test_the_restore_check_reads_every_path_back_and_fails_on_a_corrupt_copy_bac
     assert [ln[:3] for ln in lines] == [
         ["CHECK", f"{name}: read back after restore", "PASS"]
         for name in ("pool host restore", "adapter host restore bf16", "adapter host restore fp8")]
-    from trtllm_mtp_carry.dataplane.row_codec import CODECS
+    from trtllm_mtp_carry.service.homes import ArenaHome
 
-    def one_bit_off(real):  # a host copy that lands one element wrong
-        def host_copy(codec, rows):
-            out = real(codec, rows)
-            codec.tensors(out)[0].view(torch.uint8).view(-1)[3] ^= 1
-            return out
-        return host_copy
+    def one_bit_off(real):  # the arena home's host copy lands one element wrong
+        def export_into(home, key, raw):
+            form = real(home, key, raw)
+            raw.view(-1)[3] ^= 1
+            return form
+        return export_into
 
-    for cls in set(CODECS.values()):
-        monkeypatch.setattr(cls, "host_copy", one_bit_off(cls.host_copy))
+    monkeypatch.setattr(ArenaHome, "export_into", one_bit_off(ArenaHome.export_into))
     rc, lines = _restore_check(monkeypatch, capsys, ["--device", "cpu", "--rows", "40"])
     assert rc == 1
     assert [ln[2] for ln in lines] == ["PASS", "FAIL", "FAIL"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.row_codec import (
     CompositeCodec,
     CompositeRows,
@@ -15,7 +16,6 @@ from trtllm_mtp_carry.dataplane.row_codec import (
     codec_for,
     codec_of,
 )
-from trtllm_mtp_carry.trtllm.arena import RowArena
 
 HKV, TPB, D, SLOTS = 2, 4, 8, 6
 SIDES = (SideRows("position", (3,), torch.int32), SideRows("index_k", (1, HKV * D), torch.bfloat16))
@@ -61,14 +61,15 @@ def test_gather_then_scatter_restores_every_row_of_the_three_exactly_and_nothing
         assert torch.equal(old[~written], new[~written])
 
 
-def test_an_arena_block_holds_one_composite_row_and_gives_the_rows_back_exactly() -> None:
+def test_an_arena_range_holds_whole_composite_rows_and_gives_the_rows_back_exactly() -> None:
     codec = CompositeCodec(codec_for("fp8", torch.bfloat16), SIDES)  # packed K/V + side rows
     rows = codec.gather_pages(pool(3), [2, 0, 1], 0, 10)
     block = codec.row_nbytes(HKV, D)
-    assert block == 2 * HKV * (D + 4) + 12 + 2 * HKV * D
-    arena = RowArena(torch.zeros(4 * 10 * block, dtype=torch.uint8), block)
-    assert arena.put(7, rows, codec) and arena.blocks_held == 10
-    held = arena.get(7)
+    assert block == 2 * HKV * (D + 4) + 12 + 2 * HKV * D == codec.nbytes(rows) // 10
+    arena = Arena(torch.zeros(4 * 10 * block, dtype=torch.uint8))
+    codec.copy_(codec.view(arena.take(7, 10 * block), (10, 2, HKV, D)), rows)
+    assert arena.held_bytes == 10 * block  # one row's bytes a row: the store's charge
+    held = codec.view(arena.view(7), (10, 2, HKV, D))
     for a, b in zip(codec.tensors(rows), codec.tensors(held), strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert codec_of(held).name == codec.name == "fp8+position+index_k"

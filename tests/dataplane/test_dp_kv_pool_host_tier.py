@@ -1,7 +1,8 @@
 """The pool's host tier copies: an entry exported to host memory (pinned on CUDA) and imported
 back into fresh blocks holds the same rows and keys, bit for bit; an import that finds the
 free list short evicts carried entries as a grow does. On CUDA the copy back runs on a side
-stream (`PoolHostMoves`) and the current stream waits for it before the rows are read."""
+stream (the host tier, `service.host_tier.HostTier` over a `PoolHome`) and the current stream
+waits for it before the rows are read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dp_helpers import bits, increasing_keys, rand
 from trtllm_mtp_carry.core import CarriedDrafter
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, PoolExhaustedError
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
-from trtllm_mtp_carry.runtime.host_moves import PoolHostMoves
+from trtllm_mtp_carry.service.homes import PoolHome
+from trtllm_mtp_carry.service.host_tier import HostTier, host_arena
 
 H, D, B = 2, 32, 16
 
@@ -45,17 +47,20 @@ def entry_of(pool, key):
 def test_a_demote_and_restore_round_trip_keeps_every_row_and_key(device, gen):
     pool = pool_with(device, gen, 12, {5: 37, 6: 20})
     before = [t.clone() for t in pool.gather_carried(5)]
-    moves = PoolHostMoves(pool)
+    nbytes = pool.export_nbytes(5)  # a host budget of the entry
+    moves = HostTier(PoolHome(pool), host_arena(nbytes, torch.device(device)))
     entry = entry_of(pool, 5)
     assert moves.demote(entry)
     assert pool.carried(5) is None and moves.keys() == [5]
-    host = moves._host[5]
-    assert host.k.device.type == "cpu" and host.k.is_pinned() == (device == "cuda")
+    host = moves.arena.view(5)  # the host copy: a range of the tier's arena (pinned on CUDA)
+    assert host.device.type == "cpu" and moves.arena.pinned == host.is_pinned() == (device == "cuda")
+    assert host.numel() == moves.arena.capacity == nbytes
     pool.k_cache.fill_(3)  # whatever the freed blocks hold meanwhile
     pool.v_cache.fill_(3)
     back = moves.restore(entry)
     moves.ready(5)
     assert back.rows == 37 and back.block_table == pool.carried(5).block_table and moves.keys() == []
+    assert moves.arena.held_bytes == 0
     after = pool.gather_carried(5)
     assert all(torch.equal(bits(a), bits(b)) if a.is_floating_point() else torch.equal(a, b)
                for a, b in zip(after, before, strict=True))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trtllm_mtp_carry.dataplane import pinned
-from trtllm_mtp_carry.trtllm.arena import RowArena
+from trtllm_mtp_carry.service.host_tier import host_arena
 
 
 class FakeCudart:
@@ -71,10 +71,10 @@ def test_zero_bytes_register_nothing_and_a_bad_size_is_one_error_line(cudart):
         pinned.pinned_empty(-1)
 
 
-def test_a_pinned_host_arena_locks_exactly_its_whole_blocks(monkeypatch, cudart):
+def test_a_pinned_host_arena_locks_exactly_its_whole_rows(monkeypatch, cudart):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    arena = RowArena.reserve(10_000, 96, "cpu", pinned=True)  # 104 blocks of 96 bytes
-    assert arena.nbytes == 104 * 96 == 9984
+    arena = host_arena(10_000 // 96 * 96, torch.device("cuda"))  # 104 rows of 96 bytes, as reserved
+    assert arena is not None and arena.pinned and arena.nbytes == 104 * 96 == 9984
     assert cudart.calls == [("register", arena.storage.data_ptr(), 9984, 0)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pinned.held() == {"registered": pinned.registered_bytes(), "torch_pool": 0}

@@ -19,6 +19,7 @@ import torch
 
 from trtllm_mtp_carry.core.row_format import ROW_FORMATS, RowFormat, rows_nbytes
 from trtllm_mtp_carry.dataplane import nvfp4, row_format, row_layout
+from trtllm_mtp_carry.dataplane.arena import Arena
 from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows
 from trtllm_mtp_carry.dataplane.nvfp4 import Nvfp4Rows
 from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages, Nvfp4KvRows
@@ -35,7 +36,6 @@ from trtllm_mtp_carry.dataplane.row_codec import (
     codec_of,
 )
 from trtllm_mtp_carry.dataplane.row_format import FP8_TRITON_MIN_CAPABILITY, PackedRows
-from trtllm_mtp_carry.trtllm.arena import RowArena
 
 HKV, D, TPB = 2, 32, 8  # D = 32: two block scales a vector, so V's 4-token interleave is no identity
 
@@ -192,13 +192,22 @@ def test_every_holder_keeps_the_held_bytes(case):
     gen = torch.Generator().manual_seed(5)
     rows = codec.gather_pages(hnd_pages(gen, 3, pool_dtype), [0, 1, 2], 0, 13)
     block = codec.row_nbytes(HKV, D)
-    arena = RowArena(torch.zeros(20 * block, dtype=torch.uint8), block)
-    assert arena.blocks_for(rows) == 13  # one block a row: the arena's bytes are the charge
-    assert arena.put(7, rows, codec) and same_held(codec, arena.get(7), rows)
-    arena.put(8, codec.head(rows, 3), codec)
+    arena = Arena(torch.zeros(20 * block, dtype=torch.uint8))
+    assert codec.nbytes(rows) == 13 * block  # one row's bytes a row: the arena's bytes are the charge
+
+    def put(key: int, held) -> None:
+        codec.copy_(codec.view(arena.take(key, codec.nbytes(held)), tuple(held.shape)), held)
+
+    def get(key: int, n: int):
+        return codec.view(arena.view(key), (n, 2, HKV, D))
+
+    put(7, rows)
+    assert same_held(codec, get(7, 13), rows)
+    put(8, codec.head(rows, 3))
     arena.release(7)
-    arena.compact()  # the extent moves: its bytes do not change
-    assert same_held(codec, arena.get(8), codec.head(rows, 3))
+    arena.compact()  # the range moves: its bytes do not change
+    assert arena.compactions == 1 and arena.view(8).data_ptr() == arena.storage.data_ptr()
+    assert same_held(codec, get(8, 3), codec.head(rows, 3))
     host = codec.host_copy(rows)
     assert all(t.device.type == "cpu" for t in codec.tensors(host)) and same_held(codec, host, rows)
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(codec.tensors(host), codec.tensors(rows), strict=True))

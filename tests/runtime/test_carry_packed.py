@@ -94,12 +94,15 @@ def test_outputs_under_a_packed_format_equal_plain_greedy_and_warm_turns_adopt(m
 
 @pytest.mark.parametrize("row_dtype", sorted(FORMATS))
 def test_the_host_tier_holds_the_packed_form_and_gives_the_same_rows_back(model, row_dtype):
+    packed_type = FORMATS[row_dtype][0]
     gen = torch.Generator().manual_seed(21)
     pa, pb = random_prompt(gen, 40), random_prompt(gen, 40)
     a, b = session_hash("a"), session_hash("b")
     device_only = packed_engine(model, row_dtype)
     device_only.generate("a", pa, max_new_tokens=6)
     rows, one = device_only.runtime.stats().rows_held, device_only.runtime.stats().bytes_held
+    codec = device_only.runtime.service.home.codec
+    packed = [t.clone() for t in codec.tensors(device_only.runtime.service.home.rows(a))]  # a's packed bytes
     expect = adopted_rows(device_only, a, rows)
     # a device budget of exactly a's packed bytes: b's deposit demotes a to the host tier
     eng = packed_engine(model, row_dtype, memory=one, host_memory="1MiB")
@@ -112,6 +115,9 @@ def test_the_host_tier_holds_the_packed_form_and_gives_the_same_rows_back(model,
     assert stats.evictions == dict.fromkeys(EVICTION_CAUSES, 0)
     host = eng.runtime.service.host
     assert host.keys() == [a] and host.host_bytes == one and host.arena.device.type == "cpu"
+    held = codec.view(host.arena.view(a), eng.runtime.service.home.shape(rows))  # the host range, in the packed form
+    assert isinstance(held, packed_type) and all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(codec.tensors(held), packed, strict=True))
     check_all(eng)
     got = adopted_rows(eng, a, rows)
     assert all(torch.equal(x, y) for x, y in zip(got, expect, strict=True))

@@ -204,7 +204,7 @@ def test_turn_stats_read_tensorrt_llms_per_request_metrics():
         speculative_decoding=standin.SpeculativeDecodingMetrics(total_draft_tokens=9, total_accepted_draft_tokens=6),
         kv_cache_metrics=standin.KvCacheMetrics(num_reused_blocks=4, kv_cache_hit_rate=0.5))
     output = standin.CompletionOutput(index=0, token_ids=[5, 6, 7], finish_reason="stop", request_perf_metrics=perf)
-    record = {"reused": 64, "outcome": "adopted", "no_carry_reason": "", "rows_scattered": 64,
+    record = {"reused": 64, "outcome": "adopted", "no_carry_reason": "", "rows_adopted": 64,
               "rows_computed": 55, "rows_deposited": 0, "skipped": None}
     stats = turn_stats(120, output, request_output(decoding_iter=3), ttft_ms=12.5, total_ms=40.0,
                        topology="unpaired", carry_armed=True, carry=record)
@@ -226,7 +226,7 @@ def test_a_metric_tensorrt_llm_did_not_return_stays_zero():
 
 
 def test_a_no_carry_turn_reports_the_reason_from_the_adapters_record():
-    record = {"reused": 32, "outcome": "no_carry", "no_carry_reason": "session_end", "rows_scattered": 0,
+    record = {"reused": 32, "outcome": "no_carry", "no_carry_reason": "session_end", "rows_adopted": 0,
               "rows_computed": 40, "rows_deposited": 0, "skipped": None}
     assert carry_fields(record, armed=True) == {
         "outcome_kind": "no_carry", "no_carry_reason": "session_end", "reused_tokens": 32,

@@ -91,7 +91,7 @@ def test_each_turn_reports_the_adapters_carry_outcome_and_rows(model):
     assert standin.metric("mtp_carry_outcomes_total", kind="adopted") == 1
     assert standin.metric("mtp_carry_drafter_rows_total", source="adopted") == len(p1)
     attachment = model._engine.attachment
-    assert attachment.stats()["outcomes"]["adopted"] == 1
+    assert attachment.stats().outcomes["adopted"] == 1
     # every record was read once by the model: nothing is left behind for these requests
     assert [attachment.pop_turn(rid) for rid in (1001, 1002)] == [None, None]
 
@@ -121,7 +121,7 @@ def test_an_ended_sessions_next_turn_finds_its_rows_dropped_session_end(monkeypa
                                    len(p3) - 1 - len(p2))
         stats = model._engine.attachment.stats()
         ended = 1 + (cause == "idle")  # and session 10's END
-        assert stats["evictions"]["session_end"] == ended and stats["evictions"]["capacity"] == 0
+        assert stats.evictions["session_end"] == ended and stats.evictions["capacity"] == 0
         assert standin.metric("mtp_carry_sessions_ended_total", cause=cause) == 1
         assert standin.metric("mtp_carry_sessions_ended_total") == ended
         assert standin.metric("mtp_carry_rows_freed_total") == freed

@@ -21,6 +21,7 @@ import trtllm_mtp_carry.trtllm as adapter_package
 from trtllm_mtp_carry.serve.trtllm import serving as serving_module
 from trtllm_mtp_carry.serve.trtllm.model import NO_TOKENIZER, TritonPythonModel
 from trtllm_mtp_carry.serve.trtllm.serving import ChatTemplate
+from trtllm_mtp_carry.service import CarryStats
 
 TOK = standin.ChatMLTokenizer()
 CHAT = ChatTemplate(TOK)
@@ -37,7 +38,7 @@ def start(monkeypatch, tmp_path, options_yaml: str | None = None) -> tuple[Trito
     def attach(llm, options):
         record["options"].append(options)
         llm.events.append("attached")
-        stats = {"rows_adopted": 5, "outcomes": {"adopted": 1}}
+        stats = CarryStats(rows_adopted=5, outcomes={"adopted": 1})  # what the adapter's stats() returns
 
         def forget_conversation(conversation_id):
             record["forgotten"].append(conversation_id)
@@ -185,7 +186,7 @@ def test_a_cancelled_request_is_aborted_with_one_error(served):
 
 def test_a_cancelled_admitted_request_counts_the_outcome_decided_at_its_admission(served):
     model, llm, record = served
-    turn = {"outcome": "no_carry", "no_carry_reason": "never_carried", "reused": 0, "rows_scattered": 0,
+    turn = {"outcome": "no_carry", "no_carry_reason": "never_carried", "reused": 0, "rows_adopted": 0,
             "rows_computed": 3}  # the adapter's turn record: it decided this turn's outcome at admission
     model._engine.attachment.pop_turn = lambda rid: record["popped"].append(rid) or turn
     before = [standin.metric("mtp_carry_outcomes_total", kind="no_carry"),

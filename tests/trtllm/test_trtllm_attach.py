@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 from standin_helpers import model
 
+from trtllm_mtp_carry.core import OUTCOME_KINDS
+from trtllm_mtp_carry.service import CarryStats
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, TrtllmAdapterError, attach, detach
 from trtllm_mtp_carry.trtllm.kv_formats import kv_verdict
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
@@ -17,6 +20,15 @@ from trtllm_mtp_carry.trtllm.standin import DataType, Mapping, StandinLLM
 
 def _llm(**options: Any) -> StandinLLM:
     return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64, single_process=True, **options)
+
+
+def gauge_names(stats: CarryStats) -> list[str]:
+    """The `mtp_carry_runtime{field}` names `stats` gives (a dict field as `field.key`), in order."""
+    names = []
+    for f in fields(stats):
+        value = getattr(stats, f.name)
+        names += [f"{f.name}.{k}" for k in value] if isinstance(value, dict) else [f.name]
+    return names
 
 
 def _refusal(llm: Any) -> str:
@@ -133,7 +145,7 @@ def test_unpaired_arms_and_installs_after_the_draft_manager() -> None:
                      CARRY_MANAGER_KEY]
     assert carry.info()[3] == ("carry armed", "yes", carry.reason)
     assert carry.info()[4] == ("carry slots (carry_slots)", "1", "carry_slots()")  # pinned by conftest
-    assert carry.stats()["carry_slots"] == 1
+    assert carry.stats().carry_slots == 1
     with pytest.raises(TrtllmAdapterError, match="already attached"):
         attach(llm)
     detach(llm)
@@ -153,15 +165,15 @@ def test_paired_folded_and_reuse_off_stand_aside_installing_nothing(
     assert (carry.topology, carry.armed, carry.manager) == (topology, False, None)
     assert carry.reason.startswith(reason)
     assert CARRY_MANAGER_KEY not in llm.executor.resource_manager.resource_managers
-    assert carry.stats()["outcomes"] == {k: 0 for k in carry.stats()["outcomes"]}  # type: ignore[union-attr]
+    assert carry.stats().outcomes == dict.fromkeys(OUTCOME_KINDS, 0)
 
 
 def test_a_carry_standing_aside_reports_every_stats_key_an_armed_one_does_at_zero() -> None:
     armed = attach(_llm()).stats()
     aside = attach(_llm(topology="paired")).stats()
-    assert list(aside) == list(armed)  # a scraper reads the same keys either way
-    assert (aside["armed"], aside["entries"], aside["bytes_held"], aside["reserved_bytes"]) == (False, 0, 0, 0)
-    assert aside["hits"] == {"device": 0, "host": 0} and aside["refusals"] == {
+    assert gauge_names(aside) == gauge_names(armed)  # a scraper reads the same keys either way
+    assert (aside.armed, aside.entries_held, aside.bytes_held, aside.reserved_bytes) == (False, 0, 0, 0)
+    assert (aside.hits_device, aside.hits_host) == (0, 0) and aside.refusals == {
         "not_admitted": 0, "too_large": 0, "oom": 0}
 
 
@@ -169,3 +181,60 @@ def test_a_disabled_carry_is_configured_off_and_says_so() -> None:
     carry = attach(_llm(), {"enable": False})
     assert (carry.armed, carry.reason) == (False, "not configured (mtp_carry.enable is false)")
     assert carry.info()[2] == ("carry configured", "no", "mtp_carry.enable")
+
+
+def _two_turns_with_a_host_entry() -> tuple[StandinLLM, Any]:
+    """Sessions a and b, two turns each, on a device arena of one first turn's rows and a host tier:
+    entries in both arenas when the turns end."""
+    from standin_helpers import CHUNK, make_llm, padded, user_tokens
+
+    from trtllm_mtp_carry.trtllm.standin import ConversationParams
+
+    llm, _ = make_llm("blind")
+    rows = 4 * CHUNK + 8 - 1
+    carry = attach(llm, {"carry_slots": 8, "carry_memory": 2 * rows * 256, "carry_host_memory": 8 * rows * 256})
+    firsts = {}
+    for name in "ab":
+        firsts[name] = llm.generate_async(user_tokens(100 * len(firsts), 4 * CHUNK), 8,
+                                          conversation_params=ConversationParams(conversation_id=name))
+        llm.run_until_done()
+    for name in "ab":
+        llm.generate_async(padded(firsts[name].get_tokens(0), 3), 8,
+                           conversation_params=ConversationParams(conversation_id=name))
+    llm.run_until_done()
+    return llm, carry
+
+
+def test_detach_leaves_no_arena_range_no_host_copy_and_no_entry_held() -> None:
+    llm, carry = _two_turns_with_a_host_entry()
+    manager, reserved = carry.manager, carry.manager.reserved
+    stats = carry.stats()
+    assert stats.entries_held >= 1 and stats.host_entries >= 1  # both arenas hold rows before
+    assert reserved.device.keys() and reserved.host.keys()
+    detach(llm)
+    assert reserved.device.keys() == [] == reserved.host.keys()
+    assert reserved.device.held_bytes == reserved.host.held_bytes == 0
+    assert (reserved.device.pending_bytes, reserved.host.pending_bytes) == (0, 0)
+    stats = manager.stats()
+    assert (stats.entries_held, stats.host_entries, stats.leases, stats.faults) == (0, 0, 0, {})
+    llm.executor.check()
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_range_held_behind_the_services_back_makes_detach_raise_naming_it(tier: str) -> None:
+    """The leak a check must catch: a range of an arena that no entry holds (here taken behind
+    the service's back). `detach` raises naming it; the resource manager's `shutdown` (what
+    PyExecutor calls) counts it as a fault at `other` and never raises."""
+    llm, carry = _two_turns_with_a_host_entry()
+    manager = carry.manager
+    arena = manager.reserved.device if tier == "device" else manager.reserved.host
+    assert arena.take("leaked", 256) is not None
+    expected = (r"device home: 0 bytes of entries, arena ranges \['leaked'\]" if tier == "device" else
+                r"host tier: \[\] \['leaked'\]")
+    with pytest.raises(RuntimeError, match=rf"^the carry holds rows after detaching: {expected}$"):
+        manager.service.detach()
+    assert manager.shutdown() is None  # PyExecutor's call: counted, logged, not raised
+    stats = manager.stats()
+    assert stats.faults == {"RuntimeError": 1} and stats.fault_steps["other"] == 1
+    arena.release("leaked")
+    manager.service.detach()  # nothing else was held

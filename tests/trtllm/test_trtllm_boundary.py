@@ -23,6 +23,7 @@ import pytest
 import torch
 from standin_helpers import CHUNK, make_llm, padded, user_tokens
 
+from trtllm_mtp_carry.service import FAULT_STEPS
 from trtllm_mtp_carry.trtllm import attach
 from trtllm_mtp_carry.trtllm import manager as manager_module
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
@@ -87,26 +88,46 @@ def at_prepare_identity(llm: StandinLLM, carry: Any, target: LlmRequest, kind: t
 
 
 def at_prepare_judge(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type[Exception]) -> Callable[[], None]:
-    """The store's judgement raises (the first warm request judged)."""
-    store = carry.manager.carried
-    real = store.judge_and_take
+    """The service's judgement raises (the first warm request judged)."""
+    service = carry.manager.service
+    real = service.judge
     calls = []
 
-    def judge_and_take(*args: Any, **kwargs: Any) -> Any:
+    def judge(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         if len(calls) == 1:
             _raise(kind)
         return real(*args, **kwargs)
 
-    store.judge_and_take = judge_and_take
-    return lambda: delattr(store, "judge_and_take")
+    service.judge = judge
+    return lambda: delattr(service, "judge")
+
+
+def at_scatter_rows(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type[Exception]) -> Callable[[], None]:
+    """The scatter of the carried rows into the pages raises (the first warm request's): the
+    entry was taken and its rows read, so they are gone with the turn."""
+    codec = carry.manager.service.home.codec
+    real = codec.scatter_pages
+    own = "scatter_pages" in vars(codec)
+    calls = []
+
+    def scatter_pages(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            _raise(kind)
+        return real(*args, **kwargs)
+
+    codec.scatter_pages = scatter_pages
+    return lambda: setattr(codec, "scatter_pages", real) if own else delattr(codec, "scatter_pages")
 
 
 POINTS: dict[str, tuple[Inject, str, str]] = {
     # name -> (injection, the step counted, session a's turn-3 outcome: a fault after the
-    # entry was taken drops it with the turn; one before leaves turn 1's rows to adopt)
-    "scatter-get_batch_cache_indices": (at_scatter_pages, "scatter", "no_carry"),
-    "scatter-get_buffers": (at_scatter_buffers, "scatter", "no_carry"),
+    # entry's rows moved drops it with the turn; one before any moved leaves turn 1's rows
+    # where they were, to adopt)
+    "scatter-get_batch_cache_indices": (at_scatter_pages, "prepare", "adopted"),
+    "scatter-get_buffers": (at_scatter_buffers, "prepare", "adopted"),
+    "scatter-rows": (at_scatter_rows, "prepare", "no_carry"),
     "prepare-identity": (at_prepare_identity, "prepare", "adopted"),
     "prepare-judge": (at_prepare_judge, "prepare", "adopted"),
 }
@@ -125,9 +146,11 @@ def _turns(policy: str, inject: Inject | None = None, kind: type[Exception] = Ke
                 for name in "ab"}
         undo = [inject(llm, carry, reqs[name], kind) for name in targets] \
             if turn == 1 and inject is not None else []
-        llm.run_until_done()
-        for u in reversed(undo):
-            u()
+        try:
+            llm.run_until_done()
+        finally:  # an injection into a shared codec must not outlive its test
+            for u in reversed(undo):
+                u()
         for name, req in reqs.items():
             done[name].append(req)
             prompts[name] = padded(req.get_tokens(0), 31 * turn + 7 * len(name))
@@ -154,16 +177,16 @@ def test_a_fault_at_adoption_runs_the_turn_blind_scatters_nothing_and_serves_on(
     caplog.set_level(logging.WARNING, logger="trtllm_mtp_carry")
     llm, carry, done = _turns("carry", inject, kind)
     stats = carry.stats()
-    assert stats["faults"] == {kind.__name__: 1}
-    assert stats["errors"] == {s: int(s == step) for s in manager_module.ERROR_STEPS}
+    assert stats.faults == {kind.__name__: 1}
+    assert stats.fault_steps == {s: int(s == step) for s in FAULT_STEPS}
     lines = _fault_lines(caplog)
     assert len(lines) == 1 and lines[0].startswith(f"mtp carry: {step} raised {kind.__name__} ")
     a, b = done["a"][1], done["b"][1]
     record = carry.turn(a.py_request_id)
-    assert record["rows_scattered"] == 0 and record["skipped"] == "fault"
+    assert record["rows_adopted"] == 0 and record["skipped"] == "fault"
     assert str(record["error"]).startswith(f"{step}: {kind.__name__}: ")
     assert carry.turn(b.py_request_id)["outcome"] == "adopted"  # the other session went on
-    assert stats["skipped"]["fault"] == 1 and stats["live_requests"] == 0
+    assert stats.skipped["fault"] == 1 and stats.live_turns == 0
     # a's turn 2 deposited nothing; b adopted on turns 2 and 3
     assert carry.turn(done["a"][2].py_request_id)["outcome"] == then
     assert carry.turn(done["b"][2].py_request_id)["outcome"] == "adopted"
@@ -176,9 +199,9 @@ def test_nothing_is_written_when_every_warm_turn_faults() -> None:
     """Both sessions' warm turns fault after taking their entries (so turn 3 finds nothing
     carried): every draft page then holds byte for byte what TensorRT-LLM without the carry
     leaves there."""
-    llm, carry, done = _turns("carry", at_scatter_pages, RuntimeError, targets="ab")
+    llm, carry, done = _turns("carry", at_scatter_rows, RuntimeError, targets="ab")
     stats = carry.stats()
-    assert stats["rows_scattered"] == 0 and stats["faults"] == {"RuntimeError": 2}
+    assert stats.rows_adopted == 0 and stats.faults == {"RuntimeError": 2}
     assert [carry.turn(r.py_request_id)["outcome"] for r in (done["a"][2], done["b"][2])] == \
         ["no_carry", "no_carry"]
     outputs, buf = blind()
@@ -202,7 +225,7 @@ def test_every_fault_is_counted_but_each_kind_is_logged_once(caplog: pytest.LogC
     llm.run_until_done()
     draft.get_batch_cache_indices = real
     stats = carry.stats()
-    assert stats["faults"] == {"KeyError": 3} and stats["errors"]["scatter"] == 3
+    assert stats.faults == {"KeyError": 3} and stats.fault_steps["prepare"] == 3
     assert len(_fault_lines(caplog)) == 1
     assert [carry.turn(r.py_request_id)["skipped"] for r in warm] == ["fault"] * 3
     llm.executor.check()
@@ -213,7 +236,7 @@ def test_a_fault_at_deposit_or_free_keeps_nothing_and_later_sessions_adopt(
         kind: type[Exception], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="trtllm_mtp_carry")
     llm, carry = make_llm("carry")
-    store = carry.manager.carried
+    store = carry.manager.service.store
 
     def turn(name: str, prev: LlmRequest | None, offset: int) -> LlmRequest:
         prompt = user_tokens(offset, 2 * CHUNK) if prev is None else padded(prev.get_tokens(0), offset)
@@ -226,24 +249,25 @@ def test_a_fault_at_deposit_or_free_keeps_nothing_and_later_sessions_adopt(
     e1 = turn("e", None, 200)
     llm.run_until_done()
     d2, e2 = turn("d", d1, 5), turn("e", e1, 6)
-    store.stage = lambda *a, **k: _raise(kind)  # at free: the store raises
+    store.admit = lambda *a, **k: _raise(kind)  # at free: the store raises (d2's plan and e2's)
     llm.run_until_done()
-    del store.stage
+    del store.admit
     e3, f1 = turn("e", e2, 7), turn("f", None, 400)
     llm.run_until_done()
     f2 = turn("f", f1, 8)
     llm.run_until_done()
     stats = carry.stats()
-    assert stats["faults"] == {kind.__name__: 2}
-    assert stats["errors"] == {"prepare": 0, "scatter": 0, "deposit": 1, "free": 1, "other": 0}
+    assert stats.faults == {kind.__name__: 3}
+    assert stats.fault_steps == {"prepare": 0, "build": 0, "append": 0, "deposit": 3, "release": 0, "other": 0}
+    # after a miss a turn deposits the run it computed: d2 would have (it reached the store), e3 did
     assert [carry.turn(r.py_request_id)["skipped"] for r in (d1, d2, e1, e2, e3, f1, f2)] == \
-        ["fault", "gap", None, "fault", "gap", None, None]
+        ["fault", "fault", None, "fault", None, None, None]
     assert [carry.turn(r.py_request_id)["outcome"] for r in (d2, e2, e3, f2)] == \
         ["no_carry", "adopted", "no_carry", "adopted"]
-    assert stats["deposits"] == 3 and stats["live_requests"] == 0  # e1, f1, f2
-    # one kind at two steps: two failures, one line each
-    assert [line.split(" raised ")[0] for line in _fault_lines(caplog)] == \
-        ["mtp carry: deposit", "mtp carry: free"]
+    assert stats.deposits == 4 and stats.live_turns == 0  # e1, e3, f1, f2
+    # one kind at one step (the gather, the store): three failures, one line
+    assert [line.split(" raised ")[0] for line in _fault_lines(caplog)] == ["mtp carry: deposit"]
+    carry.manager.service.check()
     llm.executor.check()
 
 
@@ -263,18 +287,18 @@ def test_a_second_step_faulting_with_the_same_kind_is_logged_too(caplog: pytest.
     undo = at_prepare_identity(llm, carry, g2, KeyError)  # at prepare: reading the session
     llm.run_until_done()
     undo()
-    store = carry.manager.carried
+    store = carry.manager.service.store
     turn("h", None, 200), turn("k", None, 300)
-    store.stage = lambda *a, **k: _raise(KeyError)  # at free, twice: the store raises
+    store.admit = lambda *a, **k: _raise(KeyError)  # at free, twice: the store raises
     llm.run_until_done()
-    del store.stage
+    del store.admit
     stats = carry.stats()
-    assert stats["faults"] == {"KeyError": 3}
-    assert stats["errors"] == {"prepare": 1, "scatter": 0, "deposit": 0, "free": 2, "other": 0}
+    assert stats.faults == {"KeyError": 3}
+    assert stats.fault_steps == {"prepare": 1, "build": 0, "append": 0, "deposit": 2, "release": 0, "other": 0}
     lines = _fault_lines(caplog)
     assert [line.split(" (")[0] for line in lines] == \
-        ["mtp carry: prepare raised KeyError", "mtp carry: free raised KeyError"]
-    assert lines[1].endswith("later KeyError faults at free are counted, not logged")
+        ["mtp carry: prepare raised KeyError", "mtp carry: deposit raised KeyError"]
+    assert lines[1].endswith("later KeyError faults at deposit are counted, not logged")
     llm.executor.check()
 
 
@@ -288,10 +312,10 @@ def test_shutdown_and_the_stats_report_never_raise(kind: type[Exception]) -> Non
                                conversation_params=ConversationParams(conversation_id="r"))
     llm.run_until_done()  # free's stats line raises: counted under "other"
     assert carry.turn(first.py_request_id)["rows_deposited"] == len(first.get_tokens(0)) - 1
-    manager.carried.clear = lambda: _raise(kind)
+    manager.service.clear = lambda: _raise(kind)
     assert manager.shutdown() is None
-    assert manager.stats()["faults"] == {kind.__name__: 2}
-    assert manager.stats()["errors"]["other"] == 2
+    assert manager.stats().faults == {kind.__name__: 2}
+    assert manager.stats().fault_steps["other"] == 2
     llm.executor.check()
 
 
@@ -304,8 +328,9 @@ def test_the_protocols_other_methods_answer_their_defaults_whatever_they_are_giv
     assert manager.update_resources(object(), None, 2) is None
     assert manager.prepare_resources(object()) is None  # no context_requests: counted, not raised
     assert manager.free_resources(object()) is None  # no py_request_id
-    assert manager.stats()["faults"] == {"AttributeError": 2}
-    assert manager.stats()["errors"] == {"prepare": 1, "scatter": 0, "deposit": 0, "free": 1, "other": 0}
+    assert manager.stats().faults == {"AttributeError": 2}
+    assert manager.stats().fault_steps == {"prepare": 1, "build": 0, "append": 0, "deposit": 1, "release": 0,
+                                           "other": 0}
 
 
 def test_prepare_and_free_take_the_arguments_resource_manager_gives_kv_cache_managers() -> None:
@@ -319,4 +344,4 @@ def test_prepare_and_free_take_the_arguments_resource_manager_gives_kv_cache_man
     manager.prepare_resources = lambda batch: real_prepare(batch, None, kv_cache_dtype_byte_size=2)
     manager.free_resources = lambda request: real_free(request, pin_on_release=False)
     llm.run_until_done()
-    assert manager.stats()["faults"] == {} and carry.turn(req.py_request_id)["rows_deposited"] > 0
+    assert manager.stats().faults == {} and carry.turn(req.py_request_id)["rows_deposited"] > 0

@@ -63,11 +63,13 @@ def test_an_fp8_pool_carries_its_own_bytes_whatever_carry_row_dtype_says(rebuild
     got = warm_pages(llm, 2)
     assert all(torch.equal(g, w) for g, w in zip(got, rebuild, strict=True))  # every row of [0, R)
     stats = carry.manager.stats()
-    assert stats["outcomes"]["adopted"] == 2 and stats["row_dtype"] == "fp8_kv"
+    assert stats.outcomes["adopted"] == 2 and stats.row_dtype == "fp8_kv"
     buf = llm.executor.paged.buf
     row = 2 * buf.shape[2] * buf.shape[4]  # 2 x Hkv x D bytes: one e4m3 byte an element, no scales
-    assert carry.manager.reserved.device.block_nbytes == row  # the arena's block is one such row
-    assert stats["bytes_held"] == stats["rows_held"] * row > 0  # the budget counts the bytes held
+    reserved = carry.manager.reserved  # the arenas hold whole such rows, and the store charges one a row
+    assert reserved.row_nbytes == carry.manager.service.home.row_nbytes == row
+    assert reserved.device.capacity % row == 0 and stats.carry_memory_bytes == reserved.device.capacity
+    assert stats.bytes_held == stats.rows_held * row > 0  # the budget counts the bytes held
 
 
 def test_an_fp8_pool_without_the_carry_drafts_blind_over_the_reused_prefix(rebuild) -> None:
@@ -85,5 +87,5 @@ def test_fp8_rows_demoted_to_the_host_tier_come_back_bit_for_bit(rebuild) -> Non
     got = warm_pages(llm, 2)
     assert all(torch.equal(g, w) for g, w in zip(got, rebuild, strict=True))
     stats = carry.manager.stats()
-    assert stats["demotions"] + stats["host_deposits"] >= 1 and stats["hits"]["host"] >= 1 and stats["outcomes"]["adopted"] == 2
-    assert stats["bytes_demoted"] % row == 0  # whole one-byte-an-element rows moved
+    assert stats.demotions + stats.host_deposits >= 1 and stats.hits_host >= 1 and stats.outcomes["adopted"] == 2
+    assert stats.bytes_demoted % row == 0  # whole one-byte-an-element rows moved

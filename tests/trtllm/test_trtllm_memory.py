@@ -20,13 +20,15 @@ from typing import Any
 
 import pytest
 import torch
+from arena_carry import ArenaCarry
 from standin_helpers import CHUNK, model, padded, user_tokens
 
 from trtllm_mtp_carry.core import CarryStore
+from trtllm_mtp_carry.dataplane.arena import Arena
+from trtllm_mtp_carry.service import SKIP_REASONS
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
-from trtllm_mtp_carry.trtllm.arena import RowArena, row_nbytes
-from trtllm_mtp_carry.trtllm.carried import CarriedRows
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
+from trtllm_mtp_carry.trtllm.reservation import row_nbytes
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
 from trtllm_mtp_carry.trtllm.standin.torch_cuda import StandinDeviceMemory
 
@@ -78,9 +80,9 @@ def test_the_kv_budget_shrinks_by_the_arena_reserved_before_estimation_measures(
     assert _manager(llm).reserved.device.nbytes == CARRY and _manager(llm).reserved.host is None
     assert llm.executor.paged.buf.shape[0] == _budget(llm) // (32 * ROW)  # tokens_per_block rows a page
     assert "carried rows hold 4MiB of cpu memory, reserved before TensorRT-LLM's KV cache " \
-           "estimation measures free memory" in line and "and 0B of host memory (one block = one " in line
+           "estimation measures free memory" in line and "and 0B of host memory (one row = 256 bytes)" in line
     stats = _manager(llm).stats()
-    assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (CARRY, 0)
+    assert (stats.reserved_bytes, stats.host_reserved_bytes) == (CARRY, 0)
 
 
 def test_a_fixed_max_gpu_total_bytes_keeps_the_kv_cache_and_the_start_line_says_what_the_carry_holds(
@@ -177,7 +179,7 @@ def test_a_carry_that_stands_aside_gives_its_early_bytes_back_before_the_kv_cach
 
 def test_a_failure_giving_the_early_bytes_back_is_one_line_and_the_executor_is_built(
         carry_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trtllm_mtp_carry.trtllm.arena import EarlyReservation
+    from trtllm_mtp_carry.trtllm.reservation import EarlyReservation
 
     def refuse(self: Any) -> None:
         raise RuntimeError("cannot free")
@@ -201,8 +203,10 @@ def _rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 2, 2, 32, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def _arena(rows: int) -> RowArena:
-    return RowArena(torch.zeros(rows * ROW, dtype=torch.uint8), ROW)
+def _carried(rows: int, budget_rows: int | None = None) -> ArenaCarry:
+    """The carry over a device arena of `rows` rows (the store's budget: `budget_rows`, else the arena)."""
+    arena = Arena(torch.zeros(rows * ROW, dtype=torch.uint8))
+    return ArenaCarry(None, (rows if budget_rows is None else budget_rows) * ROW, "lrd", head_dim=32, arena=arena)
 
 
 def test_one_block_is_one_row_in_the_carry_s_format() -> None:
@@ -216,66 +220,76 @@ def test_a_full_arena_refuses_the_deposit_as_oom_and_the_carry_keeps_what_it_hol
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="trtllm_mtp_carry")
     # the store's budget (10 rows) above the arena's (4 rows): only the arena can refuse
-    carried = CarriedRows(None, 10 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=_arena(4))
+    carried = _carried(4, budget_rows=10)
     kept = _rows(3, 1)
     assert carried.deposit(1, list(range(4)), kept)
     assert not carried.deposit(2, list(range(4)), _rows(3, 2))
     assert not carried.deposit(3, list(range(4)), _rows(2, 3))
     stats = carried.stats()
-    assert stats["refusals"] == {"not_admitted": 0, "too_large": 0, "oom": 2}
-    assert stats["entries"] == 1 and stats["bytes_held"] == 3 * ROW
-    assert carried.get(2) is None and carried._store.miss_reason(2) == "oom"
+    assert stats.refusals == {"not_admitted": 0, "too_large": 0, "oom": 2}
+    assert stats.entries_held == 1 and stats.bytes_held == 3 * ROW
+    assert carried.get(2) is None and carried.service.store.miss_reason(2) == "oom"
+    assert carried.arena.keys() == [1]  # a refused deposit reserved nothing and wrote nothing
     lines = [r.getMessage() for r in caplog.records if "refused as oom" in r.getMessage()]
     assert len(lines) == 1  # logged once, counted every time
     taken = carried.take(1)
-    assert torch.equal(taken.rows, kept)  # the held entry adopts bit for bit
+    assert torch.equal(taken, kept)  # the held entry adopts bit for bit
     carried.check()
 
 
 def test_a_fragmented_arena_compacts_and_the_moved_rows_stay_bit_equal() -> None:
-    arena = _arena(6)
+    carried = _carried(6)
+    arena = carried.arena
     a, b, c, d = _rows(2, 1), _rows(2, 2), _rows(2, 3), _rows(4, 4)
-    assert arena.put(1, a) and arena.put(2, b) and arena.put(3, c)
-    arena.release(1)
-    arena.release(3)  # 4 free blocks, in two extents of 2
-    assert arena.put(4, d)
-    assert arena.compactions == 1
-    assert torch.equal(arena.get(2), b) and torch.equal(arena.get(4), d)
+    for key, rows in ((1, a), (2, b), (3, c)):
+        assert carried.deposit(key, list(range(3)), rows, session=key)
+    carried.forget(1)
+    carried.forget(3)  # 4 rows free, in two extents of 2
+    assert carried.deposit(4, list(range(5)), d)
+    assert arena.compactions == 1 and arena.keys() == [2, 4]
     arena.check()
-    assert not arena.put(5, _rows(1, 5))  # full
+    assert arena.take(5, ROW) is None  # full
+    assert torch.equal(carried.take(2), b) and torch.equal(carried.take(4), d)
+    carried.check()
 
 
 def test_fp8_rows_are_payload_then_scales_in_one_extent() -> None:
     from trtllm_mtp_carry.dataplane.row_format import pack_rows
 
     packed = pack_rows(_rows(3, 7))
-    arena = RowArena(torch.zeros(3 * row_nbytes(2, 32, torch.bfloat16, "fp8"), dtype=torch.uint8),
-                     row_nbytes(2, 32, torch.bfloat16, "fp8"))
-    assert arena.put(9, packed)
-    got = arena.get(9)
+    row = row_nbytes(2, 32, torch.bfloat16, "fp8")
+    carried = ArenaCarry(None, 3 * row, "lrd", row_dtype="fp8", head_dim=32)
+    assert carried.deposit(9, list(range(4)), packed)
+    extent = carried.arena.view(9)
+    payload = packed.payload.view(torch.uint8).flatten()
+    assert torch.equal(extent[: payload.numel()], payload)  # the payload first, then the float32 scales
+    assert torch.equal(extent[payload.numel():], packed.scales.flatten().view(torch.uint8))
+    got = carried.take(9)
     assert torch.equal(got.payload.view(torch.uint8), packed.payload.view(torch.uint8))
     assert torch.equal(got.scales, packed.scales) and got.dtype == packed.dtype
-    assert arena.blocks_held == arena.capacity_blocks == 3
+    assert extent.numel() == carried.arena.capacity == 3 * row
 
 
 def test_a_compaction_that_cannot_stage_is_refused_as_oom_and_the_arena_stays_whole(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    arena = _arena(6)
-    carried = CarriedRows(None, 6 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=arena)
-    b = _rows(3, 2)  # blocks [1, 4): sliding it to [0, 3) overlaps itself, so it is staged
-    assert carried.deposit(1, list(range(2)), _rows(1, 1)) and carried.deposit(2, list(range(4)), b)
-    assert carried.deposit(3, list(range(3)), _rows(2, 3))
+    carried = _carried(6)
+    b = _rows(3, 2)  # rows [1, 4): sliding it to [0, 3) overlaps itself, so it is staged
+    assert carried.deposit(1, list(range(2)), _rows(1, 1), session=1) and carried.deposit(2, list(range(4)), b)
+    assert carried.deposit(3, list(range(3)), _rows(2, 3), session=3)
     carried.forget(1)
-    carried.forget(3)  # 3 blocks free, in extents of 1 and 2
+    carried.forget(3)  # 3 rows free, in extents of 1 and 2
+    real = carried.arena._move
 
-    def no_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise torch.OutOfMemoryError("injected")
+    def staged(dst: int, src: int, n: int) -> None:  # a device arena stages an overlapping move:
+        if src < dst + n:  # out of memory there (a CPU arena moves with memmove, staging nothing)
+            raise torch.OutOfMemoryError("injected")
+        real(dst, src, n)
 
-    monkeypatch.setattr(torch.Tensor, "clone", no_memory)
+    monkeypatch.setattr(carried.arena, "_move", staged)
     assert not carried.deposit(4, list(range(4)), _rows(3, 4))  # needs the compaction's staging
     monkeypatch.undo()
-    assert carried.stats()["refusals"]["oom"] == 1
-    assert torch.equal(carried.take(2).rows, b)
+    assert carried.stats().refusals["oom"] == 1 and carried.arena.keys() == [2]
+    assert torch.equal(carried.take(2), b)
     carried.check()
 
 
@@ -284,16 +298,16 @@ def test_an_injected_allocation_failure_in_the_worker_is_refused_as_oom_and_noth
     llm = _llm(StandinDeviceMemory(TOTAL, WEIGHTS))
     manager = _manager(llm)
     arena = manager.reserved.device
-    real = arena.put
+    real = arena.take
     failures = [1]
 
-    def put(key: int, rows: Any, codec: Any = None) -> bool:
+    def take(key: Any, nbytes: int, *args: Any, **kwargs: Any) -> Any:
         if failures:
             failures.pop()
             raise torch.OutOfMemoryError("injected")
-        return real(key, rows, codec)
+        return real(key, nbytes, *args, **kwargs)
 
-    monkeypatch.setattr(arena, "put", put)
+    monkeypatch.setattr(arena, "take", take)
     convs = [ConversationParams(conversation_id=name) for name in "ab"]
     first = [llm.generate_async(user_tokens(97 * i, 2 * CHUNK), MAX_NEW, conversation_params=c)
              for i, c in enumerate(convs)]
@@ -302,14 +316,14 @@ def test_an_injected_allocation_failure_in_the_worker_is_refused_as_oom_and_noth
               for i, (r, c) in enumerate(zip(first, convs, strict=True))]
     llm.run_until_done()
     stats = manager.stats()
-    assert stats["refusals"]["oom"] == 1 and stats["faults"] == {}
-    assert stats["no_carry_reasons"]["oom"] == 1
+    assert stats.refusals["oom"] == 1 and stats.faults == {}
+    assert stats.no_carry_reasons["oom"] == 1
     records = sorted((manager.turn(r.py_request_id) for r in second), key=lambda t: str(t["outcome"]))
     assert [(t["outcome"], t["no_carry_reason"]) for t in records] == [("adopted", ""), ("no_carry", "oom")]
-    # the kept session deposited both turns; the refused one's warm turn ran blind over [0, R)
-    # (skipped `gap`: it has no valid rows to carry), as TensorRT-LLM without the carry
-    assert stats["deposits"] == 2 and stats["skipped"]["gap"] == 1
-    manager.carried.check()
+    # the kept session deposited both turns; the refused one's warm turn ran blind over [0, R),
+    # as TensorRT-LLM without the carry, and deposited the run its context computed, [R, N - 1)
+    assert stats.deposits == 3 and stats.skipped == dict.fromkeys(SKIP_REASONS, 0)
+    manager.service.check()
     llm.executor.check()
     from trtllm_mtp_carry.trtllm.metrics import WorkerMetrics
 
@@ -322,14 +336,14 @@ def test_an_injected_allocation_failure_in_the_worker_is_refused_as_oom_and_noth
 
 def test_the_store_and_the_arena_charge_the_same_bytes() -> None:
     """The store's budget is the arena's capacity: whatever the store admits, the arena holds."""
-    arena = _arena(8)
-    carried = CarriedRows(None, 8 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=arena)
+    carried = _carried(8)
+    arena = carried.arena
     for key, n in enumerate([3, 2, 3, 4, 1, 5, 2, 2, 8], start=1):
         assert carried.deposit(key, list(range(n + 1)), _rows(n, key))
-        assert carried.stats()["bytes_held"] == arena.blocks_held * ROW
+        assert carried.stats().bytes_held == arena.held_bytes
         carried.check()
-    assert carried.stats()["refusals"]["oom"] == 0
-    assert isinstance(carried._store, CarryStore)
+    assert carried.stats().refusals["oom"] == 0
+    assert isinstance(carried.service.store, CarryStore)
 
 
 @pytest.mark.parametrize(("kv", "size"), [
@@ -410,7 +424,7 @@ def test_attach_reserves_the_arenas_and_info_says_how_much() -> None:
     # rounded down to whole 256-byte rows: 3 rows on the device, 2 on the host
     assert (reserved.device.nbytes, reserved.host.nbytes) == (768, 512)
     assert carry.info()[-1][:2] == ("carry reserved", "768B device, 512B host")
-    assert carry.stats()["reserved_bytes"] == 768
+    assert carry.stats().reserved_bytes == 768
 
 
 @pytest.mark.parametrize(("row_dtype", "kv", "row"), [
@@ -434,29 +448,30 @@ def test_both_tiers_serve_from_their_arenas_bit_for_bit_and_outputs_stay_the_sam
     got = run_turns(llm, sessions, 2, 48)
     assert {c: [r.output for r in t] for c, t in got.items()} == want
     stats = carry.stats()
-    assert stats["outcomes"]["adopted"] == 4 and stats["hits"]["host"] >= 1
-    assert (stats["reserved_bytes"], stats["host_reserved_bytes"]) == (560 * row, 4 * 560 * row)
-    assert stats["refusals"]["oom"] == 0 and stats["bytes_held"] == stats["rows_held"] * row
-    carry.manager.carried.check()  # entries and arena extents agree, the extents tile each arena
+    assert stats.outcomes["adopted"] == 4 and stats.hits_host >= 1
+    assert (stats.reserved_bytes, stats.host_reserved_bytes) == (560 * row, 4 * 560 * row)
+    assert stats.refusals["oom"] == 0 and stats.bytes_held == stats.rows_held * row
+    carry.manager.service.check()  # entries and arena extents agree, the extents tile each arena
     llm.executor.check()
 
 
-def test_a_taken_entry_s_view_holds_its_rows_until_the_next_deposit_reuses_its_blocks() -> None:
-    arena = _arena(4)
-    carried = CarriedRows(None, 4 * ROW, "lrd", host_budget_bytes=0, row_dtype="bf16", arena=arena)
+def test_a_taken_entry_s_range_goes_back_once_its_scatter_read_it_and_nothing_stays_held() -> None:
+    carried = _carried(4)
+    arena = carried.arena
     a = _rows(4, 1)
     assert carried.deposit(1, list(range(5)), a)
-    taken = carried.take(1)
-    assert carried.stats()["bytes_held"] == 0 and arena.blocks_held == 4  # released lazily
-    carried.forget(7)  # another session's end frees nothing of it
-    assert torch.equal(taken.rows, a)
-    assert carried.deposit(2, list(range(5)), _rows(4, 2))  # the next deposit takes the blocks
-    assert arena.blocks_held == 4 and torch.equal(carried.take(2).rows, _rows(4, 2))
+    taken = carried.take(1)  # on the CPU the scatter is done when it returns (CUDA: after its event)
+    assert carried.stats().bytes_held == 0 and arena.held_bytes == arena.pending_bytes == 0
+    carried.forget(7)  # another session's end frees nothing
+    assert torch.equal(taken, a)
+    assert carried.deposit(2, list(range(5)), _rows(4, 2))  # the next deposit takes the range
+    assert arena.held_bytes == 4 * ROW and torch.equal(carried.take(2), _rows(4, 2))
     carried.check()
+    carried.service.detach()  # nothing held: detach finds no leak
 
 
 def test_early_bytes_are_cut_into_whole_rows_and_given_back_once() -> None:
-    from trtllm_mtp_carry.trtllm.arena import arenas_over, reserve_early
+    from trtllm_mtp_carry.trtllm.reservation import arenas_over, reserve_early
 
     memory = StandinDeviceMemory(TOTAL, WEIGHTS)
     early = reserve_early(10 * ROW + 100, 3 * ROW + 7, torch.device("cpu"), memory.allocate, memory.free)
@@ -464,8 +479,8 @@ def test_early_bytes_are_cut_into_whole_rows_and_given_back_once() -> None:
     pages = torch.zeros(4, 2, 2, 32, 32, dtype=torch.bfloat16)  # HND [pages, 2, Hkv, tpb, D]
     reserved = arenas_over(early, pages, "bf16")
     assert reserved is not None and reserved.early
-    assert (reserved.device.capacity_blocks, reserved.device.nbytes) == (10, 10 * ROW)
-    assert reserved.host is not None and (reserved.host.capacity_blocks, reserved.host.nbytes) == (3, 3 * ROW)
+    assert reserved.row_nbytes == ROW and (reserved.device.capacity, reserved.device.nbytes) == (10 * ROW, 10 * ROW)
+    assert reserved.host is not None and (reserved.host.capacity, reserved.host.nbytes) == (3 * ROW, 3 * ROW)
     assert reserved.device.storage.data_ptr() == early.device.data_ptr()  # over the same bytes, no copy
     early.release()
     early.release()
@@ -487,7 +502,7 @@ def test_an_unarmed_attachment_answers_stats_and_info_under_a_fraction_carry_mem
     code = ("from trtllm_mtp_carry.trtllm import CarryAttachment\n"
             "from trtllm_mtp_carry.trtllm.options import CarryOptions\n"
             "a = CarryAttachment('unpaired', False, 'refused', CarryOptions(), None, None, 1, None)\n"
-            "print(a.stats()['budget_bytes'])\n"
+            "print(a.stats().carry_memory_bytes)\n"
             "print(dict((n, v) for n, v, _ in a.info())['carry memory (carry_memory)'])\n")
     env = {**os.environ, "TRTLLM_MTP_CARRY_MEMORY": "0.5"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)

@@ -71,10 +71,12 @@ def test_an_nvfp4_pool_carries_its_own_payload_and_scale_bytes_whatever_carry_ro
     assert all(g.shape[0] >= HISTORY for g in got)
     assert all(torch.equal(g, w) for g, w in zip(got, rebuild, strict=True))  # every byte of [0, R)
     stats = carry.manager.stats()
-    assert stats["outcomes"]["adopted"] == 2 and stats["row_dtype"] == "nvfp4_kv"
+    assert stats.outcomes["adopted"] == 2 and stats.row_dtype == "nvfp4_kv"
     row = row_nbytes(llm)
-    assert carry.manager.reserved.device.block_nbytes == row  # the arena's block is one such row
-    assert stats["bytes_held"] == stats["rows_held"] * row > 0  # the budget counts the bytes held
+    reserved = carry.manager.reserved  # the arenas hold whole such rows, and the store charges one a row
+    assert reserved.row_nbytes == carry.manager.service.home.row_nbytes == row
+    assert reserved.device.capacity % row == 0 and stats.carry_memory_bytes == reserved.device.capacity
+    assert stats.bytes_held == stats.rows_held * row > 0  # the budget counts the bytes held
 
 
 def test_an_nvfp4_pool_without_the_carry_drafts_blind_over_the_reused_prefix(rebuild) -> None:
@@ -91,8 +93,8 @@ def test_nvfp4_rows_demoted_to_the_host_tier_come_back_bit_for_bit(rebuild) -> N
     got = warm_bytes(llm, 2)
     assert all(torch.equal(g, w) for g, w in zip(got, rebuild, strict=True))
     stats = carry.manager.stats()
-    assert stats["demotions"] + stats["host_deposits"] >= 1 and stats["hits"]["host"] >= 1
-    assert stats["outcomes"]["adopted"] == 2 and stats["bytes_demoted"] % row == 0
+    assert stats.demotions + stats.host_deposits >= 1 and stats.hits_host >= 1
+    assert stats.outcomes["adopted"] == 2 and stats.bytes_demoted % row == 0
 
 
 def test_the_verdict_carries_nvfp4_and_says_where_its_scales_are(rebuild) -> None:

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from arena_carry import ArenaCarry
 from standin_helpers import acceptance, make_llm, quote_sessions, run_turns
 
 from trtllm_mtp_carry.dataplane import nvfp4, row_format
 from trtllm_mtp_carry.dataplane.row_layout import map_tensors
-from trtllm_mtp_carry.trtllm.carried import CarriedRows
+from trtllm_mtp_carry.trtllm import attach
 from trtllm_mtp_carry.trtllm.options import CarryOptions, TrtllmAdapterError, parse_carry_options
 
 
@@ -60,17 +61,20 @@ def test_a_packed_store_charges_the_packed_bytes_exactly_and_refuses_unpacked_ro
     fmt = FORMATS[row_dtype]
     one = fmt.nbytes(10 * 2 * 2, fmt.head_dim)
     assert one == fmt.entry_bytes == packed_of(fmt, 1).nbytes
-    carried = CarriedRows(None, budget_bytes=2 * one, policy="lrd", host_budget_bytes=0, row_dtype=row_dtype)
+    carried = ArenaCarry(None, budget_bytes=2 * one, policy="lrd", row_dtype=row_dtype, head_dim=fmt.head_dim)
     assert carried.deposit(11, list(range(12)), packed_of(fmt, 1))
     assert carried.deposit(12, list(range(12)), packed_of(fmt, 2))
     stats = carried.stats()
-    assert (stats["bytes_held"], stats["entries"], stats["row_dtype"]) == (2 * one, 2, row_dtype)
+    assert (stats.bytes_held, stats.entries_held, stats.row_dtype) == (2 * one, 2, row_dtype)
+    assert carried.arena.held_bytes == 2 * one  # the arena holds the packed bytes, exactly
+    taken = carried.take(11)
+    assert same(taken, packed_of(fmt, 1))
+    assert same(carried.take(12, rows_kept=4), map_tensors(packed_of(fmt, 2), lambda t: t[:4]))
     with pytest.raises(TypeError, match=f"a {row_dtype} codec holds {fmt.packed_type.__name__} of "
                                         "torch.bfloat16, got Tensor"):
         carried.deposit(13, list(range(12)), fmt.unpack_rows(packed_of(fmt, 3)))
-    taken = carried.take(11)
-    assert same(taken.rows, packed_of(fmt, 1))
-    assert same(taken.head(4), map_tensors(packed_of(fmt, 1), lambda t: t[:4]))
+    carried.service.repair()  # the executor's fault recovery: nothing of 13 is held
+    assert carried.get(13) is None and carried.arena.held_bytes == 0
     carried.check()
 
 
@@ -78,15 +82,17 @@ def test_a_packed_store_charges_the_packed_bytes_exactly_and_refuses_unpacked_ro
 def test_the_host_tier_holds_the_packed_form_and_gives_it_back_bit_for_bit(row_dtype):
     fmt = FORMATS[row_dtype]
     one = packed_of(fmt, 1).nbytes
-    carried = CarriedRows(None, budget_bytes=one, policy="lrd", host_budget_bytes=2 * one, row_dtype=row_dtype)
+    carried = ArenaCarry(None, budget_bytes=one, policy="lrd", host_budget_bytes=2 * one, row_dtype=row_dtype,
+                         head_dim=fmt.head_dim)
     assert carried.deposit(11, list(range(12)), packed_of(fmt, 1))
     assert carried.deposit(12, list(range(12)), packed_of(fmt, 2))  # 11 is demoted, packed
     stats = carried.stats()
-    assert (stats["host_entries"], stats["host_bytes_held"], stats["bytes_demoted"]) == (1, one, one)
-    assert isinstance(carried._host[11], fmt.packed_type)
+    assert (stats.host_entries, stats.host_bytes_held, stats.bytes_demoted) == (1, one, one)
+    host = carried.host_arena.view(11)  # its host range holds the packed rows' bytes, exactly
+    assert host.numel() == one and same(carried.codec.view(host, (10, 2, 2, fmt.head_dim)), packed_of(fmt, 1))
     carried.check()
-    assert same(carried.take(11).rows, packed_of(fmt, 1))
-    assert carried.stats()["bytes_restored"] == one
+    assert same(carried.take(11), packed_of(fmt, 1))
+    assert carried.stats().bytes_restored == one
     carried.check()
 
 
@@ -96,18 +102,18 @@ def test_standin_sessions_with_packed_rows_keep_outputs_and_adopt_every_warm_tur
     sessions = quote_sessions(4)
     runs = {}
     for dtype in ("bf16", row_dtype):
-        llm, carry = make_llm("carry")
-        carry.manager.carried = CarriedRows(8, 1 << 30, "lrd", None, host_budget_bytes=0, row_dtype=dtype)
+        llm, _ = make_llm("blind")
+        carry = attach(llm, {"carry_slots": 8, "carry_host_memory": 0, "carry_row_dtype": dtype})
         runs[dtype] = (run_turns(llm, sessions, 2, 48), carry)
         llm.executor.check()
-        carry.manager.carried.check()
+        carry.manager.service.check()
     outputs = {d: {c: [r.output for r in t] for c, t in runs[d][0].items()} for d in runs}
     assert outputs[row_dtype] == outputs["bf16"]
     packed, bf16 = runs[row_dtype][1].stats(), runs["bf16"][1].stats()
-    assert packed["outcomes"]["adopted"] == bf16["outcomes"]["adopted"] == 4
-    assert packed["row_dtype"] == row_dtype and packed["rows_held"] == bf16["rows_held"]
+    assert packed.outcomes["adopted"] == bf16.outcomes["adopted"] == 4
+    assert packed.row_dtype == row_dtype and packed.rows_held == bf16.rows_held
     # the stand-in's head_dim is 32: its packed bytes a vector against 2 x 32 in bf16
-    assert packed["bytes_held"] * 2 * 32 == bf16["bytes_held"] * fmt.standin_vector_bytes
+    assert packed.bytes_held * 2 * 32 == bf16.bytes_held * fmt.standin_vector_bytes
     if fmt.acceptance_floor is not None:
         acc = {d: acceptance(runs[d][0]) for d in runs}
         assert acc[row_dtype][0] >= fmt.acceptance_floor * acc["bf16"][0] * acc[row_dtype][1] / acc["bf16"][1]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from arena_carry import ArenaCarry
 from standin_helpers import CHUNK, make_llm, model, padded, user_tokens
 
 from trtllm_mtp_carry.dataplane.row_codec import (
@@ -19,7 +20,6 @@ from trtllm_mtp_carry.dataplane.row_codec import (
     codec_for,
 )
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
-from trtllm_mtp_carry.trtllm.carried import CarriedRows
 from trtllm_mtp_carry.trtllm.draft_pages import QsaDraftPages, pages_of
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, LlmRequest, StandinLLM
@@ -60,7 +60,7 @@ def test_warm_turn_restores_k_v_index_keys_and_positions_bit_for_bit(tree: str) 
         rows[policy] = _rows(llm, second, r)
         assert second.reused == (0 if policy == "rebuild" else r)
         if carry is not None:
-            layout = (type(carry.manager.pages), carry.stats()["row_dtype"])
+            layout = (type(carry.manager.pages), carry.stats().row_dtype)
         llm.run_until_done()
         llm.executor.check()
     for carried, rebuilt in zip(rows["carry"], rows["rebuild"], strict=True):
@@ -125,7 +125,8 @@ def test_the_worker_install_arms_on_a_qsa_pool_and_every_warm_turn_matches_a_reb
     manager = carry.executor.resource_manager.resource_managers[CARRY_MANAGER_KEY]
     hkv_d = model().cfg.num_kv_heads * model().cfg.head_dim
     # one block: K and V in bf16 (2 x 2 B), the positions (3 x 4 B), one bf16 index key of Hkv * D
-    assert manager.reserved.device.block_nbytes == 2 * 2 * hkv_d + 3 * 4 + 2 * hkv_d
+    assert manager.reserved.row_nbytes == manager.service.home.row_nbytes == 2 * 2 * hkv_d + 3 * 4 + 2 * hkv_d
+    assert manager.reserved.device.capacity % manager.reserved.row_nbytes == 0
     monkeypatch.delenv(worker.ENV)
     rebuild = StandinLLM(model(), **{**kw, "enable_block_reuse": False})
     rows: dict[str, list[tuple[torch.Tensor, ...]]] = {}
@@ -149,8 +150,11 @@ def test_the_worker_install_arms_on_a_qsa_pool_and_every_warm_turn_matches_a_reb
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)  # K, V, index keys, positions of [0, N - 1): bit for bit
     stats = manager.stats()
-    assert (stats["outcomes"]["adopted"], stats["row_dtype"]) == (2, "bf16+position+index_k")
-    assert stats["rows_scattered"] == warm
+    assert (stats.outcomes["adopted"], stats.row_dtype) == (2, "bf16+position+index_k")
+    assert stats.rows_adopted == warm
+
+
+SIDES = (SideRows("position", (3,), torch.int32), SideRows("index_k", (1, 16), torch.bfloat16))
 
 
 def _composite(seed: int, n: int = 10) -> CompositeRows:
@@ -158,8 +162,7 @@ def _composite(seed: int, n: int = 10) -> CompositeRows:
     kv = torch.randn(4, 2, 2, 4, 8, generator=gen).to(torch.bfloat16)
     index = torch.randn(4, 4, 1, 16, generator=gen).to(torch.bfloat16)
     position = torch.randint(0, 99, (4, 4, 3), generator=gen, dtype=torch.int32)
-    sides = (SideRows("position", (3,), torch.int32), SideRows("index_k", (1, 16), torch.bfloat16))
-    rows = CompositeCodec(codec_for("bf16", torch.bfloat16), sides).gather_pages(
+    rows = CompositeCodec(codec_for("bf16", torch.bfloat16), SIDES).gather_pages(
         SlotPages(kv, (position, index)), [2, 0, 3], 0, n)
     assert isinstance(rows, CompositeRows)
     return rows
@@ -168,18 +171,24 @@ def _composite(seed: int, n: int = 10) -> CompositeRows:
 def test_the_store_charges_composite_bytes_and_its_host_tier_gives_them_back_bit_for_bit() -> None:
     one = _composite(1).nbytes
     assert one == 10 * (2 * 2 * 8 * 2 + 3 * 4 + 16 * 2)
-    carried = CarriedRows(None, budget_bytes=one, policy="lrd", host_budget_bytes=2 * one, row_dtype="bf16")
-    assert carried.deposit(11, list(range(12)), _composite(1))  # bound to the composite form here
+    codec = CompositeCodec(codec_for("bf16", torch.bfloat16), SIDES)  # the manager's, from its draft pages
+    carried = ArenaCarry(None, budget_bytes=one, policy="lrd", host_budget_bytes=2 * one, codec=codec,
+                         num_kv_heads=2, head_dim=8)
+    assert carried.home.row_nbytes * 10 == one  # the arena's row: K/V and the side rows
+    assert carried.deposit(11, list(range(12)), _composite(1))
     assert carried.deposit(12, list(range(12)), _composite(2))  # 11 is demoted to the host tier
     stats = carried.stats()
-    assert (stats["row_dtype"], stats["bytes_held"], stats["host_bytes_held"]) == (
+    assert (stats.row_dtype, stats.bytes_held, stats.host_bytes_held) == (
         "bf16+position+index_k", one, one)
     carried.check()
     taken = carried.take(11)
-    for a, b in zip(taken.codec.tensors(taken.head(10)), taken.codec.tensors(_composite(1)), strict=True):
+    for a, b in zip(codec.tensors(taken), codec.tensors(_composite(1)), strict=True):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match=r"a bf16\+position\+index_k codec holds CompositeRows"):
         carried.deposit(13, list(range(12)), _composite(3).kv)
+    carried.service.repair()  # the executor's fault recovery: nothing of 13 is held
+    assert carried.get(13) is None
+    carried.check()
 
 
 def test_package_code_reading_a_name_the_qsa_source_lacks_gets_attribute_error() -> None:

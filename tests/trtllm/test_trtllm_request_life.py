@@ -111,13 +111,13 @@ def test_a_reverted_chunk_that_comes_again_is_judged_once_and_the_turn_deposits(
     ex.context(req, R)  # revert_allocate_context: the chunk never ran, it comes again
     ex.finish(req)
     record = ex.record(req)
-    assert (record["outcome"], record["rows_scattered"], record["reverted"], record["skipped"]) == \
+    assert (record["outcome"], record["rows_adopted"], record["reverted"], record["skipped"]) == \
         ("adopted", R, 1, None)
     stats = ex.carry.stats()
-    assert stats["turns"] == {"cold": 1, "warm": 1, "resumed": 0, "reverted": 1}
-    assert stats["outcomes"]["adopted"] == 1 and stats["deposits"] == 2
+    assert stats.turns == {"cold": 1, "warm": 1, "resumed": 0, "reverted": 1}
+    assert stats.outcomes["adopted"] == 1 and stats.deposits == 2
     assert record["rows_deposited"] == L + 3 - 1
-    assert stats["live_requests"] == 0
+    assert stats.live_turns == 0
 
 
 def test_a_revert_that_rewinds_the_prefill_to_zero_keeps_the_turn_whole() -> None:
@@ -135,13 +135,16 @@ def test_a_revert_that_rewinds_the_prefill_to_zero_keeps_the_turn_whole() -> Non
 
 
 def test_a_blind_warm_turn_rewound_to_zero_recomputes_every_key_and_deposits() -> None:
-    """No rows carried (a fresh conversation): the warm turn is blind over [0, R) until the
-    rewind makes TensorRT-LLM's context phase compute every key: then it may deposit."""
+    """No rows carried (a fresh conversation): the warm turn is blind over [0, R) and deposits the
+    run its context computed, keys [R, N - 1); once the rewind makes TensorRT-LLM's context phase
+    compute every key, it deposits them all."""
     ex = Executor("fresh", carried=False)
     blind = ex.request(1001)
     ex.context(blind, R)
     ex.finish(blind)
-    assert ex.record(blind)["skipped"] == "gap"  # not rewound: keys [0, R) never written
+    record = ex.record(blind)  # not rewound: keys [0, R) never written, a known-invalid prefix
+    assert (record["outcome"], record["skipped"], record["rows_deposited"]) == ("no_carry", None, L + 3 - 1 - R)
+    ex = Executor("fresh-rewound", carried=False)  # a conversation of its own: nothing carried
     rewound = ex.request(1002)
     ex.prepare(rewound, R, CHUNK)
     ex.ran(rewound)
@@ -169,14 +172,14 @@ def test_a_recompute_paused_request_deposits_and_comes_back_as_a_resumed_turn(ge
     req.state = LlmRequestState.CONTEXT_INIT
     ex.prepare(req, R, CHUNK)
     resumed = ex.record(req)
-    assert (resumed["outcome"], resumed["resumed"], resumed["rows_scattered"]) == ("adopted", True, R)
+    assert (resumed["outcome"], resumed["resumed"], resumed["rows_adopted"]) == ("adopted", True, R)
     ex.ran(req)
     ex.context(req, R + CHUNK)
     ex.finish(req)
     assert ex.record(req)["rows_deposited"] == L + generated + 3 - 1
     stats = ex.carry.stats()
-    assert stats["turns"] == {"cold": 1, "warm": 1, "resumed": 1, "reverted": 0}
-    assert stats["outcomes"]["adopted"] == 2 and stats["deposits"] == 3 and stats["live_requests"] == 0
+    assert stats.turns == {"cold": 1, "warm": 1, "resumed": 1, "reverted": 0}
+    assert stats.outcomes["adopted"] == 2 and stats.deposits == 3 and stats.live_turns == 0
 
 
 def test_a_request_freed_unfinished_that_never_comes_back_leaves_only_a_bounded_note() -> None:
@@ -188,4 +191,4 @@ def test_a_request_freed_unfinished_that_never_comes_back_leaves_only_a_bounded_
         ex.prepare(req, 0, CHUNK)
         ex.free(req)  # an older PyExecutor's cancel: freed before finish_by_reason
     assert len(ex.manager._paused) == manager_module.PAUSED_LOG
-    assert ex.carry.stats()["live_requests"] == 0
+    assert ex.carry.stats().live_turns == 0

@@ -14,6 +14,7 @@ import pytest
 import torch
 from standin_helpers import CHUNK, TOKENIZER, make_llm, user_tokens
 
+from trtllm_mtp_carry.service import SKIP_REASONS
 from trtllm_mtp_carry.trtllm import session_key_for
 from trtllm_mtp_carry.trtllm.standin import (
     ConversationParams,
@@ -86,8 +87,13 @@ def _rows(seen: dict[str, Any], tpb: int, n: int) -> torch.Tensor:
     return seen["buf"][table[keys // tpb], :, :, keys % tpb]
 
 
-def _deposited(carry: Any, conv: str) -> Any:
-    return carry.manager.carried.take(session_key_for(conv))
+def _deposited(carry: Any, conv: str) -> tuple[Any, torch.Tensor]:
+    """The conversation's carried entry and its rows as the carry's arena holds them (keys from 0)."""
+    service = carry.manager.service
+    key = session_key_for(conv)
+    entry = service.store.get(key)
+    assert entry is not None and service.home.runs(key) == ((0, entry.rows),)
+    return entry, service.home.rows(key)
 
 
 @pytest.mark.parametrize("case", ["end_id", "max_tokens", "stop_word", "overlap_lag"])
@@ -121,16 +127,16 @@ def test_a_finished_turn_deposits_keys_below_n_minus_1_and_is_context_finished_i
     n = seen[0]["tokens"]
     if case == "stop_word":
         assert n == len(req.prompt) + probe.output.index(stop) + 1
-    taken = _deposited(carry, "c")
-    assert taken.entry.rows == n - 1
-    assert torch.equal(taken.rows, _rows(seen[0], llm.executor.paged.tpb, n - 1))
+    entry, rows = _deposited(carry, "c")
+    assert entry.rows == n - 1
+    assert torch.equal(rows, _rows(seen[0], llm.executor.paged.tpb, n - 1))
     if case == "overlap_lag":  # the extra step wrote rows past the last token: not kept
         tpb = llm.executor.paged.tpb
         late = _rows(seen[0], tpb, n + 3)[n - 1:]  # [4, 2, Hkv, D]
         # those fresh pages held the pool's poison rows (never cleared); every late key was overwritten
         poison = poison_page(late.shape[2], tpb, late.shape[3], late.dtype).permute(2, 0, 1, 3)
         assert bool((late != poison[torch.arange(n - 1, n + 3) % tpb]).flatten(1).any(1).all())
-    assert carry.stats()["skipped"] == dict.fromkeys(carry.stats()["skipped"], 0)
+    assert carry.stats().skipped == dict.fromkeys(SKIP_REASONS, 0)
     llm.executor.check()
 
 
@@ -162,13 +168,13 @@ def test_a_turn_ended_by_cancel_or_error(how: str, where: str) -> None:
         assert seen[0]["state"] is S.GENERATION_COMPLETE and seen[0]["context_finished"] is False
     stats = carry.stats()
     if where == "context":
-        assert stats["skipped"]["context_unfinished"] == 1 and stats["deposits"] == 0
+        assert stats.skipped["context_unfinished"] == 1 and stats.deposits == 0
     else:
         n = seen[0]["tokens"]
-        taken = _deposited(carry, "k")
-        assert taken.entry.rows == n - 1
-        assert torch.equal(taken.rows, _rows(seen[0], llm.executor.paged.tpb, n - 1))
-    assert stats["live_requests"] == 0
+        entry, rows = _deposited(carry, "k")
+        assert entry.rows == n - 1
+        assert torch.equal(rows, _rows(seen[0], llm.executor.paged.tpb, n - 1))
+    assert stats.live_turns == 0
     llm.executor.check()
 
 

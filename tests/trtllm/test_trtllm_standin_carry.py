@@ -20,6 +20,8 @@ from standin_helpers import (
     user_tokens,
 )
 
+from trtllm_mtp_carry import EVICTION_CAUSES
+from trtllm_mtp_carry.service import SKIP_REASONS
 from trtllm_mtp_carry.trtllm import attach, session_key_for
 from trtllm_mtp_carry.trtllm.standin import (
     ConversationParams,
@@ -61,21 +63,21 @@ def test_acceptance_under_the_carry_equals_rebuild_and_exceeds_blind(runs) -> No
 def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
     stats = runs["carry"][1].stats()
     warm = len(SESSIONS) * (TURNS - 1)
-    assert stats["outcomes"]["adopted"] == warm and sum(stats["outcomes"].values()) == warm
-    assert stats["turns"] == {"cold": len(SESSIONS), "warm": warm, "resumed": 0, "reverted": 0}
-    assert stats["deposits"] == len(SESSIONS) * TURNS and stats["entries"] == len(SESSIONS)
-    assert stats["skipped"] == dict.fromkeys(stats["skipped"], 0)
-    assert stats["live_requests"] == 0
+    assert stats.outcomes["adopted"] == warm and sum(stats.outcomes.values()) == warm
+    assert stats.turns == {"cold": len(SESSIONS), "warm": warm, "resumed": 0, "reverted": 0}
+    assert stats.deposits == len(SESSIONS) * TURNS and stats.entries_held == len(SESSIONS)
+    assert stats.skipped == dict.fromkeys(SKIP_REASONS, 0)
+    assert stats.live_turns == 0
     reused = sum(r.reused for turns in runs["carry"][0].values() for r in turns)
-    assert stats["rows_scattered"] == reused
+    assert stats.rows_adopted == reused
     cold, warm_turn = runs["carry"][0][SESSIONS[0].name]
     carry = runs["carry"][1]
     assert carry.turn(cold.py_request_id) == {
-        "reused": 0, "outcome": "cold", "no_carry_reason": "", "rows_scattered": 0,
+        "reused": 0, "outcome": "cold", "no_carry_reason": "", "rows_adopted": 0,
         "rows_computed": len(cold.prompt) - 1, "rows_deposited": len(cold.get_tokens(0)) - 1, "skipped": None}
     assert carry.turn(warm_turn.py_request_id) == {
         "reused": warm_turn.reused, "outcome": "adopted", "no_carry_reason": "",
-        "rows_scattered": warm_turn.reused, "rows_computed": len(warm_turn.prompt) - 1 - warm_turn.reused,
+        "rows_adopted": warm_turn.reused, "rows_computed": len(warm_turn.prompt) - 1 - warm_turn.reused,
         "rows_deposited": len(warm_turn.get_tokens(0)) - 1, "skipped": None}
 
 
@@ -136,7 +138,7 @@ def test_paired_topology_never_writes_into_tree_matched_pages() -> None:
     llm.run_until_done()
     assert second.reused == 5 * CHUNK  # the draft tree matched: the target reused that deep
     assert torch.equal(llm.executor.paged.buf[tree_pages], before)
-    assert carry.stats()["rows_scattered"] == 0
+    assert carry.stats().rows_adopted == 0
 
 
 def test_folded_topology_stands_aside_and_outputs_match() -> None:
@@ -176,7 +178,7 @@ def test_a_request_aborted_mid_context_deposits_nothing_and_leaks_nothing(failed
     warm = llm.generate_async(padded(first.get_tokens(0), 9) + user_tokens(20, 3 * CHUNK), MAX_NEW,
                               conversation_params=conv)
     llm.executor.step()  # the first chunk: the carried rows were adopted and scattered
-    assert carry.stats()["outcomes"]["adopted"] == 1 and not warm.is_context_finished
+    assert carry.stats().outcomes["adopted"] == 1 and not warm.is_context_finished
     llm.executor.cancel(warm.py_request_id, failed=failed)
     cold = llm.generate_async(user_tokens(50, 4 * CHUNK), MAX_NEW,
                               conversation_params=ConversationParams(conversation_id="b"))
@@ -184,11 +186,11 @@ def test_a_request_aborted_mid_context_deposits_nothing_and_leaks_nothing(failed
     llm.executor.cancel(cold.py_request_id, failed=failed)
     stats = carry.stats()
     why = "context_unfinished"  # cancelled or failed: its context never finished
-    assert stats["skipped"][why] == 2 and stats["deposits"] == 1  # the first turn's only
+    assert stats.skipped[why] == 2 and stats.deposits == 1  # the first turn's only
     assert carry.turn(warm.py_request_id)["skipped"] == why  # type: ignore[index]
-    assert stats["entries"] == 0 and stats["live_requests"] == 0  # the adopted entry left once
+    assert stats.entries_held == 0 and stats.live_turns == 0  # the adopted entry left once
     llm.executor.check()
-    carry.manager.carried.check()
+    carry.manager.service.check()
 
 
 def test_dummy_requests_and_requests_without_a_conversation_are_never_carried() -> None:
@@ -199,8 +201,8 @@ def test_dummy_requests_and_requests_without_a_conversation_are_never_carried() 
     llm.generate_async(user_tokens(0, 2 * CHUNK), 4)
     llm.run_until_done()
     stats = carry.stats()
-    assert (stats["skipped"]["dummy"], stats["skipped"]["no_conversation"]) == (1, 1)
-    assert stats["deposits"] == 0 and stats["live_requests"] == 0
+    assert (stats.skipped["dummy"], stats.skipped["no_conversation"]) == (1, 1)
+    assert stats.deposits == 0 and stats.live_turns == 0
     llm.executor.check()
 
 
@@ -216,9 +218,12 @@ def test_two_conversations_with_identical_tokens_never_adopt_each_others_rows() 
     assert b.reused == 4 * CHUNK  # the target's prefix cache is shared: R > 0 for "b"
     stats = carry.stats()
     # with several slots "b" has no entry of its own: an honest miss, never "a"'s rows
-    assert stats["outcomes"]["no_carry"] == 1 and stats["outcomes"]["adopted"] == 0
-    assert stats["outcomes"]["foreign_session"] == 0
-    assert stats["rows_scattered"] == 0 and stats["skipped"]["gap"] == 1  # b ran blind
+    assert stats.outcomes["no_carry"] == 1 and stats.outcomes["adopted"] == 0
+    assert stats.outcomes["foreign_session"] == 0
+    # b ran blind over [0, R) and deposited the run its context computed, keys [R, N - 1)
+    assert stats.rows_adopted == 0 and stats.skipped == dict.fromkeys(SKIP_REASONS, 0)
+    assert carry.turn(b.py_request_id)["rows_deposited"] == len(b.get_tokens(0)) - 1 - 4 * CHUNK  # type: ignore[index]
+    assert carry.manager.service.home.runs(session_key_for("b")) == ((4 * CHUNK, len(b.get_tokens(0)) - 1 - 4 * CHUNK),)
 
 
 def test_one_conversation_under_two_salts_keeps_two_sessions() -> None:
@@ -236,9 +241,9 @@ def test_one_conversation_under_two_salts_keeps_two_sessions() -> None:
     warm = llm.generate_async(padded(firsts["y"].get_tokens(0), 3), MAX_NEW, conversation_params=conv,
                               cache_salt="y")
     llm.executor.step()
-    assert warm.reused == 4 * CHUNK and carry.stats()["outcomes"]["adopted"] == 1
-    assert manager.carried.get(x_key).session_hash == x_key  # x's entry untouched
-    assert manager.carried.get(y_key) is None  # y's was taken, not x's
+    assert warm.reused == 4 * CHUNK and carry.stats().outcomes["adopted"] == 1
+    assert manager.service.store.get(x_key).session_hash == x_key  # x's entry untouched
+    assert manager.service.store.get(y_key) is None  # y's was taken, not x's
     llm.run_until_done()
 
 
@@ -257,28 +262,26 @@ def test_memory_budget_and_slots_bound_the_store_and_a_newcomer_that_does_not_fi
     stats = carry.stats()
     # each turn deposits 128 + 16 - 1 = 143 rows: two fit in 300 rows (and in 2 slots); the
     # store's default policy (incumbent) keeps them and refuses the third, as the runtime's does
-    assert stats["deposits"] == 2 and stats["entries"] == 2 and stats["rows_held"] == 2 * 143
-    assert stats["evictions"] == dict.fromkeys(stats["evictions"], 0)
-    assert stats["refusals"] == {"not_admitted": 1, "too_large": 0, "oom": 0}
-    assert stats["bytes_held"] == 2 * 143 * row_bytes
-    held = carry.manager.carried
-    assert held.get(session_key_for("m1")) is not None and held.get(session_key_for("m3")) is None
-    held.check()
+    assert stats.deposits == 2 and stats.entries_held == 2 and stats.rows_held == 2 * 143
+    assert stats.evictions == dict.fromkeys(EVICTION_CAUSES, 0)
+    assert stats.refusals == {"not_admitted": 1, "too_large": 0, "oom": 0}
+    assert stats.bytes_held == 2 * 143 * row_bytes
+    service = carry.manager.service
+    assert service.store.get(session_key_for("m1")) is not None and service.store.get(session_key_for("m3")) is None
+    service.check()
 
 
 @pytest.mark.parametrize(("slots", "cause"), [(3, "memory"), (2, "capacity")])
 def test_least_recently_deposited_evicts_the_oldest_rows_with_their_cause(slots: int, cause: str) -> None:
-    import torch
-
-    from trtllm_mtp_carry.trtllm.carried import CarriedRows
+    from arena_carry import ArenaCarry
 
     rows = torch.zeros(10, 2, 2, 4, dtype=torch.bfloat16)  # 320 bytes an entry
-    carried = CarriedRows(slots, budget_bytes=700, policy="lrd")
+    carried = ArenaCarry(slots, budget_bytes=700, policy="lrd")
     for key in (11, 12, 13):
         assert carried.deposit(key, list(range(12)), rows.clone())
     stats = carried.stats()
-    assert stats["entries"] == 2 and stats["bytes_held"] == 640
-    assert stats["evictions"] == {**dict.fromkeys(stats["evictions"], 0), cause: 1}
+    assert stats.entries_held == 2 and stats.bytes_held == 640
+    assert stats.evictions == {**dict.fromkeys(EVICTION_CAUSES, 0), cause: 1}
     assert carried.get(11) is None and carried.get(13).rows == 10
     carried.check()
 
@@ -300,13 +303,15 @@ def test_a_deposit_keeps_keys_below_n_minus_1_never_the_later_draft_steps_rows()
                              conversation_params=ConversationParams(conversation_id="v"))
     llm.run_until_done()
     n = len(req.get_tokens(0))
-    taken = carry.manager.carried.take(session_key_for("v"))
-    assert (taken.entry.rows, taken.entry.last_pair_key) == (n - 1, n - 2)
+    key = session_key_for("v")
+    entry = carry.manager.service.store.get(key)
+    assert (entry.rows, entry.last_pair_key) == (n - 1, n - 2)
+    assert carry.manager.service.home.runs(key) == ((0, n - 1),)
     table = torch.tensor(seen["table"])
     keys = torch.arange(n + 2)
     tpb = executor.paged.tpb
     rows = seen["buf"][table[keys // tpb], :, :, keys % tpb]  # [n + 2, 2, Hkv, D]
-    assert torch.equal(taken.rows, rows[: n - 1])
+    assert torch.equal(carry.manager.service.home.rows(key), rows[: n - 1])
     # later draft steps wrote past the accepted tokens: key n - 1 (the first one not kept) no
     # longer holds the poison row its fresh page started with (pages are never cleared)
     poison = poison_page(rows.shape[2], tpb, rows.shape[3], rows.dtype).permute(2, 0, 1, 3)
@@ -337,7 +342,7 @@ def test_the_scatter_writes_only_the_warm_requests_own_pages_for_keys_below_r() 
     executor.step()
     reused = 4 * CHUNK
     own = executor.paged.tables[warm.py_request_id][: reused // executor.paged.tpb]
-    assert carry.turn(warm.py_request_id)["rows_scattered"] == reused  # type: ignore[index]
+    assert carry.turn(warm.py_request_id)["rows_adopted"] == reused  # type: ignore[index]
     assert sorted(changed[0].tolist()) == sorted(own)  # no page of "x", none past R
     assert not set(own) & set(executor.paged.tables[other.py_request_id])
     llm.run_until_done()
@@ -364,10 +369,14 @@ def test_a_page_missing_at_scatter_is_counted_and_the_turn_runs_blind() -> None:
         outputs[policy] = (warm.output, warm.accepted, warm.verify_steps)
         if carry is not None:
             stats = carry.stats()
-            assert stats["errors"] == {"prepare": 0, "scatter": 1, "deposit": 0, "free": 0, "other": 0}
-            assert stats["faults"] == {"RuntimeError": 1}
-            assert stats["skipped"]["fault"] == 1 and stats["deposits"] == 1
-            assert str(carry.turn(warm.py_request_id)["error"]).startswith("scatter: RuntimeError: ")  # type: ignore[index]
+            assert stats.fault_steps == {"prepare": 1, "build": 0, "append": 0, "deposit": 0, "release": 0,
+                                         "other": 0}
+            assert stats.faults == {"RuntimeError": 1}
+            assert stats.skipped["fault"] == 1 and stats.deposits == 1
+            assert str(carry.turn(warm.py_request_id)["error"]).startswith("prepare: RuntimeError: ")  # type: ignore[index]
+            # the page check is the scatter's own, inside the adoption's move: the rows went with the
+            # turn, which deposits nothing (faulted)
+            assert (stats.entries_held, stats.leases) == (0, 0)
         llm.executor.check()
     assert outputs["carry"] == outputs["blind"]  # exactly TensorRT-LLM without the carry
 
@@ -376,7 +385,9 @@ def test_a_page_missing_at_scatter_is_counted_and_the_turn_runs_blind() -> None:
 def test_another_salt_never_adopts_the_other_salts_rows(build: str) -> None:
     """One conversation under salts x and y, one carry slot: y's deposit takes the slot from
     x's entry. x's warm turn (the target reuses x's prefix) finds the slot held by another
-    session and writes nothing: never y's rows; y's own warm turn then adopts them.
+    session and writes nothing: never y's rows; it deposits the run its context computed, which
+    takes the slot back, so y's warm turn finds x's entry and writes nothing either; y's next
+    turn then adopts y's own run, at its own keys.
     `string_only`: newer LlmRequests carry only `cache_salt` (`cache_salt_id` unset), the
     case that adopted 269 foreign rows before (issue 30)."""
     llm, _ = make_llm("blind")  # the helper's executor options, with a one-slot carry attached here
@@ -396,12 +407,17 @@ def test_another_salt_never_adopts_the_other_salts_rows(build: str) -> None:
     x2 = run(padded(x1.get_tokens(0), 3), "x")
     assert x2.reused == 4 * CHUNK
     record = carry.turn(x2.py_request_id)
-    assert (record["outcome"], record["rows_scattered"], record["skipped"]) == ("foreign_session", 0, "gap")
+    assert (record["outcome"], record["rows_adopted"], record["skipped"]) == ("foreign_session", 0, None)
     y2 = run(padded(y1.get_tokens(0), 5), "y")
     y_record = carry.turn(y2.py_request_id)
-    assert (y_record["outcome"], y_record["rows_scattered"]) == ("adopted", 4 * CHUNK)
+    assert (y_record["outcome"], y_record["rows_adopted"], y_record["skipped"]) == ("foreign_session", 0, None)
+    y3 = run(padded(y2.get_tokens(0), 7), "y")
+    assert y3.reused == len(y2.prompt)
+    y_record = carry.turn(y3.py_request_id)
+    # y2's run: keys [4 * CHUNK, ...), the ones below y3's R restored
+    assert (y_record["outcome"], y_record["rows_adopted"]) == ("adopted", len(y2.prompt) - 4 * CHUNK)
     stats = carry.stats()
-    assert stats["rows_scattered"] == 4 * CHUNK and stats["outcomes"]["adopted"] == 1
+    assert stats.rows_adopted == len(y2.prompt) - 4 * CHUNK and stats.outcomes["adopted"] == 1
     llm.executor.check()
 
 
@@ -411,7 +427,7 @@ def test_a_salt_keys_the_session_as_session_key_for_does() -> None:
     first = llm.generate_async(user_tokens(0, 2 * CHUNK), MAX_NEW, conversation_params=conv, cache_salt="s")
     first.cache_salt_id = None
     llm.run_until_done()
-    assert carry.manager.carried.get(session_key_for("k", "s")) is not None
+    assert carry.manager.service.store.get(session_key_for("k", "s")) is not None
     warm = llm.generate_async(padded(first.get_tokens(0), 3), MAX_NEW, conversation_params=conv, cache_salt="s")
     warm.cache_salt_id = None
     llm.run_until_done()

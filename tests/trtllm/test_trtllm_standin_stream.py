@@ -49,7 +49,7 @@ def test_with_the_stand_ins_own_stream_the_adapter_orders_its_gather_and_scatter
     scatter orders the executor's after it, only the deposit's gather makes the CPU wait."""
     from standin_helpers import ADOPTION_ORDER, GATHER_ORDER, cold_then_warm_turn, make_llm
 
-    from trtllm_mtp_carry.trtllm import manager as manager_module
+    from trtllm_mtp_carry.service import streams as streams_mod
 
     log: list[str] = []
     made: list[RecordedStream] = []
@@ -70,9 +70,9 @@ def test_with_the_stand_ins_own_stream_the_adapter_orders_its_gather_and_scatter
         yield
 
     monkeypatch.setattr(kvm, "_manager_stream", manager_stream)
-    monkeypatch.setattr(manager_module, "_cuda_available", lambda: True)
-    monkeypatch.setattr(manager_module, "_on_stream", on_stream)
-    monkeypatch.setattr(manager_module, "_current_stream", lambda device: ExecutorStream())
+    monkeypatch.setattr(streams_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(streams_mod, "on_stream", on_stream)
+    monkeypatch.setattr(streams_mod, "current_stream", lambda device: ExecutorStream())
     llm, carry = make_llm("carry")
     assert carry is not None and carry.manager is not None
     assert carry.manager.draft._stream is made[-1]  # the stand-in's own, not set by the test

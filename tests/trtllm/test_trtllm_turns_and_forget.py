@@ -30,7 +30,7 @@ def test_pop_turn_returns_each_requests_record_once_by_its_llm_api_id() -> None:
     p1 = user_tokens(0, 70)
     cold = run(llm, p1, "c", 501)
     assert cold.py_client_id == 501 != cold.py_request_id
-    assert carry.pop_turn(501) == {"reused": 0, "outcome": "cold", "no_carry_reason": "", "rows_scattered": 0,
+    assert carry.pop_turn(501) == {"reused": 0, "outcome": "cold", "no_carry_reason": "", "rows_adopted": 0,
                                    "rows_computed": 69, "rows_deposited": len(cold.get_tokens(0)) - 1,
                                    "skipped": None}
     assert carry.pop_turn(501) is None  # read once
@@ -38,7 +38,7 @@ def test_pop_turn_returns_each_requests_record_once_by_its_llm_api_id() -> None:
     warm = run(llm, p2, "c", 502)
     assert carry.pop_turn(warm.py_request_id) is None  # the executor's id is not the LLM API's
     assert carry.pop_turn(502) == {"reused": 70, "outcome": "adopted", "no_carry_reason": "",
-                                   "rows_scattered": 70, "rows_computed": len(p2) - 1 - 70,
+                                   "rows_adopted": 70, "rows_computed": len(p2) - 1 - 70,
                                    "rows_deposited": len(warm.get_tokens(0)) - 1, "skipped": None}
     assert carry.turn(warm.py_request_id) is not None  # the executor-id log is separate
 
@@ -59,12 +59,12 @@ def test_forget_drops_the_conversations_rows_under_every_salt_as_session_end() -
     b = run(llm, user_tokens(300, 40), "c", 702, salt="tenant-b")  # the same conversation, another salt
     d = run(llm, user_tokens(600, 40), "d", 703)
     held = carry.stats()
-    assert (held["entries"], held["evictions"]["session_end"]) == (3, 0)
+    assert (held.entries_held, held.evictions["session_end"]) == (3, 0)
     dropped = carry.forget_conversation("c")
     assert dropped == len(a.get_tokens(0)) - 1 + len(b.get_tokens(0)) - 1
     stats = carry.stats()
-    assert (stats["entries"], stats["evictions"]["session_end"]) == (1, 2)
-    assert carry.manager.carried.check() is None  # the rows left with their entries
+    assert (stats.entries_held, stats.evictions["session_end"]) == (1, 2)
+    assert carry.manager.service.check() is None  # the rows left with their entries
     assert carry.forget_conversation("c") == 0  # nothing left: a no-op
     again = run(llm, a.get_tokens(0) + user_tokens(900, 20), "c", 704)
     assert (carry.pop_turn(704)["outcome"], carry.pop_turn(704)) == ("no_carry", None)  # type: ignore[index]
@@ -82,18 +82,18 @@ def test_a_request_running_when_its_conversation_is_forgotten_deposits_nothing()
     warm = llm.executor.submit(first.get_tokens(0) + user_tokens(500, 20), MAX_NEW, conversation_id="c",
                                client_id=802)
     llm.executor.step()  # its first chunk: judged and adopted, the entry leased out
-    assert not warm.is_finished and carry.stats()["entries"] == 0
+    assert not warm.is_finished and carry.stats().entries_held == 0
     assert carry.forget_conversation("c") == 0  # the rows are out in the live request
     llm.run_until_done()
     record = carry.pop_turn(802)
     assert record is not None and (record["outcome"], record["skipped"], record["rows_deposited"]) == (
         "adopted", "session_end", 0)
     stats = carry.stats()
-    assert (stats["entries"], stats["skipped"]["session_end"], stats["live_requests"]) == (0, 1, 0)
+    assert (stats.entries_held, stats.skipped["session_end"], stats.live_turns) == (0, 1, 0)
     run(llm, warm.get_tokens(0) + user_tokens(700, 20), "c", 803)
     last = carry.pop_turn(803)
     assert last is not None and (last["outcome"], last["no_carry_reason"]) == ("no_carry", "session_end")
-    carry.manager.carried.check()
+    carry.manager.service.check()
     llm.executor.check()
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from standin_helpers import user_tokens
 
+from trtllm_mtp_carry.service import SKIP_REASONS
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, worker
 from trtllm_mtp_carry.trtllm.options import RECOMMENDED_KV_CACHE_CONFIG
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, DataType, LlmRequest, StandinLLM
@@ -98,9 +99,9 @@ def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebu
     assert [[r.output for r in s] for s in got] == [[r.output for r in s] for s in want]
     stats = _manager(carry).stats()
     warm = sessions * (turns - 1)
-    assert stats["outcomes"]["adopted"] == warm and sum(stats["outcomes"].values()) == warm
-    assert stats["deposits"] == sessions * turns
-    assert stats["skipped"] == dict.fromkeys(stats["skipped"], 0)
+    assert stats.outcomes["adopted"] == warm and sum(stats.outcomes.values()) == warm
+    assert stats.deposits == sessions * turns
+    assert stats.skipped == dict.fromkeys(SKIP_REASONS, 0)
     for s_got, s_want in zip(got, want, strict=True):
         assert all(r.reused >= HISTORY for r in s_got[1:])  # every warm turn reused its history
         for r_got, r_want in zip(s_got, s_want, strict=True):
@@ -111,8 +112,8 @@ def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebu
     cfg = carry.executor.model.cfg
     hkv, d = cfg.num_kv_heads, cfg.head_dim
     vector = {DataType.BF16: 2 * d, DataType.FP8: d, DataType.NVFP4: d // 2 + d // 16}[kv_dtype]
-    assert stats["row_dtype"] == {DataType.BF16: "bf16", DataType.FP8: "fp8_kv", DataType.NVFP4: "nvfp4_kv"}[kv_dtype]
-    assert stats["bytes_held"] == stats["rows_held"] * 2 * hkv * vector
+    assert stats.row_dtype == {DataType.BF16: "bf16", DataType.FP8: "fp8_kv", DataType.NVFP4: "nvfp4_kv"}[kv_dtype]
+    assert stats.bytes_held == stats.rows_held * 2 * hkv * vector
     acc_carry = sum(r.accepted for s in got for r in s[1:])
     acc_rebuild = sum(r.accepted for s in want for r in s[1:])
     assert acc_carry == acc_rebuild
@@ -152,7 +153,7 @@ def test_the_worker_install_runs_after_the_draft_manager_in_prepare_and_before_i
     calls = [(m, op) for m, op, rid in llm.executor.resource_manager.calls if rid == req.py_request_id]
     assert [m for m, op in calls if op == "prepare"][:2] == ["DRAFT_KV_CACHE_MANAGER", CARRY_MANAGER_KEY]
     assert [m for m, op in calls if op == "free"][-2:] == [CARRY_MANAGER_KEY, "DRAFT_KV_CACHE_MANAGER"]
-    assert _manager(llm).stats()["deposits"] == 1
+    assert _manager(llm).stats().deposits == 1
 
 
 def test_with_kv_cache_estimation_the_served_executor_gets_a_carry_bound_to_its_own_draft_pool(

@@ -211,11 +211,11 @@ def test_a_worker_carry_serves_the_triton_models_families_scraped_over_http(
     label = 'model="tensorrt_llm",instance="rank0"'
     assert series[f'mtp_carry_outcomes_total{{{label},kind="adopted"}}'] == 2
     assert series[f'mtp_carry_outcomes_total{{{label},kind="no_carry"}}'] == 0
-    assert series[f'mtp_carry_drafter_rows_total{{{label},source="adopted"}}'] == stats["rows_scattered"] > 0
-    assert series[f'mtp_carry_drafter_rows_total{{{label},source="computed"}}'] == stats["rows_computed"]
+    assert series[f'mtp_carry_drafter_rows_total{{{label},source="adopted"}}'] == stats.rows_adopted > 0
+    assert series[f'mtp_carry_drafter_rows_total{{{label},source="computed"}}'] == stats.rows_computed
     assert series[f'mtp_carry_runtime{{{label},field="deposits"}}'] == 4
     assert series[f'mtp_carry_runtime{{{label},field="turns.warm"}}'] == 2
-    assert series[f'mtp_carry_runtime{{{label},field="entries"}}'] == 2
+    assert series[f'mtp_carry_runtime{{{label},field="entries_held"}}'] == 2
     assert f'mtp_carry_errors_total{{{label},reason="KeyError"}}' not in series
     # counters only grow: a fault and a session end show at the next scrape
     llm.executor.draft.get_batch_cache_indices = lambda *a, **k: (_ for _ in ()).throw(KeyError(1))

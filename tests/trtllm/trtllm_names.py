@@ -45,7 +45,7 @@ RECEIVERS = {
 FILES = [
     "trtllm_mtp_carry/trtllm/__init__.py", "trtllm_mtp_carry/trtllm/probe.py",
     "trtllm_mtp_carry/trtllm/manager.py", "trtllm_mtp_carry/trtllm/identity.py",
-    "trtllm_mtp_carry/trtllm/worker.py", "trtllm_mtp_carry/trtllm/carried.py",
+    "trtllm_mtp_carry/trtllm/worker.py", "trtllm_mtp_carry/trtllm/reservation.py",
     "trtllm_mtp_carry/trtllm/metrics.py", "trtllm_mtp_carry/trtllm/draft_pages.py",
     "trtllm_mtp_carry/trtllm/lockstep.py",
 ]

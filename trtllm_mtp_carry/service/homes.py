@@ -208,6 +208,10 @@ class RowHome(ABC):
     def idle(self) -> bool:
         """Nothing is held (every entry left and every reservation was given back)."""
 
+    def held(self) -> str:
+        """What the home holds, in words (what `CarryService.detach` names when it is not idle)."""
+        return f"{self.held_nbytes()} bytes"
+
     def stats_fields(self) -> dict[str, Any]:
         """`CarryStats` fields this home fills (`packs`, `unpacks`, ...)."""
         return {}
@@ -365,8 +369,8 @@ class ArenaHome(RowHome):
         self.head_dim = head_dim
         self.row_nbytes = codec.row_nbytes(num_kv_heads, head_dim)
         self._held: dict[int, _Held] = {}
-        # rows with side rows (a QSA pool's) are charged their stated bytes: the core's row
-        # format counts K/V vectors only
+        # rows with side rows (a QSA pool's: `CompositeCodec`) have no K/V-only RowFormat: the store
+        # charges what each deposit states, its rows at `row_nbytes` each
         self._format = None if isinstance(codec, CompositeCodec) else codec.format(num_kv_heads, head_dim)
         self.pack_ms_each: list[float] = []  # wall ms of every carry out of the pages, in order
         self.unpack_ms_each: list[float] = []  # wall ms of every carry back into them, in order
@@ -391,7 +395,10 @@ class ArenaHome(RowHome):
         return None, rows * self.row_nbytes
 
     def reserve(self, key: int, rows: int) -> bool:
-        return self.arena.take(("deposit", key), rows * self.row_nbytes) is not None
+        try:
+            return self.arena.take(("deposit", key), rows * self.row_nbytes) is not None
+        except torch.OutOfMemoryError:  # a device compaction could not stage a range: nothing taken
+            return False
 
     def unreserve(self, key: int) -> None:
         self.arena.release(("deposit", key))
@@ -530,6 +537,9 @@ class ArenaHome(RowHome):
 
     def idle(self) -> bool:
         return not self._held and not self.arena.keys()
+
+    def held(self) -> str:
+        return f"{self.held_nbytes()} bytes of entries, arena ranges {self.arena.keys()}"
 
     def stats_fields(self) -> dict[str, Any]:
         return dict(packs=len(self.pack_ms_each), unpacks=len(self.unpack_ms_each),

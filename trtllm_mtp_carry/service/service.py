@@ -39,6 +39,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -58,6 +59,8 @@ from .ledger import FaultLedger
 from .stats import SKIP_REASONS, TURN_KINDS, VETO_STEPS, CarryStats, TurnCounters
 
 __all__ = ["CarryService", "DepositPlan"]
+
+logger = logging.getLogger("trtllm_mtp_carry")
 
 
 Agree = Callable[[bool], tuple[bool, bool]]
@@ -111,6 +114,7 @@ class CarryService:
         self.room_for = room_for
         self._leases: dict[Hashable, int] = {}  # turn -> the carry key whose rows it adopted
         self._host_rows_dropped = 0
+        self._oom_logged = False  # the first `oom` refusal is logged, later ones only counted
 
     # ---- admission ---------------------------------------------------------------------
 
@@ -196,6 +200,11 @@ class CarryService:
                 if reserved:
                     self.home.unreserve(key)
                 self.store.refuse(key)
+                if not self._oom_logged:
+                    self._oom_logged = True
+                    logger.warning("mtp carry: a deposit was refused as oom (no room for %d bytes where the "
+                                   "rows live); the carry keeps serving with what it holds; later ones are "
+                                   "counted in refusals.oom, not logged", nbytes)
                 return None
             return DepositPlan(key, rows, nbytes, session, "device")
 
@@ -320,7 +329,7 @@ class CarryService:
             self.repair()
             left = []
             if not self.home.idle():
-                left.append(f"device home: {self.home.held_nbytes()} bytes")
+                left.append(f"device home: {self.home.held()}")
             if self.host is not None and not self.host.idle():
                 left.append(f"host tier: {self.host.keys()} {self.host.arena.keys()}")
             if left:

@@ -181,6 +181,22 @@ class CarryStats:
     agreements: int = 0
     vetoed: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def idle(cls, **fields: object) -> CarryStats:
+        """The stats of a carry that did and holds nothing (one standing aside): every dict field
+        lists its whole vocabulary at zero, as an armed carry's do, so a scraper reads the same
+        gauge names either way; `fields` sets the configuration."""
+        from ..core import NO_CARRY_REASONS, OUTCOME_KINDS, REFUSAL_CAUSES
+        from ..core.carry_store import EVICTION_CAUSES
+        from .ledger import FAULT_STEPS
+
+        vocab: dict[str, tuple[str, ...]] = {
+            "turns": TURN_KINDS, "outcomes": OUTCOME_KINDS, "no_carry_reasons": NO_CARRY_REASONS,
+            "skipped": SKIP_REASONS, "evictions": EVICTION_CAUSES, "refusals": REFUSAL_CAUSES,
+            "fault_steps": FAULT_STEPS}
+        zeros: dict[str, object] = {name: dict.fromkeys(names, 0) for name, names in vocab.items()}
+        return cls(**{**zeros, **fields})  # type: ignore[arg-type]
+
     @property
     def rows_computed(self) -> int:
         """Every row the executor computed (appended, prefilled and rebuilt)."""

@@ -109,9 +109,9 @@ class CarryAttachment:
             return stats
         from ..core import carry_eviction, carry_row_dtype
 
-        return CarryStats(armed=False, row_dtype=self.options.carry_row_dtype or carry_row_dtype(),
-                          eviction_policy=carry_eviction(), carry_slots=self.slots,
-                          carry_memory_bytes=self._device_bytes() or 0)
+        return CarryStats.idle(armed=False, row_dtype=self.options.carry_row_dtype or carry_row_dtype(),
+                               eviction_policy=carry_eviction(), carry_slots=self.slots,
+                               carry_memory_bytes=self._device_bytes() or 0)
 
     def turn(self, request_id: int) -> dict[str, object] | None:
         """The turn record of executor request `request_id` (`LlmRequest.py_request_id`): R, the

@@ -406,10 +406,10 @@ class CarryManagerCore:
                 self._skip("session_end", live)
                 return False
             self._vetoed_now = False
-            plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation, agree=self._agree)
-            if plan is None:  # refused before any row moved (the store counts why)
-                return False
-            try:
+            try:  # a fault in the plan too (a demotion making room) leaves what `repair` mends
+                plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation, agree=self._agree)
+                if plan is None:  # refused before any row moved (the store counts why)
+                    return False
                 with self._draft_stream():
                     kept = self.service.deposit(plan, TurnPages(self.pages, rid), ((lo, hi - lo),), tokens,
                                                 agree=self._agree)
