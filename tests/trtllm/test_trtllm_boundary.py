@@ -103,9 +103,10 @@ def at_prepare_judge(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type
     return lambda: delattr(service, "judge")
 
 
-def at_scatter_rows(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type[Exception]) -> Callable[[], None]:
-    """The scatter of the carried rows into the pages raises (the first warm request's): the
-    entry was taken and its rows read, so they are gone with the turn."""
+def at_scatter_rows(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type[Exception],
+                    every: bool = False) -> Callable[[], None]:
+    """The scatter of the carried rows into the pages raises (the first warm request's, or with
+    `every` each one): it only read the entry's rows, so the entry stays where it was."""
     codec = carry.manager.service.home.codec
     real = codec.scatter_pages
     own = "scatter_pages" in vars(codec)
@@ -113,7 +114,7 @@ def at_scatter_rows(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type[
 
     def scatter_pages(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        if len(calls) == 1:
+        if every or len(calls) == 1:
             _raise(kind)
         return real(*args, **kwargs)
 
@@ -122,12 +123,12 @@ def at_scatter_rows(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type[
 
 
 POINTS: dict[str, tuple[Inject, str, str]] = {
-    # name -> (injection, the step counted, session a's turn-3 outcome: a fault after the
-    # entry's rows moved drops it with the turn; one before any moved leaves turn 1's rows
-    # where they were, to adopt)
+    # name -> (injection, the step counted, session a's turn-3 outcome: a fault before any row
+    # moved, or in the scatter (which only reads the entry's rows), leaves turn 1's rows where
+    # they were, to adopt)
     "scatter-get_batch_cache_indices": (at_scatter_pages, "prepare", "adopted"),
     "scatter-get_buffers": (at_scatter_buffers, "prepare", "adopted"),
-    "scatter-rows": (at_scatter_rows, "prepare", "no_carry"),
+    "scatter-rows": (at_scatter_rows, "prepare", "adopted"),
     "prepare-identity": (at_prepare_identity, "prepare", "adopted"),
     "prepare-judge": (at_prepare_judge, "prepare", "adopted"),
 }
@@ -196,17 +197,25 @@ def test_a_fault_at_adoption_runs_the_turn_blind_scatters_nothing_and_serves_on(
 
 
 def test_nothing_is_written_when_every_warm_turn_faults() -> None:
-    """Both sessions' warm turns fault after taking their entries (so turn 3 finds nothing
-    carried): every draft page then holds byte for byte what TensorRT-LLM without the carry
-    leaves there."""
-    llm, carry, done = _turns("carry", at_scatter_rows, RuntimeError, targets="ab")
+    """Every scatter of both sessions faults (from turn 2 on): no carried row ever reaches a
+    page, so every draft page holds byte for byte what TensorRT-LLM without the carry leaves
+    there; each fault left its entry where it was, so turn 3 adopts again (and faults again)."""
+    injected: list[Callable[[], None]] = []
+
+    def every_scatter(llm: StandinLLM, carry: Any, target: LlmRequest, kind: type[Exception]) -> Callable[[], None]:
+        if not injected:  # one injection for the run: both sessions' scatters, turns 2 and 3
+            injected.append(at_scatter_rows(llm, carry, target, kind, every=True))
+        return lambda: None
+
+    llm, carry, done = _turns("carry", every_scatter, RuntimeError, targets="ab")
     stats = carry.stats()
-    assert stats.rows_adopted == 0 and stats.faults == {"RuntimeError": 2}
+    assert stats.rows_adopted == 0 and stats.faults == {"RuntimeError": 4}
     assert [carry.turn(r.py_request_id)["outcome"] for r in (done["a"][2], done["b"][2])] == \
-        ["no_carry", "no_carry"]
+        ["adopted", "adopted"]
     outputs, buf = blind()
     assert torch.equal(llm.executor.paged.buf, buf)
     assert {n: [r.output for r in reqs] for n, reqs in done.items()} == outputs
+    injected[0]()
     llm.executor.check()
 
 

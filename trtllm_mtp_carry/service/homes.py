@@ -144,7 +144,8 @@ class RowHome(ABC):
     @abstractmethod
     def carry_in(self, key: int, dest: Any, rows_kept: int) -> CarriedBlocks | None:
         """Move `key`'s first `rows_kept` rows into `dest` and free the rest; returns what `dest`
-        holds where the executor says (None otherwise)."""
+        holds where the executor says (None otherwise). When the move raises, an entry's rows stay
+        held (the store keeps the entry); rows only restored for it are freed."""
 
     # ---- the host tier's seam (`host_tier.HostHome`) -------------------------------------
 
@@ -454,8 +455,11 @@ class ArenaHome(RowHome):
         t0 = time.perf_counter()
         try:
             got = dest.scatter(self.codec, rows, head_runs(held.runs, rows_kept), key)
-        finally:  # read on the current stream: the range is reused once that work is done
-            self.free(key, streams.after_current(self.device))
+        except BaseException:  # the scatter only read the rows: an entry's stay where they were
+            if held.loose is not None:  # a copy back from the host tier: its entry left the store
+                self.free(key, streams.after_current(self.device))
+            raise
+        self.free(key, streams.after_current(self.device))  # read on the current stream: reused after it
         self.unpack_ms_each.append((time.perf_counter() - t0) * 1e3)
         return got  # type: ignore[no-any-return]
 

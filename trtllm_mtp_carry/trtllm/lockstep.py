@@ -23,10 +23,10 @@ order over the tensor-parallel group), before anyone acts on them:
   batches").
 - `agree_first_sights` in `prepare_resources` when the batch holds context requests seen for the
   first time: the agreed clock, and per request whether every rank wants to judge it with the
-  same carry key and reused depth; then `agree_rows` (only when one of them was eligible): the
-  rows each rank can restore after its judge, its take and its page lookup, the MIN of which is
-  the key range `[0, m)` every rank scatters (0: none does; prefer that all ranks miss over
-  some adopting).
+  same carry key and reused depth; then `agree_rows` (when one of them was eligible): per
+  request, whether each rank can adopt after its judge and its page lookup, and the rows it can
+  restore; the MIN is what every rank does (a rank that cannot: none adopts, the entry stays;
+  prefer that all ranks miss over some adopting).
 - `agree_deposit` in `free_resources` of a request the carry tracks: deposit only if every rank
   gathered the same rows of the same key, else the skip reason of the lowest rank that could
   not; then `agree_all` on whether every rank placed them (an allocation that failed on one
@@ -167,9 +167,9 @@ class Lockstep:
         return out
 
     def agree_rows(self, rows: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Per adoption, the rows each rank can restore (0: it cannot): `(agreed, best)`, the MIN
-        (the key range `[0, agreed)` every rank scatters) and the MAX over ranks (`best > agreed
-        == 0`: some rank could adopt and another could not; none does)."""
+        """Per adoption, each rank's vote (0: it cannot adopt; else the rows it can restore plus
+        one): `(agreed, best)`, the MIN (what every rank then does) and the MAX over ranks (`best >
+        agreed == 0`: some rank could adopt and another could not; none does)."""
         vote = self.exchange(rows)
         return ([min(vote.column(i)) for i in range(len(rows))],
                 [max(vote.column(i)) for i in range(len(rows))])

@@ -114,6 +114,12 @@ class _Adoption:
     outcome: CarryOutcome | None
     rows: int
     first: int
+    able: bool = False  # adopted, and this rank can read the request's pages
+
+    @property
+    def vote(self) -> int:
+        """What this rank says to `agree_rows`: 0 when it cannot adopt, else its rows plus one."""
+        return self.rows + 1 if self.able else 0
 
 
 @dataclass
@@ -172,6 +178,8 @@ class TurnPages:
         codec.gather_pages(self.pages.views(), self.pages.page_ids(self.rid), lo, lo + n, out=out)
 
     def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
+        if not runs:  # nothing below R to restore: the pages are not read
+            return
         buf, ids = self.pages.views(), self.pages.page_ids(self.rid)
         for lo, n in runs:  # one run: the entry's keys below R
             codec.scatter_pages(buf, ids, lo, codec.head(rows, n))
@@ -520,7 +528,7 @@ class CarryManagerCore:
                 plans.append((rid, live, self._judge(rid, request, live)))
             elif ok == -1:  # the ranks would not judge it alike: none does
                 self._disagreement(rid)
-        agreed, best = self.lockstep.agree_rows([p.rows for _, _, p in plans]) if plans else ([], [])
+        agreed, best = self.lockstep.agree_rows([p.vote for _, _, p in plans]) if plans else ([], [])
         for (rid, live, plan), m, top in zip(plans, agreed, best, strict=True):
             adopted = isinstance(plan.outcome, Adopted) and self._restore(rid, live, plan, m, top)
             with self._lock:
@@ -556,20 +564,23 @@ class CarryManagerCore:
             self._fault("prepare", exc, rid)
             return _Adoption(None, 0, 0)
         try:
-            self.pages.page_ids(rid)  # this rank's pages for the request
-        except Exception as exc:  # this rank cannot restore: it says 0 rows (the peers then veto)
+            self.pages.views(), self.pages.page_ids(rid)  # this rank's pages for the request
+        except Exception as exc:  # this rank cannot restore: it votes no (no rank then adopts)
             self._fault("prepare", exc, rid)
             return _Adoption(outcome, 0, first)
-        return _Adoption(outcome, n, first)
+        return _Adoption(outcome, n, first, able=True)
 
-    def _restore(self, rid: int, live: _Live, plan: _Adoption, m: int, top: int) -> bool:
-        """Adopt the entry: its rows of keys `[first, first + m)` (the agreed count) into request
-        `rid`'s pages on the draft stream. True when the turn adopted (rows restored or not);
-        False when a rank could not and none does (`vetoed`), or a fault dropped the turn."""
-        if m < top:  # some rank could restore rows another could not: no rank does
-            with self._lock:
-                self._vetoed["adopt"] += 1
+    def _restore(self, rid: int, live: _Live, plan: _Adoption, agreed: int, best: int) -> bool:
+        """Adopt the entry: its rows of keys `[first, first + m)` (`agreed` is the MIN of the ranks'
+        votes, m + 1) into request `rid`'s pages on the draft stream. True when the turn adopted
+        (rows restored or not); False when a rank could not (`agreed` 0): no rank takes the entry,
+        which stays for a later turn (a veto when another rank could), or a fault dropped the turn."""
+        if agreed == 0:
+            if best > 0:  # some rank could adopt and another could not: no rank does
+                with self._lock:
+                    self._vetoed["adopt"] += 1
             return False
+        m = agreed - 1
         assert live.key is not None
         try:
             with self._lock:
