@@ -26,7 +26,7 @@ warm turn is printed next to the previous turn's prompt length.
 The adapter's own data path (what a warm turn adds in PyExecutor's loop): the finished
 request's gather into the carry's arena (`CarryManager._deposit`: the page gather, packed
 with `carry-fp8`, and the arena copy) and the next request's scatter into its fresh draft
-pages (`CarryManager._adopt`: the carry decision, the take and the scatter), each timed per
+pages (`CarryManager._adopt_firsts`: the carry decision, the take and the scatter), each timed per
 warm turn with the device synchronized before and after (so each counts its device work
 too: the deposit's gather waits for it in TensorRT-LLM as well; the scatter's is ordered
 before the next forward on the GPU), median (p25-p75), and paired against blind's warm TTFT
@@ -104,7 +104,7 @@ def _pool_rows(rows) -> torch.Tensor:  # type: ignore[no-untyped-def]
 class DataPath:
     """Times one carry executor's adapter data path per turn and checks what it scatters.
 
-    Wraps the installed `CarryManager`'s `_deposit` (gather into the arena) and `_adopt`
+    Wraps the installed `CarryManager`'s `_deposit` (gather into the arena) and `_adopt_firsts`
     (decide, take, scatter) on the instance, the layout functions it calls (the copies
     alone), its service's home `carry_out` (which rows went in under which key, from which
     pair key) and its service's `adopt` (which key a scatter serves). `turn` labels the calls
@@ -128,7 +128,7 @@ class DataPath:
         m, service = manager, manager.service  # type: ignore[attr-defined]
         home = service.home
         m._deposit = self._timed("deposit_ms", m._deposit, own=True)  # type: ignore[attr-defined]
-        m._adopt = self._timed("adopt_ms", m._adopt, own=True)  # type: ignore[attr-defined]
+        m._adopt_firsts = self._timed("adopt_ms", m._adopt_firsts, own=True)  # type: ignore[attr-defined]
         if not DataPath._patched:  # the codecs' page copies, once for every manager: `active` times them
             DataPath._patched = True
             for cls in set(CODECS.values()):
@@ -194,7 +194,7 @@ class DataPath:
         return times[key] - times.get(key.replace("_ms", "_aside_ms"), 0.0)
 
     _patched = False
-    active: DataPath | None = None  # the instance whose manager is in `_deposit` or `_adopt` now
+    active: DataPath | None = None  # the instance whose manager is in `_deposit` or `_adopt_firsts` now
 
     def _timed(self, key: str, fn, own: bool = False):  # type: ignore[no-untyped-def]
         def timed(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -78,8 +78,9 @@ def model(monkeypatch, tmp_path):
 def test_each_turn_reports_the_adapters_carry_outcome_and_rows(model):
     p1 = list(CORPUS[:70])
     first = send(model, standin.Request(7, start=True, input_ids=p1, max_tokens=MAX_TOKENS))
-    # cold: TensorRT-LLM reused nothing, so nothing was judged; its context computed keys [0, L - 1)
-    assert carry_of(first) == ("cold", len(p1) - 1, "cold", "", 0, 0, len(p1) - 1)
+    # cold: TensorRT-LLM reused nothing and the session has nothing deposited (judged, a miss);
+    # its context computed keys [0, L - 1)
+    assert carry_of(first) == ("no_carry", len(p1) - 1, "no_carry", "never_carried", 0, 0, len(p1) - 1)
     p2 = p1 + first["ids"] + list(CORPUS[70:90])
     second = send(model, standin.Request(7, input_ids=p2, max_tokens=MAX_TOKENS))
     # warm: the executor reused p1 (R = 70); the carry restored those 70 rows, the context
@@ -87,7 +88,7 @@ def test_each_turn_reports_the_adapters_carry_outcome_and_rows(model):
     assert carry_of(second) == ("adopted", len(p2) - 1 - len(p1), "adopted", "", len(p1), len(p1),
                                 len(p2) - 1 - len(p1))
     assert (second["stats"]["topology"], second["stats"]["carry_armed"]) == ("unpaired", True)
-    assert standin.metric("mtp_carry_outcomes_total", kind="cold") == 1
+    assert standin.metric("mtp_carry_outcomes_total", kind="no_carry") == 1
     assert standin.metric("mtp_carry_outcomes_total", kind="adopted") == 1
     assert standin.metric("mtp_carry_drafter_rows_total", source="adopted") == len(p1)
     attachment = model._engine.attachment

@@ -605,9 +605,17 @@ class ExecutorLLM(_LlmApi):
         super().__init__(model, **kwargs)
         # the package's stand-in executor, built as TensorRT-LLM's creator builds it, from the
         # kv_cache_config the model's LLM keywords give (over Qwen3-Next's defaults: reuse off)
+        # and its speculative_config (none: no drafter; MTP's `num_nextn_predict_layers` is the
+        # deprecated alias of `max_draft_len`, as in TorchLlmArgs)
+        spec = kwargs.get("speculative_config") or {}
+        draft_len = int(spec.get("max_draft_len", spec.get("num_nextn_predict_layers", 1))) if spec else 0
         engine = create_py_executor(reference_model(), kv_cache_config=kwargs.get("kv_cache_config"),
+                                    decoding_type=str(spec.get("decoding_type", "MTP")), max_draft_len=draft_len,
                                     chunk_size=self.CHUNK, tokens_per_block=self.CHUNK, max_batch=4)
         self._executor = SimpleNamespace(engine=engine)  # llm._executor.engine, as in TensorRT-LLM
+        # llm.args: the TorchLlmArgs the executor was built from (what `attach` reads)
+        for name in ("speculative_config", "kv_cache_config", "cache_transceiver_config"):
+            setattr(self.args, name, getattr(engine.llm_args, name))
         self.tokenizer = None if kwargs.get("skip_tokenizer_init") else TransformersTokenizer(ReferenceChatTokenizer())
         self._next_id = 1000
         ExecutorLLM.instances.append(self)

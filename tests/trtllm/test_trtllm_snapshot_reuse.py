@@ -153,7 +153,7 @@ def test_the_worker_hook_under_the_recommended_placement_adopts_every_warm_turn_
     turns = _session(llm, 4)
     assert [r.reused for r in turns] == [0, *(r.prompt_len for r in turns[:-1])]
     stats = llm.executor.resource_manager.resource_managers[CARRY_MANAGER_KEY].stats()
-    assert (stats.outcomes["adopted"], sum(stats.outcomes.values()), stats.deposits) == (3, 3, 4)
+    assert (stats.outcomes["adopted"], sum(stats.outcomes.values()), stats.deposits) == (3, 4, 4)  # the first turn misses
     llm.executor.check()
 
 

@@ -63,7 +63,10 @@ def test_acceptance_under_the_carry_equals_rebuild_and_exceeds_blind(runs) -> No
 def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
     stats = runs["carry"][1].stats()
     warm = len(SESSIONS) * (TURNS - 1)
-    assert stats.outcomes["adopted"] == warm and sum(stats.outcomes.values()) == warm
+    # every turn of a conversation is judged: a first turn finds nothing deposited
+    assert stats.outcomes["adopted"] == warm and stats.outcomes["no_carry"] == len(SESSIONS)
+    assert sum(stats.outcomes.values()) == warm + len(SESSIONS)
+    assert stats.no_carry_reasons["never_carried"] == len(SESSIONS)
     assert stats.turns == {"cold": len(SESSIONS), "warm": warm, "resumed": 0, "reverted": 0}
     assert stats.deposits == len(SESSIONS) * TURNS and stats.entries_held == len(SESSIONS)
     assert stats.skipped == dict.fromkeys(SKIP_REASONS, 0)
@@ -73,11 +76,11 @@ def test_every_warm_turn_adopted_and_deposits_are_counted(runs) -> None:
     cold, warm_turn = runs["carry"][0][SESSIONS[0].name]
     carry = runs["carry"][1]
     assert carry.turn(cold.py_request_id) == {
-        "reused": 0, "outcome": "cold", "no_carry_reason": "", "rows_adopted": 0,
+        "reused": 0, "outcome": "no_carry", "no_carry_reason": "never_carried", "rows_adopted": 0, "first_key": None,
         "rows_computed": len(cold.prompt) - 1, "rows_deposited": len(cold.get_tokens(0)) - 1, "skipped": None}
     assert carry.turn(warm_turn.py_request_id) == {
         "reused": warm_turn.reused, "outcome": "adopted", "no_carry_reason": "",
-        "rows_adopted": warm_turn.reused, "rows_computed": len(warm_turn.prompt) - 1 - warm_turn.reused,
+        "rows_adopted": warm_turn.reused, "first_key": 0, "rows_computed": len(warm_turn.prompt) - 1 - warm_turn.reused,
         "rows_deposited": len(warm_turn.get_tokens(0)) - 1, "skipped": None}
 
 
@@ -218,7 +221,9 @@ def test_two_conversations_with_identical_tokens_never_adopt_each_others_rows() 
     assert b.reused == 4 * CHUNK  # the target's prefix cache is shared: R > 0 for "b"
     stats = carry.stats()
     # with several slots "b" has no entry of its own: an honest miss, never "a"'s rows
-    assert stats.outcomes["no_carry"] == 1 and stats.outcomes["adopted"] == 0
+    # (a's first turn is the other miss)
+    assert stats.outcomes["no_carry"] == 2 and stats.outcomes["adopted"] == 0
+    assert stats.no_carry_reasons["never_carried"] == 2
     assert stats.outcomes["foreign_session"] == 0
     # b ran blind over [0, R) and deposited the run its context computed, keys [R, N - 1)
     assert stats.rows_adopted == 0 and stats.skipped == dict.fromkeys(SKIP_REASONS, 0)
@@ -374,9 +379,9 @@ def test_a_page_missing_at_scatter_is_counted_and_the_turn_runs_blind() -> None:
             assert stats.faults == {"RuntimeError": 1}
             assert stats.skipped["fault"] == 1 and stats.deposits == 1
             assert str(carry.turn(warm.py_request_id)["error"]).startswith("prepare: RuntimeError: ")  # type: ignore[index]
-            # the page check is the scatter's own, inside the adoption's move: the rows went with the
-            # turn, which deposits nothing (faulted)
-            assert (stats.entries_held, stats.leases) == (0, 0)
+            # the page check is the scatter's own, inside the adoption's move: a scatter that
+            # raises leaves the entry's rows where they were, and the faulted turn deposits nothing
+            assert (stats.entries_held, stats.leases) == (1, 0)
         llm.executor.check()
     assert outputs["carry"] == outputs["blind"]  # exactly TensorRT-LLM without the carry
 

@@ -30,7 +30,8 @@ def test_pop_turn_returns_each_requests_record_once_by_its_llm_api_id() -> None:
     p1 = user_tokens(0, 70)
     cold = run(llm, p1, "c", 501)
     assert cold.py_client_id == 501 != cold.py_request_id
-    assert carry.pop_turn(501) == {"reused": 0, "outcome": "cold", "no_carry_reason": "", "rows_adopted": 0,
+    assert carry.pop_turn(501) == {"reused": 0, "outcome": "no_carry", "no_carry_reason": "never_carried",
+                                   "rows_adopted": 0, "first_key": None,
                                    "rows_computed": 69, "rows_deposited": len(cold.get_tokens(0)) - 1,
                                    "skipped": None}
     assert carry.pop_turn(501) is None  # read once
@@ -38,7 +39,7 @@ def test_pop_turn_returns_each_requests_record_once_by_its_llm_api_id() -> None:
     warm = run(llm, p2, "c", 502)
     assert carry.pop_turn(warm.py_request_id) is None  # the executor's id is not the LLM API's
     assert carry.pop_turn(502) == {"reused": 70, "outcome": "adopted", "no_carry_reason": "",
-                                   "rows_adopted": 70, "rows_computed": len(p2) - 1 - 70,
+                                   "rows_adopted": 70, "first_key": 0, "rows_computed": len(p2) - 1 - 70,
                                    "rows_deposited": len(warm.get_tokens(0)) - 1, "skipped": None}
     assert carry.turn(warm.py_request_id) is not None  # the executor-id log is separate
 
@@ -49,7 +50,7 @@ def test_turn_records_nobody_reads_are_bounded(monkeypatch) -> None:
     assert carry is not None
     reqs = [run(llm, user_tokens(10 * i, 8), f"b{i}", 601 + i) for i in range(3)]
     assert carry.pop_turn(601) is None and carry.turn(reqs[0].py_request_id) is None  # the oldest left
-    assert [carry.pop_turn(c)["outcome"] for c in (602, 603)] == ["cold", "cold"]  # type: ignore[index]
+    assert [carry.pop_turn(c)["outcome"] for c in (602, 603)] == ["no_carry", "no_carry"]  # type: ignore[index]
 
 
 def test_forget_drops_the_conversations_rows_under_every_salt_as_session_end() -> None:

@@ -99,7 +99,8 @@ def test_worker_install_adopts_every_warm_turn_at_4k_history_bit_equal_to_a_rebu
     assert [[r.output for r in s] for s in got] == [[r.output for r in s] for s in want]
     stats = _manager(carry).stats()
     warm = sessions * (turns - 1)
-    assert stats.outcomes["adopted"] == warm and sum(stats.outcomes.values()) == warm
+    assert stats.outcomes["adopted"] == warm and stats.no_carry_reasons["never_carried"] == sessions
+    assert sum(stats.outcomes.values()) == sessions * turns  # every turn judged; first turns miss
     assert stats.deposits == sessions * turns
     assert stats.skipped == dict.fromkeys(SKIP_REASONS, 0)
     for s_got, s_want in zip(got, want, strict=True):
@@ -279,7 +280,7 @@ def test_stats_every_prints_the_worker_carrys_counters_every_n_freed_requests_an
     lines = worker.messages()[before:]
     assert [line.split(":")[1] for line in lines] == [" after 2 freed requests", " after 4 freed requests"]
     assert lines[1] == manager.stats_line()
-    assert lines[1].startswith("mtp carry: after 4 freed requests: turns cold 2, warm 2; outcomes: adopted 2; ")
+    assert lines[1].startswith("mtp carry: after 4 freed requests: turns cold 2, warm 2; outcomes: adopted 2, no_carry 2; ")
     assert all(r.is_finished for r in second)
     manager.shutdown()
     assert worker.messages()[-1].startswith("mtp carry: after 4 freed requests: turns cold 2, warm 2")

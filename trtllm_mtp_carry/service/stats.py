@@ -193,7 +193,7 @@ class CarryStats:
         vocab: dict[str, tuple[str, ...]] = {
             "turns": TURN_KINDS, "outcomes": OUTCOME_KINDS, "no_carry_reasons": NO_CARRY_REASONS,
             "skipped": SKIP_REASONS, "evictions": EVICTION_CAUSES, "refusals": REFUSAL_CAUSES,
-            "fault_steps": FAULT_STEPS}
+            "fault_steps": FAULT_STEPS, "vetoed": VETO_STEPS}
         zeros: dict[str, object] = {name: dict.fromkeys(names, 0) for name, names in vocab.items()}
         return cls(**{**zeros, **fields})  # type: ignore[arg-type]
 

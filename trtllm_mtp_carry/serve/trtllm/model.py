@@ -27,8 +27,8 @@ Request contract (the reference model's, `serve/triton/model.py`):
   every request: `CarryAttachment.pop_turn(RequestOutput.request_id)` (the
   executor's `LlmRequest.py_client_id`; each record is read once, at most
   `TURN_LOG` are kept). `carry_outcome` is the core's outcome kind (`adopted`,
-  `no_carry`, `prefix_mismatch`, ...) when TensorRT-LLM reused a prefix and
-  the adapter judged the turn, `cold` when it reused nothing, `not_armed` when
+  `no_carry`, `prefix_mismatch`, ...; a conversation's first turn is judged
+  too and finds nothing, `no_carry` for `never_carried`), `not_armed` when
   the carry is not installed; `turn_stats` adds `no_carry_reason`,
   `reused_tokens` (R), `drafter_rows_kept`. `drafter_rows_computed` counts the
   prompt's pair keys `[R, L - 1)` TensorRT-LLM's context phase computes, as

@@ -211,9 +211,8 @@ class TrtllmTurnStats(DraftRates):
     `ttft_ms` is measured by the model from the request's submission to its first token.
     The carry's fields come from the adapter (`CarryAttachment.pop_turn`), which takes the
     carry decision for every request: `outcome_kind` is the core's outcome kind (`adopted`,
-    `no_carry`, ...) when the adapter judged the turn (TensorRT-LLM reused a prefix),
-    `cold` when TensorRT-LLM reused nothing (no decision to take), `not_armed` when the
-    carry is not installed, "" when unknown (no record); `drafter_rows_kept` the carried
+    `no_carry`, ...; every turn of a conversation is judged, so a first turn is `no_carry`
+    with `no_carry_reason` `never_carried`), `not_armed` when the carry is not installed, "" when unknown (no record); `drafter_rows_kept` the carried
     rows restored over the reused prefix; `drafter_rows_computed` the prompt's pair keys
     `[R, L - 1)` TensorRT-LLM's context phase computes (the reference's count); a value
     the adapter does not know is None (not armed, or no record)."""
