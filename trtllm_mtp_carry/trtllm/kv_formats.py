@@ -73,10 +73,6 @@ _NVFP4_SLOT_LINES: dict[str, str] = {
 """Carried managers whose NVFP4 block-scale page geometry was not read: their NVFP4 pools stand aside."""
 
 _MANAGER_LINES: dict[str, str] = {
-    "DeepseekV4CacheManager": (
-        "DeepseekV4CacheManager stands aside: the MTP layer's KV is MLA latent (SELFKONLY, one head) "
-        "with sliding, compressed and indexer pages per layer (deepseek_v4/cache_manager.py @ "
-        "38198e34), not the [pages, 2, kv_heads, tokens, head_dim] K/V pages the carry moves"),
     "DSACacheManagerV2": (
         "DSACacheManagerV2 stands aside: the MTP layer's KV is MLA latent (SELFKONLY) with an "
         "indexer K cache, not the K/V pages the carry moves; TensorRT-LLM pairs it itself where "
@@ -176,6 +172,8 @@ def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None
         return KvVerdict(False, kv_format, manager, v1_line(manager))
     if compression:
         return KvVerdict(False, kv_format, manager, _COMPRESSION_LINE.format(algorithm=compression))
+    if manager == DEEPSEEK_V4:
+        return deepseek_v4_verdict(kv_format)
     if manager in _MANAGER_LINES:
         return KvVerdict(False, kv_format, manager, _MANAGER_LINES[manager])
     if kv_format == "nvfp4" and manager in _NVFP4_SLOT_LINES:
@@ -216,8 +214,10 @@ def verdict_of_options(options: Mapping[str, Any], checkpoint_kv_quant: object =
         checkpoint_kv_quant = quant.get("kv_cache_quant_algo") if isinstance(quant, Mapping) else None
     compression = options.get("kv_cache_compression_config") or {}
     algorithm = compression.get("algorithm") if isinstance(compression, Mapping) else None
-    return kv_verdict(resolve_kv_format(kv_dtype, checkpoint_kv_quant), manager_of_options(options),
-                      str(algorithm) if algorithm else None)
+    kv_format, manager = resolve_kv_format(kv_dtype, checkpoint_kv_quant), manager_of_options(options)
+    if manager == DEEPSEEK_V4 and not algorithm:
+        return deepseek_v4_verdict(kv_format, deepseek_v4_sm_of_options(kv_format, kv))
+    return kv_verdict(kv_format, manager, str(algorithm) if algorithm else None)
 
 
 def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
@@ -225,6 +225,8 @@ def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
     the most derived class of its hierarchy the verdict names (a subclass of a named manager is
     judged as that manager)."""
     names = [c.__name__ for c in type(draft).__mro__]
+    if DEEPSEEK_V4 in names and not compression:
+        return deepseek_v4_verdict(*deepseek_v4_pool_of(draft))
     manager = next((n for n in names if n in _MANAGER_LINES or n in _CARRIED_MANAGER_LINES), names[0])
     kv_format = kv_format_of_datatype(getattr(draft, "dtype", None))
     if manager not in _CARRIED_MANAGER_LINES and getattr(draft, "qsa_position_layer_id", None) is not None:
@@ -232,3 +234,87 @@ def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
         # `_qsa_enabled`): carrying K/V alone, at ids scaled for K/V only, would be wrong: fail closed
         return KvVerdict(False, kv_format, manager, _UNREAD_QSA_LINE.format(manager=manager))
     return kv_verdict(kv_format, manager, compression)
+
+
+# ---- DeepSeek-V4's draft pool ---------------------------------------------------------------
+
+DEEPSEEK_V4 = "DeepseekV4CacheManager"
+"""DeepSeek-V4's cache manager class (`deepseek_v4/cache_manager.py`): its draft pool's too."""
+
+HOPPER_SM = 90
+"""`get_sm_version()` on Hopper, where DeepSeek-V4 requires `fp8_ds_mla` (`cache_manager.py` @
+0b03b6afc16c24de7556e3abf7b78e9ccae2def4) and FlashMLA writes whole blocks (`flash_mla.py` @ 7de08c31)."""
+
+_DSV4_POOL = (
+    "deepseek_v4/cache_manager.py @ 0b03b6afc16c24de7556e3abf7b78e9ccae2def4: DeepseekV4CacheManager is "
+    "unpaired on every tree read (_supports_reuse_match_backoff False there, and "
+    "_supports_draft_reuse_match_backoff False @ 38198e34582cf777ecc72062f477987284ba9999); a compress-ratio-1 "
+    "layer has only the SWA buffer (PageIndexMode.PER_LAYER, get_buffers(layer, SWA), get_cache_indices); "
+    "metadata.py @ 0b03b6af refuses a separate draft pool unless the MTP layer's ratio is 1 and asserts "
+    "window_size == 128; the pool drops blocks below the window (_kv_cache.py @ 00f6bd61 "
+    "_unlock_stale_blocks), so the carry keeps the run of keys on held pages up to key N-2 and restores "
+    "keys [R-127, R)")
+
+_DSV4_LINES: dict[str, str] = {
+    "bf16": ("DeepseekV4CacheManager: the MTP layer's 128-token sliding window of BF16 MLA latent rows (one "
+             "512-wide vector a key) is carried as the pool holds it, so a warm turn drafts with restored "
+             "rows for the up to 127 keys below its reuse point"),
+    "fp8": ("DeepseekV4CacheManager: the MTP layer's 128-token sliding window of FP8 MLA latent rows (one "
+            "512-byte e4m3 vector a key, written with the layer's static scale; NVFP4 KV keeps this window "
+            "in FP8) is carried bit for bit, so a warm turn drafts with restored rows for the up to 127 keys "
+            "below its reuse point"),
+    "fp8_ds_mla": ("DeepseekV4CacheManager on Hopper: the MTP layer's 128-token sliding window of fp8_ds_mla "
+                   "latent rows (per key 448 e4m3 values, 64 bf16 RoPE values and 7 UE8M0 tile scales, 584 "
+                   "bytes) is carried bit for bit, so a warm turn drafts with restored rows for the up to 127 "
+                   "keys below its reuse point"),
+}
+_DSV4_DETAILS: dict[str, str] = {
+    "fp8": "NVFP4 KV: cache_dtype = DataType.FP8 for the SWA buffers (cache_manager.py @ 0b03b6af)",
+    "fp8_ds_mla": ("footer-scale pages: data rows then footer rows a page, FlashMLA appending with "
+                   "page_size=tokens_per_block (footer_scale_kv.py @ d77955c52716fe6ff51d047f0eb93a443a342ef9, "
+                   "flash_mla.py @ 7de08c31c5c1bf627e4f7177b41ddc40fcf0ccfe)"),
+}
+
+
+def deepseek_v4_verdict(kv_format: str, sm_version: int | None = None) -> KvVerdict:
+    """The verdict on a DeepSeek-V4 draft pool: its MTP layer's sliding-window MLA latent rows are
+    carried for BF16, FP8 (and NVFP4, whose window is FP8) and, on Hopper (`sm_version` 90), for
+    `fp8_ds_mla`; elsewhere the carry stands aside naming what it did not read. The first line is one
+    sentence, the file@commit details follow on the next."""
+    fmt = "fp8" if kv_format == "nvfp4" else kv_format
+    if fmt == "fp8_ds_mla" and sm_version != HOPPER_SM:
+        where = ("info cannot see the GPU (tokens_per_block 128 would prove Hopper: off Hopper fp8_ds_mla "
+                 "needs 256)" if sm_version is None else f"this GPU is SM{sm_version}")
+        line = ("DeepseekV4CacheManager with fp8_ds_mla KV stands aside off Hopper: which footer-scale page "
+                f"size its kernels write there was not read ({where}); the worker carries it on Hopper (SM90)")
+        details = ("FlashMLA (Hopper) appends whole blocks, FlashInfer's SM120 path 64-token pages "
+                   "(footer_scale_kv.py @ d77955c5, flash_mla.py @ 7de08c31)")
+        return KvVerdict(False, kv_format, DEEPSEEK_V4, f"{line}\n{details}; {_DSV4_POOL}")
+    if fmt in _DSV4_LINES:
+        details = "; ".join(d for d in (_DSV4_DETAILS.get(fmt if kv_format != "nvfp4" else "fp8"), _DSV4_POOL) if d)
+        return KvVerdict(True, kv_format, DEEPSEEK_V4, f"{_DSV4_LINES[fmt]}\n{details}")
+    return KvVerdict(False, kv_format, DEEPSEEK_V4,
+                     f"DeepseekV4CacheManager with {kv_format.upper()} KV stands aside: the carry reads BF16, FP8, "
+                     f"NVFP4 (FP8 window) or Hopper's fp8_ds_mla sliding-window pages only\n{_DSV4_POOL}")
+
+
+def deepseek_v4_sm_of_options(kv_format: str, kv_cache_config: Any) -> int | None:
+    """The GPU an `llm.yaml` proves for a DeepSeek-V4 pool, or None: `fp8_ds_mla` with
+    `tokens_per_block` 128 runs only on Hopper (off Hopper the manager requires 256,
+    `cache_manager.py` @ 0b03b6af)."""
+    tpb = kv_cache_config.get("tokens_per_block") if isinstance(kv_cache_config, Mapping) else None
+    return HOPPER_SM if kv_format == "fp8_ds_mla" and tpb is not None and int(tpb) == 128 else None
+
+
+def deepseek_v4_pool_of(draft: Any) -> tuple[str, int | None]:
+    """`(kv_format, sm_version)` of a live DeepSeek-V4 draft manager: `fp8_ds_mla` where it says
+    `use_fp8_ds_mla` (with the GPU its module's `get_sm_version` reports, what the manager itself
+    asked), else its `dtype`'s format (FP8 for an NVFP4 deployment: its SWA pages are FP8)."""
+    import sys
+
+    dsv4 = draft
+    if getattr(dsv4, "use_fp8_ds_mla", False) is True:
+        owner = next(c for c in type(dsv4).__mro__ if c.__name__ == DEEPSEEK_V4)
+        get_sm_version = getattr(sys.modules[owner.__module__], "get_sm_version", None)
+        return "fp8_ds_mla", None if get_sm_version is None else int(get_sm_version())
+    return kv_format_of_datatype(getattr(draft, "dtype", None)), None

@@ -72,10 +72,9 @@ from ..core import carry_eviction, carry_idle_s, carry_row_dtype, carry_slots, m
 from ..core.outcome import Adopted, CarryOutcome
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from ..dataplane.row_codec import RowCodec, Rows
 from ..service import CarryService, CarryStats, guarded, streams
-from ..service.homes import ArenaHome, Runs
-from .draft_pages import DraftPages, pages_of
+from ..service.homes import ArenaHome
+from .draft_pages import TurnPages, pages_of
 from .identity import conversation_session, request_session, request_session_key
 from .options import CarryOptions
 from .reservation import Reserved, reserve_for
@@ -132,23 +131,6 @@ class _Live:
         start, end = self.chunk
         lo, _ = merge_interval(self.run, start, end - start)
         return lo, num_tokens - 1
-
-
-class TurnPages:
-    """A request's MTP-layer draft pages, as the service's arena reads and writes them (`RowPages`):
-    one run of keys at a time, at the request's page ids."""
-
-    def __init__(self, pages: DraftPages, rid: int) -> None:
-        self.buf = pages.views()
-        self.ids = pages.page_ids(rid)
-
-    def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
-        (lo, n), = runs
-        codec.copy_(out, codec.gather_pages(self.buf, self.ids, lo, lo + n))
-
-    def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
-        for lo, n in runs:  # one run: the entry's keys below R
-            codec.scatter_pages(self.buf, self.ids, lo, codec.head(rows, n))
 
 
 def _other_default(value: object) -> Callable[..., object]:
@@ -349,7 +331,9 @@ class CarryManagerCore:
             self._skip(why, live)
             return False
         assert live is not None and live.key is not None
-        lo, hi = live.valid_run(len(tokens))  # key k consumed tokens[0 ..= k + 1]: keys < N - 1
+        turn = self.pages.turn(rid)
+        # key k consumed tokens[0 ..= k + 1]: keys < N - 1; of those, the run on pages still held
+        lo, hi = turn.kept(*live.valid_run(len(tokens)))
         if hi <= lo:
             self._skip("no_rows", live)
             return False
@@ -362,7 +346,7 @@ class CarryManagerCore:
                 return False
             try:
                 with self._draft_stream():
-                    kept = self.service.deposit(plan, TurnPages(self.pages, rid), ((lo, hi - lo),), tokens)
+                    kept = self.service.deposit(plan, turn, ((lo, hi - lo),), tokens)
                     self._sync()
             except Exception as exc:  # the carry may cost acceptance, never the executor
                 self._fault("deposit", exc, rid)
@@ -453,15 +437,18 @@ class CarryManagerCore:
             assert entry is not None and entry.last_pair_key is not None
             first = entry.last_pair_key - entry.rows + 1  # the entry's keys: one run from here
             n = max(0, min(outcome.rows, live.reused - first))  # keys below R only
+            # keys below the turn's read window (a sliding-window pool's) are never written
+            skip = min(n, max(0, self.pages.read_window(live.reused) - first))
             try:
                 with self._draft_stream():
-                    self.service.adopt(rid, live.key, n, TurnPages(self.pages, rid))
+                    self.service.adopt(rid, live.key, n, self.pages.turn(rid, skip))
                 self._forward_waits_for_draft_stream()
             except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
                 self._fault("prepare", exc, rid)
                 self.service.drop_turn(rid)
                 self.service.repair()
                 return False
+            first, n = first + skip, n - skip  # the keys restored
             live.run = (first, first + n) if n else (0, 0)
             self.service.counters.rows_adopted += n
             self.service.counters.keys_skipped += max(0, live.reused - (first + n)) if n else 0

@@ -43,7 +43,9 @@ Topologies:
   True: paired markers. PR #19303 (tree 38198e34) reads `_supports_draft_reuse_match_backoff`:
   hybrids paired, `QSAMambaHybridCacheManagerV2` and `DeepseekV4CacheManager` not (their draft
   pools are judged by `kv_formats.kv_verdict`: a QSA pool is carried with its index-key and
-  position rows, `draft_pages.py`; DeepSeek-V4's stands aside).
+  position rows, `draft_pages.py`; DeepSeek-V4's sliding window of latent rows through its own
+  accessors, `get_buffers(mtp, attn_type)` and `get_cache_indices`, which the probe checks
+  instead of `get_buffers(mtp, kv_layout)` and `get_batch_cache_indices`).
 - `folded`: no separate draft pool (the `DRAFT_KV_CACHE_MANAGER` entry absent or None):
   the MTP layer's KV lives in the target pool and is reused with it. Stands aside.
 """
@@ -302,7 +304,7 @@ def _check_draft(draft: Any) -> None:
         raise TrtllmAdapterError(
             f"the draft KV cache manager is {type(draft).__name__}, not KVCacheManagerV2: the "
             "carry supports KV cache manager V2 only (kv_cache_config.use_kv_cache_manager_v2)")
-    for method, needed in (("get_buffers", "kv_layout"), ("get_batch_cache_indices", "layer_idx")):
+    for method, needed in _accessors(draft):
         fn = _attr(draft, method, owner)
         if needed not in inspect.signature(fn).parameters:
             raise TrtllmAdapterError(f"{owner}.{method} takes no {needed!r} argument: an older "
@@ -314,9 +316,32 @@ def _check_draft(draft: Any) -> None:
             "scatters into fresh pages; turn it off")
 
 
+def _accessors(draft: Any) -> tuple[tuple[str, str], ...]:
+    """The page accessors the carry will call on `draft` and the parameter each must take: the
+    layout's (`draft_pages`: DeepSeek-V4's by attention type, every other V2 manager's by layout)."""
+    from .draft_pages import DeepseekV4DraftPages, DraftPages, attention_typed
+
+    return DeepseekV4DraftPages.ACCESSORS if attention_typed(draft) else DraftPages.ACCESSORS
+
+
+def _check_latent_buffer(draft: Any, mtp_layer: int, tpb: int) -> None:
+    """DeepSeek-V4's sliding-window pages, as `draft_pages.DeepseekV4DraftPages` reads them."""
+    from .draft_pages import DeepseekV4DraftPages
+
+    try:
+        DeepseekV4DraftPages(draft, mtp_layer).check(tpb)
+    except (AttributeError, KeyError, StopIteration, ValueError) as exc:
+        raise TrtllmAdapterError(f"the DeepSeek-V4 draft pool's sliding-window pages cannot be read: {exc}") from exc
+
+
 def _check_buffer(draft: Any, mtp_layer: int, tpb: int, kv_format: str = "bf16") -> None:
     import torch
 
+    from .draft_pages import attention_typed
+
+    if attention_typed(draft):
+        _check_latent_buffer(draft, mtp_layer, tpb)
+        return
     buf = draft.get_buffers(mtp_layer, kv_layout="HND")
     if buf is None or buf.dim() != 5 or buf.shape[1] != 2 or buf.shape[3] != tpb:
         raise TrtllmAdapterError(
