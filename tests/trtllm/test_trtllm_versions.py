@@ -27,6 +27,9 @@ MARKERS_OFF = ("draft DraftKVManager.enable_joint_kv_cache_reuse=False, _can_pub
 QSA_MARKERS = ("draft QSAMambaHybridCacheManagerV2.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
                "False; target QSAMambaHybridCacheManagerV2._supports_draft_reuse_match_backoff=False, "
                "_supports_reuse_match_backoff=False")
+DSV4_MARKERS = ("draft DeepseekV4CacheManager.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
+                "False; target DeepseekV4CacheManager._supports_draft_reuse_match_backoff=False, "
+                "_supports_reuse_match_backoff=False")
 PAIRED = "paired: the draft pool publishes and reuses its own blocks (draft DraftKVManager." \
     "enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; target MambaHybridCacheManagerV2."
 ASIDE = "); TensorRT-LLM restores the drafter's prefix itself, the carry stands aside"
@@ -57,10 +60,17 @@ ROWS: dict[str, tuple[str, bool, str]] = {  # version -> (topology, armed, reaso
     "main+19303:qsa": ("unpaired", True,
                        f"unpaired draft pool with block reuse ({QSA_MARKERS}): the carry restores the "
                        "drafter's rows over the reused prefix"),
+    # ... and on DeepSeek-V4 (deepseek_v4/cache_manager.py @ 38198e34: both False): unpaired, and
+    # the carry restores its MTP layer's sliding window of latent rows (trtllm/draft_pages.py)
+    "main+19303:dsv4": ("unpaired", True,
+                        f"unpaired draft pool with block reuse ({DSV4_MARKERS}): the carry restores the "
+                        "drafter's rows over the reused prefix"),
 }
 
 
 def _llm(**options: Any) -> StandinLLM:
+    if options.get("version") == "main+19303:dsv4":  # DeepSeek-V4's manager needs 128 or 256
+        options.setdefault("tokens_per_block", 128)
     return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64,
                       single_process=True, **options)
 
