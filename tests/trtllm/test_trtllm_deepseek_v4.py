@@ -288,3 +288,29 @@ def test_the_stand_in_refuses_what_the_source_refuses() -> None:
         draft.get_buffers(draft.mtp_layer, dsv4.DeepseekV4AttentionType.COMPRESS)
     with pytest.raises(AttributeError, match="DeepseekV4CacheManager has no 'compress_pool_ptrs'"):
         eval(compile("dsv4.compress_pool_ptrs", draft_pages.__file__, "eval"), vars(draft_pages), {"dsv4": draft})
+
+
+def test_the_worker_install_arms_on_hoppers_footer_scale_pool(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the worker install (the executor built by TensorRT-LLM's creator, the carry installed
+    by the hook): the arenas hold whole 584-byte keys, and the follow-up restores its window."""
+    from trtllm_mtp_carry.trtllm import worker
+
+    config = tmp_path / "carry.yaml"
+    config.write_text("mtp_carry: {carry_slots: 8}\n")
+    monkeypatch.setenv(worker.ENV, str(config))
+    kv_dtype_name, kv_dtype, sm, tpb = LAYOUTS["fp8_ds_mla"]
+    llm = StandinLLM(model(), kv_cache_config={**RECOMMENDED_KV_CACHE_CONFIG, "dtype": kv_dtype_name},
+                     chunk_size=CHUNK, num_pages=64, tokens_per_block=tpb, max_batch=2, version=DSV4,
+                     kv_dtype=kv_dtype, sm_version=sm)
+    assert worker.messages()[-1].startswith(f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY}")
+    manager = llm.executor.resource_manager.resource_managers[CARRY_MANAGER_KEY]
+    assert manager.reserved.row_nbytes == 584 and manager.service.home.codec.name == "fp8_ds_mla"
+    ex = llm.executor
+    cold = ex.submit(user_tokens(0, PROMPT), 24, conversation_id="c")
+    llm.run_until_done()
+    warm = ex.submit(cold.get_tokens(0) + user_tokens(500, 64), 8, conversation_id="c")
+    llm.run_until_done()
+    record = manager.turn(warm.py_request_id)
+    assert (record["outcome"], record["rows_adopted"], record["first_key"]) == ("adopted", DSV4_WINDOW - 1,
+                                                                               PROMPT - (DSV4_WINDOW - 1))
+    manager.shutdown()
