@@ -218,7 +218,7 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     the one line of why the carry stands aside, if it must (None: the carry can restore rows;
     the executor's own probe decides pairing at start), what the worker reserves, and the
     worker's `metrics_port` (None: not set). TrtllmAdapterError on a bad file."""
-    from .trtllm.kv_formats import verdict_of_options
+    from .trtllm.kv_formats import DEEPSEEK_V4, verdict_of_options
     from .trtllm.options import (
         TrtllmAdapterError,
         kv_cache_config_of,
@@ -255,8 +255,8 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
         "kv_manager": verdict.manager,
         "kv_verdict": verdict.line,
         # judged on what the worker's executor holds: TensorRT-LLM's validators applied (kv)
-        "llm_config_stands_aside": aside or reuse_stand_aside(
-            kv["enable_block_reuse"], True, {**state, **kv["ignored"]},
+        "llm_config_stands_aside": aside or reuse_stand_aside(  # DeepSeek-V4's target is no hybrid
+            kv["enable_block_reuse"], verdict.manager != DEEPSEEK_V4, {**state, **kv["ignored"]},
             policy=kv["block_reuse_config"]["policy"]) or (None if verdict.carries else verdict.line),
     }
 

@@ -268,7 +268,7 @@ def test_info_and_the_worker_judge_the_pool_alike(kv_dtype: str, stand_in: DataT
     else:
         assert carry.reason == worker.line
         assert "stands aside off Hopper: which footer-scale page size its kernels write there was not read" in info.line
-        assert "(this GPU is SM100)" in carry.reason and "(info cannot see the GPU" in info.line
+        assert "(this GPU is SM100)" in carry.reason and "(info cannot see the GPU, and only" in info.line
         assert CARRY_MANAGER_KEY not in llm.executor.resource_manager.resource_managers
 
 
@@ -314,3 +314,18 @@ def test_the_worker_install_arms_on_hoppers_footer_scale_pool(tmp_path: Any, mon
     assert (record["outcome"], record["rows_adopted"], record["first_key"]) == ("adopted", DSV4_WINDOW - 1,
                                                                                PROMPT - (DSV4_WINDOW - 1))
     manager.shutdown()
+
+
+def test_info_arms_on_a_deepseek_v4_target_with_block_reuse_and_no_snapshot_placement(tmp_path: Any) -> None:
+    """DeepSeek-V4's target reuses blocks, not snapshot points: `info` asks it no snapshot
+    placement (the worker's probe does not either: its target is no hybrid)."""
+    from trtllm_mtp_carry.cli import llm_config_report
+
+    path = tmp_path / "llm.yaml"
+    path.write_text("speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 1}\n"
+                    "sparse_attention_config: {algorithm: deepseek_v4}\n"
+                    "kv_cache_config: {enable_block_reuse: true, dtype: fp8, tokens_per_block: 128}\n")
+    report = llm_config_report(str(path))
+    assert report["llm_config_stands_aside"] is None and report["kv_manager"] == "DeepseekV4CacheManager"
+    assert str(report["kv_verdict"]).startswith("DeepseekV4CacheManager: the MTP layer's 128-token sliding window "
+                                                "of FP8 MLA latent rows")

@@ -283,8 +283,8 @@ def deepseek_v4_verdict(kv_format: str, sm_version: int | None = None) -> KvVerd
     sentence, the file@commit details follow on the next."""
     fmt = "fp8" if kv_format == "nvfp4" else kv_format
     if fmt == "fp8_ds_mla" and sm_version != HOPPER_SM:
-        where = ("info cannot see the GPU (tokens_per_block 128 would prove Hopper: off Hopper fp8_ds_mla "
-                 "needs 256)" if sm_version is None else f"this GPU is SM{sm_version}")
+        where = ("info cannot see the GPU, and only tokens_per_block 128 proves Hopper" if sm_version is None
+                 else f"this GPU is SM{sm_version}")
         line = ("DeepseekV4CacheManager with fp8_ds_mla KV stands aside off Hopper: which footer-scale page "
                 f"size its kernels write there was not read ({where}); the worker carries it on Hopper (SM90)")
         details = ("FlashMLA (Hopper) appends whole blocks, FlashInfer's SM120 path 64-token pages "
