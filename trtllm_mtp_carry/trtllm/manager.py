@@ -331,15 +331,18 @@ class CarryManagerCore:
             self._skip(why, live)
             return False
         assert live is not None and live.key is not None
-        turn = self.pages.turn(rid)
-        # key k consumed tokens[0 ..= k + 1]: keys < N - 1; of those, the run on pages still held
-        lo, hi = turn.kept(*live.valid_run(len(tokens)))
+        lo, hi = live.valid_run(len(tokens))  # key k consumed tokens[0 ..= k + 1]: keys < N - 1
         if hi <= lo:
             self._skip("no_rows", live)
             return False
         with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
             if live.forgotten:
                 self._skip("session_end", live)
+                return False
+            turn = self.pages.turn(rid)
+            lo, hi = turn.kept(lo, hi)  # of those, the run on pages the pool still holds
+            if hi <= lo:
+                self._skip("no_rows", live)
                 return False
             plan = self.service.plan_deposit(live.key, None, hi - lo, live.conversation)
             if plan is None:  # refused before any row moved (the store counts why)
