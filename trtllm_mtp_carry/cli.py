@@ -260,7 +260,7 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     (`read_checkpoint`). `llm_config_stands_aside` is the reason the carry stands aside (None: it
     can restore rows; pairing is read from the live executor at start). TrtllmAdapterError (one line)
     on a file or checkpoint TensorRT-LLM would refuse."""
-    from .trtllm.kv_formats import verdict_of_options
+    from .trtllm.kv_formats import DEEPSEEK_V4, verdict_of_options
     from .trtllm.llm_yaml import read_llm_args
     from .trtllm.options import load_llm_options, reuse_stand_aside
     from .trtllm.probe import parallel_refusal, tensor_parallel_note
@@ -282,15 +282,18 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
     model_dtype = checkpoint.dtype if args.dtype == "auto" else args.dtype
     sparse = args.sparse_attention_config
     compression = args.kv_cache_compression_config
+    raw = rest.get("kv_cache_config") or {}
     kv_verdict = verdict_of_options({
-        "kv_cache_config": {"dtype": kv.dtype, "use_kv_cache_manager_v2": kv.use_kv_cache_manager_v2},
+        "kv_cache_config": {"dtype": kv.dtype, "use_kv_cache_manager_v2": kv.use_kv_cache_manager_v2,
+                            "tokens_per_block": raw.get("tokens_per_block")},
         "sparse_attention_config": None if sparse is None else {"algorithm": sparse.algorithm},
         "kv_cache_compression_config": None if compression is None else {"algorithm": compression.algorithm},
         "quant_config": args.quant_config}, checkpoint.kv_cache_quant_algo, model_dtype)
     spec = args.speculative_config
     parallel = parallel_refusal(args.tensor_parallel_size, bool(args.enable_attention_dp),
                                 args.pipeline_parallel_size)
-    never = reuse_stand_aside(reuse, True, {**state, "periodic_snapshot_interval": (
+    hybrid = kv_verdict.manager != DEEPSEEK_V4  # DeepSeek-V4's target reuses without snapshots
+    never = reuse_stand_aside(reuse, hybrid, {**state, "periodic_snapshot_interval": (
         state["periodic_snapshot_interval"] or kv.ignored_interval)}, policy=kv.block_reuse_config.policy)
     aside = first(
         carry_options_verdict(options),
@@ -299,7 +302,6 @@ def llm_config_report(path: str, model: str | None = None) -> dict[str, object]:
         disaggregation_verdict(args.cache_transceiver_config is not None),
         None if kv_verdict.carries else Verdict(False, kv_verdict.line, kv_verdict.details),
         None if never is None else Verdict(False, never))
-    raw = rest.get("kv_cache_config") or {}
     fixed = [f"{k}={raw[k]}" for k in ("max_gpu_total_bytes", "max_tokens") if raw.get(k)]
     size = (f"fixed ({', '.join(fixed)}): the carry's reservation is on top of it" if fixed else
             f"estimated: free_gpu_memory_fraction={kv.free_gpu_memory_fraction} of the memory free after "

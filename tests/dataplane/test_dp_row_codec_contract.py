@@ -10,6 +10,11 @@ the device arena, a host copy, a copy back) keeps the held bytes unchanged. A ga
 bytes the gather returns, all of the extent and nothing outside it, on the torch paths and on the
 Triton kernels (interpreted on CPU without a GPU); a wrong `out` is refused before any write. A new
 codec joins by adding one entry to `CODECS`.
+
+An MLA latent pool's codecs (one vector a key: `LatentRowsCodec` over BF16 or FP8 pages,
+`FooterScaleCodec` over DeepSeek-V4's footer-scale pages) run the same checks over latent
+pages (`LATENT_CASES`), and the footer layout is pinned against an independent per-byte
+rewrite of the writer's addressing.
 """
 
 from __future__ import annotations
@@ -188,6 +193,8 @@ def test_blocks_round_trip_exactly_where_the_format_is_exact(case):
 
 
 def test_every_holder_keeps_the_held_bytes(case):
+    from trtllm_mtp_carry.dataplane.arena import Arena
+
     codec, pool_dtype, _ = case
     gen = torch.Generator().manual_seed(5)
     rows = codec.gather_pages(hnd_pages(gen, 3, pool_dtype), [0, 1, 2], 0, 13)
@@ -199,7 +206,7 @@ def test_every_holder_keeps_the_held_bytes(case):
         codec.copy_(codec.view(arena.take(key, codec.nbytes(held)), tuple(held.shape)), held)
 
     def get(key: int, n: int):
-        return codec.view(arena.view(key), (n, 2, HKV, D))
+        return codec.view(arena.view(key), codec.held_shape(n, HKV, D))
 
     put(7, rows)
     assert same_held(codec, get(7, 13), rows)
@@ -422,3 +429,170 @@ def test_a_composite_gather_refuses_a_side_that_does_not_fit_before_any_write():
     with pytest.raises(RuntimeError, match="a gather writes contiguous tensors"):
         codec.gather_pages(buf, [3, 0, 2], 2, 11, out=bad)
     assert torch.equal(buffer, before)  # the K/V rows were not written either
+
+
+# ---- MLA latent pools: one vector a key ---------------------------------------------------------
+
+from trtllm_mtp_carry.dataplane.latent_pages import (  # noqa: E402
+    DATA_ROW_BYTES,
+    FOOTER_ROW_BYTES,
+    TOKEN_BYTES,
+    FooterScalePages,
+)
+from trtllm_mtp_carry.dataplane.row_codec import FooterScaleCodec, LatentRowsCodec, latent_codec  # noqa: E402
+
+LATENT, LTPB = 512, 8
+LATENT_CASES = {  # id -> (pool dtype, writer page tokens, the format it holds, bytes a row)
+    "latent_bf16": (torch.bfloat16, None, "bf16", LATENT * 2),
+    "latent_fp8": (torch.float8_e4m3fn, None, "fp8_kv", LATENT),
+    "fp8_ds_mla": (torch.uint8, LTPB, "fp8_ds_mla", 584),  # Hopper: a writer page is the block
+    "fp8_ds_mla/subpages": (torch.uint8, LTPB // 2, "fp8_ds_mla", 584),  # a writer page inside a block
+}
+
+
+@pytest.fixture(params=sorted(LATENT_CASES))
+def latent_case(request):
+    return LATENT_CASES[request.param]
+
+
+def latent_pages(gen: torch.Generator, pages: int, dtype: torch.dtype, page_tokens: int | None):
+    """Random pages: HND `[pages, 1, 1, tpb, 512]` of a BF16/FP8 latent pool, or footer-scale bytes."""
+    if page_tokens is not None:
+        data = torch.randint(0, 256, (pages, LTPB, TOKEN_BYTES), generator=gen, dtype=torch.uint8)
+        return FooterScalePages(data, page_tokens)
+    return pool_values(gen, (pages, LTPB, LATENT), dtype).view(pages, 1, 1, LTPB, LATENT)
+
+
+def latent_bytes(buf) -> torch.Tensor:
+    return (buf.data if isinstance(buf, FooterScalePages) else raw(buf)).clone()
+
+
+def footer_key_bytes(pages: FooterScalePages, ids: list[int], lo: int, hi: int) -> list[list[int]]:
+    """Each key's bytes, read one by one where `quant_scatter` (footer_scale_kv.py @ d77955c5) puts
+    them (an independent rewrite, loops and all): slot `loc = page * tpb + k % tpb`; writer page
+    `loc // P` of `P * 584` bytes; the data row at `off * 576`, the footer row after the page's
+    `P` data rows, at `off * 8`."""
+    flat = pages.data.reshape(-1).tolist()
+    p = pages.page_tokens
+    out = []
+    for k in range(lo, hi):
+        loc = ids[k // LTPB] * LTPB + k % LTPB
+        page_base, off = (loc // p) * p * TOKEN_BYTES, loc % p
+        data = [flat[page_base + off * DATA_ROW_BYTES + i] for i in range(DATA_ROW_BYTES)]
+        footer = [flat[page_base + p * DATA_ROW_BYTES + off * FOOTER_ROW_BYTES + i] for i in range(FOOTER_ROW_BYTES)]
+        out.append(data + footer)
+    return out
+
+
+def test_a_latent_codec_is_the_pools_own_rows_and_charges_what_it_holds(latent_case):
+    dtype, page_tokens, name, per_row = latent_case
+    codec = latent_codec(dtype)
+    assert codec.name == name and codec.exact
+    assert isinstance(codec, FooterScaleCodec if page_tokens else LatentRowsCodec)
+    buf = latent_pages(torch.Generator().manual_seed(1), 4, dtype, page_tokens)
+    for n in (0, 1, 13):
+        rows = codec.gather_pages(buf, [3, 0, 2], 0, n)
+        elem = 1 if page_tokens else torch.empty((), dtype=dtype).element_size()
+        assert tuple(rows.shape) == codec.held_shape(n, 1, LATENT)
+        assert codec.row_nbytes(1, LATENT) == per_row == RowFormat(name, 1, LATENT, elem).row_nbytes
+        assert codec.nbytes(rows) == n * per_row == rows_nbytes(name, n, LATENT, elem)
+
+
+def test_latent_pages_round_trip_bit_for_bit_and_nothing_else_is_written(latent_case):
+    dtype, page_tokens, _, _ = latent_case
+    codec = latent_codec(dtype)
+    gen = torch.Generator().manual_seed(2)
+    src, dst = latent_pages(gen, 5, dtype, page_tokens), latent_pages(gen, 6, dtype, page_tokens)
+    before = latent_bytes(dst)
+    rows = codec.gather_pages(src, [4, 1, 3], 2, 19)  # keys [2, 19) across three pages
+    codec.scatter_pages(dst, [5, 0, 2], 2, rows)
+    after = latent_bytes(dst)
+    if page_tokens:
+        # the held row is the key's bytes where the writer put them, and they land at the same addresses
+        assert rows.tolist() == footer_key_bytes(src, [4, 1, 3], 2, 19)
+        assert footer_key_bytes(dst, [5, 0, 2], 2, 19) == footer_key_bytes(src, [4, 1, 3], 2, 19)
+        old = FooterScalePages(before, page_tokens)
+        assert footer_key_bytes(dst, [5, 0, 2], 0, 2) == footer_key_bytes(old, [5, 0, 2], 0, 2)
+        assert footer_key_bytes(dst, [5, 0, 2], 19, 24) == footer_key_bytes(old, [5, 0, 2], 19, 24)
+        # every other byte, the footer's unwritten pad of the keys outside [2, 19) included
+        changed = (after != before).reshape(-1).nonzero().flatten()
+        written = {b for k in range(2, 19) for b in _footer_offsets(dst, [5, 0, 2], k)}
+        assert set(changed.tolist()) <= written
+        return
+    assert torch.equal(raw(gather_rows(dst, [5, 0, 2], 2, 19)), raw(gather_rows(src, [4, 1, 3], 2, 19)))
+    keep = torch.ones(6, LTPB, dtype=torch.bool)
+    for k in range(2, 19):
+        keep[[5, 0, 2][k // LTPB], k % LTPB] = False
+    assert torch.equal(after[:, 0, 0][keep], before[:, 0, 0][keep])  # no other key written
+
+
+def _footer_offsets(pages: FooterScalePages, ids: list[int], k: int) -> list[int]:
+    p = pages.page_tokens
+    loc = ids[k // LTPB] * LTPB + k % LTPB
+    base, off = (loc // p) * p * TOKEN_BYTES, loc % p
+    return ([base + off * DATA_ROW_BYTES + i for i in range(DATA_ROW_BYTES)]
+            + [base + p * DATA_ROW_BYTES + off * FOOTER_ROW_BYTES + i for i in range(FOOTER_ROW_BYTES)])
+
+
+def test_every_holder_keeps_latent_rows_bytes(latent_case):
+    dtype, page_tokens, _, per_row = latent_case
+    codec = latent_codec(dtype)
+    rows = codec.gather_pages(latent_pages(torch.Generator().manual_seed(3), 3, dtype, page_tokens), [0, 1, 2], 0, 13)
+    arena = Arena(torch.zeros(20 * per_row, dtype=torch.uint8))
+    arena.take("a", 13 * per_row)
+    arena.take("b", 3 * per_row)
+    held = codec.view(arena.view("a"), codec.held_shape(13, 1, LATENT))
+    codec.copy_(held, rows)
+    codec.copy_(codec.view(arena.view("b"), codec.held_shape(3, 1, LATENT)), codec.head(rows, 3))
+    assert same_held(codec, held, rows)
+    arena.release("a")
+    arena.compact()  # the extent moves: its bytes do not change
+    assert same_held(codec, codec.view(arena.view("b"), codec.held_shape(3, 1, LATENT)), codec.head(rows, 3))
+    host = codec.host_copy(rows)
+    assert same_held(codec, host, rows) and host.data_ptr() != rows.data_ptr()
+    assert same_held(codec, codec.to(host, torch.device("cpu")), rows)
+
+
+def test_a_latent_gather_into_an_extent_writes_the_bytes_the_gather_returns_and_nothing_outside(latent_case):
+    dtype, page_tokens, _, per_row = latent_case
+    codec = latent_codec(dtype)
+    buf = latent_pages(torch.Generator().manual_seed(6), 4, dtype, page_tokens)
+    buffer = torch.full((OFFSET + 9 * per_row + 8,), 0xA5, dtype=torch.uint8)
+    before = buffer.clone()
+    extent = buffer[OFFSET:OFFSET + 9 * per_row]
+    out = codec.view(extent, codec.held_shape(9, 1, LATENT))
+    assert codec.gather_pages(buf, [3, 0, 2], 2, 11, out=out) is out
+    assert same_held(codec, out, codec.gather_pages(buf, [3, 0, 2], 2, 11))
+    assert torch.equal(buffer[:OFFSET], before[:OFFSET]) and torch.equal(buffer[OFFSET + 9 * per_row:],
+                                                                          before[OFFSET + 9 * per_row:])
+    written = buffer.clone()
+    with pytest.raises(RuntimeError):  # a wrong shape is refused before any write
+        codec.gather_pages(buf, [3, 0, 2], 2, 12, out=out)
+    assert torch.equal(buffer, written)
+
+
+def test_a_latent_codec_refuses_what_it_cannot_hold_before_any_write(latent_case):
+    dtype, page_tokens, name, _ = latent_case
+    codec = latent_codec(dtype)
+    buf = latent_pages(torch.Generator().manual_seed(4), 2, dtype, page_tokens)
+    before = latent_bytes(buf)
+    with pytest.raises(TypeError, match=f"a {name} codec holds"):
+        codec.scatter_pages(buf, [0, 1], 0, torch.zeros(2, 1, 1, LATENT, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="BAD_PAGE_INDEX"):  # a dropped block is never addressed
+        codec.scatter_pages(buf, [0, -1], 0, codec.gather_pages(buf, [0, 1], 0, 12))
+    with pytest.raises(RuntimeError, match="reads FooterScalePages" if page_tokens else "latent pages are HND"):
+        codec.gather_pages(hnd_pages(torch.Generator(), 1, torch.bfloat16), [0], 0, 1)
+    with pytest.raises(TypeError, match="K/V block caches"):
+        codec.gather_blocks(torch.zeros(1, 4, 1, LATENT), torch.zeros(1, 4, 1, LATENT), [0], 1)
+    assert torch.equal(latent_bytes(buf), before)
+
+
+def test_latent_codecs_that_cannot_hold_a_pool_say_so():
+    with pytest.raises(ValueError, match="pool dtype must be one of"):
+        latent_codec(torch.int8)
+    with pytest.raises(ValueError, match="fp8_ds_mla holds 512-wide MLA latent vectors only"):
+        rows_nbytes("fp8_ds_mla", 1, 576)
+    with pytest.raises(ValueError, match="one 512-wide latent vector a key"):
+        FooterScaleCodec().held_shape(1, 2, LATENT)
+    with pytest.raises(ValueError, match="not whole writer pages of 3"):
+        FooterScalePages(torch.zeros(1, LTPB, TOKEN_BYTES, dtype=torch.uint8), 3)

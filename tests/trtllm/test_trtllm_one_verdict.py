@@ -109,15 +109,19 @@ TREE_DECIDED = {name for name, p in VERSIONS.items() if p["topology"] == "paired
 
 V1_TREE = "1.2.1"
 
+SNAPSHOT_CASES = {"no_snapshot", "per_conversation_periodic"}
 REUSE_CASES = {"reuse_string_false", "reuse_string_0", "no_snapshot", "per_conversation_periodic"}
 """Cases decided at the last step (reuse): a KV format or manager the carry does not move wins."""
+
+
+DSV4_CLASS = "DeepseekV4CacheManager"
 
 
 def _kv_step(kv: str, profile: str) -> str | None:
     """The reason the KV step stands aside for on this tree and format, or None."""
     if profile == V1_TREE:
         return "the target KV cache manager is CppMambaHybridCacheManager (KV cache manager V1)"
-    if VERSIONS[profile]["draft_class"] is not None and kv == "nvfp4":
+    if VERSIONS[profile]["draft_class"] not in (None, DSV4_CLASS) and kv == "nvfp4":
         return "the QSA hybrid's NVFP4 draft pool stands aside"
     return None
 
@@ -126,7 +130,10 @@ def _deployment(case: str, kv: str, profile: str) -> dict[str, Any]:
     d = copy.deepcopy(BASE)
     CASES[case][0](d)
     d["kv_cache_config"]["dtype"] = KV[kv]
-    if VERSIONS[profile]["draft_class"] is not None:  # the QSA hybrid's trees
+    if VERSIONS[profile]["draft_class"] == DSV4_CLASS:  # DeepSeek-V4: 128 or 256 tokens a block
+        d["sparse_attention_config"] = {"algorithm": "deepseek_v4"}
+        d["kv_cache_config"]["tokens_per_block"] = 128
+    elif VERSIONS[profile]["draft_class"] is not None:  # the QSA hybrid's trees
         d["sparse_attention_config"] = {"algorithm": "qsa"}
     if profile == V1_TREE:  # 1.2.x gives a hybrid the V1 manager; offsets need V2 (LlmArgs refuses them)
         d["kv_cache_config"]["use_kv_cache_manager_v2"] = False
@@ -151,6 +158,8 @@ def _standin_options(rest: dict[str, Any], profile: str) -> dict[str, Any]:
         "kv_dtype": DATATYPES[resolve_kv_format(kv.dtype)],
         "max_draft_len": 0 if spec is None else spec.max_draft_len or 3,
         "decoding_type": "MTP" if spec is None else str(spec.decoding_type)}
+    if "tokens_per_block" in (rest.get("kv_cache_config") or {}):
+        options["tokens_per_block"] = rest["kv_cache_config"]["tokens_per_block"]
     if args.cache_transceiver_config is not None:
         options["cache_transceiver_config"] = {"backend": args.cache_transceiver_config.backend}
     return options
@@ -192,13 +201,22 @@ def test_info_and_the_worker_give_one_verdict(tmp_path: Path, capsys: pytest.Cap
     info_armed, info_reason, details = _info_reason(capsys, path, flags)
     assert "@" not in info_reason and "\n" not in info_reason  # one sentence; sources go below it
 
+    expected = CASES[case][1]
+    dsv4 = VERSIONS[profile]["draft_class"] == DSV4_CLASS
+    if dsv4 and case in SNAPSHOT_CASES:  # DeepSeek-V4 is no hybrid: reuse needs no snapshot point
+        expected = None
+    if dsv4 and case == "no_speculative_config":
+        # the stand-in models DeepSeek-V4's pool only as MTP's separate draft pool (none without
+        # speculation); the worker's probe reads speculative_config first on every other tree
+        assert not info_armed and info_reason.startswith(expected), info_reason
+        return
+
     carry = tmp_path / "carry.yaml"
     carry.write_text(yaml.safe_dump({"mtp_carry": deployment.pop("mtp_carry")}))
     monkeypatch.setenv(worker.ENV, str(carry))
     StandinLLM(model(), chunk_size=32, num_pages=64, **_standin_options(deployment, profile))
     worker_armed, worker_reason = _worker_reason(worker.messages()[-1])
 
-    expected = CASES[case][1]
     if expected is None or case in REUSE_CASES:  # the KV step comes first (trtllm/verdict.py's order)
         expected = _kv_step(kv, profile) or expected
     if expected is not None:

@@ -31,9 +31,15 @@ QSA_MARKERS = ("draft QSAMambaHybridCacheManagerV2.enable_joint_kv_cache_reuse=F
 QWEN4_MARKERS = ("draft Qwen4ExpHybridCacheManagerV2.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
                  "False; target Qwen4ExpHybridCacheManagerV2._supports_draft_reuse_match_backoff=missing, "
                  "_supports_reuse_match_backoff=False")
+DSV4_MARKERS = ("draft DeepseekV4CacheManager.enable_joint_kv_cache_reuse=False, _can_publish_block_reuse="
+                "False; target DeepseekV4CacheManager._supports_draft_reuse_match_backoff=False, "
+                "_supports_reuse_match_backoff=False")
 PAIRED_MARKERS = "draft DraftKVManager.enable_joint_kv_cache_reuse=True, _can_publish_block_reuse=True; " \
     "target MambaHybridCacheManagerV2."
 BF16 = "BF16 KV: the drafter's rows are carried as the draft pool holds them"
+DSV4_BF16 = ("DeepseekV4CacheManager: the MTP layer's 128-token sliding window of BF16 MLA latent rows (one "
+             "512-wide vector a key) is carried as the pool holds it, so a warm turn drafts with restored "
+             "rows for the up to 127 keys below its reuse point")
 QSA = BF16 + ", with the QSA hybrid's index-key and position rows of each key carried beside them"
 PAIRED = ("paired: the draft pool publishes and reuses its own blocks, so TensorRT-LLM restores the "
           "drafter's prefix itself and the carry stands aside")
@@ -64,10 +70,15 @@ ROWS: dict[str, tuple[str, bool, str, str]] = {  # version -> (topology, armed, 
     # newer trees build the QSA hybrid as Qwen4ExpHybridCacheManagerV2 (modules/qwen4_exp/
     # cache_manager.py @ 6ff2801f): recognised by its side pages, carried alike
     "main:qsa": ("unpaired", True, QSA, _unpaired(QWEN4_MARKERS)),
+    # ... and on DeepSeek-V4 (deepseek_v4/cache_manager.py @ 38198e34: both False): unpaired, and
+    # the carry restores its MTP layer's sliding window of latent rows (trtllm/draft_pages.py)
+    "main+19303:dsv4": ("unpaired", True, DSV4_BF16, _unpaired(DSV4_MARKERS)),
 }
 
 
 def _llm(**options: Any) -> StandinLLM:
+    if options.get("version") == "main+19303:dsv4":  # DeepSeek-V4's manager needs 128 or 256
+        options.setdefault("tokens_per_block", 128)
     return StandinLLM(model(), kv_cache_config=RECOMMENDED_KV_CACHE_CONFIG, chunk_size=32, num_pages=64,
                       single_process=True, **options)
 

@@ -25,7 +25,7 @@ DOC = ROOT / "docs" / "TRTLLM-CONFORMANCE.md"
 RECEIVERS = {
     "request": "LlmRequest", "req": "LlmRequest",
     "draft": "KVCacheManagerV2", "target": "KVCacheManagerV2", "self.draft": "KVCacheManagerV2",
-    "qsa": "QSAMambaHybridCacheManagerV2",
+    "qsa": "QSAMambaHybridCacheManagerV2", "dsv4": "DeepseekV4CacheManager",
     "impl": "KVCacheManagerPy", "v2": "tensorrt_llm._torch.pyexecutor.kv_cache_manager_v2", "role": "Role",
     "executor": "PyExecutor", "engine": "PyExecutor",
     "llm": "LLM", "self._llm": "LLM",

@@ -16,12 +16,15 @@ one e8m0 byte (the vector's power-of-two global scale: `dataplane.nvfp4.Nvfp4Row
     nvfp4_kv: | v0: D/2 B | D/16 B | v1: ...         (an NVFP4 KV pool's own bytes: e2m1 pairs and e4m3
                                                        block scales; the per-layer global scale is not stored;
                                                        Qwen3-Next's MTP row: 4 x 144 = 576 B)
+    fp8_ds_mla: | 448 x e4m3 | 64 x bf16 | 7 x ue8m0 + 1 pad |   (DeepSeek-V4's footer-scale MLA latent,
+                                                       Hopper's fp8_ds_mla pages: one 584 B vector a key)
 
-`fp8_kv` and `nvfp4_kv` are not `carry_row_dtype` choices: they are the formats
-of a pool whose rows already are float8_e4m3fn bytes, or NVFP4 payload and block
-scale bytes (`dataplane.row_codec.codec_for` picks them for such a pool, whatever
-`carry_row_dtype` says); trace replay takes them to charge such a pool's rows
-(`ROW_FORMATS`). An NVFP4 pool's second-level (global) K and V scales are one
+`fp8_kv`, `nvfp4_kv` and `fp8_ds_mla` are not `carry_row_dtype` choices: they are the
+formats of a pool whose rows already are float8_e4m3fn bytes, NVFP4 payload and block
+scale bytes, or DeepSeek-V4's footer-scale MLA latent bytes (`dataplane.row_codec`
+picks them for such a pool, whatever `carry_row_dtype` says); trace replay takes them
+to charge such a pool's rows (`ROW_FORMATS`). An MLA latent pool's row is one vector a
+key (`vectors_per_row` 1), not K and V. An NVFP4 pool's second-level (global) K and V scales are one
 float32 each per layer, constant across requests (`kv_scale_orig_quant`), so a
 carried row holds none.
 
@@ -50,10 +53,19 @@ ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
 
 DEFAULT_CARRY_ROW_DTYPE = ROW_DTYPES[0]
 
-ROW_FORMATS: tuple[str, ...] = (*ROW_DTYPES, "fp8_kv", "nvfp4_kv")
+ROW_FORMATS: tuple[str, ...] = (*ROW_DTYPES, "fp8_kv", "nvfp4_kv", "fp8_ds_mla")
 """Every format a carried row may be held in: the `carry_row_dtype` choices, then `fp8_kv`
-(an FP8 KV pool's own 1-byte rows) and `nvfp4_kv` (an NVFP4 KV pool's own payload and block
-scale bytes). Each has a codec in `dataplane.row_codec.CODECS`."""
+(an FP8 KV pool's own 1-byte rows), `nvfp4_kv` (an NVFP4 KV pool's own payload and block
+scale bytes) and `fp8_ds_mla` (DeepSeek-V4's footer-scale MLA latent bytes). Each has a codec
+in `dataplane.row_codec.CODECS`."""
+
+FP8_DS_MLA_DIM = 512
+"""The one latent width `fp8_ds_mla` holds: `DIM_NOPE + DIM_ROPE` (`footer_scale_kv.py` @
+d77955c52716fe6ff51d047f0eb93a443a342ef9; `get_token_bytes` refuses any other head_dim)."""
+
+FP8_DS_MLA_VECTOR_BYTES = 584
+"""`footer_scale_kv.TOKEN_BYTES`: 448 e4m3 latent values and 64 bf16 RoPE values (the data row,
+576 B), then 7 UE8M0 tile scales and one pad byte (the footer row, 8 B)."""
 
 FP8_KV_ELEM_BYTES = 1
 """Bytes of one element of an FP8 KV pool's row (float8_e4m3fn)."""
@@ -120,6 +132,11 @@ def vector_nbytes(row_dtype: str, head_dim: int, elem_bytes: int = 2) -> int:
                              f"holds one scale per {NVFP4_BLOCK} elements")
         # nvfp4_kv: the pool's own bytes, no per-vector global scale (the layer's is static)
         return head_dim // 2 + head_dim // NVFP4_BLOCK + (NVFP4_GLOBAL_BYTES if row_dtype == "nvfp4" else 0)
+    if row_dtype == "fp8_ds_mla":
+        if head_dim != FP8_DS_MLA_DIM:
+            raise ValueError(f"head_dim={head_dim!r}: fp8_ds_mla holds {FP8_DS_MLA_DIM}-wide MLA latent "
+                             "vectors only (footer_scale_kv.py's DIM_NOPE + DIM_ROPE)")
+        return FP8_DS_MLA_VECTOR_BYTES
     return head_dim * elem_bytes
 
 
@@ -157,7 +174,7 @@ class RowFormat:
         return check_non_negative("rows", rows) * self.row_nbytes
 
 
-__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "KV_DTYPES", "NVFP4_BLOCK",
+__all__ = ["DEFAULT_CARRY_ROW_DTYPE", "FP8_DS_MLA_DIM", "FP8_DS_MLA_VECTOR_BYTES", "FP8_KV_ELEM_BYTES", "FP8_SCALE_BYTES", "KV_DTYPES", "NVFP4_BLOCK",
            "NVFP4_GLOBAL_BYTES", "ROW_DTYPES", "ROW_FORMATS", "RowFormat", "carried_row_format", "check_row_dtype",
            "check_row_format", "rows_nbytes",
            "vector_nbytes"]

@@ -17,6 +17,13 @@ rows' type. A codec is chosen once per pool (`codec_for`) from the configured
     nvfp4_kv   NVFP4 (`Nvfp4KvPages`) the pool's own payload + block-scale  2*Hkv*(D/2 + D/16)
                                  bytes (`nvfp4_kv.py`; static global scale)
 
+An MLA latent pool (DeepSeek-V4's sliding window: SELFKONLY, one head) holds one vector a key,
+not K and V; its codecs are chosen by the pages (`trtllm/draft_pages.py`), not by `codec_for`:
+
+    LatentRowsCodec  bf16 / float8_e4m3fn   the pool's rows `[n, 1, 1, D]` as held     Hkv*D*elem
+    fp8_ds_mla       footer-scale pages     the key's 584 bytes (`latent_pages.py`)     584
+                     (`FooterScalePages`)
+
 An FP8 KV pool's rows are float8_e4m3fn bytes written with the layer's static
 KV scale: they are carried as they are, gathered and scattered exactly, never
 re-scaled, whatever `carry_row_dtype` says (a second quantization could only
@@ -60,7 +67,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from ..core.row_format import RowFormat
+from ..core.row_format import FP8_DS_MLA_DIM, RowFormat
 from . import nvfp4
 from .device_ints import device_tensor
 from .hnd_pages import (
@@ -71,6 +78,7 @@ from .hnd_pages import (
     scatter_packed_rows,
     scatter_rows,
 )
+from .latent_pages import TOKEN_BYTES, FooterScalePages, gather_footer_rows, scatter_footer_rows
 from .nvfp4 import Nvfp4Rows
 from .nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages, Nvfp4KvRows, gather_kv_pages, scatter_kv_pages
 from .pinned import host_empty
@@ -86,8 +94,8 @@ from .row_format import (
 )
 from .row_layout import check_caches, check_out
 
-__all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "Fp8PackedCodec", "Nvfp4Codec",
-           "Nvfp4KvPagesCodec", "PoolRowsCodec", "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
+__all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "FooterScaleCodec", "Fp8PackedCodec",
+           "LatentRowsCodec", "Nvfp4Codec", "Nvfp4KvPagesCodec", "latent_codec", "PoolRowsCodec", "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +205,11 @@ class RowCodec(ABC):
     def row_nbytes(self, num_kv_heads: int, head_dim: int) -> int:
         """Bytes one row `[2, Hkv, D]` takes held: the arena's block, the store's charge a row."""
         return self.format(num_kv_heads, head_dim).row_nbytes
+
+    def held_shape(self, rows: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The held shape of `rows` rows of pages with `num_kv_heads` heads of `head_dim`: `[rows,
+        2, Hkv, D]` (K and V; an MLA latent codec holds one vector a key)."""
+        return (rows, 2, num_kv_heads, head_dim)
 
     def nbytes(self, rows: Rows) -> int:
         """Bytes `rows` hold (every tensor's bytes): what the store charges."""
@@ -735,8 +748,144 @@ class Nvfp4KvPagesCodec(RowCodec):
                         "K/V block caches are never NVFP4")
 
 
+class LatentRowsCodec(PoolRowsCodec):
+    """An MLA latent pool's rows as the pool holds them (`bf16`: BF16 pages; `fp8_kv`: float8_e4m3fn
+    pages, their own bytes, never re-scaled): one vector a key (SELFKONLY, kv_factor 1), held
+    `[n, 1, Hkv, D]` and gathered from / scattered to the pool's HND view `[pages, 1, Hkv, tpb, D]`
+    (DeepSeek-V4's `get_buffers(layer, SWA)` `[pages, tpb, D]` with its one head). Exact. Its rows
+    live in a draft pool's pages only: the reference runtime's K/V block caches hold K and V."""
+
+    def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
+        return RowFormat(self.name, num_kv_heads, head_dim, _elem_bytes(self.pool_dtype))  # one vector a head
+
+    def held_shape(self, rows: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (rows, 1, num_kv_heads, head_dim)
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
+        self._check_latent(buf)
+        return super().gather_pages(buf, pages, lo, hi, out=out)
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        self._check_latent(buf)
+        super().scatter_pages(buf, pages, lo, rows)
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int, out: Rows | None = None) -> Rows:
+        raise TypeError("latent rows live in an MLA draft pool's pages; the reference runtime's K/V "
+                        "block caches hold K and V")
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        raise TypeError("latent rows live in an MLA draft pool's pages; the reference runtime's K/V "
+                        "block caches hold K and V")
+
+    def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
+        self.check(rows)
+        if len(rows.shape) != 4 or tuple(rows.shape[1:]) != (1, num_kv_heads, head_dim):
+            raise ValueError(f"{self.name} latent rows {tuple(rows.shape)} do not fit rows [n, 1, {num_kv_heads}, "
+                             f"{head_dim}]")
+
+    def _check_latent(self, buf: torch.Tensor) -> None:
+        if buf.dim() != 5 or buf.shape[1] != 1:
+            raise RuntimeError(f"latent pages are HND [pages, 1, Hkv, tpb, D], got {tuple(buf.shape)}")
+
+
+class FooterScaleCodec(RowCodec):
+    """`fp8_ds_mla`: DeepSeek-V4's footer-scale latent pages' own bytes, a key's 576 data bytes
+    (448 e4m3 latent values, 64 bf16 RoPE values) then its 8 footer bytes (7 UE8M0 tile scales and
+    the pad byte), held uint8 `[n, 584]`, gathered from and scattered to `FooterScalePages` at the
+    addresses TensorRT-LLM's writer gives them (`latent_pages.py`). Exact: copies only, never
+    dequantized. One latent vector a key of width 512, one head."""
+
+    name = "fp8_ds_mla"
+    exact = True
+
+    def __init__(self, pool_dtype: torch.dtype = torch.uint8) -> None:
+        if pool_dtype != torch.uint8:
+            raise ValueError(f"fp8_ds_mla carries footer-scale pages' bytes (uint8), got a {pool_dtype} pool")
+        super().__init__(pool_dtype)
+
+    def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
+        return RowFormat(self.name, num_kv_heads, head_dim, 1)  # 584 bytes a 512-wide vector
+
+    def held_shape(self, rows: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        if (num_kv_heads, head_dim) != (1, FP8_DS_MLA_DIM):
+            raise ValueError(f"fp8_ds_mla pages hold one {FP8_DS_MLA_DIM}-wide latent vector a key, not "
+                             f"{num_kv_heads} heads of {head_dim}")
+        return (rows, TOKEN_BYTES)
+
+    def holds(self, rows: object) -> bool:
+        return (isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.dim() == 2
+                and rows.shape[1] == TOKEN_BYTES)
+
+    def _tensor(self, rows: object) -> torch.Tensor:
+        t = self.check(rows)
+        assert isinstance(t, torch.Tensor)
+        return t
+
+    def _form(self) -> str:
+        return f"uint8 [n, {TOKEN_BYTES}] tensors (a footer-scale key's bytes)"
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        return (self._tensor(rows),)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        return self._tensor(rows)[:n]
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        return self._tensor(rows).to(device, non_blocking=non_blocking)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        t = self._tensor(rows)
+        host = host_empty(t.shape, t.dtype, t.is_cuda)
+        host.copy_(t)
+        return host
+
+    def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
+        return raw.view(torch.uint8).view(shape)
+
+    def encode(self, rows: torch.Tensor) -> Rows:
+        raise TypeError("fp8_ds_mla rows are a footer-scale pool's own bytes, gathered from its pages "
+                        "(gather_pages), never encoded from other rows")
+
+    def decode(self, rows: Rows) -> torch.Tensor:
+        raise TypeError("fp8_ds_mla rows are scattered back as the pool's own bytes; the carry never "
+                        "dequantizes them")
+
+    def _pages(self, buf: object) -> FooterScalePages:
+        if not isinstance(buf, FooterScalePages):
+            raise RuntimeError(f"a fp8_ds_mla codec reads FooterScalePages, got {type(buf).__name__} "
+                               f"{getattr(buf, 'dtype', '')}")
+        return buf
+
+    def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
+                     out: Rows | None = None) -> Rows:
+        dst = None if out is None else self._tensor(self._out(out))
+        return gather_footer_rows(self._pages(buf), pages, lo, hi, out=dst)
+
+    def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
+        scatter_footer_rows(self._pages(buf), pages, lo, self._tensor(rows))
+
+    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                      rows: int, out: Rows | None = None) -> Rows:
+        raise TypeError("fp8_ds_mla rows live in a DeepSeek-V4 draft pool's pages; the reference runtime's "
+                        "K/V block caches are never footer-scale")
+
+    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_ids: torch.Tensor) -> None:
+        raise TypeError("fp8_ds_mla rows live in a DeepSeek-V4 draft pool's pages; the reference runtime's "
+                        "K/V block caches are never footer-scale")
+
+    def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
+        t = self._tensor(rows)
+        if self.held_shape(t.shape[0], num_kv_heads, head_dim) != tuple(t.shape):
+            raise ValueError(f"fp8_ds_mla rows {tuple(t.shape)} do not fit [n, {TOKEN_BYTES}]")
+
+
 CODECS: dict[str, type[RowCodec]] = {"bf16": PoolRowsCodec, "fp8": Fp8PackedCodec, "nvfp4": Nvfp4Codec,
-                                     "fp8_kv": PoolRowsCodec, "nvfp4_kv": Nvfp4KvPagesCodec}
+                                     "fp8_kv": PoolRowsCodec, "nvfp4_kv": Nvfp4KvPagesCodec,
+                                     "fp8_ds_mla": FooterScaleCodec}
 """Codec classes by format name (`core.row_format.ROW_FORMATS`)."""
 
 
@@ -760,6 +909,14 @@ def codec_of(rows: object) -> RowCodec:
     if isinstance(rows, torch.Tensor):
         return _codec(PoolRowsCodec, rows.dtype)
     raise TypeError(f"carried rows are a tensor, PackedRows, Nvfp4Rows or Nvfp4KvRows, got {type(rows).__name__}")
+
+
+def latent_codec(pool_dtype: torch.dtype) -> RowCodec:
+    """The codec of an MLA latent pool's own rows: `fp8_ds_mla` for footer-scale pages (uint8 bytes),
+    else `LatentRowsCodec` (a BF16 or float8_e4m3fn pool's rows as held). ValueError names another dtype."""
+    if pool_dtype == torch.uint8:
+        return _codec(FooterScaleCodec, pool_dtype)
+    return _codec(LatentRowsCodec, pool_dtype)
 
 
 def codec_for(row_dtype: str, pool_dtype: torch.dtype) -> RowCodec:

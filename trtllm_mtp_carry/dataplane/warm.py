@@ -107,5 +107,5 @@ def warm_page_kernels(buf: torch.Tensor, row_dtype: str, block_nbytes: int, forc
 def warm_manager_kernels(manager: Any, reserved: Any) -> int:
     """`warm_page_kernels` for an installed TensorRT-LLM carry manager: its draft pool's MTP-layer
     pages, its row format, one carried row's bytes (`reserved`: `reservation.Reserved`)."""
-    buf = manager.draft.get_buffers(manager.mtp_layer, kv_layout="HND")
+    buf = manager.pages.kv()  # the pages its codec moves (`trtllm.draft_pages`)
     return warm_page_kernels(buf, manager.service.home.codec.name, reserved.row_nbytes)

@@ -351,7 +351,7 @@ class _BlockForm:
 class _Held:
     """An entry's rows in the arena (`shape` of its held form) or loose (`rows`), and its keys."""
 
-    shape: tuple[int, ...]  # [n, 2, Hkv, D]
+    shape: tuple[int, ...]  # the codec's held shape of n rows ([n, 2, Hkv, D] for K/V)
     runs: Runs
     loose: Rows | None = None  # held outside the arena: restored from the host, or bound for it
 
@@ -389,8 +389,9 @@ class ArenaHome(RowHome):
         return self.arena.nbytes
 
     def shape(self, rows: int) -> tuple[int, ...]:
-        """The held shape of `rows` rows: `[rows, 2, Hkv, D]`."""
-        return (rows, 2, self.num_kv_heads, self.head_dim)
+        """The held shape of `rows` rows, as the codec holds them (`[rows, 2, Hkv, D]`: K and V; an MLA
+        latent codec's one vector a key)."""
+        return self.codec.held_shape(rows, self.num_kv_heads, self.head_dim)
 
     def charge(self, source: Any, rows: int) -> tuple[Sequence[int] | None, int]:
         return None, rows * self.row_nbytes

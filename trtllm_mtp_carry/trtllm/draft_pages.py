@@ -50,22 +50,49 @@ group's raw keys normalized and roped at the group's first coordinates, all keys
 K/V rows do; a warm turn's first group past `R` reads the raw keys and first
 coordinates of its members below `R`, which the carry restores.
 
+- `DeepseekV4DraftPages` (a draft manager whose `get_buffers` and `get_cache_indices` take an
+  `attn_type`: DeepSeek-V4's `DeepseekV4CacheManager`, `deepseek_v4/cache_manager.py` @
+  0b03b6afc16c24de7556e3abf7b78e9ccae2def4): the MTP layer's only buffer is its sliding window
+  (compress ratio 1: `metadata.py` @ 0b03b6af refuses a separate draft pool otherwise), one MLA
+  latent vector a key, `get_buffers(mtp, DeepseekV4AttentionType.SWA)` `[pages, tpb, 512]`
+  (BF16, or FP8: an NVFP4 deployment's window is FP8) or, with `use_fp8_ds_mla` on Hopper,
+  uint8 `[pages, tpb, 584]` footer-scale pages (`dataplane/latent_pages.py`); addressed by
+  `get_cache_indices(rid, mtp, SWA)` (`PageIndexMode.PER_LAYER` ids into that view's first
+  dimension: the manager's own guard-page fill indexes it so). The MTP layer reads keys
+  `[p - 127, p]` (`window_size == 128`, metadata.py @ 0b03b6af), and the pool releases blocks
+  below its window (`BAD_PAGE_INDEX`, `_kv_cache.py` @ 00f6bd61 `_unlock_stale_blocks`): a
+  turn keeps the run of keys on held pages that reaches its last key, and a warm turn is
+  restored only over `[R - 127, R)` (`read_window`), never below.
+
 Invariant: `page_ids`, `views` and `codec` agree: the codec gathers from and scatters
 to exactly the views, at exactly the ids, that TensorRT-LLM's kernels index.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from typing import Any
 
 import torch
 
+from ..dataplane.latent_pages import FooterScalePages
 from ..dataplane.nvfp4_kv import FP4_BLOCK, NVFP4_KV_DTYPE, Nvfp4KvPages
-from ..dataplane.row_codec import CompositeCodec, RowCodec, SideRows, SlotPages, codec_for
-from .kv_formats import is_qsa_pool, kv_format_of_datatype
+from ..dataplane.row_codec import (
+    CompositeCodec,
+    RowCodec,
+    Rows,
+    SideRows,
+    SlotPages,
+    codec_for,
+    latent_codec,
+)
+from ..service.homes import Runs
+from .kv_formats import HOPPER_SM, is_qsa_pool, kv_format_of_datatype
 
-__all__ = ["DraftPages", "Nvfp4DraftPages", "QsaDraftPages", "nvfp4_scale_pages", "pages_of"]
+__all__ = ["DSV4_WINDOW", "DeepseekV4DraftPages", "DraftPages", "Nvfp4DraftPages", "QsaDraftPages",
+           "TurnPages", "WindowTurnPages", "attention_typed", "nvfp4_scale_pages", "pages_of"]
 
 QSA_INDEX_K_DTYPE = torch.bfloat16
 """`QSA_INDEX_K_CACHE_DTYPE` (`qsa/constants.py` @ 242e38c0316f82603db53bb51b6b1767b53ae2eb)."""
@@ -75,12 +102,89 @@ QSA_POSITION_AXES = 3
 """`QSA_POSITION_COORDINATE_AXES` (`qsa/constants.py` @ 242e38c0)."""
 
 
+class TurnPages:
+    """A request's MTP-layer draft pages, as the service's arena reads and writes them (`RowPages`):
+    one run of keys at a time, at the request's page ids. The pages are looked up at the first
+    read or write, inside the service's step (a fault there is the step's)."""
+
+    def __init__(self, pages: DraftPages, rid: int) -> None:
+        self.pages = pages
+        self.rid = rid
+
+    @functools.cached_property
+    def buf(self) -> Any:
+        return self.pages.views()
+
+    @functools.cached_property
+    def ids(self) -> list[int]:
+        return self.pages.page_ids(self.rid)
+
+    def kept(self, lo: int, hi: int) -> tuple[int, int]:
+        """The keys of valid run `[lo, hi)` a deposit keeps: all of them (every page is held)."""
+        return lo, hi
+
+    def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
+        (lo, n), = runs
+        codec.gather_pages(self.buf, self.ids, lo, lo + n, out=out)
+
+    def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
+        if not runs:  # nothing below R to restore: the pages are not read
+            return
+        for lo, n in runs:  # one run: the entry's keys below R
+            codec.scatter_pages(self.buf, self.ids, lo, codec.head(rows, n))
+
+
+class WindowTurnPages(TurnPages):
+    """A request's pages in a sliding-window pool: a deposit keeps the run of keys on held pages
+    that reaches its last key (blocks below the window are `BAD_PAGE_INDEX`); a scatter writes
+    its run's rows from the `skip`-th on (keys below the turn's read window are never written).
+    Its codecs hold rows as one tensor (`LatentRowsCodec`, `FooterScaleCodec`)."""
+
+    def __init__(self, pages: DraftPages, rid: int, skip: int = 0) -> None:
+        super().__init__(pages, rid)
+        self.skip = skip
+
+    @functools.cached_property
+    def tpb(self) -> int:
+        return int(self.buf.shape[3])
+
+    def kept(self, lo: int, hi: int) -> tuple[int, int]:
+        held = [i >= 0 for i in self.ids[: -(-hi // self.tpb)]]
+        first = max((b + 1 for b, ok in enumerate(held) if not ok), default=0)  # past the last dropped block
+        return max(lo, first * self.tpb), hi
+
+    def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
+        if not runs:
+            return
+        (lo, n), = runs
+        if self.skip:
+            if not isinstance(rows, torch.Tensor):
+                raise TypeError(f"a windowed scatter takes rows held as one tensor, got {type(rows).__name__}")
+            rows, lo, n = rows[self.skip:], lo + self.skip, n - self.skip
+        if n > 0:
+            codec.scatter_pages(self.buf, self.ids, lo, codec.head(rows, n))
+
+
 class DraftPages:
     """The MTP layer's K/V pages of draft manager `draft` (base V2 and the hybrids)."""
+
+    ACCESSORS: tuple[tuple[str, str], ...] = (("get_buffers", "kv_layout"), ("get_batch_cache_indices", "layer_idx"))
+    """The page accessors this layout calls and the parameter each must take (the probe checks them)."""
 
     def __init__(self, draft: Any, mtp_layer: int) -> None:
         self.draft = draft
         self.mtp_layer = mtp_layer
+
+    def turn(self, rid: int, skip: int = 0) -> TurnPages:
+        """Request `rid`'s pages as the service reads and writes them; a scatter skips its first
+        `skip` rows (0 here: the MTP layer reads every key below R)."""
+        if skip:
+            raise ValueError(f"full-attention pages restore every key below R: no row to skip, got {skip}")
+        return TurnPages(self, rid)
+
+    def read_window(self, reused: int) -> int:
+        """The lowest key a warm turn reusing `reused` tokens reads below them: 0 (full attention)."""
+        return 0
 
     def kv(self) -> Any:
         """The K/V pages `[pages, 2, Hkv, tpb, D]` (HND: a tensor; an NVFP4 pool's `Nvfp4KvPages`)."""
@@ -181,10 +285,86 @@ class QsaDraftPages(DraftPages):
         return CompositeCodec(super().codec(row_dtype), self.sides)
 
 
+DSV4_WINDOW = 128
+"""Keys DeepSeek-V4's MTP layer reads up to a query, itself included: `[p - 127, p]`
+(`DeepseekV4TrtllmAttentionMetadata`: "window_size == 128", `swa_local_indices`, metadata.py @
+0b03b6afc16c24de7556e3abf7b78e9ccae2def4)."""
+
+
+def attention_typed(draft: Any) -> bool:
+    """Whether `draft` addresses its buffers by attention type, as DeepSeek-V4's manager does
+    (`get_buffers(layer_idx, attn_type)`, `get_cache_indices(request_id, layer_idx, attn_type)`,
+    cache_manager.py @ 0b03b6af) instead of the base V2's `get_buffers(layer_idx, kv_layout)`."""
+    dsv4 = draft  # read as a DeepseekV4CacheManager (the conformance walk reads `dsv4` as one)
+    get_buffers = getattr(dsv4, "get_buffers", None)
+    if get_buffers is None or getattr(dsv4, "get_cache_indices", None) is None:
+        return False
+    try:
+        return "attn_type" in inspect.signature(get_buffers).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class DeepseekV4DraftPages(DraftPages):
+    """DeepSeek-V4's draft pool: the MTP layer's sliding-window MLA latent pages (see the module doc)."""
+
+    ACCESSORS = (("get_buffers", "attn_type"), ("get_cache_indices", "attn_type"))
+    window = DSV4_WINDOW
+
+    def __init__(self, draft: Any, mtp_layer: int) -> None:
+        super().__init__(draft, mtp_layer)
+        # the module defining the manager's accessors imports DeepseekV4AttentionType (params.py) and
+        # get_sm_version (tensorrt_llm._utils), the function the manager itself asked (cache_manager.py)
+        dsv4 = draft
+        owner = next(c for c in type(dsv4).__mro__ if "get_cache_indices" in c.__dict__)
+        module = sys.modules[owner.__module__]
+        self.swa = module.DeepseekV4AttentionType.SWA
+        self.footer = getattr(dsv4, "use_fp8_ds_mla", False) is True
+        if self.footer and int(module.get_sm_version()) != HOPPER_SM:
+            raise ValueError(f"fp8_ds_mla pages off Hopper (SM{int(module.get_sm_version())}): their writer's page "
+                             "size was not read, the carry reads Hopper's only")
+
+    def kv(self) -> Any:
+        """The SWA pages as one head's HND view `[pages, 1, 1, tpb, D]` (a footer-scale pool's as
+        `FooterScalePages`, written in whole-block pages on Hopper)."""
+        dsv4 = self.draft
+        buf: torch.Tensor = dsv4.get_buffers(self.mtp_layer, self.swa)  # [pages, tpb, D] or [pages, tpb, 584]
+        if self.footer:
+            return FooterScalePages(buf, page_tokens=int(buf.shape[1]))
+        return buf.view(buf.shape[0], 1, 1, buf.shape[1], buf.shape[2])
+
+    def page_ids(self, rid: int) -> list[int]:
+        dsv4 = self.draft
+        return list(dsv4.get_cache_indices(rid, self.mtp_layer, self.swa))
+
+    def codec(self, row_dtype: str) -> RowCodec:
+        return latent_codec(self.kv().dtype)  # the pool's own rows, whatever row_dtype says
+
+    def turn(self, rid: int, skip: int = 0) -> TurnPages:
+        return WindowTurnPages(self, rid, skip)
+
+    def read_window(self, reused: int) -> int:
+        return max(0, reused - (self.window - 1))
+
+    def check(self, tokens_per_block: int) -> None:
+        """ValueError, naming what came, unless the SWA pages are `[pages, tpb, 512]` BF16 or FP8, or
+        uint8 `[pages, tpb, 584]` footer-scale pages."""
+        dsv4 = self.draft
+        buf = dsv4.get_buffers(self.mtp_layer, self.swa)
+        width, dtypes = (584, (torch.uint8,)) if self.footer else (512, (torch.bfloat16, torch.float8_e4m3fn))
+        if buf is None or buf.dim() != 3 or tuple(buf.shape[1:]) != (tokens_per_block, width) or buf.dtype not in dtypes:
+            raise ValueError(f"draft get_buffers({self.mtp_layer}, SWA) is "
+                             f"{None if buf is None else (buf.dtype, tuple(buf.shape))}: expected "
+                             f"[pages, {tokens_per_block}, {width}] of {', '.join(map(str, dtypes))}")
+
+
 def pages_of(draft: Any, mtp_layer: int) -> DraftPages:
-    """The layout of draft manager `draft`'s MTP layer pages, by what the pool is (a QSA pool,
+    """The layout of draft manager `draft`'s MTP layer pages, by what its class offers (accessors
+    by attention type: DeepSeek-V4's sliding-window latent pages), what the pool is (a QSA pool,
     `kv_formats.is_qsa_pool`, as `kv_formats.verdict_of_draft` judges it) and its KV format (an
     NVFP4 pool's payload and scale pages; the verdict stands aside on a QSA one)."""
+    if attention_typed(draft):
+        return DeepseekV4DraftPages(draft, mtp_layer)
     if is_qsa_pool(draft):
         return QsaDraftPages(draft, mtp_layer)
     if kv_format_of_datatype(getattr(draft, "dtype", None)) == "nvfp4":

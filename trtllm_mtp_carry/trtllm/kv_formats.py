@@ -85,10 +85,6 @@ _QSA_NVFP4: tuple[str, tuple[str, ...]] = ("the QSA hybrid's NVFP4 draft pool st
                   "at the base slot ids",))
 
 _MANAGERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "DeepseekV4CacheManager": (
-        "DeepseekV4CacheManager stands aside: the MTP layer's KV is an MLA latent, not the K/V pages the "
-        "carry moves", ("SELFKONLY, one head, with sliding, compressed and indexer pages per layer "
-                        "(deepseek_v4/cache_manager.py @ 38198e34582cf777ecc72062f477987284ba9999)",)),
     "DSACacheManagerV2": (
         "DSACacheManagerV2 stands aside: the MTP layer's KV is an MLA latent with an indexer K cache, not "
         "the K/V pages the carry moves", ("TensorRT-LLM pairs it itself where #19303 lands "
@@ -192,6 +188,8 @@ def kv_verdict(kv_format: str, manager: str = HYBRID_V2, compression: str | None
     if compression:
         line, details = _COMPRESSION
         return KvVerdict(False, kv_format, manager, line.format(algorithm=compression), details)
+    if manager == DEEPSEEK_V4:
+        return deepseek_v4_verdict(kv_format)
     if manager in _MANAGERS:
         return KvVerdict(False, kv_format, manager, *_MANAGERS[manager])
     if manager == QSA_HYBRID and kv_format == "nvfp4":
@@ -234,8 +232,10 @@ def verdict_of_options(options: Mapping[str, Any], checkpoint_kv_quant: object =
         checkpoint_kv_quant = quant.get("kv_cache_quant_algo") if isinstance(quant, Mapping) else None
     compression = options.get("kv_cache_compression_config") or {}
     algorithm = compression.get("algorithm") if isinstance(compression, Mapping) else None
-    return kv_verdict(resolve_kv_format(kv_dtype, checkpoint_kv_quant, model_dtype), manager_of_options(options),
-                      str(algorithm) if algorithm else None)
+    kv_format, manager = resolve_kv_format(kv_dtype, checkpoint_kv_quant, model_dtype), manager_of_options(options)
+    if manager == DEEPSEEK_V4 and not algorithm:
+        return deepseek_v4_verdict(kv_format, deepseek_v4_sm_of_options(kv_format, kv))
+    return kv_verdict(kv_format, manager, str(algorithm) if algorithm else None)
 
 
 QSA_VIEWS = ("get_index_k_buffer", "get_qsa_position_buffer")
@@ -258,16 +258,102 @@ def manager_of_draft(draft: Any) -> str:
     if is_qsa_pool(draft):
         return QSA_HYBRID
     names = [c.__name__ for c in type(draft).__mro__]
-    return next((n for n in names if n in _MANAGERS or n in V1_MANAGERS), names[0])
+    return next((n for n in names if n in _MANAGERS or n in V1_MANAGERS or n == DEEPSEEK_V4), names[0])
 
 
 def verdict_of_draft(draft: Any, compression: str | None = None) -> KvVerdict:
     """`kv_verdict` of a live draft manager (what the worker's probe decides on): its `dtype` and
     its manager (`manager_of_draft`). A pool that keeps QSA position pages without the views the
     carry reads stands aside (carrying K/V alone would be wrong: fail closed)."""
+    if DEEPSEEK_V4 in {c.__name__ for c in type(draft).__mro__} and not compression:
+        return deepseek_v4_verdict(*deepseek_v4_pool_of(draft))
     kv_format = kv_format_of_datatype(getattr(draft, "dtype", None))
     manager = manager_of_draft(draft)
     if manager != QSA_HYBRID and getattr(draft, "qsa_position_layer_id", None) is not None:
         line, details = _UNREAD_QSA
         return KvVerdict(False, kv_format, manager, line.format(manager=manager), details)
     return kv_verdict(kv_format, manager, compression)
+
+
+# ---- DeepSeek-V4's draft pool ---------------------------------------------------------------
+
+DEEPSEEK_V4 = "DeepseekV4CacheManager"
+"""DeepSeek-V4's cache manager class (`deepseek_v4/cache_manager.py`): its draft pool's too."""
+
+HOPPER_SM = 90
+"""`get_sm_version()` on Hopper, where DeepSeek-V4 requires `fp8_ds_mla` (`cache_manager.py` @
+0b03b6afc16c24de7556e3abf7b78e9ccae2def4) and FlashMLA writes whole blocks (`flash_mla.py` @ 7de08c31)."""
+
+_DSV4_POOL = (
+    "deepseek_v4/cache_manager.py @ 0b03b6afc16c24de7556e3abf7b78e9ccae2def4: DeepseekV4CacheManager is "
+    "unpaired on every tree read (_supports_reuse_match_backoff False there, and "
+    "_supports_draft_reuse_match_backoff False @ 38198e34582cf777ecc72062f477987284ba9999); a compress-ratio-1 "
+    "layer has only the SWA buffer (PageIndexMode.PER_LAYER, get_buffers(layer, SWA), get_cache_indices); "
+    "metadata.py @ 0b03b6af refuses a separate draft pool unless the MTP layer's ratio is 1 and asserts "
+    "window_size == 128; the pool drops blocks below the window (_kv_cache.py @ 00f6bd61 "
+    "_unlock_stale_blocks), so the carry keeps the run of keys on held pages up to key N-2 and restores "
+    "keys [R-127, R)")
+
+_DSV4_LINES: dict[str, str] = {
+    "bf16": ("DeepseekV4CacheManager: the MTP layer's 128-token sliding window of BF16 MLA latent rows (one "
+             "512-wide vector a key) is carried as the pool holds it, so a warm turn drafts with restored "
+             "rows for the up to 127 keys below its reuse point"),
+    "fp8": ("DeepseekV4CacheManager: the MTP layer's 128-token sliding window of FP8 MLA latent rows (one "
+            "512-byte e4m3 vector a key, written with the layer's static scale; NVFP4 KV keeps this window "
+            "in FP8) is carried bit for bit, so a warm turn drafts with restored rows for the up to 127 keys "
+            "below its reuse point"),
+    "fp8_ds_mla": ("DeepseekV4CacheManager on Hopper: the MTP layer's 128-token sliding window of fp8_ds_mla "
+                   "latent rows (per key 448 e4m3 values, 64 bf16 RoPE values and 7 UE8M0 tile scales, 584 "
+                   "bytes) is carried bit for bit, so a warm turn drafts with restored rows for the up to 127 "
+                   "keys below its reuse point"),
+}
+_DSV4_DETAILS: dict[str, str] = {
+    "fp8": "an NVFP4 deployment's SWA buffers are FP8 too (cache_dtype = DataType.FP8, cache_manager.py @ 0b03b6af)",
+    "fp8_ds_mla": ("footer-scale pages: data rows then footer rows a page, FlashMLA appending with "
+                   "page_size=tokens_per_block (footer_scale_kv.py @ d77955c52716fe6ff51d047f0eb93a443a342ef9, "
+                   "flash_mla.py @ 7de08c31c5c1bf627e4f7177b41ddc40fcf0ccfe)"),
+}
+
+
+def deepseek_v4_verdict(kv_format: str, sm_version: int | None = None) -> KvVerdict:
+    """The verdict on a DeepSeek-V4 draft pool: its MTP layer's sliding-window MLA latent rows are
+    carried for BF16, FP8 (and NVFP4, whose window is FP8) and, on Hopper (`sm_version` 90), for
+    `fp8_ds_mla`; elsewhere the carry stands aside naming what it did not read. The first line is one
+    sentence; `details` say where each fact was read."""
+    fmt = "fp8" if kv_format == "nvfp4" else kv_format
+    if fmt == "fp8_ds_mla" and sm_version != HOPPER_SM:
+        where = ("info cannot see the GPU, and only tokens_per_block 128 proves Hopper" if sm_version is None
+                 else f"this GPU is SM{sm_version}")
+        line = ("DeepseekV4CacheManager with fp8_ds_mla KV stands aside off Hopper: which footer-scale page "
+                f"size its kernels write there was not read ({where}); the worker carries it on Hopper (SM90)")
+        details = ("FlashMLA (Hopper) appends whole blocks, FlashInfer's SM120 path 64-token pages "
+                   "(footer_scale_kv.py @ d77955c5, flash_mla.py @ 7de08c31)")
+        return KvVerdict(False, kv_format, DEEPSEEK_V4, line, (details, _DSV4_POOL))
+    if fmt in _DSV4_LINES:
+        details = tuple(d for d in (_DSV4_DETAILS.get(fmt), _DSV4_POOL) if d)
+        return KvVerdict(True, kv_format, DEEPSEEK_V4, _DSV4_LINES[fmt], details)
+    return KvVerdict(False, kv_format, DEEPSEEK_V4,
+                     f"DeepseekV4CacheManager with {kv_format.upper()} KV stands aside: the carry reads BF16, FP8, "
+                     f"NVFP4 (FP8 window) or Hopper's fp8_ds_mla sliding-window pages only", (_DSV4_POOL,))
+
+
+def deepseek_v4_sm_of_options(kv_format: str, kv_cache_config: Any) -> int | None:
+    """The GPU an `llm.yaml` proves for a DeepSeek-V4 pool, or None: `fp8_ds_mla` with
+    `tokens_per_block` 128 runs only on Hopper (off Hopper the manager requires 256,
+    `cache_manager.py` @ 0b03b6af)."""
+    tpb = kv_cache_config.get("tokens_per_block") if isinstance(kv_cache_config, Mapping) else None
+    return HOPPER_SM if kv_format == "fp8_ds_mla" and tpb is not None and int(tpb) == 128 else None
+
+
+def deepseek_v4_pool_of(draft: Any) -> tuple[str, int | None]:
+    """`(kv_format, sm_version)` of a live DeepSeek-V4 draft manager: `fp8_ds_mla` where it says
+    `use_fp8_ds_mla` (with the GPU its module's `get_sm_version` reports, what the manager itself
+    asked), else its `dtype`'s format (FP8 for an NVFP4 deployment: its SWA pages are FP8)."""
+    import sys
+
+    dsv4 = draft
+    if getattr(dsv4, "use_fp8_ds_mla", False) is True:
+        owner = next(c for c in type(dsv4).__mro__ if c.__name__ == DEEPSEEK_V4)
+        get_sm_version = getattr(sys.modules[owner.__module__], "get_sm_version", None)
+        return "fp8_ds_mla", None if get_sm_version is None else int(get_sm_version())
+    return kv_format_of_datatype(getattr(draft, "dtype", None)), None

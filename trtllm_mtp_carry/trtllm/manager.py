@@ -81,11 +81,10 @@ from ..core import carry_eviction, carry_idle_s, carry_row_dtype, carry_slots, m
 from ..core.outcome import Adopted, CarryOutcome
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from ..dataplane.row_codec import RowCodec, Rows
 from ..service import VETO_STEPS, CarryService, CarryStats, guarded, streams
-from ..service.homes import ArenaHome, Runs
+from ..service.homes import ArenaHome
 from ..service.stats import SKIP_REASONS
-from .draft_pages import DraftPages, pages_of
+from .draft_pages import TurnPages, pages_of
 from .identity import conversation_session, request_session, request_session_key
 from .lockstep import Lockstep
 from .options import CarryOptions
@@ -163,26 +162,6 @@ class _Live:
         start, end = self.chunk
         lo, _ = merge_interval(self.run, start, end - start)
         return lo, num_tokens - 1
-
-
-class TurnPages:
-    """A request's MTP-layer draft pages, as the service's arena reads and writes them (`RowPages`):
-    one run of keys at a time, at the request's page ids."""
-
-    def __init__(self, pages: DraftPages, rid: int) -> None:
-        self.pages = pages
-        self.rid = rid
-
-    def gather_into(self, codec: RowCodec, out: Rows, runs: Runs) -> None:
-        (lo, n), = runs  # the page lookup runs here, inside the service's step (a fault is the step's)
-        codec.gather_pages(self.pages.views(), self.pages.page_ids(self.rid), lo, lo + n, out=out)
-
-    def scatter(self, codec: RowCodec, rows: Rows, runs: Runs, key: int) -> None:
-        if not runs:  # nothing below R to restore: the pages are not read
-            return
-        buf, ids = self.pages.views(), self.pages.page_ids(self.rid)
-        for lo, n in runs:  # one run: the entry's keys below R
-            codec.scatter_pages(buf, ids, lo, codec.head(rows, n))
 
 
 def _other_default(value: object) -> Callable[..., object]:
@@ -395,20 +374,26 @@ class CarryManagerCore:
             if why is not None:
                 self._skip(why, live)
             return False
+        turn: TurnPages | None = None
+        lo = hi = 0
         try:  # whatever this rank's request looks like, it reaches the vote below
             tokens = list(request.get_tokens(0))
             why = self._skip_reason(request, live, len(tokens))
+            if why is None:
+                lo, hi = live.valid_run(len(tokens))  # keys < N - 1
+                turn = self.pages.turn(rid)
+                if hi > lo:  # of those, the run on pages the pool still holds (a sliding window's)
+                    lo, hi = turn.kept(lo, hi)
         except Exception as exc:
             self._fault("deposit", exc, rid)
-            tokens, why = [], "fault"
-        lo, hi = live.valid_run(len(tokens)) if why is None else (0, 0)  # keys < N - 1
+            tokens, why, lo, hi = [], "fault", 0, 0
         status = 1 + SKIP_REASONS.index(why) if why is not None else 0 if hi > lo else NOTHING
         agreed = self.lockstep.agree_deposit(live.key or 0, status, hi - lo)
         if agreed != 0:
             self._skip(SKIP_REASONS[agreed - 1] if 0 < agreed < NOTHING else
                        "no_rows" if agreed == NOTHING else "fault", live)
             return False
-        assert live.key is not None
+        assert live.key is not None and turn is not None
         with self._lock:  # against forget_conversation: either it marked us, or it sees the entry
             if live.forgotten:  # (attach's: one rank)
                 self._skip("session_end", live)
@@ -419,8 +404,7 @@ class CarryManagerCore:
                 if plan is None:  # refused before any row moved (the store counts why)
                     return False
                 with self._draft_stream():
-                    kept = self.service.deposit(plan, TurnPages(self.pages, rid), ((lo, hi - lo),), tokens,
-                                                agree=self._agree)
+                    kept = self.service.deposit(plan, turn, ((lo, hi - lo),), tokens, agree=self._agree)
                     self._sync()
             except Exception as exc:  # the carry may cost acceptance, never the executor
                 self._fault("deposit", exc, rid)
@@ -583,21 +567,24 @@ class CarryManagerCore:
         m = agreed - 1
         assert live.key is not None
         try:
+            # keys below the turn's read window (a sliding-window pool's) are never written
+            skip = min(m, max(0, self.pages.read_window(live.reused) - plan.first))
             with self._lock:
                 with self._draft_stream():
-                    self.service.adopt(rid, live.key, m, TurnPages(self.pages, rid))
+                    self.service.adopt(rid, live.key, m, self.pages.turn(rid, skip))
                 self._forward_waits_for_draft_stream()
         except Exception as exc:  # the turn runs blind over [0, R); it deposits nothing
             self._fault("prepare", exc, rid)
             self.service.drop_turn(rid)
             self.service.repair()
             return False
+        first, n = plan.first + skip, m - skip  # the keys restored
         with self._lock:
-            live.run = (plan.first, plan.first + m) if m else (0, 0)
-            self.service.counters.rows_adopted += m
-            self.service.counters.keys_skipped += max(0, live.reused - (plan.first + m)) if m else 0
-            live.record["rows_adopted"] = m
-            live.record["first_key"] = plan.first
+            live.run = (first, first + n) if n else (0, 0)
+            self.service.counters.rows_adopted += n
+            self.service.counters.keys_skipped += max(0, live.reused - (first + n)) if n else 0
+            live.record["rows_adopted"] = n
+            live.record["first_key"] = first
         return True
 
     def _decided(self, live: _Live, outcome: CarryOutcome) -> None:

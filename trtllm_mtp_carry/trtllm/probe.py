@@ -52,7 +52,9 @@ Topologies:
   True: paired markers. PR #19303 (tree 38198e34) reads `_supports_draft_reuse_match_backoff`:
   hybrids paired, the QSA hybrid and `DeepseekV4CacheManager` not (their draft pools are judged
   by `kv_formats.kv_verdict`: a QSA pool is carried with its index-key and position rows,
-  `draft_pages.py`; DeepSeek-V4's stands aside).
+  `draft_pages.py`; DeepSeek-V4's sliding window of latent rows through its own accessors,
+  `get_buffers(mtp, attn_type)` and `get_cache_indices`, which the probe checks instead of
+  `get_buffers(mtp, kv_layout)` and `get_batch_cache_indices`).
 - `folded`: no separate draft pool (the `DRAFT_KV_CACHE_MANAGER` entry absent or None):
   the MTP layer's KV lives in the target pool and is reused with it. Stands aside.
 """
@@ -63,7 +65,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .kv_formats import V1_HYBRID_MANAGERS, is_qsa_pool, v1_line, verdict_of_draft
+from .kv_formats import DEEPSEEK_V4, V1_HYBRID_MANAGERS, is_qsa_pool, v1_line, verdict_of_draft
 from .options import MAMBA_STATE_FIELDS, TrtllmAdapterError, reuse_stand_aside
 from .verdict import disaggregation_verdict, speculation_verdict
 
@@ -285,7 +287,9 @@ _MISSING = object()
 
 def _never_reuses(target: Any, reuse: bool) -> str | None:
     """`options.reuse_stand_aside` of the target manager's own reuse configuration."""
-    hybrid = any("MambaHybridCacheManager" in c.__name__ for c in type(target).__mro__)
+    names = [c.__name__ for c in type(target).__mro__]
+    # a DeepSeek-V4 target reuses without recurrent-state snapshots, as `info` judges it
+    hybrid = DEEPSEEK_V4 not in names and any("MambaHybridCacheManager" in n for n in names)
     if not reuse or not hybrid:
         return reuse_stand_aside(reuse, hybrid, None)
     kv_cache_config = _attr(target, "kv_cache_config", "target KV cache manager")
@@ -372,7 +376,7 @@ def _check_draft(draft: Any) -> None:
         raise TrtllmAdapterError(
             f"the draft KV cache manager is {type(draft).__name__}, not KVCacheManagerV2: the "
             "carry supports KV cache manager V2 only (kv_cache_config.use_kv_cache_manager_v2)")
-    for method, needed in (("get_buffers", "kv_layout"), ("get_batch_cache_indices", "layer_idx")):
+    for method, needed in _accessors(draft):
         fn = _attr(draft, method, owner)
         if needed not in inspect.signature(fn).parameters:
             raise TrtllmAdapterError(f"{owner}.{method} takes no {needed!r} argument: an older "
@@ -393,9 +397,32 @@ def _check_draft(draft: Any) -> None:
             "scatters into fresh pages; turn it off")
 
 
+def _accessors(draft: Any) -> tuple[tuple[str, str], ...]:
+    """The page accessors the carry will call on `draft` and the parameter each must take: the
+    layout's (`draft_pages`: DeepSeek-V4's by attention type, every other V2 manager's by layout)."""
+    from .draft_pages import DeepseekV4DraftPages, DraftPages, attention_typed
+
+    return DeepseekV4DraftPages.ACCESSORS if attention_typed(draft) else DraftPages.ACCESSORS
+
+
+def _check_latent_buffer(draft: Any, mtp_layer: int, tpb: int) -> None:
+    """DeepSeek-V4's sliding-window pages, as `draft_pages.DeepseekV4DraftPages` reads them."""
+    from .draft_pages import DeepseekV4DraftPages
+
+    try:
+        DeepseekV4DraftPages(draft, mtp_layer).check(tpb)
+    except (AttributeError, KeyError, StopIteration, ValueError) as exc:
+        raise TrtllmAdapterError(f"the DeepSeek-V4 draft pool's sliding-window pages cannot be read: {exc}") from exc
+
+
 def _check_buffer(draft: Any, mtp_layer: int, tpb: int, kv_format: str = "bf16") -> None:
     import torch
 
+    from .draft_pages import attention_typed
+
+    if attention_typed(draft):
+        _check_latent_buffer(draft, mtp_layer, tpb)
+        return
     buf = draft.get_buffers(mtp_layer, kv_layout="HND")
     if buf is None or buf.dim() != 5 or buf.shape[1] != 2 or buf.shape[3] != tpb:
         raise TrtllmAdapterError(

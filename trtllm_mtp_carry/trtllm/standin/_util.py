@@ -140,6 +140,15 @@ VERSIONS: dict[str, dict[str, Any]] = {
                  "markers": True, "pairing_reads": PAIRING_READ_MAIN, "supports": False,
                  "class_attrs": {PAIRING_READ_MAIN: False}, "topology": "unpaired",
                  "snapshot_options": _ALL_SNAPSHOT, "raw_indices": True},
+    # DeepSeek-V4 on the same tree: `deepseek_v4/cache_manager.py` @ 38198e34 sets both pairing
+    # attributes False (test_joint_reuse_pairing.py: does not pair); the draft pool is a
+    # `DeepseekV4CacheManager` (`standin/deepseek_v4_cache_manager.py`: its sliding-window latent
+    # pages); the target is the reference hybrid model's, reusing at snapshot points
+    "main+19303:dsv4": {"target_class": "DeepseekV4CacheManager",
+                        "draft_class": "DeepseekV4CacheManager", "markers": True,
+                        "pairing_reads": PAIRING_READ_19303, "supports": False,
+                        "class_attrs": {PAIRING_READ_MAIN: False, PAIRING_READ_19303: False},
+                        "topology": "unpaired", "snapshot_options": _ALL_SNAPSHOT, "raw_indices": True},
 }
 """The stand-in's TensorRT-LLM version profiles (`create_py_executor(version=...)`). `raw_indices`:
 the tree's `KVCacheManagerV2.get_batch_cache_indices` takes `raw_indices=` (38198e34 does;
@@ -188,6 +197,7 @@ class StandinLlmArgs:
     pool: PagedRows | None = None  # the one stand-in page pool (draft or folded MTP pages)
     device_memory: StandinDeviceMemory | None = None  # the modelled device (None: not modelled)
     device: str = "cpu"  # where the page pool lives (the model computes on the CPU)
+    sm_version: int = 100  # the modelled GPU (`get_sm_version()`; DeepSeek-V4's pool checks it)
 
     def mapping(self) -> Mapping:
         """The executor's `Mapping`: one tensor-parallel group spanning the world."""
@@ -218,6 +228,9 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
         # create_kv_cache_compression_manager: the stand-in models no compression algorithm
         raise NotImplementedError("the stand-in models no KV-cache compression "
                                   f"(kv_cache_compression_config={a.kv_cache_compression_config!r})")
+    if profile["draft_class"] == "DeepseekV4CacheManager":
+        _build_deepseek_v4(resources, a, profile)
+        return
     if a.pool is None and a.kv_dtype == DataType.NVFP4:
         # a QSA draft pool over it keeps its index key apart (a BF16 key page is not the size of an
         # e2m1 K page, qsa_roles); the carry stands aside on NVFP4 QSA pools (kv_formats.py)
@@ -260,6 +273,35 @@ def build_managers(resources: OrderedDict[Any, Any], llm_args: StandinLlmArgs) -
         mtp_layer=mtp_layer, dtype=a.kv_dtype, mapping=mapping)
     # as build_managers: the target's entry first, then the draft's (None: no separate pool),
     # then the cross pool's (None: not an encoder-decoder model); no compression manager
+    resources[ResourceManagerType.KV_CACHE_MANAGER] = target
+    resources[ResourceManagerType.DRAFT_KV_CACHE_MANAGER] = draft
+    resources[ResourceManagerType.CROSS_KV_CACHE_MANAGER] = None
+
+
+def _build_deepseek_v4(resources: OrderedDict[Any, Any], a: StandinLlmArgs, profile: dict[str, Any]) -> None:
+    """`build_managers` for a DeepSeek-V4 deployment: the separate draft pool is a
+    `DeepseekV4CacheManager` over the MTP layer's sliding-window latent pages (built as the target's
+    class, `get_kv_cache_manager_cls` @ 38198e34), on the modelled GPU (`sm_version`)."""
+    from . import deepseek_v4_cache_manager as dsv4
+
+    cfg = a.model.cfg
+    dsv4.SM_VERSION = a.sm_version
+    if a.pool is None:
+        a.pool = dsv4.latent_pool(a.num_pages, a.tokens_per_block, kv_dtype=a.kv_dtype,  # type: ignore[assignment]
+                                  fp8_ds_mla=a.kv_cache_config.dtype == "fp8_ds_mla",
+                                  max_draft_len=a.max_draft_len, num_kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, device=a.device)
+    mapping = Mapping(a.tp_size, a.enable_attention_dp)
+    if a.topology is None:
+        a.topology = "paired" if joint_reuse(profile, a.max_draft_len > 0, a.kv_cache_config.enable_block_reuse) \
+            else "unpaired"
+    if a.topology != "unpaired" or not a.max_draft_len:
+        raise NotImplementedError("the stand-in's DeepSeek-V4 pool is the unpaired separate draft pool only")
+    draft = dsv4.DeepseekV4CacheManager(a.pool, mtp_layer=cfg.num_layers, kv_cache_config=a.kv_cache_config,  # type: ignore[arg-type]
+                                        dtype=a.kv_dtype, draft_len=a.max_draft_len, mapping=mapping)
+    cls = target_class(profile["target_class"], profile["class_attrs"])
+    target = cls(a.model, kv_cache_config=a.kv_cache_config, entries=a.prefix_entries, folded_paged=None,
+                 mtp_layer=cfg.num_layers, dtype=a.kv_dtype, mapping=mapping)
     resources[ResourceManagerType.KV_CACHE_MANAGER] = target
     resources[ResourceManagerType.DRAFT_KV_CACHE_MANAGER] = draft
     resources[ResourceManagerType.CROSS_KV_CACHE_MANAGER] = None

@@ -44,6 +44,8 @@ TRTLLM_NAMES: dict[str, frozenset[str]] = {
     "QSAMambaHybridCacheManagerV2": frozenset({
         "qsa_sparse_layer_ids", "qsa_position_layer_id", "qsa_index_dim", "qsa_index_kv_heads",
         "get_index_k_buffer", "get_qsa_position_buffer", "get_buffers", "get_batch_cache_indices"}),
+    # DeepSeek-V4's manager (deepseek_v4/cache_manager.py @ 0b03b6af): what it adds or reads differently
+    "DeepseekV4CacheManager": frozenset({"use_fp8_ds_mla", "get_buffers", "get_cache_indices"}),
     # the class newer trees build for it (modules/qwen4_exp/cache_manager.py @ 6ff2801f): the same names
     "Qwen4ExpHybridCacheManagerV2": frozenset({
         "qsa_sparse_layer_ids", "qsa_position_layer_id", "qsa_index_dim", "qsa_index_kv_heads",

@@ -110,7 +110,10 @@ class PagedRows:
 
     The pages live on `device` (a GPU's, to time the adapter's copies there); the model may
     compute elsewhere: `write` takes rows from any device, `read` gives them on the pages'.
+    `window` (None) says the MTP layer attends every key up to a query.
     """
+
+    window: int | None = None
 
     def __init__(self, num_pages: int, num_kv_heads: int, tpb: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", roles: int = 2,

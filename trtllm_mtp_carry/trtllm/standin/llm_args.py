@@ -113,6 +113,9 @@ class KvCacheConfig(Conformant):
     free_gpu_memory_fraction: float = 0.9
     max_gpu_total_bytes: int = 0
     block_reuse_config: BlockReuseConfig = field(default_factory=BlockReuseConfig)
+    # `KvCacheConfig.dtype` ("auto", "fp8", "nvfp4", "fp8_ds_mla", ...): read by the stand-in's
+    # DeepSeek-V4 pool (`use_fp8_ds_mla = kv_cache_config.dtype == "fp8_ds_mla"`, cache_manager.py @ 0b03b6af)
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # disable_periodic_mamba_snapshots_for_conversations (llm_args.py @ 0004396)
@@ -129,9 +132,9 @@ class KvCacheConfig(Conformant):
     def from_dict(cls, value: Mapping[str, Any] | KvCacheConfig | None) -> KvCacheConfig:
         """The configuration a user's `kv_cache_config` gives, over Qwen3-Next's model defaults.
 
-        None (nothing set): `enable_block_reuse` False, the model default. Other
-        `kv_cache_config` keys (dtype, tokens_per_block, ...) are TensorRT-LLM's and not
-        modelled: taken and ignored; an unknown `mamba_state_config` key is a TypeError.
+        None (nothing set): `enable_block_reuse` False, the model default. `dtype` is kept (the
+        DeepSeek-V4 pool reads it); other `kv_cache_config` keys (tokens_per_block, ...) are
+        TensorRT-LLM's and not modelled: taken and ignored; an unknown `mamba_state_config` key is a TypeError.
         """
         if isinstance(value, KvCacheConfig):
             return value
@@ -142,7 +145,7 @@ class KvCacheConfig(Conformant):
         fraction = merged.get("free_gpu_memory_fraction")
         return cls(bool(merged["enable_block_reuse"]), state,
                    0.9 if fraction is None else float(fraction), int(merged.get("max_gpu_total_bytes") or 0),
-                   BlockReuseConfig.from_dict(merged.get("block_reuse_config")))
+                   BlockReuseConfig.from_dict(merged.get("block_reuse_config")), str(merged.get("dtype", "auto")))
 
 
 QWEN3_NEXT_MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"kv_cache_config": {"enable_block_reuse": False}}

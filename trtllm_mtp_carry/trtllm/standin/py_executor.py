@@ -414,9 +414,11 @@ class StandinPyExecutor(Conformant):
             if j:  # later draft steps write their own rows (over drafted tokens) at key + j
                 self.paged.write(req.py_request_id, kk, k[:, self.heads], v[:, self.heads])
                 self._index(req, kk, x)
-            rows_k, rows_v = self._all_heads(*self.paged.read(req.py_request_id, 0, kk + 1))
+            # a sliding-window pool's MTP layer reads keys [kk - window + 1, kk] (DeepSeek-V4's), else all
+            lo = 0 if self.paged.window is None else max(0, kk + 1 - self.paged.window)
+            rows_k, rows_v = self._all_heads(*self.paged.read(req.py_request_id, lo, kk + 1))
             dt = x.dtype
-            h, logits = d.finish(x, q, rows_k.to(x.device, dt), rows_v.to(x.device, dt), torch.arange(kk + 1),
+            h, logits = d.finish(x, q, rows_k.to(x.device, dt), rows_v.to(x.device, dt), torch.arange(lo, kk + 1),
                                  torch.tensor([kk]))
             token = logits.argmax(-1)
             out.append(int(token))

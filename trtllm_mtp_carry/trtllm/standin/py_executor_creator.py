@@ -56,7 +56,8 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
                        stop_token_ids: Sequence[int] = (),
                        extra_resource_managers: Mapping[str, Any] | None = None,
                        estimate_kv_cache: bool = False,
-                       device_memory: StandinDeviceMemory | None = None, device: str = "cpu") -> Any:
+                       device_memory: StandinDeviceMemory | None = None, device: str = "cpu",
+                       sm_version: int = 100) -> Any:
     """Build and start a stand-in PyExecutor as TensorRT-LLM's `create_py_executor` does.
 
     `kv_cache_config` is the user's `kv_cache_config` (a dict as in `llm.yaml`, or a
@@ -79,7 +80,8 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
     `try_prepare_estimation`, before either. The executor's `kv_cache_budget_bytes` records
     the budget. `device` is where the page pool (the draft KV pages) lives, `cpu` or a GPU's
     (the adapter's gathers and scatters then run there, into arenas reserved there; the
-    model computes on the CPU).
+    model computes on the CPU). `sm_version` is the modelled GPU's compute capability (what
+    DeepSeek-V4's pool asks `get_sm_version()`, version `main+19303:dsv4`).
 
     `decoding_type` is `speculative_config.decoding_type` (`MTP`; `Eagle3` gets a separate draft
     pool too, other types none: `_util.build_managers`; the stand-in drafts with the MTP layer
@@ -104,7 +106,7 @@ def create_py_executor(model: HybridLM, *, kv_cache_config: Mapping[str, Any] | 
         num_pages=num_pages, prefix_entries=prefix_entries, max_batch=max_batch, kv_dtype=kv_dtype,
         tp_size=tp_size, enable_attention_dp=enable_attention_dp, overlap_scheduler=overlap_scheduler,
         stop_token_ids=tuple(stop_token_ids), extra_resource_managers=dict(extra_resource_managers or {}),
-        device_memory=device_memory, device=device)
+        device_memory=device_memory, device=device, sm_version=sm_version)
     if args.topology not in (None, "unpaired", "paired", "folded"):
         raise ValueError(f"topology must be unpaired, paired or folded, got {args.topology!r}")
     model_engine = SimpleNamespace(model=args.model)  # PyTorchModelEngine (.model)
