@@ -326,12 +326,12 @@ def deepseek_v4_verdict(kv_format: str, sm_version: int | None = None) -> KvVerd
                  else f"this GPU is SM{sm_version}")
         line = ("DeepseekV4CacheManager with fp8_ds_mla KV stands aside off Hopper: which footer-scale page "
                 f"size its kernels write there was not read ({where}); the worker carries it on Hopper (SM90)")
-        details = ("FlashMLA (Hopper) appends whole blocks, FlashInfer's SM120 path 64-token pages "
+        writers = ("FlashMLA (Hopper) appends whole blocks, FlashInfer's SM120 path 64-token pages "
                    "(footer_scale_kv.py @ d77955c5, flash_mla.py @ 7de08c31)")
-        return KvVerdict(False, kv_format, DEEPSEEK_V4, line, (details, _DSV4_POOL))
+        return KvVerdict(False, kv_format, DEEPSEEK_V4, line, (writers, _DSV4_POOL))
     if fmt in _DSV4_LINES:
-        details = tuple(d for d in (_DSV4_DETAILS.get(fmt), _DSV4_POOL) if d)
-        return KvVerdict(True, kv_format, DEEPSEEK_V4, _DSV4_LINES[fmt], details)
+        read = tuple(d for d in (_DSV4_DETAILS.get(fmt), _DSV4_POOL) if d)
+        return KvVerdict(True, kv_format, DEEPSEEK_V4, _DSV4_LINES[fmt], read)
     return KvVerdict(False, kv_format, DEEPSEEK_V4,
                      f"DeepseekV4CacheManager with {kv_format.upper()} KV stands aside: the carry reads BF16, FP8, "
                      f"NVFP4 (FP8 window) or Hopper's fp8_ds_mla sliding-window pages only", (_DSV4_POOL,))
