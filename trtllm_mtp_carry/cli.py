@@ -125,7 +125,7 @@ DRAFTER_POOL_BUDGET = (
 
 BARE_SCOPE = ("this process's settings (the reference engine's carry); no TensorRT-LLM executor or "
               "llm.yaml is judged here: info --llm-config YAML judges a TensorRT-LLM deployment")
-"""What a bare `info`'s verdict is about (issue 44): the settings, not a deployment."""
+"""What a bare `info`'s verdict is about: the settings, not a deployment."""
 
 
 def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
@@ -152,7 +152,7 @@ def info_report(cfg: settings.DrafterContext) -> dict[str, object]:
         "carry_host_memory": settings.carry_host_memory(),
         "carry_host_memory_source": settings.CARRY_HOST_MEMORY.source,
         "carry_row_dtype": settings.carry_row_dtype(),
-        # what the TensorRT-LLM adapter reserves at install (trtllm/arena.py; rounded down to whole rows),
+        # what the TensorRT-LLM adapter reserves at install (trtllm/reservation.py; whole rows),
         # by one rule for both arenas (trtllm.options.RESERVE_RULE); None: a pool fraction, refused there
         **_trtllm_reserve(),
         "trtllm_kv_cache_size": "estimated: free_gpu_memory_fraction (default 0.9) of the memory free "
@@ -371,7 +371,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         return "yes" if v else "no"
 
     armed_note = str(report["carry_armed_reason"])
-    if args.llm_config is None:  # a bare info: say what the verdict is about (issue 44)
+    if args.llm_config is None:  # a bare info: say what the verdict is about
         armed_note = f"{armed_note} [{report['carry_armed_scope']}]"
     details = report.get("carry_armed_details") or []
     assert isinstance(details, list)

@@ -4,9 +4,8 @@ The pool is wired to a `CarryStore` the way `CarryRuntime` wires it
 (`pool.victim = store.victim`, each eviction reported to the store as
 `pool_pressure` before the next victim is named). A grow that needs k victims
 must evict exactly the first entries of the policy's order, taken when the grow
-starts, that free enough blocks (issue 25: the store heard of the evictions
-only after the grow, so from the second victim on the pool fell back to its
-own oldest entry).
+starts, that free enough blocks: the store hears of each eviction before the
+next victim is named, so no victim is named from a stale order (issue 25).
 """
 
 from __future__ import annotations

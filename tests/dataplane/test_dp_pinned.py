@@ -1,7 +1,7 @@
 """Pinned memory is what the budget says (issue 42, item 6): `dataplane.pinned.pinned_empty`
 page-locks exactly the bytes asked for (torch's pinned allocator rounds up to a power of two:
-a 24 GiB host arena pinned 32 GiB) and unregisters them once the last view is gone; the
-TensorRT-LLM adapter's host arena is allocated through it. On CPU, through the seam: the CUDA
+a 24 GiB host arena would pin 32 GiB) and unregisters them once the last view is gone; the
+host tier's arena (`dataplane.arena.Arena`, pinned) is allocated through it. On CPU, through the seam: the CUDA
 runtime's `cudaHostRegister`/`cudaHostUnregister` are recorded."""
 
 from __future__ import annotations

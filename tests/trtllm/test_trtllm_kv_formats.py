@@ -1,10 +1,9 @@
 """One verdict on KV formats and cache managers: `info --llm-config` and the worker agree.
 
-Issue 41: an `llm.yaml` with `kv_cache_config.dtype: fp8` (or `nvfp4`) made `info` say `carry
-armed yes` while the worker refused with "the carry supports BF16 KV only". Both now call
-`trtllm.kv_formats.kv_verdict`: `info` on what the YAML (and the checkpoint's
-`hf_quant_config.json`) says, the worker's probe on the live draft manager the stand-in builds
-for the same deployment (its `dtype` and class). Each case pins the exact line.
+Both call `trtllm.kv_formats.kv_verdict` (issue 41: an `llm.yaml` with `kv_cache_config.dtype:
+fp8` or `nvfp4` gets the worker's verdict from `info`): `info` on what the YAML (and the
+checkpoint's `hf_quant_config.json`) says, the worker's probe on the live draft manager the
+stand-in builds for the same deployment (its `dtype` and class). Each case pins the exact line.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def replay(
     run.runtime[replay_index]["target_blocks"] = config.num_target_blocks
     run.runtime[replay_index]["drafter_blocks"] = config.num_drafter_blocks
     pack_ms, unpack_ms = engine.runtime.pack_times()
-    if pack_ms or unpack_ms:  # fp8: each pack (deposit) and unpack (adoption), for their spread
+    if pack_ms or unpack_ms:  # packed (fp8, nvfp4): each pack (deposit) and unpack (adoption)
         run.runtime[replay_index]["pack_ms_each"] = pack_ms
         run.runtime[replay_index]["unpack_ms_each"] = unpack_ms
     if policy is DrafterPolicy.PAIRED:

@@ -132,7 +132,7 @@ def _memory(runtimes: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["host_tier"] = {k: (max if k.startswith("peak_") or k == "carry_host_memory_bytes" else sum)(
             d.get(k, 0) for d in hosts) for k in HOST_TIER_FIELDS}
     packs = [d for d in runtimes if d.get("pack_ms_each") or d.get("unpack_ms_each")]
-    if packs:  # carry_row_dtype fp8: each deposit packed, each adoption unpacked (wall ms)
+    if packs:  # packed rows (fp8, nvfp4): each deposit packed, each adoption unpacked (wall ms)
         out["row_format"] = {"row_dtype": packs[-1].get("row_dtype"), "bytes_held_peak": max(
             d.get("peak_device_bytes", 0) for d in packs)}
         for what in ("pack", "unpack"):

@@ -25,8 +25,8 @@ deposit order; which one leaves first is the eviction policy's choice::
   larger than the store it evicts exactly the entry needed next (0 adopted).
 - `slru`: entries adopted at least once are protected; never-adopted ones go
   first, oldest first, then protected ones, oldest first.
-- `returns` (the default since issue 23; core/eviction.py, DECISIONS.md has the
-  trace figures): the entry with the lowest learned chance to be adopted per
+- `returns` (the default; core/eviction.py; DECISIONS.md, "The `returns` eviction
+  policy", has the trace figures): the entry with the lowest learned chance to be adopted per
   share of the bounds it takes (bytes, slot) leaves first, worth within
   `ADMIT_MARGIN` counting as equal (newest first among equals, as
   `incumbent`); a newcomer is admitted only if it is worth more than
@@ -34,7 +34,7 @@ deposit order; which one leaves first is the eviction policy's choice::
   one is worth more than `ADMIT_MARGIN` times it (`not_admitted` otherwise;
   with a host tier the refused newcomer gets the host tier's second chance,
   `deposit_host`). It learns from the deposits and adoptions it sees.
-- `incumbent` (the default before issue 23): keep what is held.
+- `incumbent`: keep what is held.
   A newcomer that does not fit is refused (`not_admitted`) instead of evicting
   anything; a returning key (one whose rows a running turn adopted, a lease,
   or that replaces its own entry) makes room by evicting the newest entries
@@ -162,7 +162,7 @@ class CarryStore:
     executors leave it unset. `row_format` (core/row_format.py) is the format both
     tiers hold rows in: without block charging an entry then costs its rows in that
     format, and a deposit's stated bytes must equal them (ValueError otherwise), so the
-    store charges what the executor really holds (fp8: payload plus scales).
+    store charges what the executor really holds (packed fp8, nvfp4: payload plus scales).
     """
 
     def __init__(

@@ -25,9 +25,10 @@ rate for an age bin with little evidence) decides until the store has seen
 turns: an entry's chance then does not fall with age, so equal entries tie
 and the incumbent stays (a cyclic workload larger than the
 store keeps a fixed set, as `incumbent` does, instead of evicting the entry
-needed next, as `lrd` does). (DECISIONS.md, issue 23, has the variants measured: the
-chance per byte-second, LHD's hit density, did worse on the trace; and what estimates told
-part of the future would buy, `scripts/trace_ceilings.py`: told who returns, 93.7%.)
+needed next, as `lrd` does). (DECISIONS.md, "The `returns` eviction policy", has the
+variants measured: the chance per byte-second, LHD's hit density, did worse on the trace; and
+what estimates told part of the future would buy, `scripts/trace_ceilings.py`: told who
+returns, 93.7%.)
 
 Learning, from the store's own calls:
 - `deposited(key, now)`: a turn of `key` deposits (admitted or refused): the
@@ -77,7 +78,7 @@ keep what is held, so a cyclic workload does not churn."""
 BINS_PER_DOUBLING = 4
 """Age bins per doubling of the age (edges 0, 1, 1.19, 1.41, 1.68, 2, ... s). The chance an entry
 still returns falls steeply within one doubling (chat follow-ups mostly come 30 s to 8 min after
-the deposit); with one bin per doubling the store adopted 0.9 points fewer follow-ups on the trace
+the deposit); with one bin per doubling the store adopts 0.9 points fewer follow-ups on the trace
 (DECISIONS.md). The bins are of age alone, so each still pools every deposit of its class."""
 
 _RENORM = 1e200

@@ -428,7 +428,7 @@ def set_carry_host_memory(value: str | int, source: str = "set") -> bool:
 
 
 def carry_row_dtype() -> str:
-    """The row format of carried entries, `bf16` or `fp8` (runtime, else env
+    """The row format of carried entries, `bf16`, `fp8` or `nvfp4` (runtime, else env
     `TRTLLM_MTP_CARRY_ROW_DTYPE`, else `bf16`; core/row_format.py)."""
     return CARRY_ROW_DTYPE.get()
 
@@ -517,9 +517,10 @@ class HasDrafterContext(Protocol):
 def carry_armed_with(cfg: DrafterContext, multi_seq: bool) -> bool:
     """Whether the carry is armed: exactly when configured (`cfg.carry`), whatever `multi_seq`.
 
-    Per-chunk drafter rows make the model-level hidden store safe when MTP
-    dispatches several sequences per step, so the dispatch mode no longer disarms
-    the carry; `multi_seq` is kept so callers can keep passing the mode they report.
+    Drafter rows are built per prefill chunk, read under the sequence's own ticket, so
+    the model-level hidden store is safe when MTP dispatches several sequences per step
+    and the dispatch mode never disarms the carry; `multi_seq` is the mode callers
+    report, and is not read.
     """
     del multi_seq  # armed at any dispatch cap: rows are built per prefill chunk
     return cfg.carry

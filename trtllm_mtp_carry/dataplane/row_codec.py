@@ -1,4 +1,4 @@
-"""Row codecs: one object per format of carried drafter rows (issue 41 item 7).
+"""Row codecs: one object per format of carried drafter rows.
 
 What it is for: a carried entry's rows `[n, 2, Hkv, D]` (K and V, per KV head)
 leave the drafter's KV (the adapter's HND pages, the reference runtime's K/V

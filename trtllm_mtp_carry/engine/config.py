@@ -30,7 +30,7 @@ class EngineConfig:
     mtp_max_seqs: int = 1  # the dispatch cap pinned for reporting (`info`); the carry is armed at any
     device: str = "cpu"
     dtype: str = "float32"
-    carry_row_dtype: str | None = None  # carried rows' format (bf16, fp8); None: `carry_row_dtype()`
+    carry_row_dtype: str | None = None  # carried rows' format (bf16, fp8, nvfp4); None: `carry_row_dtype()`
     # the carry store with one device slot and a host tier as large as the drafter pool: every
     # entry but the newest waits in host memory (the bench's `carry-host`: host-tier hits)
     carry_host_only: bool = False

@@ -114,7 +114,7 @@ class _Sequence:
 class _PrepClock:
     """A turn's drafter prep time as the GPU spends it (CUDA): timing events recorded on the
     current stream around each prep call (admission, each chunk's rows), where the prep's
-    kernels and its waits (a host restore's copy back, `PoolHostMoves.ready`) are queued, so
+    kernels and its waits (a host restore's copy back, `HostTier.ready`) are queued, so
     a span is what the prep adds to the stream, not the CPU's enqueue time. On the CPU there
     is no stream: `ms` gives the caller's CPU wall time back."""
 
@@ -746,9 +746,9 @@ class ReferenceEngine:
 
         Drafts only ever cost acceptance, so output is unchanged; the turn
         deposits nothing, and the pool is left consistent (a refused grow
-        changes nothing; after a fault the runtime's `_repair` frees what no one
-        holds). A fault is the turn's (`CarryRuntime.note_fault`: counted by step
-        and class, logged once per kind), never the step's; the paired pool's is raised.
+        changes nothing; after a fault the carry service's `repair` frees what no
+        one holds). A fault is the turn's (`CarryRuntime.note_fault`: counted by step
+        and class, logged once per (step, class)), never the step's; the paired pool's is raised.
         """
         exhausted = isinstance(why, PoolExhaustedError)
         if not exhausted:

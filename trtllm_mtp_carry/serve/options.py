@@ -36,7 +36,7 @@ class ServeOptions:
     carry_eviction: str | None = None  # one of core.settings.EVICTION_POLICIES (returns, incumbent, lrd, slru)
     carry_idle_s: int | None = None  # 0: carried entries never expire
     carry_share: str | None = None  # on/off: carried entries share equal common-prefix blocks
-    carry_row_dtype: str | None = None  # bf16/fp8: how carried rows are stored (core/row_format.py)
+    carry_row_dtype: str | None = None  # bf16/fp8/nvfp4: how carried rows are stored (core/row_format.py)
     max_model_len: int | None = None
     max_tokens: int = 64  # used when a request sends no max_tokens
     max_num_seqs: int = 8

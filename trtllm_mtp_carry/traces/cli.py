@@ -89,7 +89,8 @@ def row_bytes_from_config(path: str) -> int:
 def row_format_from_config(path: str, row_dtype: str = DEFAULT_CARRY_ROW_DTYPE) -> RowFormat:
     """The carried rows' format from a Hugging Face `config.json` (as `row_bytes_from_config` reads
     it): MTP layers x 2 (K, V) x KV heads vectors of head_dim elements, stored as `row_dtype`
-    (`bf16`: the config's dtype bytes each; `fp8`: one byte each plus a float32 scale per vector)."""
+    (`bf16`: the config's dtype bytes each; `fp8`: one byte each plus a float32 scale per vector;
+    `nvfp4`: half a byte each plus an e4m3 scale per 16 and one scale byte per vector)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -121,7 +122,7 @@ def replay_row_bytes(row_dtype: str, row_bytes: int | None, model_config: str | 
     """Bytes of one carried row for the replay, in the format the adapter would hold it
     (`carried_row_format(row_dtype, kv_dtype)`: an FP8 pool's own 1-byte rows, `fp8_kv`, whatever
     `row_dtype` says): `--model-config`'s geometry, else `--row-bytes` (the pool's own row bytes:
-    not with packed fp8, whose bytes need the geometry), else Qwen3-Next's MTP layer."""
+    not with packed fp8 or nvfp4, whose bytes need the geometry), else Qwen3-Next's MTP layer."""
     fmt = carried_row_format(row_dtype, kv_dtype)
     if model_config:
         return row_format_from_config(model_config, fmt).row_nbytes

@@ -89,9 +89,10 @@ class CarryOptions:
     TensorRT-LLM's KV pool) where entries leaving `carry_memory` wait for their
     session (0: none; None: the process setting `carry_host_memory()`, env
     `TRTLLM_MTP_CARRY_HOST_MEMORY`, else 0); `carry_row_dtype`: how carried rows are
-    stored, `bf16` or `fp8` (e4m3, one float32 scale per row, K/V and head: about half
-    the bytes, so `carry_memory` holds about twice the sessions; None: the process
-    setting `carry_row_dtype()`, env `TRTLLM_MTP_CARRY_ROW_DTYPE`, else bf16); `stats_every`: every this many freed
+    stored, `bf16`, `fp8` (e4m3, one float32 scale per row, K/V and head: about half
+    the bytes, so `carry_memory` holds about twice the sessions) or `nvfp4` (e2m1 with
+    e4m3 block scales: about 0.28 of the bytes), or None: the process setting
+    `carry_row_dtype()` (env `TRTLLM_MTP_CARRY_ROW_DTYPE`, else bf16); `stats_every`: every this many freed
     requests, and at shutdown, the carry prints one line of its counters (0: never),
     the way to see what a carry installed in a worker process does; `metrics_port`: a
     worker-installed carry serves its counters as Prometheus metrics on
@@ -269,7 +270,7 @@ def parse_carry_options(mapping: Mapping[str, Any] | None) -> CarryOptions:
     Keys: `enable` (bool), `carry_slots` (int >= 1, or null for `carry_slots()`), `carry_memory` (bytes as an
     int >= 0, or a string such as `"512MiB"`, `"2GiB"`; fractions are refused), `carry_host_memory`
     (bytes like `carry_memory`, or null for `carry_host_memory()`), `carry_row_dtype` (`bf16`, `fp8`,
-    or null for `carry_row_dtype()`), `stats_every` (int >= 0),
+    `nvfp4`, or null for `carry_row_dtype()`), `stats_every` (int >= 0),
     `metrics_port` (an int in [1, 65535], or null: no metrics endpoint).
     An unknown key, a wrong type or a bad value raises `TrtllmAdapterError`
     naming `mtp_carry.<key>`.
