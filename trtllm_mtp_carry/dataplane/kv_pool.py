@@ -206,10 +206,6 @@ class DrafterKVPool:
         """A live sequence's keys as runs `(first_key, count)` in row order."""
         return self.book.sequence_runs(seq_id)
 
-    def block_table_tensor(self, seq_id: int) -> torch.Tensor:  # [num_seq_blocks] int32
-        """The sequence's block table on the pool's device, for attention kernels (no stream sync)."""
-        return device_tensor(self.book.sequence(seq_id).block_table, torch.int32, self.device)
-
     def num_blocks_needed(self, seq_id: int, num_new_rows: int) -> int:
         """Blocks a grow by `num_new_rows` rows would allocate (`BlockBook.num_blocks_needed`)."""
         return self.book.num_blocks_needed(seq_id, num_new_rows)

@@ -140,10 +140,6 @@ class HostTier:
         """Keys of host copies held outside the arena (staged while it was full), sorted."""
         return sorted(k for k, c in self._held.items() if c.outside is not None)
 
-    def staged_keys(self) -> list[int]:
-        """Keys of the staged copies, sorted (empty between pool grows)."""
-        return sorted(self._staged)
-
     def in_flight(self) -> list[int]:
         """Keys whose copy back is in flight (restored; `ready` or `settle` not called yet), sorted."""
         return sorted(self._inflight)
