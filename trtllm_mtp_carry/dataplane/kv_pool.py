@@ -54,6 +54,7 @@ from ..core.block_book import (
     cdiv,
     check_runs,
 )
+from . import streams
 from .checks import CACHE_DTYPES
 from .device_ints import device_copy, device_tensor
 from .ops import drafter_row_append_direct as drafter_row_append
@@ -502,9 +503,9 @@ class DrafterKVPool:
             if stream is None:
                 write(idx)
             else:
-                stream.wait_stream(_current_stream(self.device))
-                _record_stream(idx, stream)  # made on the current stream, read on `stream`
-                with _on_stream(stream):
+                stream.wait_stream(streams.current_stream(self.device))
+                streams.record_stream(idx, stream)  # made on the current stream, read on `stream`
+                with streams.on_stream(stream):
                     write(idx)
         except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted
             try:
@@ -520,17 +521,3 @@ class DrafterKVPool:
         self.k_cache.index_copy_(0, idx, rows.k.to(self.device, non_blocking=True))
         self.v_cache.index_copy_(0, idx, rows.v.to(self.device, non_blocking=True))
 
-
-# ---- the side-stream import's CUDA calls (one seam: CPU tests put a recorder in their place) ----
-
-
-def _current_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.current_stream(device)
-
-
-def _on_stream(stream: torch.cuda.Stream) -> torch.cuda.StreamContext:
-    return torch.cuda.stream(stream)
-
-
-def _record_stream(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    t.record_stream(stream)

@@ -41,10 +41,10 @@ import torch
 
 from ..core import CarriedDrafter, CarryStore
 from ..core.row_format import RowFormat
+from ..dataplane import streams
 from ..dataplane.arena import Arena
 from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool, HostRows
 from ..dataplane.row_codec import CompositeCodec, RowCodec, Rows, codec_for
-from . import streams
 
 __all__ = ["ArenaHome", "PoolHome", "RowHome", "RowPages", "Runs", "head_runs"]
 

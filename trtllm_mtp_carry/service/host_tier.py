@@ -38,9 +38,9 @@ from typing import Any, Protocol
 import torch
 
 from ..core import CarriedDrafter, CarryStore
+from ..dataplane import streams
 from ..dataplane.arena import Allocate, Arena, torch_allocate
 from ..dataplane.pinned import pinned_empty
-from . import streams
 
 __all__ = ["HostHome", "HostTier", "host_arena"]
 

@@ -81,7 +81,8 @@ from ..core import carry_eviction, carry_idle_s, carry_row_dtype, carry_slots, m
 from ..core.outcome import Adopted, CarryOutcome
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from ..service import VETO_STEPS, CarryService, CarryStats, guarded, streams
+from ..dataplane import streams
+from ..service import VETO_STEPS, CarryService, CarryStats, guarded
 from ..service.homes import ArenaHome
 from ..service.stats import SKIP_REASONS
 from .draft_pages import TurnPages, pages_of
