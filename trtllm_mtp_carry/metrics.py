@@ -69,6 +69,11 @@ class CarryMetrics:
         }
         self._metrics: dict[tuple[str, str, str], Any] = {}
         self._lock = threading.Lock()
+        self._family = family
+
+    def add_counter(self, family: str, name: str, description: str) -> None:
+        """One more counter family beside the carry's (a front end's own), as `metric(family, ...)`."""
+        self._families[family] = self._family(name, description, self._family.COUNTER)
 
     def metric(self, family: str, key: str = "", value: str = "") -> Any:
         """The one metric of `family` (its key in the table above) with this instance's

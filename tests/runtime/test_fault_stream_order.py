@@ -18,10 +18,10 @@ import torch
 from engine_factories import engine, greedy_oracle, random_prompt, tiny_model
 
 from trtllm_mtp_carry.dataplane import kv_pool as kv_pool_mod
+from trtllm_mtp_carry.dataplane import streams as streams_mod
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
 from trtllm_mtp_carry.runtime import CarryRuntime
-from trtllm_mtp_carry.service import streams as streams_mod
 
 NEW = 6
 
@@ -61,10 +61,9 @@ class FakeCuda:
         self.log: list[tuple] = []
         self.active = "current"
         self.events = 0
-        monkeypatch.setattr(kv_pool_mod, "_current_stream", lambda device: FakeStream(self.log, "current"))
         monkeypatch.setattr(streams_mod, "current_stream", lambda device: FakeStream(self.log, "current"))
-        monkeypatch.setattr(kv_pool_mod, "_on_stream", self._on_stream)
-        monkeypatch.setattr(kv_pool_mod, "_record_stream",
+        monkeypatch.setattr(streams_mod, "on_stream", self._on_stream)
+        monkeypatch.setattr(streams_mod, "record_stream",
                             lambda t, stream: self.log.append(("record_stream", stream.name)))
         monkeypatch.setattr(streams_mod, "timing_event", self._event)
         for name in ("free_sequence", "free_carried"):

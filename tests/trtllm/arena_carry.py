@@ -62,7 +62,7 @@ class ArenaCarry:
     host tier of that many bytes (`arena`, `host_arena_`: given ones instead; the store's budget
     stays `budget_bytes`, so a test may give it more than the arena holds). `device`: the device
     the service and its host tier take the rows to be on (a test recording the CUDA seam,
-    `service.streams`, runs CUDA's path over CPU arenas with `cuda:0` here)."""
+    `dataplane.streams`, runs CUDA's path over CPU arenas with `cuda:0` here)."""
 
     def __init__(self, slots: int | None, budget_bytes: int, policy: str = "incumbent", *,
                  host_budget_bytes: int = 0, row_dtype: str = "bf16", pool_dtype: torch.dtype = torch.bfloat16,

@@ -1,6 +1,6 @@
 """The carry's copy back from the host tier: on CUDA asynchronous on a side stream, with an
 event recorded after the copy that the reading stream waits on before the rows are read; on the
-CPU a plain copy with no stream. The CUDA calls are the service's seam (`service.streams`),
+CPU a plain copy with no stream. The CUDA calls go through one seam (`dataplane.streams`),
 recorded by a stand-in (this runs on CPU; the home says its rows are on `cuda:0`): what is pinned
 is their order, which is what keeps a scatter from reading rows still in flight."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from arena_carry import ArenaCarry, RowsSink, clone_rows
 
+from trtllm_mtp_carry.dataplane import streams as streams_mod
 from trtllm_mtp_carry.dataplane.row_format import pack_rows
-from trtllm_mtp_carry.service import streams as streams_mod
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -49,7 +49,7 @@ class FakeEvent:
 
 
 class FakeCuda:
-    """Stands in for `service.streams` (and the codec's copy to the device), logging each call in order."""
+    """Stands in for `dataplane.streams` (and the codec's copy to the device), logging each call in order."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.log: list[tuple] = []
@@ -188,7 +188,7 @@ def test_an_adoption_orders_the_forward_after_its_scatter_on_the_gpu_without_the
     never overlap the prefill.) The CUDA calls are the manager's seam, recorded."""
     from standin_helpers import ADOPTION_ORDER, GATHER_ORDER, cold_then_warm_turn, make_llm
 
-    from trtllm_mtp_carry.service import streams as streams_mod
+    from trtllm_mtp_carry.dataplane import streams as streams_mod
 
     log: list[str] = []
 

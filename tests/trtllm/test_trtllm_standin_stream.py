@@ -49,7 +49,7 @@ def test_with_the_stand_ins_own_stream_the_adapter_orders_its_gather_and_scatter
     scatter orders the executor's after it, only the deposit's gather makes the CPU wait."""
     from standin_helpers import ADOPTION_ORDER, GATHER_ORDER, cold_then_warm_turn, make_llm
 
-    from trtllm_mtp_carry.service import streams as streams_mod
+    from trtllm_mtp_carry.dataplane import streams as streams_mod
 
     log: list[str] = []
     made: list[RecordedStream] = []

@@ -553,13 +553,10 @@ class BlockBook:
             need = cdiv(state.rows, self.block_size)
             if len(state.block_table) < need or (carried and len(state.block_table) != need):
                 raise RuntimeError(f"{name} has {state.rows} rows in {len(state.block_table)} blocks")
-            if sum(c for _, c in state.runs) != state.rows:
-                raise RuntimeError(f"{name} has {state.rows} rows but key runs {state.runs}")
-            if any(c <= 0 for _, c in state.runs):
-                raise RuntimeError(f"{name} has an empty key run: {state.runs}")
-            for (k0, c0), (k1, _) in zip(state.runs, state.runs[1:], strict=False):
-                if k1 <= k0 + c0 - 1:
-                    raise RuntimeError(f"{name} keys are not strictly increasing: runs {state.runs}")
+            try:
+                check_runs(state.runs, state.rows)
+            except ValueError as exc:  # what a caller's run would be refused for, broken inside the book
+                raise RuntimeError(f"{name}: {exc}") from None
         free = set(self._free)
         if len(free) != len(self._free):
             raise RuntimeError("the free pool lists a block twice")

@@ -89,7 +89,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ._checks import check_non_negative, check_u64
 from .adopt import decide_adopt
@@ -128,6 +128,18 @@ deposit whose rows could not be allocated, `refuse`)."""
 MISS_MEMORY = 65536
 """How many absent keys the store remembers a miss reason for, and at most how many leases
 it keeps (oldest forgotten first)."""
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def remember(log: OrderedDict[K, V], key: K, value: V, limit: int) -> None:
+    """`log[key] = value` as the newest of at most `limit` keys (the oldest dropped first): the
+    bounded memory of recent keys the store, the fault ledger and the executors keep."""
+    log[key] = value
+    log.move_to_end(key)
+    while len(log) > limit:
+        log.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -785,10 +797,7 @@ class CarryStore:
         """A deposit of `owner`'s rows under `key` entered a tier: its miss reason is
         void and `key` is the owner's newest key."""
         self._misses.pop(key, None)
-        self._last_key[owner] = key
-        self._last_key.move_to_end(owner)
-        if len(self._last_key) > MISS_MEMORY:
-            self._last_key.popitem(last=False)
+        remember(self._last_key, owner, key, MISS_MEMORY)
         self.deposits += 1
 
     def _refuse(self, key: int, cause: str) -> None:
@@ -797,10 +806,7 @@ class CarryStore:
         self._remember(key, cause)
 
     def _remember(self, key: int, reason: str) -> None:
-        self._misses[key] = reason
-        self._misses.move_to_end(key)
-        if len(self._misses) > MISS_MEMORY:
-            self._misses.popitem(last=False)
+        remember(self._misses, key, reason, MISS_MEMORY)
 
     def _remove(self, key: int, cause: str) -> CarriedDrafter:
         self._evictions[cause] += 1
@@ -1014,4 +1020,4 @@ class _Tier:
 
 
 __all__ = ["DEMOTION_CAUSES", "EVICTION_CAUSES", "EVICTION_POLICIES", "MISS_MEMORY", "REFUSAL_CAUSES",
-           "TIERS", "CarryStore", "HostMoves", "TierStats"]
+           "TIERS", "CarryStore", "HostMoves", "TierStats", "remember"]

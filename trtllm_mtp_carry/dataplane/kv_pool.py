@@ -54,6 +54,7 @@ from ..core.block_book import (
     cdiv,
     check_runs,
 )
+from . import streams
 from .checks import CACHE_DTYPES
 from .device_ints import device_copy, device_tensor
 from .ops import drafter_row_append_direct as drafter_row_append
@@ -62,7 +63,7 @@ from .reference import slots_for_rows
 from .rope import RopeConfig
 
 __all__ = ["BlockKeys", "CarriedBlocks", "DrafterKVPool", "HostRows", "PoolExhaustedError", "PoolStats",
-           "ShareStats"]
+           "ShareStats", "gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,21 @@ def _key_runs(keys: torch.Tensor) -> list[list[int]]:  # keys: [n >= 1] int64 on
     starts = [0] + (torch.nonzero(diffs != 1).flatten() + 1).tolist()
     ends = starts[1:] + [keys.shape[0]]
     return [[fk, e - s] for fk, s, e in zip(keys[starts].tolist(), starts, ends, strict=True)]
+
+
+def gather_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: Sequence[int], rows: int,
+                runs: Sequence[Sequence[int]], start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(k [R', Hkv, D], v [R', Hkv, D], keys [R'] int64)` of rows `start_row ..` of an owner's `rows`
+    rows in `block_table` of K/V caches `[blocks, block_size, Hkv, D]` (its keys: `runs`), in row order."""
+    if not 0 <= start_row <= rows:
+        raise ValueError(f"start_row must be in [0, {rows}], got {start_row}")
+    dev, (_, block_size, hkv, head_dim) = k_cache.device, k_cache.shape
+    table = torch.tensor(block_table, dtype=torch.int64, device=dev)
+    slots = slots_for_rows(table, torch.arange(start_row, rows, dtype=torch.int64, device=dev), block_size)
+    keys = torch.cat([torch.arange(k0, k0 + c, dtype=torch.int64) for k0, c in runs]
+                     or [torch.empty(0, dtype=torch.int64)])[start_row:].to(dev)
+    return (k_cache.view(-1, hkv, head_dim).index_select(0, slots),
+            v_cache.view(-1, hkv, head_dim).index_select(0, slots), keys)
 
 
 class DrafterKVPool:
@@ -205,10 +221,6 @@ class DrafterKVPool:
     def sequence_runs(self, seq_id: int) -> tuple[tuple[int, int], ...]:
         """A live sequence's keys as runs `(first_key, count)` in row order."""
         return self.book.sequence_runs(seq_id)
-
-    def block_table_tensor(self, seq_id: int) -> torch.Tensor:  # [num_seq_blocks] int32
-        """The sequence's block table on the pool's device, for attention kernels (no stream sync)."""
-        return device_tensor(self.book.sequence(seq_id).block_table, torch.int32, self.device)
 
     def num_blocks_needed(self, seq_id: int, num_new_rows: int) -> int:
         """Blocks a grow by `num_new_rows` rows would allocate (`BlockBook.num_blocks_needed`)."""
@@ -374,14 +386,16 @@ class DrafterKVPool:
 
     def gather(self, seq_id: int, start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(k [R', Hkv, D], v [R', Hkv, D], keys [R'] int64)` of rows `start_row ..`, in row order."""
-        return self._gather(self.book.sequence(seq_id), self.book.sequence_runs(seq_id), start_row)
+        held = self.book.sequence(seq_id)
+        return gather_rows(self.k_cache, self.v_cache, held.block_table, held.rows, self.book.sequence_runs(seq_id),
+                           start_row)
 
     def gather_carried(self, key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like `gather`, for the entry carried under `key`; RuntimeError if there is none."""
         held = self.book.carried(key)
         if held is None:
             raise RuntimeError(f"nothing carried under {key}: nothing to gather")
-        return self._gather(held, self.book.carried_runs(key))
+        return gather_rows(self.k_cache, self.v_cache, held.block_table, held.rows, self.book.carried_runs(key))
 
     def gather_slot(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Like `gather`, for the most recently carried entry; RuntimeError if nothing is carried."""
@@ -389,22 +403,6 @@ class DrafterKVPool:
         if key is None:
             raise RuntimeError("nothing is carried: nothing to gather")
         return self.gather_carried(key)
-
-    def _gather(self, held: CarriedBlocks, runs: Runs,
-                start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not 0 <= start_row <= held.rows:
-            raise ValueError(f"start_row must be in [0, {held.rows}], got {start_row}")
-        dev = self.device
-        rows = torch.arange(start_row, held.rows, dtype=torch.int64, device=dev)
-        table = torch.tensor(held.block_table, dtype=torch.int64, device=dev)
-        slots = slots_for_rows(table, rows, self.block_size)
-        k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_select(0, slots)
-        v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_select(0, slots)
-        keys = torch.cat(
-            [torch.arange(k0, k0 + c, dtype=torch.int64) for k0, c in runs]
-            or [torch.empty(0, dtype=torch.int64)]
-        )[start_row:].to(dev)
-        return k, v, keys
 
     # ---- host tier (the carry store's second tier) and carrying rows in ----------
 
@@ -460,8 +458,6 @@ class DrafterKVPool:
         already, ValueError if `rows` do not fit this pool's blocks; PoolExhaustedError
         leaves the pool unchanged.
         """
-        if self.book.carried(key) is not None:
-            raise RuntimeError(f"carried entry {key} exists already: free_carried({key}) before importing")
         nblocks = cdiv(rows.rows, self.block_size)
         for name, t in (("k", rows.k), ("v", rows.v)):
             if tuple(t.shape) != (nblocks, *self.k_cache.shape[1:]) or t.dtype != self.k_cache.dtype:
@@ -480,8 +476,6 @@ class DrafterKVPool:
         RuntimeError if `key` is carried already, ValueError unless `runs` are increasing key runs
         counting `rows`; PoolExhaustedError leaves the pool unchanged.
         """
-        if self.book.carried(key) is not None:
-            raise RuntimeError(f"carried entry {key} exists already: free_carried({key}) before importing")
         ids: list[torch.Tensor] = []
         self._import(key, rows, runs, ids.append, None)
         return ids[0]
@@ -489,8 +483,10 @@ class DrafterKVPool:
     def _import(self, key: int, rows: int, runs: Runs, write: Callable[[torch.Tensor], None],
                 stream: torch.cuda.Stream | None) -> CarriedBlocks:
         """Fresh blocks for `rows` rows under `_IMPORTING`, `write(block ids)` into them (on `stream`
-        after the current stream's work, when given), then carried under `key`; ValueError unless
-        `runs` are increasing key runs counting `rows`."""
+        after the current stream's work, when given), then carried under `key`; RuntimeError if `key`
+        is carried already, ValueError unless `runs` are increasing key runs counting `rows`."""
+        if self.book.carried(key) is not None:
+            raise RuntimeError(f"carried entry {key} exists already: free_carried({key}) before importing")
         check_runs(runs, rows)
         if self.book.has_sequence(_IMPORTING):
             raise RuntimeError("an import is in progress already")
@@ -506,9 +502,9 @@ class DrafterKVPool:
             if stream is None:
                 write(idx)
             else:
-                stream.wait_stream(_current_stream(self.device))
-                _record_stream(idx, stream)  # made on the current stream, read on `stream`
-                with _on_stream(stream):
+                stream.wait_stream(streams.current_stream(self.device))
+                streams.record_stream(idx, stream)  # made on the current stream, read on `stream`
+                with streams.on_stream(stream):
                     write(idx)
         except BaseException:  # the fresh blocks go back; entries a grow evicted stay evicted
             try:
@@ -524,17 +520,3 @@ class DrafterKVPool:
         self.k_cache.index_copy_(0, idx, rows.k.to(self.device, non_blocking=True))
         self.v_cache.index_copy_(0, idx, rows.v.to(self.device, non_blocking=True))
 
-
-# ---- the side-stream import's CUDA calls (one seam: CPU tests put a recorder in their place) ----
-
-
-def _current_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.current_stream(device)
-
-
-def _on_stream(stream: torch.cuda.Stream) -> torch.cuda.StreamContext:
-    return torch.cuda.stream(stream)
-
-
-def _record_stream(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    t.record_stream(stream)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .hnd_pages import index_into, key_slots
-from .pinned import host_empty
+from .pinned import host_clone
 from .row_layout import check_out
 
 __all__ = ["FP4_BLOCK", "NVFP4_KV_DTYPE", "Nvfp4KvPages", "Nvfp4KvRows", "gather_kv_pages", "scale_offsets",
@@ -162,12 +162,7 @@ class Nvfp4KvRows:
 
     def host_copy(self) -> Nvfp4KvRows:
         """A blocking copy in host memory (pinned when on a GPU); always a copy."""
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host = host_empty(t.shape, t.dtype, t.is_cuda)  # pinned for exactly its bytes (torch's rounds up)
-            host.copy_(t)
-            return host
-
-        return Nvfp4KvRows(copy(self.payload), copy(self.scales))
+        return Nvfp4KvRows(host_clone(self.payload), host_clone(self.scales))
 
 
 def scale_offsets(n_heads: int, tpb: int, nblocks: int, slot: torch.Tensor) -> torch.Tensor:

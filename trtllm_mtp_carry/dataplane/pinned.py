@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["held", "host_empty", "pinned_copy", "pinned_empty", "registered_bytes"]
+__all__ = ["held", "host_clone", "host_empty", "pinned_copy", "pinned_empty", "registered_bytes"]
 
 _lock = threading.Lock()
 _registered = 0  # bytes page-locked by `pinned_empty` and not yet unregistered
@@ -79,6 +79,13 @@ def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, pin: boo
         return torch.empty(shape, dtype=dtype)
     nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
     return pinned_empty(nbytes).view(dtype).view(shape)
+
+
+def host_clone(t: torch.Tensor) -> torch.Tensor:
+    """A blocking copy of `t` in host memory, page-locked for exactly its bytes when `t` is on a GPU
+    (for asynchronous copies back), so `t` may be reused at once; always a copy, also of a tensor
+    already on the host."""
+    return host_empty(t.shape, t.dtype, t.is_cuda).copy_(t)
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ from .hnd_pages import (
 from .latent_pages import TOKEN_BYTES, FooterScalePages, gather_footer_rows, scatter_footer_rows
 from .nvfp4 import Nvfp4Rows
 from .nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages, Nvfp4KvRows, gather_kv_pages, scatter_kv_pages
-from .pinned import host_empty
+from .pinned import host_clone
 from .reference import slots_for_rows
 from .row_format import (
     FP8_DTYPE,
@@ -281,11 +281,15 @@ class RowCodec(ABC):
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         """Write held `rows` at keys `[lo, lo + n)` of HND pages `buf` (checked before any write)."""
 
-    @abstractmethod
+    no_blocks = ""
+    """Why this codec's rows never meet the reference runtime's K/V block caches (its pages-only
+    codecs: `gather_blocks` and `scatter_blocks` raise it as a TypeError)."""
+
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                       rows: int, out: Rows | None = None) -> Rows:
         """The first `rows` rows of blocks `block_ids` of K/V caches `[blocks, block_size, Hkv, D]`,
         held; into `out` (`[rows, 2, Hkv, D]`, on the caches' device) when given, as `gather_pages`."""
+        raise TypeError(self.no_blocks)
 
     def _out(self, out: Rows | None) -> Rows | None:
         """`out` (None, or rows in this codec's held form), else a RuntimeError naming the form and
@@ -295,21 +299,50 @@ class RowCodec(ABC):
                                f"codec gathers into {self._form()}")
         return out
 
-    @abstractmethod
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
         """Write held `rows` into blocks `block_ids` (int64, the caches' device), row `r` at slot
         `r % block_size` of block `block_ids[r // block_size]`; nothing else is written."""
+        raise TypeError(self.no_blocks)
 
     def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
-        """ValueError unless `rows` are held `[n, 2, Hkv, D]` rows of this codec's pool."""
+        """ValueError unless `rows` are held rows (`held_shape`: `[n, 2, Hkv, D]` for K/V) of this
+        codec's pool."""
         self.check(rows)
-        if len(rows.shape) != 4 or tuple(rows.shape[1:]) != (2, num_kv_heads, head_dim):
-            raise ValueError(f"{self.name} rows {tuple(rows.shape)} do not fit rows [n, 2, {num_kv_heads}, "
-                             f"{head_dim}]")
+        want = self.held_shape(int(rows.shape[0]) if len(rows.shape) else 0, num_kv_heads, head_dim)
+        if tuple(rows.shape) != want:
+            raise ValueError(f"{self.name} rows {tuple(rows.shape)} do not fit rows [n, "
+                             f"{', '.join(map(str, want[1:]))}]")
 
 
-class PoolRowsCodec(RowCodec):
+class _TensorCodec(RowCodec):
+    """A codec whose held rows are one tensor: the plumbing of that form."""
+
+    def _tensor(self, rows: object) -> torch.Tensor:
+        t = self.check(rows)
+        assert isinstance(t, torch.Tensor)
+        return t
+
+    def _out_tensor(self, out: Rows | None) -> torch.Tensor | None:
+        dst = self._out(out)
+        assert dst is None or isinstance(dst, torch.Tensor)
+        return dst
+
+    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
+        return (self._tensor(rows),)
+
+    def head(self, rows: Rows, n: int) -> Rows:
+        return self._tensor(rows)[:n]
+
+    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
+        return self._tensor(rows).to(device, non_blocking=non_blocking)
+
+    def host_copy(self, rows: Rows) -> Rows:
+        # blocking: the device rows may be reused as soon as they are dropped
+        return host_clone(self._tensor(rows))  # pinned for exactly its bytes (torch's rounds up)
+
+
+class PoolRowsCodec(_TensorCodec):
     """Rows as the pool holds them: `bf16` for a bf16/fp16/fp32 pool, `fp8_kv` for a float8_e4m3fn
     pool (its own bytes, static KV scale, never re-scaled). Exact: copies only."""
 
@@ -324,28 +357,8 @@ class PoolRowsCodec(RowCodec):
     def holds(self, rows: object) -> bool:
         return isinstance(rows, torch.Tensor) and rows.dtype == self.pool_dtype
 
-    def _tensor(self, rows: object) -> torch.Tensor:
-        t = self.check(rows)
-        assert isinstance(t, torch.Tensor)
-        return t
-
     def _form(self) -> str:
         return f"{self.pool_dtype} tensors"
-
-    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
-        return (self._tensor(rows),)
-
-    def head(self, rows: Rows, n: int) -> Rows:
-        return self._tensor(rows)[:n]
-
-    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
-        return self._tensor(rows).to(device, non_blocking=non_blocking)
-
-    def host_copy(self, rows: Rows) -> Rows:
-        t = self._tensor(rows)
-        host = host_empty(t.shape, t.dtype, t.is_cuda)  # pinned for exactly its bytes (torch's rounds up)
-        host.copy_(t)  # blocking: the device rows may be reused as soon as they are dropped
-        return host
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         return raw.view(self.pool_dtype).view(shape)
@@ -407,40 +420,25 @@ class PoolRowsCodec(RowCodec):
         if buf.dtype != self.pool_dtype:
             raise RuntimeError(f"a {self.name} codec of a {self.pool_dtype} pool got {buf.dtype} pages")
 
-    def _out_tensor(self, out: Rows | None) -> torch.Tensor | None:
-        dst = self._out(out)
-        assert dst is None or isinstance(dst, torch.Tensor)
-        return dst
+
+_Held = TypeVar("_Held", PackedRows, Nvfp4Rows, Nvfp4KvRows)
 
 
-_Packed = TypeVar("_Packed", PackedRows, Nvfp4Rows)
+class _HeldRowsCodec(RowCodec, Generic[_Held]):
+    """A codec whose held rows are a `rows_type` object (its `tensors`, `head`, `to`,
+    `host_copy`): the plumbing of that form."""
 
-
-class _PackedCodec(RowCodec, Generic[_Packed]):
-    """Rows of a bf16/fp16/fp32 pool packed out of it as `rows_type` (a `PackedRowsBase`): packed
-    as gathered, unpacked as scattered. What the packed formats do alike is here; each says how
-    its rows lie in an arena extent (`view`) and how they are packed and unpacked."""
-
-    rows_type: type[_Packed]
-    exact = False
-
-    def __init__(self, pool_dtype: torch.dtype) -> None:
-        if pool_dtype not in PACKABLE_DTYPES:
-            raise ValueError(f"{self.name} packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
-        super().__init__(pool_dtype)
+    rows_type: type[_Held]
 
     def holds(self, rows: object) -> bool:
-        return isinstance(rows, self.rows_type) and rows.dtype == self.pool_dtype
+        return isinstance(rows, self.rows_type)
 
-    def _form(self) -> str:
-        return f"{self.rows_type.__name__} of {self.pool_dtype}"
-
-    def _rows(self, rows: object) -> _Packed:
+    def _rows(self, rows: object) -> _Held:
         p = self.check(rows)
         assert isinstance(p, self.rows_type)
         return p
 
-    def _out_packed(self, out: Rows | None) -> _Packed | None:
+    def _out_rows(self, out: Rows | None) -> _Held | None:
         p = self._out(out)
         assert p is None or isinstance(p, self.rows_type)
         return p
@@ -456,6 +454,28 @@ class _PackedCodec(RowCodec, Generic[_Packed]):
 
     def host_copy(self, rows: Rows) -> Rows:
         return self._rows(rows).host_copy()
+
+
+_Packed = TypeVar("_Packed", PackedRows, Nvfp4Rows)
+
+
+class _PackedCodec(_HeldRowsCodec[_Packed]):
+    """Rows of a bf16/fp16/fp32 pool packed out of it as `rows_type` (a `PackedRowsBase`): packed
+    as gathered, unpacked as scattered. What the packed formats do alike is here; each says how
+    its rows lie in an arena extent (`view`) and how they are packed and unpacked."""
+
+    exact = False
+
+    def __init__(self, pool_dtype: torch.dtype) -> None:
+        if pool_dtype not in PACKABLE_DTYPES:
+            raise ValueError(f"{self.name} packs rows of {PACKABLE_DTYPES}, got a {pool_dtype} pool")
+        super().__init__(pool_dtype)
+
+    def holds(self, rows: object) -> bool:
+        return isinstance(rows, self.rows_type) and rows.dtype == self.pool_dtype
+
+    def _form(self) -> str:
+        return f"{self.rows_type.__name__} of {self.pool_dtype}"
 
 
 class Fp8PackedCodec(_PackedCodec[PackedRows]):
@@ -481,14 +501,14 @@ class Fp8PackedCodec(_PackedCodec[PackedRows]):
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
                      out: Rows | None = None) -> Rows:
-        return gather_packed_rows(buf, pages, lo, hi, out=self._out_packed(out))
+        return gather_packed_rows(buf, pages, lo, hi, out=self._out_rows(out))
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         scatter_packed_rows(buf, pages, lo, self._rows(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                       rows: int, out: Rows | None = None) -> Rows:
-        return pack_blocks(k_cache, v_cache, block_ids, rows, out=self._out_packed(out))
+        return pack_blocks(k_cache, v_cache, block_ids, rows, out=self._out_rows(out))
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
@@ -508,6 +528,8 @@ class CompositeCodec(RowCodec):
         self.sides = tuple(sides)
         self.name = "+".join((main.name, *(s.name for s in self.sides)))
         self.exact = main.exact
+        self.no_blocks = (f"{self.name} rows live in a draft pool's slots; the reference runtime's K/V "
+                          "block caches hold no side rows")
 
     def row_nbytes(self, num_kv_heads: int, head_dim: int) -> int:
         return self.main.row_nbytes(num_kv_heads, head_dim) + sum(s.row_nbytes for s in self.sides)
@@ -543,13 +565,9 @@ class CompositeCodec(RowCodec):
                              tuple(t.to(device, non_blocking=non_blocking) for t in c.sides), self.sides)
 
     def host_copy(self, rows: Rows) -> Rows:
-        c = self._rows(rows)
-        sides = []
-        for t in c.sides:
-            host = host_empty(t.shape, t.dtype, t.is_cuda)  # pinned exactly, as the K/V codec's
-            host.copy_(t)  # blocking, as the K/V codec's
-            sides.append(host)
-        return CompositeRows(self.main.host_copy(c.kv), tuple(sides), self.sides)  # type: ignore[arg-type]
+        c = self._rows(rows)  # the sides pinned exactly and copied blocking, as the K/V codec's rows
+        return CompositeRows(self.main.host_copy(c.kv), tuple(host_clone(t) for t in c.sides),  # type: ignore[arg-type]
+                             self.sides)
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         n = shape[0]
@@ -611,16 +629,6 @@ class CompositeCodec(RowCodec):
         for view, t in zip(p.sides, c.sides, strict=True):
             view[page, slot] = t.to(view.device)
 
-    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int, out: Rows | None = None) -> Rows:
-        raise TypeError(f"{self.name} rows live in a draft pool's slots; the reference runtime's K/V "
-                        "block caches hold no side rows")
-
-    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_ids: torch.Tensor) -> None:
-        raise TypeError(f"{self.name} rows live in a draft pool's slots; the reference runtime's K/V "
-                        "block caches hold no side rows")
-
     def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
         self.main.check_fits(self._rows(rows).kv, num_kv_heads, head_dim)
 
@@ -650,21 +658,21 @@ class Nvfp4Codec(_PackedCodec[Nvfp4Rows]):
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
                      out: Rows | None = None) -> Rows:
-        return nvfp4.gather_pages(buf, pages, lo, hi, out=self._out_packed(out))
+        return nvfp4.gather_pages(buf, pages, lo, hi, out=self._out_rows(out))
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         nvfp4.scatter_pages(buf, pages, lo, self._rows(rows))
 
     def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                       rows: int, out: Rows | None = None) -> Rows:
-        return nvfp4.pack_blocks(k_cache, v_cache, block_ids, rows, out=self._out_packed(out))
+        return nvfp4.pack_blocks(k_cache, v_cache, block_ids, rows, out=self._out_rows(out))
 
     def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_ids: torch.Tensor) -> None:
         nvfp4.unpack_into_blocks(self._rows(rows), k_cache, v_cache, block_ids)
 
 
-class Nvfp4KvPagesCodec(RowCodec):
+class Nvfp4KvPagesCodec(_HeldRowsCodec[Nvfp4KvRows]):
     """`nvfp4_kv`: an NVFP4 KV pool's own rows, its e2m1 payload and e4m3 block-scale bytes
     (`Nvfp4KvRows`), gathered from and scattered to `Nvfp4KvPages` at the addresses
     TensorRT-LLM's writer gives each byte (`dataplane/nvfp4_kv.py`). Exact: copies only, never
@@ -673,6 +681,9 @@ class Nvfp4KvPagesCodec(RowCodec):
 
     name = "nvfp4_kv"
     exact = True
+    rows_type = Nvfp4KvRows
+    no_blocks = ("nvfp4_kv rows live in an NVFP4 draft pool's pages; the reference runtime's K/V block "
+                 "caches are never NVFP4")
 
     def __init__(self, pool_dtype: torch.dtype) -> None:
         if pool_dtype != NVFP4_KV_DTYPE:
@@ -682,30 +693,8 @@ class Nvfp4KvPagesCodec(RowCodec):
     def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
         return RowFormat(self.name, 2 * num_kv_heads, head_dim, 1)  # bytes: no element of the marker dtype
 
-    def holds(self, rows: object) -> bool:
-        return isinstance(rows, Nvfp4KvRows)
-
-    def _rows(self, rows: object) -> Nvfp4KvRows:
-        if not self.holds(rows):
-            self.check(rows)  # the TypeError naming the form
-        assert isinstance(rows, Nvfp4KvRows)
-        return rows
-
     def _form(self) -> str:
         return "Nvfp4KvRows (an NVFP4 pool's payload and block-scale bytes)"
-
-    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
-        r = self._rows(rows)
-        return (r.payload, r.scales)
-
-    def head(self, rows: Rows, n: int) -> Rows:
-        return self._rows(rows).head(n)
-
-    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
-        return self._rows(rows).to(device, non_blocking=non_blocking)
-
-    def host_copy(self, rows: Rows) -> Rows:
-        return self._rows(rows).host_copy()
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         # the payload (D/2 bytes a vector), then the block scales (D/16): bytes, no alignment
@@ -729,23 +718,10 @@ class Nvfp4KvPagesCodec(RowCodec):
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
                      out: Rows | None = None) -> Rows:
-        dst = self._out(out)
-        assert dst is None or isinstance(dst, Nvfp4KvRows)
-        return gather_kv_pages(self._pages(buf), pages, lo, hi, out=dst)
+        return gather_kv_pages(self._pages(buf), pages, lo, hi, out=self._out_rows(out))
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
-        r = self._rows(rows)
-        scatter_kv_pages(self._pages(buf), pages, lo, r)
-
-    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int, out: Rows | None = None) -> Rows:
-        raise TypeError("nvfp4_kv rows live in an NVFP4 draft pool's pages; the reference runtime's "
-                        "K/V block caches are never NVFP4")
-
-    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_ids: torch.Tensor) -> None:
-        raise TypeError("nvfp4_kv rows live in an NVFP4 draft pool's pages; the reference runtime's "
-                        "K/V block caches are never NVFP4")
+        scatter_kv_pages(self._pages(buf), pages, lo, self._rows(rows))
 
 
 class LatentRowsCodec(PoolRowsCodec):
@@ -754,6 +730,9 @@ class LatentRowsCodec(PoolRowsCodec):
     `[n, 1, Hkv, D]` and gathered from / scattered to the pool's HND view `[pages, 1, Hkv, tpb, D]`
     (DeepSeek-V4's `get_buffers(layer, SWA)` `[pages, tpb, D]` with its one head). Exact. Its rows
     live in a draft pool's pages only: the reference runtime's K/V block caches hold K and V."""
+
+    no_blocks = ("latent rows live in an MLA draft pool's pages; the reference runtime's K/V block caches "
+                 "hold K and V")
 
     def format(self, num_kv_heads: int, head_dim: int) -> RowFormat:
         return RowFormat(self.name, num_kv_heads, head_dim, _elem_bytes(self.pool_dtype))  # one vector a head
@@ -770,28 +749,15 @@ class LatentRowsCodec(PoolRowsCodec):
         self._check_latent(buf)
         super().scatter_pages(buf, pages, lo, rows)
 
-    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int, out: Rows | None = None) -> Rows:
-        raise TypeError("latent rows live in an MLA draft pool's pages; the reference runtime's K/V "
-                        "block caches hold K and V")
-
-    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_ids: torch.Tensor) -> None:
-        raise TypeError("latent rows live in an MLA draft pool's pages; the reference runtime's K/V "
-                        "block caches hold K and V")
-
-    def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
-        self.check(rows)
-        if len(rows.shape) != 4 or tuple(rows.shape[1:]) != (1, num_kv_heads, head_dim):
-            raise ValueError(f"{self.name} latent rows {tuple(rows.shape)} do not fit rows [n, 1, {num_kv_heads}, "
-                             f"{head_dim}]")
+    gather_blocks = RowCodec.gather_blocks  # pages only: PoolRowsCodec's K/V block methods do not apply
+    scatter_blocks = RowCodec.scatter_blocks
 
     def _check_latent(self, buf: torch.Tensor) -> None:
         if buf.dim() != 5 or buf.shape[1] != 1:
             raise RuntimeError(f"latent pages are HND [pages, 1, Hkv, tpb, D], got {tuple(buf.shape)}")
 
 
-class FooterScaleCodec(RowCodec):
+class FooterScaleCodec(_TensorCodec):
     """`fp8_ds_mla`: DeepSeek-V4's footer-scale latent pages' own bytes, a key's 576 data bytes
     (448 e4m3 latent values, 64 bf16 RoPE values) then its 8 footer bytes (7 UE8M0 tile scales and
     the pad byte), held uint8 `[n, 584]`, gathered from and scattered to `FooterScalePages` at the
@@ -800,6 +766,8 @@ class FooterScaleCodec(RowCodec):
 
     name = "fp8_ds_mla"
     exact = True
+    no_blocks = ("fp8_ds_mla rows live in a DeepSeek-V4 draft pool's pages; the reference runtime's K/V block "
+                 "caches are never footer-scale")
 
     def __init__(self, pool_dtype: torch.dtype = torch.uint8) -> None:
         if pool_dtype != torch.uint8:
@@ -819,28 +787,8 @@ class FooterScaleCodec(RowCodec):
         return (isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and rows.dim() == 2
                 and rows.shape[1] == TOKEN_BYTES)
 
-    def _tensor(self, rows: object) -> torch.Tensor:
-        t = self.check(rows)
-        assert isinstance(t, torch.Tensor)
-        return t
-
     def _form(self) -> str:
         return f"uint8 [n, {TOKEN_BYTES}] tensors (a footer-scale key's bytes)"
-
-    def tensors(self, rows: Rows) -> tuple[torch.Tensor, ...]:
-        return (self._tensor(rows),)
-
-    def head(self, rows: Rows, n: int) -> Rows:
-        return self._tensor(rows)[:n]
-
-    def to(self, rows: Rows, device: torch.device, non_blocking: bool = False) -> Rows:
-        return self._tensor(rows).to(device, non_blocking=non_blocking)
-
-    def host_copy(self, rows: Rows) -> Rows:
-        t = self._tensor(rows)
-        host = host_empty(t.shape, t.dtype, t.is_cuda)
-        host.copy_(t)
-        return host
 
     def view(self, raw: torch.Tensor, shape: tuple[int, ...]) -> Rows:
         return raw.view(torch.uint8).view(shape)
@@ -861,26 +809,11 @@ class FooterScaleCodec(RowCodec):
 
     def gather_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, hi: int,
                      out: Rows | None = None) -> Rows:
-        dst = None if out is None else self._tensor(self._out(out))
-        return gather_footer_rows(self._pages(buf), pages, lo, hi, out=dst)
+        return gather_footer_rows(self._pages(buf), pages, lo, hi, out=self._out_tensor(out))
 
     def scatter_pages(self, buf: torch.Tensor, pages: Sequence[int], lo: int, rows: Rows) -> None:
         scatter_footer_rows(self._pages(buf), pages, lo, self._tensor(rows))
 
-    def gather_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                      rows: int, out: Rows | None = None) -> Rows:
-        raise TypeError("fp8_ds_mla rows live in a DeepSeek-V4 draft pool's pages; the reference runtime's "
-                        "K/V block caches are never footer-scale")
-
-    def scatter_blocks(self, rows: Rows, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_ids: torch.Tensor) -> None:
-        raise TypeError("fp8_ds_mla rows live in a DeepSeek-V4 draft pool's pages; the reference runtime's "
-                        "K/V block caches are never footer-scale")
-
-    def check_fits(self, rows: Rows, num_kv_heads: int, head_dim: int) -> None:
-        t = self._tensor(rows)
-        if self.held_shape(t.shape[0], num_kv_heads, head_dim) != tuple(t.shape):
-            raise ValueError(f"fp8_ds_mla rows {tuple(t.shape)} do not fit [n, {TOKEN_BYTES}]")
 
 
 CODECS: dict[str, type[RowCodec]] = {"bf16": PoolRowsCodec, "fp8": Fp8PackedCodec, "nvfp4": Nvfp4Codec,

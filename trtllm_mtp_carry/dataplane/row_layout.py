@@ -34,7 +34,7 @@ import torch
 
 from .device_ints import device_tensor
 from .ops import cuda_kernels
-from .pinned import host_empty, pinned_copy
+from .pinned import host_clone, pinned_copy
 from .reference import slots_for_rows
 
 __all__ = [
@@ -109,14 +109,7 @@ def host_copy(packed: P) -> P:
     """A copy of `packed` in host memory, page-locked when the rows are on a GPU (for asynchronous
     copies back): one blocking pass over the bytes, so the source may be reused at once; always
     a copy, also of rows already on the host."""
-    pin = packed.device.type == "cuda"  # type: ignore[attr-defined]
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        host = host_empty(t.shape, t.dtype, pin)  # pinned for exactly its bytes (torch's rounds up)
-        host.copy_(t)
-        return host
-
-    return map_tensors(packed, copy)
+    return map_tensors(packed, host_clone)  # pinned for exactly its bytes (torch's rounds up)
 
 
 _R = TypeVar("_R", bound="PackedRowsBase")

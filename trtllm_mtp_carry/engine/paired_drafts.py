@@ -81,9 +81,8 @@ from ..core import plan_append
 from ..core.plan import chunk_keys
 from ..dataplane.device_ints import device_copy, device_tensor
 from ..dataplane.hidden_store import HiddenStore
-from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError
+from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError, gather_rows
 from ..dataplane.ops import drafter_row_append_direct as drafter_row_append
-from ..dataplane.reference import slots_for_rows
 from ..dataplane.rope import RopeConfig
 from .block_manager import RefCountedBlocks
 from .prefix_hash import PrefixKeys, encode_tokens
@@ -348,14 +347,7 @@ class PairedDraftPool(RefCountedBlocks):
     def gather(self, seq_id: int, start_row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(k [R', Hkv, D], v [R', Hkv, D], keys [R'] int64)` of rows `start_row ..`, in row order."""
         s = self._live(seq_id)
-        dev = self.device
-        rows = torch.arange(start_row, s.rows, dtype=torch.int64, device=dev)
-        slots = slots_for_rows(torch.tensor(s.table, dtype=torch.int64, device=dev), rows, self.block_size)
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        keys = torch.cat([torch.arange(k0, k0 + c, dtype=torch.int64) for k0, c in s.runs]
-                         or [torch.empty(0, dtype=torch.int64)])[start_row:].to(dev)
-        return (self.k_cache.view(flat).index_select(0, slots),
-                self.v_cache.view(flat).index_select(0, slots), keys)
+        return gather_rows(self.k_cache, self.v_cache, s.table, s.rows, s.runs, start_row)
 
     def free_sequence(self, seq_id: int) -> int:
         """Release `seq_id`'s blocks (tail first, so children age out before parents)."""

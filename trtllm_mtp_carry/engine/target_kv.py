@@ -54,10 +54,6 @@ class PagedTargetKV:
             self.k[i][dst].copy_(self.k[i][src])
             self.v[i][dst].copy_(self.v[i][src])
 
-    def nbytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return sum(2 * t[0, 0].numel() * t.element_size() for t in self.k.values())
-
 
 class SequenceKV:
     """One sequence's `TargetCache`: paged attention rows plus its SSM states."""

@@ -41,10 +41,10 @@ import torch
 
 from ..core import CarriedDrafter, CarryStore
 from ..core.row_format import RowFormat
+from ..dataplane import streams
 from ..dataplane.arena import Arena
 from ..dataplane.kv_pool import CarriedBlocks, DrafterKVPool, HostRows
 from ..dataplane.row_codec import CompositeCodec, RowCodec, Rows, codec_for
-from . import streams
 
 __all__ = ["ArenaHome", "PoolHome", "RowHome", "RowPages", "Runs", "head_runs"]
 
@@ -147,20 +147,27 @@ class RowHome(ABC):
         holds where the executor says (None otherwise). When the move raises, an entry's rows stay
         held (the store keeps the entry); rows only restored for it are freed."""
 
-    # ---- the host tier's seam (`host_tier.HostHome`) -------------------------------------
+    # ---- the host tier's seam (`host_tier.HostTier`) -------------------------------------
 
     @abstractmethod
-    def export_nbytes(self, key: int) -> int: ...
+    def export_nbytes(self, key: int) -> int:
+        """Bytes of `key`'s device rows as the host tier holds them."""
 
     @abstractmethod
-    def export_into(self, key: int, raw: torch.Tensor) -> Any: ...
+    def export_into(self, key: int, raw: torch.Tensor) -> Any:
+        """Copy `key`'s device rows into `raw` (1-D uint8, host, `export_nbytes` long), on the
+        current stream; returns their form (shapes and bookkeeping, no address: the arena may
+        move the bytes) that `import_from` reads them back with."""
 
     @abstractmethod
     def import_from(self, key: int, raw: torch.Tensor, form: Any,
-                    stream: torch.cuda.Stream | None) -> tuple[int, ...] | None: ...
+                    stream: torch.cuda.Stream | None) -> tuple[int, ...] | None:
+        """Hold `key`'s rows on the device again, copied from `raw` (on `stream` when given);
+        returns the entry's new block table where the rows live in the executor's blocks."""
 
     @abstractmethod
-    def rows_of(self, form: Any) -> int: ...
+    def rows_of(self, form: Any) -> int:
+        """How many rows a host copy of this form holds."""
 
     # ---- entry moves (`moves.py`): an entry's held bytes between workers ----------------
 

@@ -33,16 +33,17 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..core import CarriedDrafter, CarryStore
+from ..dataplane import streams
 from ..dataplane.arena import Allocate, Arena, torch_allocate
 from ..dataplane.pinned import pinned_empty
-from . import streams
+from .homes import RowHome
 
-__all__ = ["HostHome", "HostTier", "host_arena"]
+__all__ = ["HostTier", "host_arena"]
 
 
 def host_arena(nbytes: int, device: torch.device, allocate: Allocate = torch_allocate) -> Arena | None:
@@ -53,34 +54,6 @@ def host_arena(nbytes: int, device: torch.device, allocate: Allocate = torch_all
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     return Arena.reserve(nbytes, "cpu", pinned=cuda, allocate=allocate, sync=sync)
-
-
-class HostHome(Protocol):
-    """What a device home offers the host tier (`homes.PoolHome`, `homes.ArenaHome`)."""
-
-    device: torch.device
-
-    def export_nbytes(self, key: int) -> int:
-        """Bytes of `key`'s device rows as the host tier holds them."""
-
-    def export_into(self, key: int, raw: torch.Tensor) -> Any:
-        """Copy `key`'s device rows into `raw` (1-D uint8, host, `export_nbytes` long), on the
-        current stream; returns their form (shapes and bookkeeping, no address: the arena may
-        move the bytes) that `import_from` reads them back with."""
-
-    def free(self, key: int) -> None:
-        """Free `key`'s device rows (they are on the host now)."""
-
-    def import_from(self, key: int, raw: torch.Tensor, form: Any,
-                    stream: torch.cuda.Stream | None) -> tuple[int, ...] | None:
-        """Hold `key`'s rows on the device again, copied from `raw` (on `stream` when given);
-        returns the entry's new block table where the rows live in the executor's blocks."""
-
-    def rows_of(self, form: Any) -> int:
-        """How many rows a host copy of this form holds."""
-
-    def runs_of(self, form: Any) -> tuple[tuple[int, int], ...]:
-        """The key runs of a host copy of this form."""
 
 
 @dataclass
@@ -103,7 +76,7 @@ class _Restore:
 class HostTier:
     """Host copies of carried entries by carry key, in one `Arena`; the store's `HostMoves`."""
 
-    def __init__(self, home: HostHome, arena: Arena) -> None:
+    def __init__(self, home: RowHome, arena: Arena) -> None:
         self.home = home
         self.arena = arena
         self._cuda = home.device.type == "cuda"
@@ -139,10 +112,6 @@ class HostTier:
     def outside_keys(self) -> list[int]:
         """Keys of host copies held outside the arena (staged while it was full), sorted."""
         return sorted(k for k, c in self._held.items() if c.outside is not None)
-
-    def staged_keys(self) -> list[int]:
-        """Keys of the staged copies, sorted (empty between pool grows)."""
-        return sorted(self._staged)
 
     def in_flight(self) -> list[int]:
         """Keys whose copy back is in flight (restored; `ready` or `settle` not called yet), sorted."""

@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar, cast
 
+from ..core.carry_store import remember
 from ..core.outcome import Fault
 
 logger = logging.getLogger("trtllm_mtp_carry")
@@ -94,10 +95,7 @@ class FaultLedger:
         with self._lock:
             fault = self._live.pop(turn, None)
             if fault is not None:
-                self._ended[turn] = fault
-                self._ended.move_to_end(turn)
-                while len(self._ended) > TURN_FAULT_LOG:
-                    self._ended.popitem(last=False)
+                remember(self._ended, turn, fault, TURN_FAULT_LOG)
 
     def take(self, turn: Hashable) -> Fault | None:
         """The fault that cost `turn` its carry (None: none), removed: each is read once."""

@@ -166,10 +166,6 @@ class CarryService:
             with self.lock:
                 self.host.ready(key)
 
-    def lease_of(self, turn: Hashable) -> int | None:
-        """The carry key whose rows `turn` adopted (None: it adopted nothing, or ended)."""
-        return self._leases.get(turn)
-
     # ---- deposits ----------------------------------------------------------------------
 
     def plan_deposit(self, key: int, source: Any, rows: int, session: int | None = None,
@@ -239,12 +235,6 @@ class CarryService:
             self.counters.rows_deposited += plan.rows
         log_store(entry, ticket)
         return True
-
-    def abandon(self, plan: DepositPlan) -> None:
-        """`plan` will not be carried out (the turn faulted or its session ended): its room goes back."""
-        with self.lock:
-            if plan.tier == "device":
-                self.home.unreserve(plan.key)
 
     # ---- turns that deposit nothing ----------------------------------------------------
 

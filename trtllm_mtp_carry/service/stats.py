@@ -67,9 +67,6 @@ class TurnCounters:
     turns_cancelled_kept: int = 0
     sessions_ended: int = 0
     rows_freed: int = 0
-    tp_size: int = 1
-    agreements: int = 0
-    vetoed: dict[str, int] = field(default_factory=dict)
     share_ms: float = 0.0
 
 

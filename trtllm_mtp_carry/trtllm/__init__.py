@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core import carry_eviction, carry_row_dtype, carry_slots
 from ..core.settings import format_bytes
 from ..service.stats import CarryStats
 from .identity import session_key_for
@@ -97,8 +98,6 @@ class CarryAttachment:
         (None: no cap)."""
         if self.options.carry_slots is not None:
             return self.options.carry_slots
-        from ..core import carry_slots
-
         return carry_slots()
 
     def stats(self) -> CarryStats:
@@ -107,8 +106,6 @@ class CarryAttachment:
         if self.manager is not None:
             stats: CarryStats = self.manager.stats()
             return stats
-        from ..core import carry_eviction, carry_row_dtype
-
         return CarryStats.idle(armed=False, row_dtype=self.options.carry_row_dtype or carry_row_dtype(),
                                eviction_policy=carry_eviction(), carry_slots=self.slots,
                                carry_memory_bytes=self._device_bytes() or 0)

@@ -75,13 +75,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from ..core import carry_eviction, carry_idle_s, carry_row_dtype, carry_slots, merge_interval
+from ..core.carry_store import remember
 from ..core.outcome import Adopted, CarryOutcome
 from ..core.session import TicketCounter
 from ..core.store_range import StoreRange
-from ..service import VETO_STEPS, CarryService, CarryStats, guarded, streams
+from ..dataplane import streams
+from ..service import VETO_STEPS, CarryService, CarryStats, guarded
 from ..service.homes import ArenaHome
 from ..service.stats import SKIP_REASONS
 from .draft_pages import TurnPages, pages_of
@@ -91,8 +93,6 @@ from .options import CarryOptions
 from .reservation import Reserved, reserve_for
 
 logger = logging.getLogger("trtllm_mtp_carry")
-
-V = TypeVar("V")
 
 PAUSED_LOG = 4096
 """How many requests freed unfinished (a recompute pause) are remembered until they come back."""
@@ -302,9 +302,9 @@ class CarryManagerCore:
             if resumed:
                 record["resumed"] = True
             self.service.counters.turns["resumed" if resumed else "warm" if reused else "cold"] += 1
-            _remember(self._turn_log, rid, record, TURN_LOG)
+            remember(self._turn_log, rid, record, TURN_LOG)
             if client is not None:
-                _remember(self._client_log, int(client), record, TURN_LOG)
+                remember(self._client_log, int(client), record, TURN_LOG)
 
     def _free_fault(self, request: Any, *args: Any, **kwargs: Any) -> None:
         return None  # `free_resources` records its own faults; this answers one outside them
@@ -327,7 +327,7 @@ class CarryManagerCore:
             deposited = self._deposit(rid, request, live)
             if not request.is_dummy_request and not request.is_finished:  # a recompute pause
                 with self._lock:
-                    _remember(self._paused, rid, None, PAUSED_LOG)
+                    remember(self._paused, rid, None, PAUSED_LOG)
         except Exception as exc:  # nothing is deposited; the lease ends below
             deposited = False
             self._fault("deposit", exc, rid)
@@ -617,7 +617,7 @@ class CarryManagerCore:
             if live is None and rid is not None and step == "prepare":
                 # seen now and dropped: a later chunk of it must not be judged as a first sight
                 live = self._live[rid] = _Live(None, None, 0, _turn_record(0, "fault", 0), 0)
-                _remember(self._turn_log, rid, live.record, TURN_LOG)
+                remember(self._turn_log, rid, live.record, TURN_LOG)
             if live is not None:
                 live.dropped = True
                 live.record["error"] = f"{step}: {type(exc).__name__}: {exc}"
@@ -689,14 +689,6 @@ def _turn_record(reused: int, outcome: str, rows_computed: int) -> dict[str, obj
     """A request's turn record (`turn()`'s keys) at first sight: nothing adopted or deposited yet."""
     return {"reused": reused, "outcome": outcome, "no_carry_reason": "", "rows_adopted": 0,
             "first_key": None, "rows_computed": rows_computed, "rows_deposited": 0, "skipped": None}
-
-
-def _remember(log: OrderedDict[int, V], key: int, value: V, limit: int) -> None:
-    """`log[key] = value` as the newest of an LRU of at most `limit` keys (the oldest dropped)."""
-    log[key] = value
-    log.move_to_end(key)
-    while len(log) > limit:
-        log.popitem(last=False)
 
 
 _CLASSES: dict[type, type] = {}

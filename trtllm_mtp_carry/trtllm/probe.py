@@ -97,14 +97,6 @@ def manager_name(key: object) -> str:
     return name if isinstance(name, str) else str(key)
 
 
-def find_manager(resource_manager: Any, name: str) -> tuple[object, Any] | None:
-    """`(key, manager)` of the `resource_managers` entry named `name`, or None."""
-    for key, manager in resource_manager.resource_managers.items():
-        if manager_name(key) == name:
-            return key, manager
-    return None
-
-
 def reach_executor(llm: Any) -> tuple[Any, str]:
     """`(llm._executor.engine, tensorrt_llm version)`; TrtllmAdapterError naming what is missing.
 

@@ -71,6 +71,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from . import CARRY_MANAGER_KEY, _base_resource_manager
+from .options import CarryOptions, TrtllmAdapterError, load_llm_options
+
 ENV = "TRTLLM_MTP_CARRY_WORKER"
 """The environment variable that turns the worker-side install on (a YAML file, or `1`)."""
 
@@ -114,8 +117,6 @@ def checked_options(value: str) -> Any:
     """The `CarryOptions` of carry file `value` (`TRTLLM_MTP_CARRY_WORKER`'s value), read once
     per value; for a missing or invalid file the `TrtllmAdapterError`, whose one line
     (`mtp carry: stands aside: <why>`) is printed the first time only."""
-    from .options import TrtllmAdapterError
-
     found = _checked.get(value)
     if found is None:
         try:
@@ -134,8 +135,6 @@ def messages() -> list[str]:
 def carry_options_from_env(value: str | None = None) -> Any:
     """`CarryOptions` from `TRTLLM_MTP_CARRY_WORKER` (or `value`): `1`/`true` the defaults, else a
     YAML file's `mtp_carry`. `TrtllmAdapterError` (one line) for a missing or invalid file."""
-    from .options import CarryOptions, TrtllmAdapterError, load_llm_options
-
     value = os.environ.get(ENV, "") if value is None else value
     if value.lower() in ("1", "true", "yes", "on"):
         return CarryOptions()
@@ -235,8 +234,6 @@ def _install(resources: Any, standin: bool, llm_args: Any = None, dist: Any = No
     reaches one agreement at its end, whatever its own install did (`Lockstep.agree_install`
     over the executor's communicator `dist`): the carry is installed on every rank or on none,
     so no rank carries its heads alone."""
-    from . import CARRY_MANAGER_KEY  # this package's own __init__, loaded with this module
-
     early = _drop_early()
     manager, over_early = None, False
     details: tuple[str, ...] = ()  # what the install read where, below its line
@@ -295,7 +292,6 @@ def _lockstep(dist: Any, mapping: Any) -> Any:
     `mapping.tp_size` > 1, else the single-rank lockstep (no collective). TrtllmAdapterError
     when a tensor-parallel executor gives no usable communicator."""
     from .lockstep import Lockstep
-    from .options import TrtllmAdapterError
 
     tp = 1 if mapping is None else getattr(mapping, "tp_size", 1)
     if tp == 1:
@@ -344,9 +340,7 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
     """Build the carry manager (not yet in `resources`), the line that says so and its details
     (what was read where), or None and the line saying why the carry stands aside; the flag is
     True when the arenas were built over `early`."""
-    from . import CARRY_MANAGER_KEY
     from .manager import carry_manager_class
-    from .options import TrtllmAdapterError
     from .probe import probe_managers
     from .reservation import EarlyReservation, arenas_over, reserve_for, torch_allocate
     from .verdict import carry_options_verdict
@@ -405,12 +399,6 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
             probe.details, over_early
     except TrtllmAdapterError as exc:  # the early bytes (if any) go back with the carry that stands aside
         return None, f"mtp carry: stands aside: {exc}", (), False
-
-
-def _base_resource_manager(draft: Any) -> type:
-    from . import _base_resource_manager as base
-
-    return base(draft)
 
 
 def _trtllm_version() -> str:

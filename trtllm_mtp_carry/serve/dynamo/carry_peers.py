@@ -54,6 +54,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from ...core.carry_store import remember
 from ...service.moves import EntryMeta, EntryMoves, Loan, ReceivePlan, digest_tokens
 from .nixl_transport import NixlTransport, Offer, TransferError
 
@@ -85,6 +86,9 @@ PULL_RESULTS: tuple[str, ...] = ("received", *REMOTE_MISS_REASONS)
 
 DRAIN_RESULTS: tuple[str, ...] = ("moved", "dropped")
 """What a planned stop did with each entry it held."""
+
+RECEIPTS = 65536
+"""How many received entries' receipts are kept until a turn reads them (oldest dropped first)."""
 
 
 class OnEngine(Protocol):
@@ -271,7 +275,7 @@ class CarryPeers:
         self.metrics.record_pull(result, ms)
         if receipt is not None:
             self.metrics.record_moved("in", receipt.rows, receipt.nbytes)
-            self._note_receipt(key, receipt)
+            remember(self._receipts, key, receipt, RECEIPTS)
             logger.info("pulled entry %s from worker %x: %d rows, %d bytes, digest %s, %.1f ms",
                         _hex(key), receipt.holder, receipt.rows, receipt.nbytes, receipt.digest, ms)
         else:
@@ -474,7 +478,7 @@ class CarryPeers:
             if receipt is not None:
                 taken.append(answer["loan_id"])
                 key = int(answer["meta"]["key"], 16)
-                self._note_receipt(key, receipt)
+                remember(self._receipts, key, receipt, RECEIPTS)
                 self.metrics.record_moved("in", receipt.rows, receipt.nbytes)
                 logger.info("took entry %s from worker %x: %d rows, %d bytes, digest %s", _hex(key),
                             receipt.holder, receipt.rows, receipt.nbytes, receipt.digest)
@@ -554,12 +558,6 @@ class CarryPeers:
         return answer
 
     # ---- small helpers ----------------------------------------------------------------
-
-    def _note_receipt(self, key: int, receipt: Receipt) -> None:
-        self._receipts[key] = receipt
-        self._receipts.move_to_end(key)
-        while len(self._receipts) > 65536:
-            self._receipts.popitem(last=False)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -41,39 +41,27 @@ from typing import Any
 
 from ...metrics import CarryMetrics, MetricRegistry
 
+_FAMILIES = (  # (key, name, description): this worker's own counters, beside the carry's
+    ("kv_events", "mtp_carry_kv_events_total",
+     "Prefix-cache blocks published to the router as KV events, by kind (stored, removed)"),
+    ("adoptions", "mtp_carry_adoptions_total", "Adopted turns by where their rows came from (local, remote)"),
+    ("pulls", "mtp_carry_pulls_total",
+     "Pulls of a missing entry from peers, by result (received or the remote miss reason)"),
+    ("pull_ms", "mtp_carry_pull_ms_total", "Wall milliseconds of pulls, by result"),
+    ("moved_rows", "mtp_carry_moved_rows_total", "Carried rows moved between workers, by direction (in, out)"),
+    ("moved_bytes", "mtp_carry_moved_bytes_total", "Bytes of carried rows moved between workers, by direction"),
+    ("drained", "mtp_carry_drained_entries_total", "Carried entries a planned stop moved to peers or dropped"),
+)
+
 
 class WorkerMetrics:
     """CarryMetrics over an in-process registry, rendered with the worker's labels."""
 
     def __init__(self, model: str, worker: str) -> None:
         self._registry = MetricRegistry()
-        self._model, self._worker = model, worker
         self._carry = CarryMetrics(self._registry, model, worker)
-        self._kv_family = self._registry.MetricFamily(
-            "mtp_carry_kv_events_total", "Prefix-cache blocks published to the router as KV events, "
-            "by kind (stored, removed)", self._registry.MetricFamily.COUNTER)
-        self._kv_events: dict[str, Any] = {}
-        counter = self._registry.MetricFamily.COUNTER
-        self._move_families = {
-            "adoptions": (self._registry.MetricFamily(
-                "mtp_carry_adoptions_total", "Adopted turns by where their rows came from (local, remote)",
-                counter), "source"),
-            "pulls": (self._registry.MetricFamily(
-                "mtp_carry_pulls_total", "Pulls of a missing entry from peers, by result (received or "
-                "the remote miss reason)", counter), "result"),
-            "pull_ms": (self._registry.MetricFamily(
-                "mtp_carry_pull_ms_total", "Wall milliseconds of pulls, by result", counter), "result"),
-            "moved_rows": (self._registry.MetricFamily(
-                "mtp_carry_moved_rows_total", "Carried rows moved between workers, by direction (in, out)",
-                counter), "direction"),
-            "moved_bytes": (self._registry.MetricFamily(
-                "mtp_carry_moved_bytes_total", "Bytes of carried rows moved between workers, by direction",
-                counter), "direction"),
-            "drained": (self._registry.MetricFamily(
-                "mtp_carry_drained_entries_total", "Carried entries a planned stop moved to peers or "
-                "dropped", counter), "result"),
-        }
-        self._move_metrics: dict[tuple[str, str], Any] = {}
+        for family in _FAMILIES:
+            self._carry.add_counter(*family)
         self.base_labels: dict[str, str] = {}  # Dynamo's labels of this worker
 
     def record_turn(self, stats: Any) -> None:
@@ -91,37 +79,25 @@ class WorkerMetrics:
     def record_kv_events(self, stored: int, removed: int) -> None:
         """Set the KV-event counters to the relay's totals (blocks announced stored / removed)."""
         for kind, value in (("stored", stored), ("removed", removed)):
-            metric = self._kv_events.get(kind)
-            if metric is None:
-                metric = self._kv_events[kind] = self._kv_family.Metric(
-                    labels={"model": self._model, "instance": self._worker, "kind": kind})
-            metric.set(value)
+            self._carry.metric("kv_events", "kind", kind).set(value)
 
     def record_adoption(self, source: str) -> None:
         """One adopted turn whose rows came from `source` (`local` or `remote`)."""
-        self._move("adoptions", source, 1)
+        self._carry.metric("adoptions", "source", source).increment(1)
 
     def record_pull(self, result: str, ms: float) -> None:
         """One pull on a miss and its wall time (`carry_peers.PULL_RESULTS`)."""
-        self._move("pulls", result, 1)
-        self._move("pull_ms", result, ms)
+        self._carry.metric("pulls", "result", result).increment(1)
+        self._carry.metric("pull_ms", "result", result).increment(ms)
 
     def record_moved(self, direction: str, rows: int, nbytes: int) -> None:
         """An entry of `rows` rows, `nbytes` bytes, moved `in` (received) or `out` (taken by a peer)."""
-        self._move("moved_rows", direction, rows)
-        self._move("moved_bytes", direction, nbytes)
+        self._carry.metric("moved_rows", "direction", direction).increment(rows)
+        self._carry.metric("moved_bytes", "direction", direction).increment(nbytes)
 
     def record_drain(self, result: str, entries: int) -> None:
         """Entries a planned stop `moved` to peers or `dropped`."""
-        self._move("drained", result, entries)
-
-    def _move(self, family: str, value: str, amount: float) -> None:
-        metric = self._move_metrics.get((family, value))
-        if metric is None:
-            fam, label = self._move_families[family]
-            metric = self._move_metrics[(family, value)] = fam.Metric(
-                labels={"model": self._model, "instance": self._worker, label: value})
-        metric.increment(amount)
+        self._carry.metric("drained", "result", result).increment(entries)
 
     def exposition(self) -> str:
         """Every family in Prometheus text format (HELP, TYPE, one line per labelled series)."""

@@ -55,12 +55,11 @@ hold no page of their own (`ScratchDesc`), which the carry never reads.
 from __future__ import annotations
 
 import enum
-from collections import deque
 from typing import Any
 
 import torch
 
-from .kv_cache_manager_v2 import BAD_PAGE_INDEX, POISON_SEED, DraftKVManager, _register
+from .kv_cache_manager_v2 import BAD_PAGE_INDEX, POISON_SEED, DraftKVManager, PagePool, _register
 from .llm_args import KvCacheConfig
 from .mapping import Mapping
 from .resource_manager import _TORCH_DTYPES, DataType
@@ -101,7 +100,7 @@ class DeepseekV4AttentionType(enum.Enum):
         return f"deepseek_v4_{self.name.lower()}"
 
 
-class SlidingLatentRows:
+class SlidingLatentRows(PagePool):
     """The MTP layer's SWA pages of a DeepSeek-V4 pool (see the module doc): `store` `[pages, tpb,
     512]` (BF16 or float8_e4m3fn) or uint8 `[pages, tpb, 584]` (`fp8_ds_mla`), per request a block
     table whose stale blocks hold `BAD_PAGE_INDEX`. Pages are reference counted as `PagedRows`'s;
@@ -123,12 +122,9 @@ class SlidingLatentRows:
         else:
             self.store.copy_(torch.randn(tpb, width, generator=gen).to(dtype).expand(num_pages, tpb, width))
         self.buf = self.store  # what the base manager's bookkeeping reads
-        self.tpb = tpb
+        super().__init__(num_pages, tpb)
         self.window = WINDOW_SIZE
         self.retention = retention
-        self._free: deque[int] = deque(range(num_pages))
-        self._refs = [0] * num_pages
-        self.tables: dict[int, list[int]] = {}
         self.history: dict[int, int] = {}
 
     # ---- blocks ---------------------------------------------------------------------------
@@ -143,10 +139,10 @@ class SlidingLatentRows:
         table = self.tables.setdefault(rid, [])
         stale = self.stale_end(history)
         while len(table) * self.tpb < capacity:
-            table.append(BAD_PAGE_INDEX if len(table) < stale else self._new_page())
+            table.append(BAD_PAGE_INDEX if len(table) < stale else self.new_page())
         for b in range(min(stale, len(table))):
             if table[b] != BAD_PAGE_INDEX:
-                self._unref(table[b])
+                self.unref(table[b])
                 table[b] = BAD_PAGE_INDEX
         self.history[rid] = history
 
@@ -154,33 +150,9 @@ class SlidingLatentRows:
         """Capacity for `num_tokens` at the request's current history (`PagedRows.ensure`'s role)."""
         self.resize(rid, num_tokens, self.history.get(rid, 0))
 
-    def _new_page(self) -> int:
-        if not self._free:
-            raise RuntimeError("stand-in DeepSeek-V4 draft pool: out of pages")
-        page = self._free.popleft()
-        self._refs[page] = 1
-        return page
-
-    def _unref(self, page: int) -> None:
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            self._free.append(page)
-
     def release(self, rid: int) -> None:
-        for page in self.tables.pop(rid, []):
-            if page != BAD_PAGE_INDEX:
-                self._unref(page)
+        super().release(rid)
         self.history.pop(rid, None)
-
-    def pages_in_use(self) -> int:
-        return sum(1 for r in self._refs if r)
-
-    def _pages(self, rid: int, keys: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(self.tables[rid], dtype=torch.int64)
-        page = table[keys // self.tpb]
-        if bool((page == BAD_PAGE_INDEX).any()):
-            raise RuntimeError(f"request {rid}: keys on a BAD_PAGE_INDEX block (stale, no page)")
-        return page
 
     # ---- what the attention op writes and reads ----------------------------------------------
 

@@ -100,7 +100,47 @@ def convert_to_torch_tensor(wrapper: TensorWrapper) -> torch.Tensor:
     raise ValueError(f"no stand-in pool holds {nbytes} bytes at {wrapper.data_ptr:#x}")
 
 
-class PagedRows:
+class PagePool:
+    """`num_pages` reference-counted pages of `tpb` tokens and each request's block table (`tables`:
+    page ids, `BAD_PAGE_INDEX` for a block that holds none): the allocator `PagedRows` and
+    DeepSeek-V4's `SlidingLatentRows` share. A fresh page is never cleared."""
+
+    def __init__(self, num_pages: int, tpb: int) -> None:
+        self.tpb = tpb
+        self._free: deque[int] = deque(range(num_pages))
+        self._refs = [0] * num_pages
+        self.tables: dict[int, list[int]] = {}
+
+    def new_page(self) -> int:
+        if not self._free:
+            raise RuntimeError("stand-in draft pool: out of pages")
+        page = self._free.popleft()
+        self._refs[page] = 1
+        # not cleared: TensorRT-LLM leaves a fresh page as its last user left it
+        return page
+
+    def unref(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+    def release(self, rid: int) -> None:
+        for page in self.tables.pop(rid, []):
+            if page != BAD_PAGE_INDEX:  # a dropped or stale block holds no page any more
+                self.unref(page)
+
+    def pages_in_use(self) -> int:
+        return sum(1 for r in self._refs if r)
+
+    def _pages(self, rid: int, keys: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(self.tables[rid], dtype=torch.int64)
+        page = table[keys // self.tpb]
+        if bool((page == BAD_PAGE_INDEX).any()):  # never index the pool with -1 (its last page)
+            raise RuntimeError(f"request {rid}: keys on a BAD_PAGE_INDEX block (dropped or stale: no page)")
+        return page
+
+
+class PagedRows(PagePool):
     """One layer's paged HND KV `[pages, 2, kv_heads, tpb, head_dim]`, pages reference-counted.
 
     A fresh page is never cleared, as TensorRT-LLM never clears one (`_fresh_page_fill` off): it
@@ -130,10 +170,7 @@ class PagedRows:
         poison = poison_page(num_kv_heads, tpb, head_dim, dtype)[:, self.heads]
         self.store.copy_(poison[torch.arange(roles) % 2].expand_as(self.store))
         self.buf = self.store[:, :2]
-        self.tpb = tpb
-        self._free: deque[int] = deque(range(num_pages))
-        self._refs = [0] * num_pages
-        self.tables: dict[int, list[int]] = {}
+        super().__init__(num_pages, tpb)
 
     def copy_page(self, dst: int, src: int) -> None:
         """Page `dst` gets page `src`'s K/V bytes (a paired pool's copy on write)."""
@@ -155,27 +192,9 @@ class PagedRows:
         while len(table) * self.tpb < num_tokens:
             table.append(self.new_page())
 
-    def new_page(self) -> int:
-        if not self._free:
-            raise RuntimeError("stand-in draft pool: out of pages")
-        page = self._free.popleft()
-        self._refs[page] = 1
-        # not cleared: TensorRT-LLM leaves a fresh page as its last user left it (the class doc)
-        return page
-
     def share(self, page: int) -> int:
         self._refs[page] += 1
         return page
-
-    def unref(self, page: int) -> None:
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            self._free.append(page)
-
-    def release(self, rid: int) -> None:
-        for page in self.tables.pop(rid, []):
-            if page != BAD_PAGE_INDEX:  # a dropped block holds no page any more
-                self.unref(page)
 
     def drop_blocks(self, rid: int, blocks: Sequence[int]) -> None:
         """Give back the pages of request `rid`'s blocks `blocks`, leaving `BAD_PAGE_INDEX` in
@@ -187,13 +206,6 @@ class PagedRows:
             if table[block] != BAD_PAGE_INDEX:
                 self.unref(table[block])
                 table[block] = BAD_PAGE_INDEX
-
-    def _pages(self, rid: int, keys: torch.Tensor) -> torch.Tensor:
-        table = torch.tensor(self.tables[rid], dtype=torch.int64)
-        page = table[keys // self.tpb]
-        if bool((page == BAD_PAGE_INDEX).any()):  # never index the pool with -1 (its last page)
-            raise RuntimeError(f"request {rid}: keys on a BAD_PAGE_INDEX block (dropped)")
-        return page
 
     def write(self, rid: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys `[lo, lo + n)` get `k` (roped), `v` `[n, Hkv, D]` (the attention kernel's write).
@@ -220,9 +232,6 @@ class PagedRows:
         keys = torch.arange(lo, hi)
         dev = self.buf.device
         return device_copy(self._pages(rid, keys), dev), device_copy(keys % self.tpb, dev)
-
-    def pages_in_use(self) -> int:
-        return sum(1 for r in self._refs if r)
 
 
 def shard_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:

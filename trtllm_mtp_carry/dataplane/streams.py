@@ -1,7 +1,8 @@
 """The carry's CUDA stream and event calls, in one place.
 
 What it is for: the host tier's copy back runs on a side stream with an event the reader's
-stream waits for; an arena range a scatter read is reused after an event; TensorRT-LLM's
+stream waits for; the drafter pool imports host rows into fresh blocks on that side stream
+(`DrafterKVPool.import_carried`); an arena range a scatter read is reused after an event; TensorRT-LLM's
 resource manager queues the carry's copies on the draft pool's stream. Every such call goes
 through this module, so CPU tests put one recorder in its place and check the order the
 service and the executors issue them in.
