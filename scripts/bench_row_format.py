@@ -65,6 +65,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trtllm_mtp_carry.dataplane.arena import Arena  # noqa: E402
+from trtllm_mtp_carry.dataplane.hnd_pages import (  # noqa: E402
+    gather_packed_rows,
+    gather_rows,
+    scatter_packed_rows,
+    scatter_rows,
+)
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool  # noqa: E402
 from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages  # noqa: E402
 from trtllm_mtp_carry.dataplane.rope import RopeConfig  # noqa: E402
@@ -88,12 +94,6 @@ from trtllm_mtp_carry.dataplane.row_format import (  # noqa: E402
 )
 from trtllm_mtp_carry.runtime.carry_runtime import SequenceRows  # noqa: E402
 from trtllm_mtp_carry.service.homes import ArenaHome  # noqa: E402
-from trtllm_mtp_carry.trtllm.layout import (  # noqa: E402
-    gather_packed_rows,
-    gather_rows,
-    scatter_packed_rows,
-    scatter_rows,
-)
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:

@@ -81,8 +81,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def _key_rows(buf, pages, lo: int, hi: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Keys `[lo, hi)` of the pages as the carry's checks compare them: the rows (bf16, FP8 pages),
     or an NVFP4 pool's payload and scale bytes, each read at its writer's address."""
+    from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows
     from trtllm_mtp_carry.dataplane.nvfp4_kv import Nvfp4KvPages, gather_kv_pages
-    from trtllm_mtp_carry.trtllm.layout import gather_rows
 
     if isinstance(buf, Nvfp4KvPages):
         held = gather_kv_pages(buf, pages, lo, hi)

@@ -17,6 +17,12 @@ from dp_helpers import bits, poison
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trtllm_mtp_carry.dataplane.hnd_pages import (
+    gather_packed_rows,
+    gather_rows,
+    scatter_packed_rows,
+    scatter_rows,
+)
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool, HostRows, PoolExhaustedError
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
 from trtllm_mtp_carry.dataplane.row_format import (
@@ -32,12 +38,6 @@ from trtllm_mtp_carry.dataplane.row_format import (
     unpack_blocks,
     unpack_into_blocks,
     unpack_rows,
-)
-from trtllm_mtp_carry.trtllm.layout import (
-    gather_packed_rows,
-    gather_rows,
-    scatter_packed_rows,
-    scatter_rows,
 )
 
 

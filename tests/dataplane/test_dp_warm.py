@@ -1,7 +1,8 @@
-"""No Triton compile inside a timed turn (issue 42, item 7): the warm-up launches every kernel
-variant a session will use. On CPU: the variants it enumerates cover every `ROWS` the append
-launcher picks at any row count; under the interpreter (`force`) each warm-up runs on scratch
-tensors and leaves the session's own pool untouched; without a GPU nothing is launched."""
+"""No Triton compile inside a timed turn: the warm-up launches every kernel variant a session
+will use. On CPU: the variants it enumerates cover every `ROWS` the append launcher picks at
+any row count; under the interpreter (`force`) each warm-up runs every packing codec (fp8,
+nvfp4) on scratch tensors and leaves the session's own pool untouched; without a GPU nothing
+is launched."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dp_helpers import bits
 
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool
 from trtllm_mtp_carry.dataplane.rope import RopeConfig
+from trtllm_mtp_carry.dataplane.row_codec import codec_for
 from trtllm_mtp_carry.dataplane.warm import (
     append_rows_variants,
     warm_page_kernels,
@@ -30,19 +32,23 @@ def test_warming_a_pool_launches_each_variant_on_scratch_blocks_and_leaves_the_p
     pool.append_rows(5, torch.arange(20), torch.randn(20, 2, 32, generator=gen).bfloat16(),
                      torch.randn(20, 2, 32, generator=gen).bfloat16())
     before = (pool.k_cache.clone(), pool.v_cache.clone(), pool.num_free_blocks)
-    assert warm_pool_kernels(pool, fp8=False) == 0  # the CPU: nothing to compile
+    bf16, fp8, nvfp4 = (codec_for(name, torch.bfloat16) for name in ("bf16", "fp8", "nvfp4"))
+    assert warm_pool_kernels(pool, fp8) == 0  # the CPU: nothing to compile
     variants = append_rows_variants(2, 32, 8)
-    assert warm_pool_kernels(pool, fp8=False, force=True) == len(variants)
-    assert warm_pool_kernels(pool, fp8=True, force=True) == 3 * len(variants)
+    assert warm_pool_kernels(pool, bf16, force=True) == len(variants)  # the appends only
+    # each row count: the append, then a gather into and a scatter from each extent alignment
+    assert warm_pool_kernels(pool, fp8, force=True) == 5 * len(variants)
+    assert warm_pool_kernels(pool, nvfp4, force=True) == 5 * len(variants)
     assert torch.equal(bits(pool.k_cache), bits(before[0])) and torch.equal(bits(pool.v_cache), bits(before[1]))
     assert pool.num_free_blocks == before[2]
     pool.check()
 
 
-def test_warming_pages_runs_the_fp8_gather_and_both_extent_alignments_of_the_scatter(tk):
+def test_warming_pages_runs_each_packing_codecs_gather_and_scatter_at_both_extent_alignments(tk):
     buf = torch.zeros(6, 2, 2, 8, 32, dtype=torch.bfloat16)  # HND pages [pages, 2, Hkv, tpb, D]
-    block = 2 * 2 * 32 + 2 * 2 * 4  # one fp8 row: payload and scales
-    assert warm_page_kernels(buf, "fp8", block) == 0
-    assert warm_page_kernels(buf, "fp8", block, force=True) == 3
-    assert warm_page_kernels(buf, "bf16", block, force=True) == 0  # torch indexing: nothing to compile
-    assert bool((buf == 0).all())
+    bf16, fp8, nvfp4 = (codec_for(name, torch.bfloat16) for name in ("bf16", "fp8", "nvfp4"))
+    assert warm_page_kernels(buf, fp8) == 0  # the CPU: nothing to compile
+    assert warm_page_kernels(buf, fp8, force=True) == 4
+    assert warm_page_kernels(buf, nvfp4, force=True) == 4
+    assert warm_page_kernels(buf, bf16, force=True) == 0  # torch indexing: nothing to compile
+    assert bool((buf == 0).all())  # scratch pages only

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from trtllm_mtp_carry.dataplane.hnd_pages import (
+    gather_packed_rows,
+    gather_rows,
+    scatter_packed_rows,
+)
 from trtllm_mtp_carry.dataplane.row_format import PackedRows, pack_rows, unpack_rows
-from trtllm_mtp_carry.trtllm.layout import gather_packed_rows, gather_rows, scatter_packed_rows
 
 
 def same(a: PackedRows, b: PackedRows) -> bool:

@@ -189,6 +189,9 @@ class RowCodec(ABC):
     """The format's name in `core.row_format.ROW_FORMATS` (what stats and metrics report)."""
     exact: bool
     """Whether held rows decode to the pool's bytes exactly."""
+    packs = False
+    """Whether its gathers pack and its scatters unpack through Triton kernels on a GPU (compiled
+    per variant on first launch: `dataplane.warm` launches them before the first timed turn)."""
 
     def __init__(self, pool_dtype: torch.dtype) -> None:
         self.pool_dtype = pool_dtype
@@ -465,6 +468,7 @@ class _PackedCodec(_HeldRowsCodec[_Packed]):
     its rows lie in an arena extent (`view`) and how they are packed and unpacked."""
 
     exact = False
+    packs = True
 
     def __init__(self, pool_dtype: torch.dtype) -> None:
         if pool_dtype not in PACKABLE_DTYPES:

@@ -228,9 +228,9 @@ class ReferenceEngine:
                                         row_dtype=config.carry_row_dtype)
         else:
             self.runtime = CarryRuntime(self, config.policy, row_dtype=config.carry_row_dtype)
-        # every Triton variant this engine's appends (and fp8 packs and unpacks) will launch,
-        # compiled now, never inside a timed turn (CUDA with Triton; 0 launches elsewhere)
-        warm_pool_kernels(self._pool, fp8=self.runtime.row_dtype == "fp8")
+        # every Triton variant this engine's appends (and fp8/nvfp4 packs and unpacks) will
+        # launch, compiled now, never inside a timed turn (CUDA with Triton; 0 launches elsewhere)
+        warm_pool_kernels(self._pool, self.runtime.service.home.codec)
         self._paired: PairedDrafts | None = None  # built on the first `paired` request
         self.drafter_blocks_peak = 0  # most drafter blocks held after any step, every pool
         self._waiting: list[_Request] = []

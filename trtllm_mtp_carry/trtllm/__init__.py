@@ -205,7 +205,7 @@ def attach(llm: Any, options: CarryOptions | Mapping[str, Any] | None = None) ->
         # the headroom TensorRT-LLM left, reserved now rather than one deposit at a time
         reserved = reserve_for(probe.draft, probe.mtp_layer, opts)
         manager = carry_manager_class(base)(probe.draft, probe.mtp_layer, opts, reserved=reserved)
-        warm_manager_kernels(manager, reserved)  # no Triton compile inside a timed turn
+        warm_manager_kernels(manager)  # no Triton compile inside a timed turn
         probe.resource_manager.resource_managers[CARRY_MANAGER_KEY] = manager  # after DRAFT_KV
     attachment = CarryAttachment(probe.topology, armed, reason, opts, probe.version,
                                  probe.mtp_layer, probe.tokens_per_block, manager,

@@ -392,7 +392,7 @@ def _install_checked(resources: Any, standin: bool, reserved: Any = None, llm_ar
                                             reserved=reserved, lockstep=lockstep)
         from ..dataplane.warm import warm_manager_kernels
 
-        warm_manager_kernels(manager, reserved)  # no Triton compile inside a timed turn
+        warm_manager_kernels(manager)  # no Triton compile inside a timed turn
         return manager, (f"mtp carry: installed in the worker's PyExecutor as {CARRY_MANAGER_KEY} "
                          f"(TensorRT-LLM {version}, MTP layer {probe.mtp_layer}, "
                          f"tokens_per_block {probe.tokens_per_block}): {probe.reason}; {reserved.line()}"), \

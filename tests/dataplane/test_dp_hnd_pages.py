@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtllm_mtp_carry.trtllm.layout import gather_rows, key_slots, scatter_rows
+from trtllm_mtp_carry.dataplane.hnd_pages import gather_rows, key_slots, scatter_rows
 
 
 def _buf() -> torch.Tensor:
