@@ -1,0 +1,33 @@
+"""scripts/bench_lockstep.py end to end at TP 2 (two gloo rank processes): a warm turn costs the
+carry exactly four agreements, and a bad TP size is one error line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_lockstep.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRTLLM_MTP_CARRY_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, timeout=240, cwd=ROOT)
+
+
+def test_a_warm_turn_makes_four_agreements_on_every_rank() -> None:
+    r = _run("--tp", "2", "--turns", "5", "--warmup", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = r.stdout.strip().splitlines()[-1].split("|")
+    assert row[1].strip() == "2"
+    assert row[3].strip() == "24"  # 4 agreements x (1 warm-up + 5 timed) turns
+
+
+def test_a_tensor_parallel_size_below_two_is_one_error_line() -> None:
+    r = _run("--tp", "1")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith("--tp 1: the lockstep runs at 2 ranks or more")
