@@ -10,7 +10,8 @@ pushed to), bit for bit (the digest read equals the digest at deposit), with the
 in-process greedy answer and the rows kept, drafts and acceptance of its twin that never moved;
 every socket the deployment opens listens on 127.0.0.1 (NIXL on shared memory opens none); a
 holder that hangs mid-pull costs the turn its carry within the pull budget (an honest miss,
-`pull="timeout"`), never a hang.
+`pull="timeout"`), and one killed while a pull waits on it the same (`holder_gone` or
+`timeout`), never a hang.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from dynamo_helpers import expected_text
@@ -168,18 +170,28 @@ def test_three_workers_a_stopped_workers_sessions_adopt_their_rows_bit_for_bit_w
         d.stop()
 
 
-def test_two_workers_moves_and_a_hung_holder_costs_a_turn_its_carry_within_the_budget(reference_engine) -> None:
+def test_two_workers_moves_and_a_hung_or_killed_holder_costs_a_turn_its_carry_within_the_budget(
+        reference_engine) -> None:
     d = _deployment(2)
     try:
         _graceful_stop_moves_every_session(d, reference_engine, pairs=1)
-        # a holder that hangs mid-pull (stopped: alive, never answering): its session's turn, routed
-        # to the other worker, misses honestly once the pull budget is spent
+        # two sessions held by one worker: it hangs mid-pull (stopped: alive, never answering),
+        # then dies while the second session's pull waits on it; each turn, routed to the other
+        # worker, misses honestly within the pull budget
         s = Sessions(d, 0)
-        sid = "hung"
-        s.history = {sid: [{"role": "user", "content": "Write a Python function that sorts a list of words."}]}
-        s.turn(sid, "Explain it.")
+        ask = "Write a Python function that sorts a list of words."
+        s.history = {"hung": [{"role": "user", "content": ask}]}
+        s.turn("hung", "Explain it.")
+        holder_id = s.last["hung"]["worker_id"]
+        for i in range(8):  # round-robin with affinity: a new session lands on the holder every other one
+            s.history[f"killed{i}"] = [{"role": "user", "content": f"{ask} Case {i}."}]
+            if s.turn(f"killed{i}", "Explain it.")["worker_id"] == holder_id:
+                killed = f"killed{i}"
+                break
+        else:
+            pytest.fail(f"no second session landed on worker {holder_id:x}")
         slots = _worker_index(d)
-        holder = next(w for w in d.live_workers() if w.index == slots[s.last[sid]["worker_id"]])
+        holder = next(w for w in d.live_workers() if w.index == slots[holder_id])
         holder.process.send_signal(signal.SIGSTOP)
         try:
             for path in d._entries(holder):  # the router stops sending it turns; its carry endpoint stays
@@ -187,8 +199,15 @@ def test_two_workers_moves_and_a_hung_holder_costs_a_turn_its_carry_within_the_b
                     path.unlink()
             time.sleep(2.0)
             t0 = time.monotonic()
-            missed = s.turn(sid, "Again.")
+            missed = s.turn("hung", "Again.")
             took = time.monotonic() - t0
+            with ThreadPoolExecutor(1) as pool:  # the holder dies while this turn's pull waits on it
+                t1 = time.monotonic()
+                pending = pool.submit(s.turn, killed, "Again.")
+                time.sleep(PULL_BUDGET_MS / 3000)
+                holder.process.send_signal(signal.SIGKILL)
+                died = pending.result(timeout=120)
+                took_died = time.monotonic() - t1
         finally:
             holder.process.send_signal(signal.SIGKILL)
             holder.process.send_signal(signal.SIGCONT)
@@ -197,5 +216,10 @@ def test_two_workers_moves_and_a_hung_holder_costs_a_turn_its_carry_within_the_b
         assert PULL_BUDGET_MS - 50 <= missed["pull_ms"] < PULL_BUDGET_MS + 1000, missed
         assert took < 60, took
         assert missed["text"] == expected_text(reference_engine, missed["messages"], MAX_TOKENS)
+        assert (died["outcome_kind"], died["no_carry_reason"]) == ("no_carry", "never_carried"), died
+        assert died["pull"] in ("holder_gone", "timeout"), died  # refused at once, or the budget spent
+        assert died["pull_ms"] < PULL_BUDGET_MS + 1000, died
+        assert took_died < 60, took_died
+        assert died["text"] == expected_text(reference_engine, died["messages"], MAX_TOKENS)
     finally:
         d.stop()
