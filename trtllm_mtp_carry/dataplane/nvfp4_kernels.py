@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .row_layout import VectorLayout
 from .triton_kernels import (
+    VectorLayout,
     _fp8_vector_offsets,
     _layout_args,
     _load_vectors,

@@ -35,7 +35,7 @@ so a call is one launch with no per-vector offsets built on the host:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -43,9 +43,6 @@ import triton.language as tl
 
 from .checks import check_drafter_row_append, check_hidden_row_copy
 from .rope import rope_kernel_table
-
-if TYPE_CHECKING:
-    from .row_layout import VectorLayout
 
 __all__ = [
     "drafter_row_append_kernel",
@@ -398,6 +395,38 @@ def _fp8_blocks(num_vectors: int, head_dim: int) -> tuple[int, int, tuple[int]]:
     block_d = triton.next_power_of_2(max(head_dim, 1))
     block_v = max(1, FP8_BLOCK // block_d)
     return block_v, block_d, (triton.cdiv(num_vectors, block_v),)
+
+
+class VectorLayout(Protocol):
+    """What the row-format launchers (FP8 here, NVFP4 in `nvfp4_kernels`) read of
+    `row_layout.VectorLayout` (defined there; see it)."""
+
+    @property
+    def num_vectors(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def groups(self) -> int: ...
+    @property
+    def first_key(self) -> int: ...
+    @property
+    def rows_per_block(self) -> int: ...
+    @property
+    def s_row(self) -> int: ...
+    @property
+    def s_slot(self) -> int: ...
+    @property
+    def s_group(self) -> int: ...
+    @property
+    def s_head(self) -> int: ...
+    @property
+    def s_d(self) -> int: ...
+    @property
+    def table(self) -> torch.Tensor | None: ...
+    @property
+    def split(self) -> bool: ...
 
 
 def _layout_args(layout: VectorLayout) -> tuple[int, ...]:
