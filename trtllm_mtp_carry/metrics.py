@@ -24,7 +24,9 @@ that serve their own endpoint.
     mtp_carry_sessions_ended_total{cause}     end / restart / idle
     mtp_carry_rows_freed_total                carried rows freed by session ends
     mtp_carry_errors_total{reason}            errors, by reason (the Triton model: error
-                                              responses, by session_server.ERROR_REASONS;
+                                              responses, by session_server.ERROR_REASONS:
+                                              Triton counts a decoupled model's error
+                                              responses as successes;
                                               a worker-installed carry: faults by exception kind)
     mtp_carry_runtime{field}                  every int or float (and dict-of-int) field of
                                               the runtime's stats (see `CarryMetrics.refresh`)

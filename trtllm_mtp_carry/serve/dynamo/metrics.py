@@ -1,7 +1,7 @@
 """The carry counters of one Dynamo worker, on that worker's metrics endpoint.
 
 What it is for: the same families as the Triton model's custom metrics
-(`serve.triton.metrics.CarryMetrics`: turns by outcome kind, drafter rows
+(`metrics.CarryMetrics`: turns by outcome kind, drafter rows
 adopted/computed, drafts proposed/accepted, sessions ended, rows freed, the
 runtime's holdings), counted by that very class over an in-process registry
 with the Python backend's `MetricFamily` interface, and rendered as
