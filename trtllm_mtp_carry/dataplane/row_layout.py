@@ -342,6 +342,17 @@ def _check_packed_blocks(fmt: RowFormatOps[Any], packed: Any) -> None:
         raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
 
 
+def blocks_of_rows(block_ids: Sequence[int], rows: int, k_cache: torch.Tensor) -> torch.Tensor:
+    """The ids of the blocks (of `k_cache` `[num_blocks, block_size, ...]`) holding the first `rows`
+    rows of `block_ids`, `[cdiv(rows, block_size)]` int64 on its device (no stream sync);
+    ValueError unless `rows` is an int the blocks can hold."""
+    block_size = k_cache.shape[1]
+    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
+        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
+                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+    return device_tensor(block_ids[:-(-rows // block_size)], torch.int64, k_cache.device)
+
+
 def pack_blocks(fmt: RowFormatOps[P], k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                 rows: int, kernel: str | None, out: P | None = None) -> P:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed by `fmt` as
@@ -350,14 +361,10 @@ def pack_blocks(fmt: RowFormatOps[P], k_cache: torch.Tensor, v_cache: torch.Tens
     torch gathers them, packs each half and stacks the halves (copies them into `out`)."""
     # k_cache, v_cache: [num_blocks, block_size, Hkv, D], one dtype, device and strides
     _check_fmt_caches(fmt, k_cache, v_cache)
-    block_size = k_cache.shape[1]
-    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
-        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
-                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+    idx = blocks_of_rows(block_ids, rows, k_cache)
     shape = (rows, 2, *k_cache.shape[2:])
     if out is not None:
         check_out(out, fmt.packed_type, shape, k_cache.dtype, k_cache.device)
-    idx = device_tensor(block_ids[:-(-rows // block_size)], torch.int64, k_cache.device)
     if fmt.kernel(k_cache, kernel) == "triton":
         return fmt.pack_layout(k_cache, v_cache, block_layout(k_cache, idx, rows), shape, out)
     k, v = (fmt.pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch") for c in (k_cache, v_cache))
