@@ -89,20 +89,18 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _tensor_fields(cls: type) -> tuple[str, ...]:
-    """A packed dataclass's tensor fields, in order (every field but the last, `dtype`); made once a class."""
+    """A held-rows dataclass's tensor fields, in order (every field but `dtype`); made once a class."""
     names = _FIELDS.get(cls)
     if names is None:
-        names = tuple(f.name for f in dataclasses.fields(cls))
-        assert names[-1] == "dtype", names
-        names = _FIELDS[cls] = names[:-1]
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "dtype")
     return names
 
 
 def map_tensors(packed: P, fn: Callable[[torch.Tensor], torch.Tensor]) -> P:
-    """Packed rows (a format's dataclass: tensor fields, then `dtype`) with `fn` applied to each
-    tensor, rebuilt (so checked) with the same `dtype`."""
+    """Held rows (a format's dataclass: tensor fields, and `dtype` where the format keeps one) with
+    `fn` applied to each tensor, rebuilt (so checked) with the same other fields."""
     p: Any = packed
-    return cast(P, type(p)(*(fn(getattr(p, name)) for name in _tensor_fields(type(p))), p.dtype))
+    return cast(P, dataclasses.replace(p, **{name: fn(getattr(p, name)) for name in _tensor_fields(type(p))}))
 
 
 def host_copy(packed: P) -> P:
@@ -116,11 +114,10 @@ _R = TypeVar("_R", bound="PackedRowsBase")
 
 
 class PackedRowsBase:
-    """What every format's packed rows do alike (a frozen dataclass: tensor fields, `payload`
-    first, then `dtype`): where they are, and moving or copying all their tensors together."""
+    """What every format's held rows do alike (a frozen dataclass: tensor fields, `payload`
+    first, and `dtype`): where they are, and moving or copying all their tensors together."""
 
     payload: torch.Tensor
-    dtype: torch.dtype
 
     @property
     def device(self) -> torch.device:
