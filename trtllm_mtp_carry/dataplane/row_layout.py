@@ -34,7 +34,7 @@ import torch
 
 from .device_ints import device_tensor
 from .ops import cuda_kernels
-from .pinned import host_clone, pinned_copy
+from .pinned import host_clone
 from .reference import slots_for_rows
 
 __all__ = [
@@ -134,10 +134,6 @@ class PackedRowsBase:
     def to(self: _R, device: torch.device | str, non_blocking: bool = False) -> _R:
         """The same packed rows on `device` (sharing the tensors when they are there already)."""
         return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self: _R) -> _R:
-        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return map_tensors(self, pinned_copy)  # exactly its bytes (t.pin_memory() rounds up)
 
     def host_copy(self: _R) -> _R:
         """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
