@@ -196,21 +196,11 @@ class CarryMemory:
 
     def __str__(self) -> str:
         if self.nbytes is not None:
-            return _format_bytes(self.nbytes)
+            return format_bytes(self.nbytes)
         return f"{100 * (self.fraction or 0.0):g}% of the drafter pool"
 
 
 _BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-
-
-def _format_bytes(n: int) -> str:
-    for i, (unit, size) in enumerate(_BINARY_UNITS):
-        if n >= size:
-            value = round(n / size, 2)
-            if value >= 1024 and i > 0:  # rounded up to a whole unit more: say it in that unit
-                unit, value = _BINARY_UNITS[i - 1][0], 1.0
-            return f"{value:.2f}".rstrip("0").rstrip(".") + unit
-    return f"{n}B"
 
 
 def format_bytes(n: int) -> str:
@@ -219,7 +209,14 @@ def format_bytes(n: int) -> str:
     space: `8GiB`, `1.5GiB`, `512MiB`, `1023.99MiB`, `768B`. A value two decimals hold is
     exact (and reads back through `parse_carry_memory`); any other is rounded, and one that
     rounds to 1024 of a unit is the next unit (`2**30 - 1` is `1GiB`, never `1024MiB`)."""
-    return _format_bytes(check_non_negative("bytes", n))
+    n = check_non_negative("bytes", n)
+    for i, (unit, size) in enumerate(_BINARY_UNITS):
+        if n >= size:
+            value = round(n / size, 2)
+            if value >= 1024 and i > 0:  # rounded up to a whole unit more: say it in that unit
+                unit, value = _BINARY_UNITS[i - 1][0], 1.0
+            return f"{value:.2f}".rstrip("0").rstrip(".") + unit
+    return f"{n}B"
 
 
 def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
