@@ -517,19 +517,13 @@ def cmd_trace_replay(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def check_environment() -> None:
-    """ValueError naming a malformed `TRTLLM_MTP_CARRY_*` settings variable (every one in
-    `settings.CARRY_VARIABLES`), before any subcommand prints (or pins) anything."""
-    settings.check_environment()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "no_prefill", False):
         args.no_carry = True
     try:
-        check_environment()
+        settings.check_environment()  # a malformed variable, before any subcommand prints or pins
         # with `bench --server` the settings are the server's: the bench refuses those flags
         for warning in [] if getattr(args, "server", None) else apply_settings_flags(args):
             print(f"warning: {warning}", file=sys.stderr)

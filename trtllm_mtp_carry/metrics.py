@@ -24,7 +24,9 @@ that serve their own endpoint.
     mtp_carry_sessions_ended_total{cause}     end / restart / idle
     mtp_carry_rows_freed_total                carried rows freed by session ends
     mtp_carry_errors_total{reason}            errors, by reason (the Triton model: error
-                                              responses, by session_server.ERROR_REASONS;
+                                              responses, by session_server.ERROR_REASONS:
+                                              Triton counts a decoupled model's error
+                                              responses as successes;
                                               a worker-installed carry: faults by exception kind)
     mtp_carry_runtime{field}                  every int or float (and dict-of-int) field of
                                               the runtime's stats (see `CarryMetrics.refresh`)
@@ -38,8 +40,10 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import fields, is_dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
@@ -202,3 +206,27 @@ class MetricRegistry:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def serve_http(host: str, port: int, name: str, answer: Callable[[str], tuple[int, str, str]]) -> ThreadingHTTPServer:
+    """Answer `GET` on `host:port` from daemon thread `name` (a front end's own endpoint):
+    `answer(path)` (the path without its query) gives the status, content type and body. No
+    access log (a scrape every few seconds is not worth a line); OSError if the port is taken."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            code, kind, body = answer(urllib.parse.urlsplit(self.path).path)
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            return None
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+    return server

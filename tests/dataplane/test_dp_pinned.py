@@ -84,6 +84,7 @@ def test_a_pinned_host_arena_locks_exactly_its_whole_rows(monkeypatch, cudart):
 def test_page_locked_host_copies_register_exactly_their_tensors_bytes(cudart):
     from trtllm_mtp_carry.dataplane import nvfp4
     from trtllm_mtp_carry.dataplane.row_format import pack_rows
+    from trtllm_mtp_carry.dataplane.row_layout import map_tensors
 
     def registered():
         return [c[2] for c in cudart.calls if c[0] == "register"]
@@ -91,14 +92,17 @@ def test_page_locked_host_copies_register_exactly_their_tensors_bytes(cudart):
     rows = torch.randn(5, 2, 2, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     t = pinned.host_empty((3, 7), torch.bfloat16, True)
     assert (t.shape, t.dtype) == ((3, 7), torch.bfloat16) and registered() == [42]
-    copy = pinned.pinned_copy(rows)
+    def pinned_copy(t: torch.Tensor) -> torch.Tensor:  # what host_clone makes of a GPU tensor
+        return pinned.host_empty(t.shape, t.dtype, True).copy_(t)
+
+    copy = pinned_copy(rows)
     assert torch.equal(copy, rows) and registered()[-1] == rows.nbytes == 1280
     fp8 = pack_rows(rows)
-    pinned_fp8 = fp8.pin_memory()  # was torch's t.pin_memory(): a power-of-two block each
+    pinned_fp8 = map_tensors(fp8, pinned_copy)  # torch's t.pin_memory() takes a power-of-two block each
     assert registered()[-2:] == [fp8.payload.nbytes, fp8.scales.nbytes] == [640, 80]
     assert torch.equal(pinned_fp8.payload.view(torch.uint8), fp8.payload.view(torch.uint8))
     fp4 = nvfp4.pack_rows(rows)
-    fp4.pin_memory()
+    map_tensors(fp4, pinned_copy)
     assert registered()[-3:] == [fp4.payload.nbytes, fp4.scales.nbytes, fp4.gscales.nbytes]
     assert sum(registered()[-3:]) == fp4.nbytes
     assert pinned.host_empty((3, 7), torch.bfloat16, False).shape == (3, 7) and len(registered()) == 7

@@ -201,12 +201,12 @@ def test_bad_rows_and_bad_packed_parts_are_refused_with_the_value_named() -> Non
         PackedRows(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.ones(3), torch.bfloat16)
 
 
-def test_to_and_pin_memory_keep_every_bit(gen) -> None:
+def test_to_and_a_gpus_pinned_host_copy_keep_every_bit(gen) -> None:
     packed = pack_rows(mixed_rows(gen, 3, 2, 2, 8, dtype=torch.bfloat16))
     moved = packed.to("cpu")
     assert torch.equal(bits(moved.payload), bits(packed.payload)) and moved.dtype == packed.dtype
     if torch.cuda.is_available():
-        pinned = packed.pin_memory()
+        pinned = packed.to("cuda").host_copy()
         assert pinned.payload.is_pinned() and pinned.scales.is_pinned()
         assert torch.equal(bits(pinned.to("cuda").payload), bits(packed.payload))
 

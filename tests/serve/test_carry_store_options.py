@@ -37,8 +37,8 @@ def test_the_host_tier_parameter_round_trips_and_a_bad_one_names_itself():
 def test_runtime_gauges_include_the_host_tiers_counts_and_copy_times():
     from trtllm_standin import metric, pb_utils_module
 
+    from trtllm_mtp_carry.metrics import CarryMetrics
     from trtllm_mtp_carry.runtime.carry_runtime import CarryStats
-    from trtllm_mtp_carry.serve.triton.metrics import CarryMetrics
 
     metrics = CarryMetrics(pb_utils_module(), "m", "0")
     stats = CarryStats(armed=True, policy="carry", outcomes={}, rows_adopted=0, rows_appended=0,

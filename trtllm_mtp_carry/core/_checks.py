@@ -33,6 +33,15 @@ def check_non_negative(name: str, value: object) -> int:
     return value
 
 
+def check_choice(value: object, choices: tuple[str, ...], what: str, noun: str) -> str:
+    """`value` if it is one of `choices`, else a ValueError naming `what`, the value, what it is
+    not (`noun`) and the choices."""
+    if value not in choices:
+        raise ValueError(f"{what}={value!r} is not {noun}; expected one of {', '.join(choices)}")
+    assert isinstance(value, str)
+    return value
+
+
 def check_optional_key(name: str, value: object) -> int | None:
     """Return `value` if it is `None` or a non-negative int, else raise naming `name`."""
     return None if value is None else check_non_negative(name, value)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._checks import check_non_negative
+from ._checks import check_choice, check_non_negative
 
 ROW_DTYPES: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
 """Row formats the runtimes carry (`carry_row_dtype`); the first is the default (DECISIONS.md
@@ -82,19 +82,13 @@ NVFP4_GLOBAL_BYTES = 1
 
 def check_row_dtype(value: object, what: str = "carry_row_dtype") -> str:
     """`value` if it names a row format, else a ValueError naming `what`, the value and the choices."""
-    if value not in ROW_DTYPES:
-        raise ValueError(f"{what}={value!r} is not a row format; expected one of {', '.join(ROW_DTYPES)}")
-    assert isinstance(value, str)
-    return value
+    return check_choice(value, ROW_DTYPES, what, "a row format")
 
 
 def check_row_format(value: object, what: str = "row format") -> str:
     """`value` if it names a format in `ROW_FORMATS`, else a ValueError naming `what`, the value
     and the choices."""
-    if value not in ROW_FORMATS:
-        raise ValueError(f"{what}={value!r} is not a row format; expected one of {', '.join(ROW_FORMATS)}")
-    assert isinstance(value, str)
-    return value
+    return check_choice(value, ROW_FORMATS, what, "a row format")
 
 
 KV_DTYPES: tuple[str, ...] = ("auto", "fp8", "nvfp4")

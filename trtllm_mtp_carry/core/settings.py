@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._checks import check_non_negative
+from ._checks import check_choice, check_non_negative
 from .row_format import DEFAULT_CARRY_ROW_DTYPE as DEFAULT_CARRY_ROW_DTYPE
 from .row_format import ROW_DTYPES as ROW_DTYPES
 from .row_format import check_row_dtype
@@ -196,21 +196,11 @@ class CarryMemory:
 
     def __str__(self) -> str:
         if self.nbytes is not None:
-            return _format_bytes(self.nbytes)
+            return format_bytes(self.nbytes)
         return f"{100 * (self.fraction or 0.0):g}% of the drafter pool"
 
 
 _BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-
-
-def _format_bytes(n: int) -> str:
-    for i, (unit, size) in enumerate(_BINARY_UNITS):
-        if n >= size:
-            value = round(n / size, 2)
-            if value >= 1024 and i > 0:  # rounded up to a whole unit more: say it in that unit
-                unit, value = _BINARY_UNITS[i - 1][0], 1.0
-            return f"{value:.2f}".rstrip("0").rstrip(".") + unit
-    return f"{n}B"
 
 
 def format_bytes(n: int) -> str:
@@ -219,7 +209,14 @@ def format_bytes(n: int) -> str:
     space: `8GiB`, `1.5GiB`, `512MiB`, `1023.99MiB`, `768B`. A value two decimals hold is
     exact (and reads back through `parse_carry_memory`); any other is rounded, and one that
     rounds to 1024 of a unit is the next unit (`2**30 - 1` is `1GiB`, never `1024MiB`)."""
-    return _format_bytes(check_non_negative("bytes", n))
+    n = check_non_negative("bytes", n)
+    for i, (unit, size) in enumerate(_BINARY_UNITS):
+        if n >= size:
+            value = round(n / size, 2)
+            if value >= 1024 and i > 0:  # rounded up to a whole unit more: say it in that unit
+                unit, value = _BINARY_UNITS[i - 1][0], 1.0
+            return f"{value:.2f}".rstrip("0").rstrip(".") + unit
+    return f"{n}B"
 
 
 def parse_carry_memory(text: object, what: str = "carry_memory") -> CarryMemory:
@@ -289,11 +286,16 @@ def _parse_memory(text: object, what: str, fractions: bool) -> CarryMemory:
 _NO_FRACTION = "host memory is bytes with a unit (8GiB, 512MiB), or 0 for no host tier; it is no fraction of the drafter pool"
 
 
-def _parse_env_host_memory(name: str, raw: str) -> int:
-    try:
-        return parse_carry_host_memory(raw, what=f"environment variable {name}")
-    except TypeError as exc:  # env values are str: unreachable, kept for mypy's sake
-        raise ValueError(str(exc)) from None
+def _from_env(parse: Callable[..., T]) -> Callable[[str, str], T]:
+    """`parse` (a budget parser) as a setting's environment parser: errors name the variable."""
+
+    def parse_env(name: str, raw: str) -> T:
+        try:
+            return parse(raw, what=f"environment variable {name}")
+        except TypeError as exc:  # env values are str: unreachable, kept for mypy's sake
+            raise ValueError(str(exc)) from None
+
+    return parse_env
 
 
 _SWITCH = {"1": True, "on": True, "true": True, "yes": True,
@@ -312,20 +314,9 @@ def parse_switch(value: object, what: str) -> bool:
     raise ValueError(f"{what}={value!r} is not on or off; use 1/0, on/off, true/false or yes/no")
 
 
-def _parse_env_memory(name: str, raw: str) -> CarryMemory:
-    try:
-        return parse_carry_memory(raw, what=f"environment variable {name}")
-    except TypeError as exc:  # env values are str: unreachable, kept for mypy's sake
-        raise ValueError(str(exc)) from None
-
-
 def check_eviction_policy(value: object, what: str = "carry_eviction") -> str:
     """`value` if it names an eviction policy, else a ValueError naming `what`, the value and the choices."""
-    if value not in EVICTION_POLICIES:
-        raise ValueError(f"{what}={value!r} is not an eviction policy; expected one of "
-                         f"{', '.join(EVICTION_POLICIES)}")
-    assert isinstance(value, str)
-    return value
+    return check_choice(value, EVICTION_POLICIES, what, "an eviction policy")
 
 
 MARCONI_MIN_TOKENS = PinnedSetting(
@@ -336,10 +327,10 @@ MTP_MAX_SEQS = PinnedSetting("mtp_max_seqs", ENV_MTP_MAX_SEQS, DEFAULT_MTP_MAX_S
 CARRY_SLOTS = PinnedSetting("carry_slots", ENV_CARRY_SLOTS, DEFAULT_CARRY_SLOTS or 0, minimum=1)
 CARRY_IDLE_S = PinnedSetting("carry_idle_s", ENV_CARRY_IDLE_S, DEFAULT_CARRY_IDLE_S)
 CARRY_MEMORY: Pinned[CarryMemory] = Pinned(
-    "carry_memory", ENV_CARRY_MEMORY, parse_carry_memory(DEFAULT_CARRY_MEMORY), _parse_env_memory
+    "carry_memory", ENV_CARRY_MEMORY, parse_carry_memory(DEFAULT_CARRY_MEMORY), _from_env(parse_carry_memory)
 )
 CARRY_HOST_MEMORY: Pinned[int] = Pinned(
-    "carry_host_memory", ENV_CARRY_HOST_MEMORY, DEFAULT_CARRY_HOST_MEMORY, _parse_env_host_memory
+    "carry_host_memory", ENV_CARRY_HOST_MEMORY, DEFAULT_CARRY_HOST_MEMORY, _from_env(parse_carry_host_memory)
 )
 CARRY_EVICTION: Pinned[str] = Pinned(
     "carry_eviction", ENV_CARRY_EVICTION, DEFAULT_CARRY_EVICTION,

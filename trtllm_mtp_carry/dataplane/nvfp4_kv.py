@@ -55,8 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .hnd_pages import index_into, key_slots
-from .pinned import host_clone
-from .row_layout import check_out
+from .row_layout import PackedRowsBase, check_out
 
 __all__ = ["FP4_BLOCK", "NVFP4_KV_DTYPE", "Nvfp4KvPages", "Nvfp4KvRows", "gather_kv_pages", "scale_offsets",
            "scatter_kv_pages"]
@@ -119,7 +118,7 @@ class Nvfp4KvPages:
 
 
 @dataclass(frozen=True, slots=True)
-class Nvfp4KvRows:
+class Nvfp4KvRows(PackedRowsBase):
     """Held rows of an NVFP4 pool: `payload` `[n, 2, Hkv, D/2]` and `scales` `[n, 2, Hkv, D/16]`
     uint8, every (row, K/V, head) vector's bytes in vector order. `shape` is `[n, 2, Hkv, D]`."""
 
@@ -142,27 +141,8 @@ class Nvfp4KvRows:
         return NVFP4_KV_DTYPE
 
     @property
-    def device(self) -> torch.device:
-        return self.payload.device
-
-    @property
     def nbytes(self) -> int:
         return int(self.payload.nbytes + self.scales.nbytes)
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tensors holding the rows: `(payload, scales)`."""
-        return self.payload, self.scales
-
-    def head(self, n: int) -> Nvfp4KvRows:
-        return Nvfp4KvRows(self.payload[:n], self.scales[:n])
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Nvfp4KvRows:
-        return Nvfp4KvRows(self.payload.to(device, non_blocking=non_blocking),
-                           self.scales.to(device, non_blocking=non_blocking))
-
-    def host_copy(self) -> Nvfp4KvRows:
-        """A blocking copy in host memory (pinned when on a GPU); always a copy."""
-        return Nvfp4KvRows(host_clone(self.payload), host_clone(self.scales))
 
 
 def scale_offsets(n_heads: int, tpb: int, nblocks: int, slot: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["held", "host_clone", "host_empty", "pinned_copy", "pinned_empty", "registered_bytes"]
+__all__ = ["held", "host_clone", "host_empty", "pinned_empty", "registered_bytes"]
 
 _lock = threading.Lock()
 _registered = 0  # bytes page-locked by `pinned_empty` and not yet unregistered
@@ -86,12 +86,6 @@ def host_clone(t: torch.Tensor) -> torch.Tensor:
     (for asynchronous copies back), so `t` may be reused at once; always a copy, also of a tensor
     already on the host."""
     return host_empty(t.shape, t.dtype, t.is_cuda).copy_(t)
-
-
-def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of `t` in host memory page-locked for exactly its bytes (what
-    `t.pin_memory()` is, without torch's power-of-two rounding); one blocking pass."""
-    return host_empty(t.shape, t.dtype, True).copy_(t)
 
 
 def registered_bytes() -> int:

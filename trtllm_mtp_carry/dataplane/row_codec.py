@@ -69,7 +69,6 @@ import torch
 
 from ..core.row_format import FP8_DS_MLA_DIM, RowFormat
 from . import nvfp4
-from .device_ints import device_tensor
 from .hnd_pages import (
     gather_packed_rows,
     gather_rows,
@@ -92,7 +91,7 @@ from .row_format import (
     unpack_into_blocks,
     unpack_rows,
 )
-from .row_layout import check_caches, check_out
+from .row_layout import blocks_of_rows, check_caches, check_out
 
 __all__ = ["CODECS", "KV_FP8_DTYPES", "CompositeCodec", "CompositeRows", "FooterScaleCodec", "Fp8PackedCodec",
            "LatentRowsCodec", "Nvfp4Codec", "Nvfp4KvPagesCodec", "latent_codec", "PoolRowsCodec", "RowCodec", "Rows", "SideRows", "SlotPages", "codec_for", "codec_of"]
@@ -393,18 +392,14 @@ class PoolRowsCodec(_TensorCodec):
         # k_cache, v_cache: [num_blocks, block_size, Hkv, D] of the pool's dtype, one device
         check_caches(k_cache, v_cache)
         self._check_pool(k_cache)
-        block_size = k_cache.shape[1]
-        if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
-            raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
-                             f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+        idx = blocks_of_rows(block_ids, rows, k_cache)
         shape = (rows, 2, *k_cache.shape[2:])
         dst = self._out_tensor(out)
         if dst is None:
             dst = torch.empty(shape, dtype=self.pool_dtype, device=k_cache.device)
         else:
             check_out(dst, torch.Tensor, shape, k_cache.dtype, k_cache.device)
-        idx = device_tensor(block_ids[: -(-rows // block_size)], torch.int64, k_cache.device)
-        slots = slots_for_rows(idx, torch.arange(rows, device=k_cache.device), block_size)  # [rows] int64
+        slots = slots_for_rows(idx, torch.arange(rows, device=k_cache.device), k_cache.shape[1])  # [rows] int64
         for i, cache in enumerate((k_cache, v_cache)):  # K, then V: each row read once, into dst[:, i]
             torch.index_select(_bytes_view(cache).flatten(0, 1), 0, slots, out=_bytes_view(dst)[:, i])
         return dst

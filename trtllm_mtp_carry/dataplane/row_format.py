@@ -72,6 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.row_format import rows_nbytes
 from . import row_layout as _rl
 from .row_layout import PACKABLE_DTYPES, VectorLayout, block_layout, plain_layout
 
@@ -103,14 +104,11 @@ FP8_MAX = 448.0
 #: float32's smallest normal value: the least scale (keeps zeros exact, scales normal).
 SCALE_FLOOR = 2.0**-126
 
-_PAYLOAD_BYTES = 1  # float8_e4m3fn
-_SCALE_BYTES = 4  # float32
-
 
 def packed_nbytes(num_vectors: int, head_dim: int) -> int:
     """Bytes of `num_vectors` packed vectors of `head_dim` values: payload plus scales, exact."""
     _rl.check_counts(num_vectors, head_dim)
-    return num_vectors * head_dim * _PAYLOAD_BYTES + num_vectors * _SCALE_BYTES
+    return rows_nbytes("fp8", num_vectors, head_dim)
 
 
 @dataclass(frozen=True)

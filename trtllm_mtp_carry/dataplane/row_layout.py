@@ -34,7 +34,7 @@ import torch
 
 from .device_ints import device_tensor
 from .ops import cuda_kernels
-from .pinned import host_clone, pinned_copy
+from .pinned import host_clone
 from .reference import slots_for_rows
 
 __all__ = [
@@ -89,20 +89,18 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _tensor_fields(cls: type) -> tuple[str, ...]:
-    """A packed dataclass's tensor fields, in order (every field but the last, `dtype`); made once a class."""
+    """A held-rows dataclass's tensor fields, in order (every field but `dtype`); made once a class."""
     names = _FIELDS.get(cls)
     if names is None:
-        names = tuple(f.name for f in dataclasses.fields(cls))
-        assert names[-1] == "dtype", names
-        names = _FIELDS[cls] = names[:-1]
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "dtype")
     return names
 
 
 def map_tensors(packed: P, fn: Callable[[torch.Tensor], torch.Tensor]) -> P:
-    """Packed rows (a format's dataclass: tensor fields, then `dtype`) with `fn` applied to each
-    tensor, rebuilt (so checked) with the same `dtype`."""
+    """Held rows (a format's dataclass: tensor fields, and `dtype` where the format keeps one) with
+    `fn` applied to each tensor, rebuilt (so checked) with the same other fields."""
     p: Any = packed
-    return cast(P, type(p)(*(fn(getattr(p, name)) for name in _tensor_fields(type(p))), p.dtype))
+    return cast(P, dataclasses.replace(p, **{name: fn(getattr(p, name)) for name in _tensor_fields(type(p))}))
 
 
 def host_copy(packed: P) -> P:
@@ -116,11 +114,10 @@ _R = TypeVar("_R", bound="PackedRowsBase")
 
 
 class PackedRowsBase:
-    """What every format's packed rows do alike (a frozen dataclass: tensor fields, `payload`
-    first, then `dtype`): where they are, and moving or copying all their tensors together."""
+    """What every format's held rows do alike (a frozen dataclass: tensor fields, `payload`
+    first, and `dtype`): where they are, and moving or copying all their tensors together."""
 
     payload: torch.Tensor
-    dtype: torch.dtype
 
     @property
     def device(self) -> torch.device:
@@ -137,10 +134,6 @@ class PackedRowsBase:
     def to(self: _R, device: torch.device | str, non_blocking: bool = False) -> _R:
         """The same packed rows on `device` (sharing the tensors when they are there already)."""
         return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self: _R) -> _R:
-        """A page-locked host copy (for asynchronous copies to and from a GPU)."""
-        return map_tensors(self, pinned_copy)  # exactly its bytes (t.pin_memory() rounds up)
 
     def host_copy(self: _R) -> _R:
         """A copy in host memory, page-locked when the rows are on a GPU (for asynchronous
@@ -342,6 +335,17 @@ def _check_packed_blocks(fmt: RowFormatOps[Any], packed: Any) -> None:
         raise ValueError(f"packed rows must be [rows, 2, Hkv, D], got {tuple(packed.shape)}")
 
 
+def blocks_of_rows(block_ids: Sequence[int], rows: int, k_cache: torch.Tensor) -> torch.Tensor:
+    """The ids of the blocks (of `k_cache` `[num_blocks, block_size, ...]`) holding the first `rows`
+    rows of `block_ids`, `[cdiv(rows, block_size)]` int64 on its device (no stream sync);
+    ValueError unless `rows` is an int the blocks can hold."""
+    block_size = k_cache.shape[1]
+    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
+        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
+                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+    return device_tensor(block_ids[:-(-rows // block_size)], torch.int64, k_cache.device)
+
+
 def pack_blocks(fmt: RowFormatOps[P], k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                 rows: int, kernel: str | None, out: P | None = None) -> P:
     """The first `rows` rows held in blocks `block_ids` of the pool's caches, packed by `fmt` as
@@ -350,14 +354,10 @@ def pack_blocks(fmt: RowFormatOps[P], k_cache: torch.Tensor, v_cache: torch.Tens
     torch gathers them, packs each half and stacks the halves (copies them into `out`)."""
     # k_cache, v_cache: [num_blocks, block_size, Hkv, D], one dtype, device and strides
     _check_fmt_caches(fmt, k_cache, v_cache)
-    block_size = k_cache.shape[1]
-    if type(rows) is not int or not 0 <= rows <= len(block_ids) * block_size:
-        raise ValueError(f"rows must be an int in [0, {len(block_ids) * block_size}] "
-                         f"for {len(block_ids)} blocks of {block_size}, got {rows!r}")
+    idx = blocks_of_rows(block_ids, rows, k_cache)
     shape = (rows, 2, *k_cache.shape[2:])
     if out is not None:
         check_out(out, fmt.packed_type, shape, k_cache.dtype, k_cache.device)
-    idx = device_tensor(block_ids[:-(-rows // block_size)], torch.int64, k_cache.device)
     if fmt.kernel(k_cache, kernel) == "triton":
         return fmt.pack_layout(k_cache, v_cache, block_layout(k_cache, idx, rows), shape, out)
     k, v = (fmt.pack_rows(c.index_select(0, idx).flatten(0, 1)[:rows], kernel="torch") for c in (k_cache, v_cache))

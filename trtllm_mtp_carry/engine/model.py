@@ -419,7 +419,25 @@ class BatchTargetCache(Protocol):
         ...
 
 
-class DenseTargetCache:
+class SsmStates:
+    """One sequence's linear layers' states (`_ssm`, by layer index; `_linear` the linear layers
+    in order), snapshotted and restored whole (the target caches share it)."""
+
+    _linear: list[int]
+    _ssm: dict[int, torch.Tensor]
+
+    def snapshot_ssm(self) -> list[torch.Tensor | None]:
+        """Clones of every linear layer's state, in layer order (None where unset)."""
+        return [None if i not in self._ssm else self._ssm[i].clone() for i in self._linear]
+
+    def restore_ssm(self, states: list[torch.Tensor | None]) -> None:
+        """Install clones of a `snapshot_ssm()` result."""
+        if len(states) != len(self._linear):
+            raise ValueError(f"got {len(states)} states for {len(self._linear)} linear layers")
+        self._ssm = {i: s.clone() for i, s in zip(self._linear, states, strict=True) if s is not None}
+
+
+class DenseTargetCache(SsmStates):
     """Contiguous per-layer cache for one sequence; `num_tokens` = cached K rows."""
 
     def __init__(self, cfg: HybridConfig) -> None:
@@ -477,16 +495,6 @@ class DenseTargetCache:
         """Keep the per-token states of the last `forward_target(..., ssm_trace=True)`."""
         # states: [T, state_size]
         self.ssm_traces[layer_idx] = states
-
-    def snapshot_ssm(self) -> list[torch.Tensor | None]:
-        """Clones of every linear layer's state, in layer order (None where unset)."""
-        return [None if i not in self._ssm else self._ssm[i].clone() for i in self._linear]
-
-    def restore_ssm(self, states: list[torch.Tensor | None]) -> None:
-        """Install clones of a `snapshot_ssm()` result."""
-        if len(states) != len(self._linear):
-            raise ValueError(f"got {len(states)} states for {len(self._linear)} linear layers")
-        self._ssm = {i: s.clone() for i, s in zip(self._linear, states, strict=True) if s is not None}
 
     def truncate(self, num_tokens: int) -> None:
         """Drop attention rows at positions >= num_tokens (SSM states are not rewound)."""

@@ -73,17 +73,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..core import plan_append
 from ..core.plan import chunk_keys
 from ..dataplane.device_ints import device_copy, device_tensor
-from ..dataplane.hidden_store import HiddenStore
 from ..dataplane.kv_pool import CarriedBlocks, PoolExhaustedError, gather_rows
 from ..dataplane.ops import drafter_row_append_direct as drafter_row_append
 from ..dataplane.rope import RopeConfig
+from ..runtime.backend import CarryBackend
+from ..runtime.carry_runtime import append_computed_rows
 from .block_manager import RefCountedBlocks
 from .prefix_hash import PrefixKeys, encode_tokens
 from .snapshot_cache import ResumePlan, plan_resume
@@ -421,16 +422,6 @@ def _token_at(chunk: bytes, i: int) -> int:
 # ---- the policy: plan, prepare, build per chunk, publish -----------------------------------
 
 
-class _RowBuilder(Protocol):
-    """What `PairedDrafts` needs from the engine (a subset of `CarryBackend`)."""
-
-    @property
-    def hidden_store(self) -> HiddenStore: ...
-
-    def drafter_kv(self, next_tokens: torch.Tensor, hidden: torch.Tensor,
-                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 @dataclass(frozen=True)
 class PairedPlan:
     """Admission under `paired`: the target's match `M`, the drafter's `C`, and where it resumes.
@@ -526,7 +517,7 @@ class PairedDrafts:
     chunk, `finish` (publish) or `release` (cancel) at the end.
     """
 
-    def __init__(self, builder: _RowBuilder, pool: PairedDraftPool) -> None:
+    def __init__(self, builder: CarryBackend, pool: PairedDraftPool) -> None:
         self.builder, self.pool = builder, pool
         self._turns = self._warm = self._hits = self._rows_tree = 0
         self._lost = self._recomputed = self._built = 0
@@ -582,12 +573,7 @@ class PairedDrafts:
             return 0
         t0 = time.perf_counter()
         a, b = span
-        hidden = self.builder.hidden_store.read(ticket, a, b + 1)  # [rows, H] bf16, this ticket's
-        dev = hidden.device
-        keys = torch.arange(a, b + 1, dtype=torch.int64, device=dev)
-        nxt = device_tensor(prompt[a + 1: b + 2], torch.int64, dev)  # as the carry's: no sync
-        k, v = self.builder.drafter_kv(nxt, hidden, keys)
-        self.pool.append_rows(seq_id, range(a, b + 1), k, v)  # host-known keys: no sync
+        append_computed_rows(self.builder, self.pool, seq_id, ticket, prompt, a, b + 1)
         rows = b - a + 1
         build.next_key = None if b >= len(prompt) - 2 else b + 1
         build.rows_computed += rows

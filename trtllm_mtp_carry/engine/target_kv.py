@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import HybridConfig
+from .model import HybridConfig, SsmStates
 
 
 class PagedTargetKV:
@@ -55,7 +55,7 @@ class PagedTargetKV:
             self.v[i][dst].copy_(self.v[i][src])
 
 
-class SequenceKV:
+class SequenceKV(SsmStates):
     """One sequence's `TargetCache`: paged attention rows plus its SSM states."""
 
     def __init__(self, kv: PagedTargetKV, block_table: list[int], num_tokens: int) -> None:
@@ -115,18 +115,6 @@ class SequenceKV:
         if trace_index is not None:
             self._ssm = {i: s[trace_index].clone() for i, s in self._trace.items()}
         self._trace = {}
-
-    def snapshot_ssm(self) -> list[torch.Tensor | None]:
-        """Clones of every linear layer's state, in layer order."""
-        return [None if i not in self._ssm else self._ssm[i].clone() for i in self._linear]
-
-    def restore_ssm(self, states: list[torch.Tensor | None]) -> None:
-        """Install clones of a `snapshot_ssm()` result."""
-        if len(states) != len(self._linear):
-            raise ValueError(f"got {len(states)} states for {len(self._linear)} linear layers")
-        self._ssm = {
-            i: s.clone() for i, s in zip(self._linear, states, strict=True) if s is not None
-        }
 
     def ssm_nbytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self._ssm.values())

@@ -24,6 +24,10 @@ class DraftRates:
         """Accepted draft tokens per verify step (0 before the first step)."""
         return self.accepted / self.verify_steps if self.verify_steps else 0.0
 
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, with `acceptance` and `accepted_per_step` (the turn statistics' JSON)."""
+        return {**self.__dict__, "acceptance": self.acceptance, "accepted_per_step": self.accepted_per_step}
+
 
 @dataclass
 class TurnStats(DraftRates):
@@ -53,12 +57,6 @@ class TurnStats(DraftRates):
     drafter_tree_tokens: int = 0
     drafter_depth_lost: int = 0
     recomputed_for_cap: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["acceptance"] = self.acceptance
-        d["accepted_per_step"] = self.accepted_per_step
-        return d
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.block_book import cdiv
+
 __all__ = [
     "APPEND_ABI",
     "COPY_ABI",
@@ -158,11 +160,6 @@ class Launch:
     grid: tuple[Any, Any, Any]
     block: tuple[int, int, int]
     shared_bytes: int
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
 
 
 def copy_launch(n: Any, hidden_size: Any, shared_bytes: int = 0,

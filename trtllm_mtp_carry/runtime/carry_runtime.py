@@ -407,7 +407,7 @@ class CarryRuntime:
         t0 = time.perf_counter()
         a, b = span
         self.wait_restored(seq_id)
-        self._append(seq_id, ticket, prompt, a, b - a + 1)
+        append_computed_rows(self.backend, self.backend.drafter_pool, seq_id, ticket, prompt, a, b + 1)
         rows = b - a + 1
         build.next_key = None if b >= len(prompt) - 2 else b + 1
         build.rows_computed += rows
@@ -615,16 +615,16 @@ class CarryRuntime:
 
     # ---- steps -----------------------------------------------------------------
 
-    def _append(self, seq_id: int, ticket: int, tokens: Sequence[int], first_key: int, rows: int) -> None:
-        """Compute and write drafter rows for keys `first_key .. first_key + rows - 1`."""
-        store = self.backend.hidden_store
-        pool = self.backend.drafter_pool
-        end = first_key + rows
-        hidden = store.read(ticket, first_key, end)  # [rows, H] bf16, refused unless visible
-        device = hidden.device
-        # pinned and non-blocking: a pageable upload would make the host wait for the chunk's
-        # target forward (tests/runtime/test_prep_syncs.py pins the prep's syncs at 0)
-        next_tokens = device_tensor(tokens[first_key + 1 : end + 1], torch.int64, device)
-        keys = torch.arange(first_key, end, dtype=torch.int64, device=device)
-        k, v = self.backend.drafter_kv(next_tokens, hidden, keys)
-        pool.append_rows(seq_id, range(first_key, end), k, v)  # host-known keys: no sync
+
+def append_computed_rows(backend: CarryBackend, pool: Any, seq_id: int, ticket: int, tokens: Sequence[int],
+                         first_key: int, end: int) -> None:
+    """Compute `seq_id`'s drafter rows for pair keys `[first_key, end)` from ticket `ticket`'s hidden
+    rows and append them to `pool` (the drafter pool, or the paired policy's: `append_rows`)."""
+    hidden = backend.hidden_store.read(ticket, first_key, end)  # [rows, H] bf16, refused unless visible
+    device = hidden.device
+    # pinned and non-blocking: a pageable upload would make the host wait for the chunk's
+    # target forward (tests/runtime/test_prep_syncs.py pins the prep's syncs at 0)
+    next_tokens = device_tensor(tokens[first_key + 1 : end + 1], torch.int64, device)
+    keys = torch.arange(first_key, end, dtype=torch.int64, device=device)
+    k, v = backend.drafter_kv(next_tokens, hidden, keys)
+    pool.append_rows(seq_id, range(first_key, end), k, v)  # host-known keys: no sync

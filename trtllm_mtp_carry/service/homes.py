@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from ..core import CarriedDrafter, CarryStore
+from ..core.block_book import cdiv
 from ..core.row_format import RowFormat
 from ..dataplane import streams
 from ..dataplane.arena import Arena
@@ -61,10 +62,6 @@ def head_runs(runs: Runs, n: int) -> Runs:
         out.append((first, min(count, n)))
         n -= count
     return tuple(out)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class RowPages(Protocol):
@@ -246,7 +243,7 @@ class PoolHome(RowHome):
         return None
 
     def charge(self, source: Any, rows: int) -> tuple[Sequence[int] | None, int]:
-        blocks = self.pool.sequence(source).block_table[: _cdiv(rows, self.pool.block_size)]
+        blocks = self.pool.sequence(source).block_table[: cdiv(rows, self.pool.block_size)]
         return blocks, len(blocks) * self.pool.block_nbytes
 
     def carry_out(self, source: Any, key: int, rows: int, runs: Runs, tokens: Sequence[int],
@@ -291,14 +288,14 @@ class PoolHome(RowHome):
                 "dtype": str(pool.k_cache.dtype).removeprefix("torch.")}
 
     def held_nbytes_for(self, rows: int) -> int:
-        return _cdiv(rows, self.pool.block_size) * self.pool.block_nbytes
+        return cdiv(rows, self.pool.block_size) * self.pool.block_nbytes
 
     def fresh_blocks(self, rows: int) -> Sequence[int] | None:
-        return range(-1, -_cdiv(rows, self.pool.block_size) - 1, -1)  # no entry holds a negative id
+        return range(-1, -cdiv(rows, self.pool.block_size) - 1, -1)  # no entry holds a negative id
 
     def form_for(self, rows: int, runs: Runs) -> Any:
         pool = self.pool
-        shape = (_cdiv(rows, pool.block_size), pool.block_size, pool.num_kv_heads, pool.head_dim)
+        shape = (cdiv(rows, pool.block_size), pool.block_size, pool.num_kv_heads, pool.head_dim)
         return _BlockForm(shape, pool.k_cache.dtype, rows, runs)
 
     def runs_of(self, form: Any) -> Runs:

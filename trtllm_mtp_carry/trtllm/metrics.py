@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
-from ..metrics import CarryMetrics, MetricRegistry
+from ..metrics import CarryMetrics, MetricRegistry, serve_http
 from ..service.stats import CarryStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,26 +98,13 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (`GET /metrics`) on a daemon thread; OSError if the port is taken."""
-        render = self.render
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path.split("?", 1)[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def answer(path: str) -> tuple[int, str, str]:
+            if path != "/metrics":
+                return 404, "text/plain", "only /metrics is served here\n"
+            return 200, CONTENT_TYPE, self.render()
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                return None  # a scrape every few seconds is not worth a log line
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, name="mtp-carry-metrics", daemon=True).start()
+        self.server = serve_http(host, port, "mtp-carry-metrics", answer)
 
     def close(self) -> None:
         if self.server is not None:

@@ -62,9 +62,9 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from ...metrics import serve_http
 from ..options import ServeOptions
 from . import require_dynamo
 from .event_broker import broker_url
@@ -587,34 +587,16 @@ class StatusServer:
     on `host:port` from a daemon thread."""
 
     def __init__(self, deployment: DynamoDeployment, host: str, port: int) -> None:
-        owner = deployment
+        def answer(path: str) -> tuple[int, str, str]:
+            health = deployment.health()
+            if path == "/health":
+                return 200 if health["status"] == "healthy" else 503, "application/json", json.dumps(health)
+            if path == "/metrics":
+                return 200, "text/plain; version=0.0.4", status_metrics(health)
+            return 404, "text/plain", "not found: try /health or /metrics\n"
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                health = owner.health()
-                path = urllib.parse.urlsplit(self.path).path
-                if path == "/health":
-                    code, kind, body = (200 if health["status"] == "healthy" else 503,
-                                        "application/json", json.dumps(health))
-                elif path == "/metrics":
-                    code, kind, body = 200, "text/plain; version=0.0.4", status_metrics(health)
-                else:
-                    code, kind, body = 404, "text/plain", "not found: try /health or /metrics\n"
-                data = body.encode()
-                self.send_response(code)
-                self.send_header("content-type", kind)
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:  # no access log on stderr
-                pass
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server = serve_http(host, port, "mtp-carry-dynamo-status", answer)
         self.port = int(self.server.server_address[1])
-        self._thread = threading.Thread(target=self.server.serve_forever, name="mtp-carry-dynamo-status",
-                                        daemon=True)
-        self._thread.start()
 
     def close(self) -> None:
         self.server.shutdown()

@@ -1,7 +1,7 @@
 """The carry counters of one Dynamo worker, on that worker's metrics endpoint.
 
 What it is for: the same families as the Triton model's custom metrics
-(`serve.triton.metrics.CarryMetrics`: turns by outcome kind, drafter rows
+(`metrics.CarryMetrics`: turns by outcome kind, drafter rows
 adopted/computed, drafts proposed/accepted, sessions ended, rows freed, the
 runtime's holdings), counted by that very class over an in-process registry
 with the Python backend's `MetricFamily` interface, and rendered as
@@ -37,7 +37,6 @@ stepping thread; a scrape reads plain ints under a lock.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from ...metrics import CarryMetrics, MetricRegistry
 
@@ -54,50 +53,39 @@ _FAMILIES = (  # (key, name, description): this worker's own counters, beside th
 )
 
 
-class WorkerMetrics:
-    """CarryMetrics over an in-process registry, rendered with the worker's labels."""
+class WorkerMetrics(CarryMetrics):
+    """CarryMetrics over an in-process registry, with this worker's own counters, rendered with
+    the worker's labels."""
 
     def __init__(self, model: str, worker: str) -> None:
         self._registry = MetricRegistry()
-        self._carry = CarryMetrics(self._registry, model, worker)
+        super().__init__(self._registry, model, worker)
         for family in _FAMILIES:
-            self._carry.add_counter(*family)
+            self.add_counter(*family)
         self.base_labels: dict[str, str] = {}  # Dynamo's labels of this worker
-
-    def record_turn(self, stats: Any) -> None:
-        self._carry.record_turn(stats)
-
-    def record_unadmitted(self, reason: str) -> None:
-        self._carry.record_unadmitted(reason)
-
-    def record_session_end(self, cause: str, rows_freed: int) -> None:
-        self._carry.record_session_end(cause, rows_freed)
-
-    def refresh(self, runtime_stats: Any) -> None:
-        self._carry.refresh(runtime_stats)
 
     def record_kv_events(self, stored: int, removed: int) -> None:
         """Set the KV-event counters to the relay's totals (blocks announced stored / removed)."""
         for kind, value in (("stored", stored), ("removed", removed)):
-            self._carry.metric("kv_events", "kind", kind).set(value)
+            self.metric("kv_events", "kind", kind).set(value)
 
     def record_adoption(self, source: str) -> None:
         """One adopted turn whose rows came from `source` (`local` or `remote`)."""
-        self._carry.metric("adoptions", "source", source).increment(1)
+        self.metric("adoptions", "source", source).increment(1)
 
     def record_pull(self, result: str, ms: float) -> None:
         """One pull on a miss and its wall time (`carry_peers.PULL_RESULTS`)."""
-        self._carry.metric("pulls", "result", result).increment(1)
-        self._carry.metric("pull_ms", "result", result).increment(ms)
+        self.metric("pulls", "result", result).increment(1)
+        self.metric("pull_ms", "result", result).increment(ms)
 
     def record_moved(self, direction: str, rows: int, nbytes: int) -> None:
         """An entry of `rows` rows, `nbytes` bytes, moved `in` (received) or `out` (taken by a peer)."""
-        self._carry.metric("moved_rows", "direction", direction).increment(rows)
-        self._carry.metric("moved_bytes", "direction", direction).increment(nbytes)
+        self.metric("moved_rows", "direction", direction).increment(rows)
+        self.metric("moved_bytes", "direction", direction).increment(nbytes)
 
     def record_drain(self, result: str, entries: int) -> None:
         """Entries a planned stop `moved` to peers or `dropped`."""
-        self._carry.metric("drained", "result", result).increment(entries)
+        self.metric("drained", "result", result).increment(entries)
 
     def exposition(self) -> str:
         """Every family in Prometheus text format (HELP, TYPE, one line per labelled series)."""

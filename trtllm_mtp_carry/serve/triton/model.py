@@ -161,8 +161,8 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         import triton_python_backend_utils as pb_utils
 
+        from ...metrics import CarryMetrics
         from ..engines import build_engine
-        from .metrics import CarryMetrics
 
         self._pb = pb_utils
         config = json.loads(args["model_config"])

@@ -63,8 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...metrics import CarryMetrics
 from ..session_server import TurnRequest
-from ..triton.metrics import CarryMetrics
 from ..triton.model import TritonSink, parse_request
 from .serving import (
     MISSING_TRTLLM,

@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ...engine.turn import DraftRates
@@ -234,10 +234,6 @@ class TrtllmTurnStats(DraftRates):
     reused_tokens: int | None = None  # R: the prompt tokens TensorRT-LLM reused
     drafter_rows_kept: int | None = None
     drafter_rows_computed: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """Every field, with `acceptance` and `accepted_per_step` (the turn_stats JSON)."""
-        return {**asdict(self), "acceptance": self.acceptance, "accepted_per_step": self.accepted_per_step}
 
 
 def carry_fields(record: Mapping[str, Any] | None, armed: bool) -> dict[str, Any]:
