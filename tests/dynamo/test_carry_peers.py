@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -35,16 +36,8 @@ async def _inline(fn):  # type: ignore[no-untyped-def]
 def _side(model, name: str, identity: str = "model-a") -> CarryPeers:  # type: ignore[no-untyped-def]
     eng = engine(model)
     eng.runtime = CarryRuntime(eng, eng.config.policy, slots=None, share=False)
-    saved = {k: os.environ.get(k) for k in UCX_SHARED_MEMORY}
-    os.environ.update(UCX_SHARED_MEMORY)
-    try:
+    with mock.patch.dict(os.environ, UCX_SHARED_MEMORY):  # the agent reads UCX's settings at creation
         transport = NixlTransport(f"{name}-{os.getpid()}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     peers = CarryPeers(EntryMoves(eng.runtime.service), _inline, transport, identity, worker_id=hash(name) & 0xFFFF,
                        metrics=WorkerMetrics("m", name))
     peers.engine = eng  # type: ignore[attr-defined]

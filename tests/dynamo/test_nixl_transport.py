@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from dynamo_helpers import netns_unavailable
@@ -53,16 +54,8 @@ def reader():  # type: ignore[no-untyped-def]
     """This process's agent, on shared memory (UCX reads its variables when the agent is made)."""
     from trtllm_mtp_carry.serve.dynamo.nixl_transport import NixlTransport
 
-    saved = {k: os.environ.get(k) for k in UCX_SHARED_MEMORY}
-    os.environ.update(ucx_environment("127.0.0.1", {}))
-    try:
+    with mock.patch.dict(os.environ, ucx_environment("127.0.0.1", {})):  # the agent reads UCX's settings at creation
         transport = NixlTransport(f"test-reader-{os.getpid()}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     yield transport
     transport.close()
 
