@@ -52,10 +52,10 @@ def test_carry_round_trip_is_zero_copy_and_truncates(gen):
     pool.append_rows(1, torch.arange(7), k, v)
     carried = pool.move_to_carried(1, key=0xA)
     assert carried == CarriedBlocks((0, 1), 7, 6) and not pool.has_sequence(1)
-    assert pool.carried(0xA) == carried and pool.slot == carried
+    assert pool.carried(0xA) == carried and pool.book.slot == carried
     pool.check()
     adopted = pool.adopt_carried(0xA, 2, rows_kept=3)
-    assert adopted == CarriedBlocks((0,), 3, 2) and pool.slot is None and pool.carried(0xA) is None
+    assert adopted == CarriedBlocks((0,), 3, 2) and pool.book.slot is None and pool.carried(0xA) is None
     assert pool.num_free_blocks == 5
     k2, v2 = kv(gen, 2)
     pool.append_rows(2, [3, 5], k2, v2)  # continues after the kept rows
@@ -97,7 +97,7 @@ def test_exhaustion_leaves_pool_unchanged(gen):
     pool.allocate_sequence(1)
     pool.append_rows(1, [0, 1, 2], *kv(gen, 3))
     stats, seq, kb = pool.stats(), pool.sequence(1), bits(pool.k_cache)
-    assert not pool.can_grow(1, 4) and pool.num_blocks_needed(1, 4) == 2
+    assert not pool.book.can_grow(1, 4) and pool.book.num_blocks_needed(1, 4) == 2
     with pytest.raises(PoolExhaustedError, match="needs 2 more blocks.*only 1 of 3 blocks are free and 0"):
         pool.append_rows(1, [3, 4, 5, 6], *kv(gen, 4))
     assert pool.stats() == stats and pool.sequence(1) == seq
@@ -166,11 +166,11 @@ def test_truncate_frees_whole_blocks_only(gen):
     pool = make_pool(block_size=4)
     pool.allocate_sequence(1)
     pool.append_rows(1, list(range(9)), *kv(gen, 9))
-    assert pool.truncate(1, 5) == 1  # 3 blocks -> 2
+    assert pool.book.truncate(1, 5) == 1  # 3 blocks -> 2
     assert pool.sequence(1) == CarriedBlocks((0, 1), 5, 4)
-    assert pool.truncate(1, 0) == 2 and pool.sequence(1).last_pair_key is None
+    assert pool.book.truncate(1, 0) == 2 and pool.sequence(1).last_pair_key is None
     with pytest.raises(ValueError, match="rows_kept must be in \\[0, 0\\]"):
-        pool.truncate(1, 1)
+        pool.book.truncate(1, 1)
     pool.check()
 
 
@@ -197,7 +197,7 @@ def test_several_entries_are_carried_and_adopted_by_key(gen):
     pool = make_pool(num_blocks=6, block_size=2)
     a, b = carry(pool, gen, 1, 0xA, 3), carry(pool, gen, 2, 0xB, 2)
     assert (a.block_table, b.block_table) == ((0, 1), (2,))
-    assert pool.carried_keys() == (0xA, 0xB) and pool.slot == b
+    assert pool.carried_keys() == (0xA, 0xB) and pool.book.slot == b
     k_a = pool.gather_carried(0xA)[0].clone()
     assert pool.adopt_carried(0xA, 3) == a  # zero copy: the same blocks
     assert torch.equal(bits(pool.gather(3)[0]), bits(k_a))
@@ -229,7 +229,7 @@ def test_a_grow_no_eviction_could_serve_is_refused_and_evicts_nothing(gen):
     carry(pool, gen, 1, 0xA, 2)
     pool.allocate_sequence(2)
     stats = pool.stats()
-    assert pool.can_grow(2, 6) and not pool.can_grow(2, 7)
+    assert pool.book.can_grow(2, 6) and not pool.book.can_grow(2, 7)
     with pytest.raises(PoolExhaustedError, match="only 2 of 3 blocks are free and 1 are carried"):
         pool.append_rows(2, list(range(7)), *kv(gen, 7))
     assert pool.stats() == stats and evicted == [] and pool.carried_keys() == (0xA,)
@@ -281,7 +281,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def expect_grow(self, sid, n):
         """The keys a grow by `n` must evict, or None when it must be refused."""
-        need, free = self.pool.num_blocks_needed(sid, n), self.pool.num_free_blocks
+        need, free = self.pool.book.num_blocks_needed(sid, n), self.pool.num_free_blocks
         sizes = [-(-len(rows[0]) // 2) for rows in self.carried.values()]
         if need > free + sum(sizes):
             return None
@@ -314,7 +314,7 @@ class PoolMachine(RuleBasedStateMachine):
         new = list(range(first, first + n))
         k, v = (torch.randn(n, HKV, D, generator=self.gen).bfloat16() for _ in range(2))
         victims = self.expect_grow(sid, n)
-        assert self.pool.can_grow(sid, n) is (victims is not None)
+        assert self.pool.book.can_grow(sid, n) is (victims is not None)
         if victims is None:
             before = self.pool.stats()
             with pytest.raises(PoolExhaustedError):
@@ -346,7 +346,7 @@ class PoolMachine(RuleBasedStateMachine):
         sid = sorted(self.model)[pick % len(self.model)]
         keys, ks, vs = self.model[sid]
         kept = int(len(keys) * frac)
-        self.pool.truncate(sid, kept)
+        self.pool.book.truncate(sid, kept)
         del keys[kept:], ks[kept:], vs[kept:]
 
     @precondition(lambda self: self.model)

@@ -110,7 +110,7 @@ def test_writing_into_a_shared_tail_copies_it_first_and_the_other_entry_keeps_it
     shared = pool.carried(0xB).block_table[1]
     before = bits(pool.gather_carried(0xB)[0]).clone()
     pool.adopt_carried(0xA, 3, rows_kept=6)  # keeps keys 0..5: its tail is shared block 1
-    assert pool.sequence(3).block_table[1] == shared and pool.num_blocks_needed(3, 1) == 1
+    assert pool.sequence(3).block_table[1] == shared and pool.book.num_blocks_needed(3, 1) == 1
     k, v = rows_for(7, [6, 7])
     pool.append_rows(3, [6, 7], k, v)
     table = pool.sequence(3).block_table
@@ -142,7 +142,7 @@ def test_evicting_one_sharer_frees_only_the_blocks_no_other_owner_holds():
     assert pool.num_free_blocks == 3 and pool.num_carried_blocks == 3
     assert pool.free_carried(0xA) == 3 and pool.num_free_blocks == 3  # B still holds all three
     pool.allocate_sequence(3)
-    assert pool.can_grow(3, 24) and not pool.can_grow(3, 25)
+    assert pool.book.can_grow(3, 24) and not pool.book.can_grow(3, 25)
     pool.append_rows(3, list(range(16)), *rows_for(5, list(range(16))))  # 4 blocks: B must go
     assert evicted == [0xB] and pool.num_free_blocks == 2
     pool.check()
@@ -155,7 +155,7 @@ def test_a_grow_the_shared_blocks_cannot_serve_is_refused_and_changes_nothing():
     pool.adopt_carried(0xB, 3)  # B's live sequence holds the shared blocks: not reclaimable
     pool.allocate_sequence(4)
     stats = pool.stats()
-    assert pool.num_carried_blocks == 0 and not pool.can_grow(4, 9)
+    assert pool.num_carried_blocks == 0 and not pool.book.can_grow(4, 9)
     with pytest.raises(PoolExhaustedError, match="only 2 of 4 blocks are free and 0 are carried"):
         pool.append_rows(4, list(range(9)), *rows_for(0, list(range(9))))
     assert pool.stats() == stats and pool.carried_keys() == (0xA,)
@@ -203,7 +203,7 @@ class SharingMachine(RuleBasedStateMachine):
         owner = self.live[sid]
         first = owner.keys[-1] + 1 if owner.keys else 0
         keys = list(range(first, first + n))
-        ok = self.pool.can_grow(sid, n)
+        ok = self.pool.book.can_grow(sid, n)
         before = self.pool.stats()
         try:
             self.pool.append_rows(sid, keys, *rows_for(owner.variant, keys))

@@ -152,7 +152,7 @@ def test_every_pressure_eviction_follows_the_policy_order(policy, num_blocks, op
             seq = live.get(a)
             if seq is None:
                 seq = live[a] = w.live(0)
-            need, free = pool.num_blocks_needed(seq, b), pool.num_free_blocks
+            need, free = pool.book.num_blocks_needed(seq, b), pool.num_free_blocks
             order = store.victims()
             sizes = {k: len(store.get(k).block_table) for k in order}
             expected = []

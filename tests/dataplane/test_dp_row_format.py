@@ -671,7 +671,7 @@ def test_carry_in_then_unpack_into_blocks_carries_what_unpack_blocks_then_import
     pool = filled_pool(gen, 10)
     entry = pool.carried(99)
     packed = pack_blocks(pool.k_cache, pool.v_cache, entry.block_table, entry.rows)
-    runs = pool.carried_runs(99)
+    runs = pool.book.carried_runs(99)
     pool.free_carried(99)
     pool.import_carried(7, HostRows(*unpack_blocks(packed, pool.block_size), 10, runs))
     want = pool.gather_carried(7)
@@ -681,7 +681,7 @@ def test_carry_in_then_unpack_into_blocks_carries_what_unpack_blocks_then_import
     held = pool.carried(8)
     got = pool.gather_carried(8)
     assert ids.dtype == torch.int64 and tuple(ids.tolist()) == held.block_table
-    assert held.rows == 10 and len(held.block_table) == 3 and pool.carried_runs(8) == runs
+    assert held.rows == 10 and len(held.block_table) == 3 and pool.book.carried_runs(8) == runs
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[:2], want[:2], strict=True))
     assert torch.equal(got[2], want[2])
     pool.check()

@@ -357,5 +357,5 @@ def test_forget_session_frees_only_that_sessions_carried_rows(model):
     rows = eng.runtime.entry.rows
     assert eng.runtime.forget_session(eng.runtime.entry.session_hash ^ 1) == 0  # another session
     assert eng.runtime.forget_session(eng.runtime.entry.session_hash) == rows
-    assert eng.runtime.entry is None and eng.drafter_pool.slot is None
+    assert eng.runtime.entry is None and eng.drafter_pool.book.slot is None
     eng.check()

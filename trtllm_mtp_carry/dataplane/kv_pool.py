@@ -197,19 +197,9 @@ class DrafterKVPool:
         """What the entry carried under `key` holds, or None."""
         return self.book.carried(key)
 
-    def carried_runs(self, key: int) -> tuple[tuple[int, int], ...]:
-        """Entry `key`'s keys as runs `(first_key, count)` in row order (what `import_carried` takes
-        back with its rows); RuntimeError if nothing is carried under `key`."""
-        return self.book.carried_runs(key)
-
     def carried_keys(self) -> tuple[int, ...]:
         """Keys of the carried entries, least recently carried first (the eviction order)."""
         return self.book.carried_keys()
-
-    @property
-    def slot(self) -> CarriedBlocks | None:
-        """The most recently carried entry, or None when nothing is carried."""
-        return self.book.slot
 
     def has_sequence(self, seq_id: int) -> bool:
         return self.book.has_sequence(seq_id)
@@ -221,14 +211,6 @@ class DrafterKVPool:
     def sequence_runs(self, seq_id: int) -> tuple[tuple[int, int], ...]:
         """A live sequence's keys as runs `(first_key, count)` in row order."""
         return self.book.sequence_runs(seq_id)
-
-    def num_blocks_needed(self, seq_id: int, num_new_rows: int) -> int:
-        """Blocks a grow by `num_new_rows` rows would allocate (`BlockBook.num_blocks_needed`)."""
-        return self.book.num_blocks_needed(seq_id, num_new_rows)
-
-    def can_grow(self, seq_id: int, num_new_rows: int) -> bool:
-        """Whether a grow by `num_new_rows` rows would succeed (evicting carried entries if need be)."""
-        return self.book.can_grow(seq_id, num_new_rows)
 
     def stats(self) -> PoolStats:
         """A frozen snapshot of the block accounting."""
@@ -258,10 +240,6 @@ class DrafterKVPool:
             self.k_cache[fresh].copy_(self.k_cache[shared])
             self.v_cache[fresh].copy_(self.v_cache[shared])
         return list(growth.blocks)
-
-    def truncate(self, seq_id: int, rows_kept: int) -> int:
-        """Keep the first `rows_kept` rows of `seq_id`, drop whole blocks past them; return #dropped."""
-        return self.book.truncate(seq_id, rows_kept)
 
     def free_sequence(self, seq_id: int) -> int:
         """Release `seq_id`; its blocks no other owner holds return to the free pool; return #held."""
