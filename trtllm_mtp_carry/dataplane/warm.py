@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .arena import ALIGN
+
 if TYPE_CHECKING:
     from .kv_pool import DrafterKVPool
     from .row_codec import RowCodec, Rows
@@ -48,6 +50,12 @@ def _runs_triton(device: torch.device, force: bool) -> bool:
     return device.type == "cuda" and cuda_kernels() == "triton"
 
 
+EXTENT_OFFSETS = (0, ALIGN)
+"""Where a scratch extent starts, in bytes: an arena range starts on any multiple of `ALIGN` (4),
+and Triton specializes a pointer on whether it is 16-byte aligned; 0 and 4 give both classes
+whatever a row's bytes are (one row's bytes may itself be a multiple of 16)."""
+
+
 def _extent_rows(codec: RowCodec, like: Rows, offset: int) -> Rows:
     """Zeroed rows of `like`'s shape in `codec`'s held form, viewed `offset` bytes into a scratch
     extent (how an arena or slab extent holds them: its pointers' alignment class follows the
@@ -60,8 +68,8 @@ def _extent_rows(codec: RowCodec, like: Rows, offset: int) -> Rows:
 def warm_pool_kernels(pool: DrafterKVPool, codec: RowCodec, force: bool = False) -> int:
     """Launch, on a scratch pool of `pool`'s block shape and dtype, the append at every `ROWS`
     (`append_rows_variants`) and, when `codec` packs (`RowCodec.packs`: fp8, nvfp4), its block
-    gather into and scatter from rows at an extent's two alignment classes (offset 0 and one
-    row's bytes) at each of those row counts; returns the launches. CUDA with the Triton backend
+    gather into and scatter from rows at an extent's two alignment classes (`EXTENT_OFFSETS`) at
+    each of those row counts; returns the launches. CUDA with the Triton backend
     only (`force`: anywhere, for tests under the interpreter)."""
     from .kv_pool import DrafterKVPool
 
@@ -71,7 +79,6 @@ def warm_pool_kernels(pool: DrafterKVPool, codec: RowCodec, force: bool = False)
     blocks = -(-max(rows) // pool.block_size) + 1
     scratch = DrafterKVPool(2 * blocks, pool.block_size, pool.num_kv_heads, pool.head_dim, pool.rope,
                             device=pool.device, dtype=pool.k_cache.dtype)
-    row_nbytes = codec.row_nbytes(pool.num_kv_heads, pool.head_dim)
     launches = 0
     for n in rows:
         scratch.allocate_sequence(0)
@@ -82,7 +89,7 @@ def warm_pool_kernels(pool: DrafterKVPool, codec: RowCodec, force: bool = False)
             table = scratch.sequence(0).block_table
             idx = torch.tensor(table, dtype=torch.int64).to(pool.device)
             packed = codec.gather_blocks(scratch.k_cache, scratch.v_cache, table, n)
-            for offset in (0, row_nbytes):  # an extent at an even and an odd row
+            for offset in EXTENT_OFFSETS:
                 held = codec.gather_blocks(scratch.k_cache, scratch.v_cache, table, n,
                                            out=_extent_rows(codec, packed, offset))
                 codec.scatter_blocks(held, scratch.k_cache, scratch.v_cache, idx)
@@ -93,8 +100,8 @@ def warm_pool_kernels(pool: DrafterKVPool, codec: RowCodec, force: bool = False)
 
 def warm_page_kernels(buf: torch.Tensor, codec: RowCodec, force: bool = False) -> int:
     """Launch, on two scratch pages shaped as `buf`'s (HND `[pages, 2, Hkv, tpb, D]`), `codec`'s
-    page gather into and scatter from rows at an extent's two alignment classes (offset 0 and
-    one row's bytes), across a page boundary; returns the launches. Nothing for a codec that
+    page gather into and scatter from rows at an extent's two alignment classes
+    (`EXTENT_OFFSETS`), across a page boundary; returns the launches. Nothing for a codec that
     does not pack (its gather and scatter are torch indexing)."""
     if not codec.packs or not _runs_triton(buf.device, force):
         return 0
@@ -102,7 +109,7 @@ def warm_page_kernels(buf: torch.Tensor, codec: RowCodec, force: bool = False) -
     n = int(buf.shape[3]) + 1  # both pages: a page boundary inside
     packed = codec.gather_pages(pages, [0, 1], 0, n)
     launches = 0
-    for offset in (0, codec.row_nbytes(int(buf.shape[2]), int(buf.shape[4]))):  # an even and an odd row
+    for offset in EXTENT_OFFSETS:
         held = codec.gather_pages(pages, [0, 1], 0, n, out=_extent_rows(codec, packed, offset))
         codec.scatter_pages(pages, [0, 1], 0, held)
         launches += 2
