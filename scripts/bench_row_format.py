@@ -41,8 +41,9 @@ Headline lines (scripts/gpu_smoke.sh collects them), tab-separated:
          move, and scales `amax / 448` correctly rounded where `amax * (1/448)` is not): only
          where the Triton FP8 kernels run (CUDA, compute capability 8.9+); else none.
   CHECK  on CUDA, every row codec's gather into an arena extent (`out=`: the codec's view of
-         bytes at offset 12 of a larger buffer of random bytes), from HND pages and from K/V
-         blocks, as a deposit writes its reserved extent: the extent holds exactly the CPU torch
+         bytes at offset 12 of a larger buffer of random bytes), from HND pages (an MLA latent
+         pool's too: BF16, FP8 and footer-scale `fp8_ds_mla`) and from K/V blocks, as a deposit
+         writes its reserved extent: the extent holds exactly the CPU torch
          path's bytes for the same rows, as does the same gather without `out`, and no byte
          outside the extent changed; a row that arrives corrupt FAILs it. On a CPU none (the
          test suite runs these gathers there).
@@ -64,6 +65,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trtllm_mtp_carry.core.row_format import FP8_DS_MLA_DIM  # noqa: E402
 from trtllm_mtp_carry.dataplane.arena import Arena  # noqa: E402
 from trtllm_mtp_carry.dataplane.hnd_pages import (  # noqa: E402
     gather_packed_rows,
@@ -72,6 +74,7 @@ from trtllm_mtp_carry.dataplane.hnd_pages import (  # noqa: E402
     scatter_rows,
 )
 from trtllm_mtp_carry.dataplane.kv_pool import DrafterKVPool  # noqa: E402
+from trtllm_mtp_carry.dataplane.latent_pages import TOKEN_BYTES, FooterScalePages  # noqa: E402
 from trtllm_mtp_carry.dataplane.nvfp4_kv import NVFP4_KV_DTYPE, Nvfp4KvPages  # noqa: E402
 from trtllm_mtp_carry.dataplane.rope import RopeConfig  # noqa: E402
 from trtllm_mtp_carry.dataplane.row_codec import (  # noqa: E402
@@ -81,6 +84,7 @@ from trtllm_mtp_carry.dataplane.row_codec import (  # noqa: E402
     SideRows,
     SlotPages,
     codec_for,
+    latent_codec,
 )
 from trtllm_mtp_carry.dataplane.row_format import (  # noqa: E402
     FP8_MAX,
@@ -222,7 +226,7 @@ def _gather_into_extent(codec: RowCodec, gather: Callable[[Rows | None], Rows], 
     nbytes = rows * codec.row_nbytes(hkv, d)
     before = torch.randint(0, 256, (EXTENT_OFFSET + nbytes + 64,), generator=g, dtype=torch.uint8)
     buffer = before.to(device, copy=True)  # a copy on the CPU too: `before` is what it held
-    out = codec.view(buffer[EXTENT_OFFSET:EXTENT_OFFSET + nbytes], (rows, 2, hkv, d))
+    out = codec.view(buffer[EXTENT_OFFSET:EXTENT_OFFSET + nbytes], codec.held_shape(rows, hkv, d))
     same_out = gather(out) is out
     returned = _held_bytes(codec, gather(None))
     after, expect = buffer.cpu(), _held_bytes(codec, want)
@@ -273,6 +277,20 @@ def extent_checks(device: torch.device, hkv: int, d: int) -> list[str]:
             codec, lambda o, c=codec, p=dev: c.gather_pages(p, pages, lo, lo + n, out=o),
             codec.gather_pages(host, pages, lo, lo + n), n, hkv, d, device, g)
         out.append(check(f"{codec.name} gather_pages into an arena extent", ok, detail))
+    # an MLA latent pool's codecs: one vector a key, over BF16 / FP8 HND pages `[pages, 1, 1, tpb, 512]`
+    # and over DeepSeek-V4's footer-scale bytes `[pages, tpb, 584]` (writer pages of tpb and tpb / 4 tokens)
+    latent = (torch.randn(2 * npages, 1, 1, tpb, FP8_DS_MLA_DIM, generator=g) * 3).to(torch.bfloat16)
+    footer = torch.randint(0, 256, (2 * npages, tpb, TOKEN_BYTES), generator=g, dtype=torch.uint8)
+    for name, host in (("latent bf16", latent), ("latent fp8_kv", fp8_codes(*latent.shape)),
+                       ("fp8_ds_mla", FooterScalePages(footer, tpb)),
+                       ("fp8_ds_mla, writer pages of tpb / 4", FooterScalePages(footer, tpb // 4))):
+        codec = latent_codec(host.dtype)
+        dev = host.to(device) if isinstance(host, torch.Tensor) else FooterScalePages(host.data.to(device),
+                                                                                      host.page_tokens)
+        ok, detail = _gather_into_extent(
+            codec, lambda o, c=codec, p=dev: c.gather_pages(p, pages, lo, lo + n, out=o),
+            codec.gather_pages(host, pages, lo, lo + n), n, 1, FP8_DS_MLA_DIM, device, g)
+        out.append(check(f"{name} gather_pages into an arena extent", ok, detail))
     nb = -(-n // bs)
     ids = torch.randperm(2 * nb, generator=g)[:nb].tolist()
     for pool_dtype, row_dtype in ((torch.bfloat16, "bf16"), (torch.bfloat16, "fp8"), (torch.bfloat16, "nvfp4"),

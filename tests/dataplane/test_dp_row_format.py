@@ -466,7 +466,8 @@ def test_bench_row_format_extent_checks_pass_and_fail_on_a_corrupt_row_or_a_byte
     lines = bench.extent_checks(torch.device(device), 2, 32)
     names = [line.split("\t")[1] for line in lines]
     assert names == [f"{c} gather_pages into an arena extent" for c in
-                     ("bf16", "fp8", "nvfp4", "fp8_kv", "nvfp4_kv", "nvfp4+position+index_k")] + \
+                     ("bf16", "fp8", "nvfp4", "fp8_kv", "nvfp4_kv", "nvfp4+position+index_k", "latent bf16",
+                      "latent fp8_kv", "fp8_ds_mla", "fp8_ds_mla, writer pages of tpb / 4")] + \
         [f"{c} gather_blocks into an arena extent" for c in ("bf16", "fp8", "nvfp4", "fp8_kv")]
     assert all(line.split("\t")[2] == "PASS" for line in lines), lines
 

@@ -109,10 +109,10 @@ def gather_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: Seque
     if not 0 <= start_row <= rows:
         raise ValueError(f"start_row must be in [0, {rows}], got {start_row}")
     dev, (_, block_size, hkv, head_dim) = k_cache.device, k_cache.shape
-    table = torch.tensor(block_table, dtype=torch.int64, device=dev)
+    table = device_tensor(block_table, torch.int64, dev)  # no sync (torch.tensor(device=) would wait)
     slots = slots_for_rows(table, torch.arange(start_row, rows, dtype=torch.int64, device=dev), block_size)
-    keys = torch.cat([torch.arange(k0, k0 + c, dtype=torch.int64) for k0, c in runs]
-                     or [torch.empty(0, dtype=torch.int64)])[start_row:].to(dev)
+    keys = device_copy(torch.cat([torch.arange(k0, k0 + c, dtype=torch.int64) for k0, c in runs]
+                                 or [torch.empty(0, dtype=torch.int64)])[start_row:], dev)
     return (k_cache.view(-1, hkv, head_dim).index_select(0, slots),
             v_cache.view(-1, hkv, head_dim).index_select(0, slots), keys)
 
