@@ -334,7 +334,7 @@ def test_a_host_tier_round_trip_gives_the_rows_back_bit_for_bit(name, row_dtype)
 
 
 def test_detach_leaves_nothing_held_and_a_leaked_range_is_caught(name):
-    ex = make(name, host_rows=64)
+    ex = make(name, room_rows=16, host_rows=64)
     tok = Tokens(10)
     for s in "ab":
         ex.turn(s, tok(12), 0, tok(5))
@@ -363,6 +363,8 @@ def test_every_executor_gives_the_same_turns_and_counters(script, row_dtype):
         ex = make(name, row_dtype, **bounds)
         turns = run(ex, Tokens(11))
         ex.check()
+    s = ex.stats()  # a's entry went to the host tier: both tiers hold rows when the carry detaches
+    assert (s.entries_held, s.host_entries) == (1, 1)
         results[name] = ([{**asdict(t), "adopted": t.adopted.tolist()} for t in turns], contract_counters(ex))
     first, *others = results.values()
     for name, got in zip(list(results)[1:], others, strict=True):
