@@ -114,8 +114,10 @@ class Executor(ABC):
     def forget(self, session: str) -> int:
         """The session ended: its carried rows go (returns the rows dropped)."""
 
+    @abstractmethod
     def stats(self) -> CarryStats:
-        return self.service.stats()
+        """The executor's own `stats()`: what its front ends export (the service's snapshot with
+        the fields only the executor knows filled in)."""
 
     @abstractmethod
     def check(self) -> None:
@@ -185,6 +187,9 @@ class ReferenceExecutor(Executor):
 
     def forget(self, session: str) -> int:
         return self.runtime.forget_session(session_hash(session))
+
+    def stats(self) -> CarryStats:
+        return self.runtime.stats()
 
     def check(self) -> None:
         self.runtime.check()
@@ -257,6 +262,9 @@ class TrtllmStandinExecutor(Executor):
 
     def forget(self, session: str) -> int:
         return self.manager.forget_conversation(session)
+
+    def stats(self) -> CarryStats:
+        return self.manager.stats()
 
     def check(self) -> None:
         self.manager.service.check()

@@ -613,7 +613,8 @@ class CarryRuntime:
         draft step reads or writes them."""
         self.service.wait_restored(seq_id)
 
-    # ---- steps -----------------------------------------------------------------
+
+# ---- steps (the reference engine's policies' shared row build) ------------------------
 
 
 def append_computed_rows(backend: CarryBackend, pool: Any, seq_id: int, ticket: int, tokens: Sequence[int],
