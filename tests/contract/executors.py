@@ -91,7 +91,8 @@ class Executor(ABC):
     name: str
 
     def __init__(self, *, row_dtype: str = "bf16", kv_format: str = "bf16", slots: int | None = None,
-                 room_rows: int = 1024, host_rows: int = 0, idle_s: float | None = None) -> None:
+                 room_rows: int = 1024, host_rows: int = 0, idle_s: float | None = None,
+                 eviction: str = "lrd") -> None:
         self.row_dtype, self.kv_format = row_dtype, kv_format
         self.now = 0.0  # the logical clock every executor's store reads
         self._ids = itertools.count(1)
@@ -137,7 +138,7 @@ class ReferenceExecutor(Executor):
         pooled = self.row_dtype == "bf16"
         charge = self.pool.block_nbytes // TPB if pooled else _row_nbytes(self.row_dtype)
         self.runtime = CarryRuntime(backend, "carry", slots=kw.get("slots"), memory=kw.get("room_rows", 1024) * charge,
-                                    eviction="lrd", idle_s=kw.get("idle_s"), clock=self.clock, share=False,
+                                    eviction=kw.get("eviction", "lrd"), idle_s=kw.get("idle_s"), clock=self.clock, share=False,
                                     host_memory=kw.get("host_rows", 0) * charge, row_dtype=self.row_dtype)
 
     @property
@@ -214,7 +215,7 @@ class TrtllmStandinExecutor(Executor):
         options = CarryOptions(carry_memory=kw.get("room_rows", 1024) * row,
                                carry_host_memory=kw.get("host_rows", 0) * row, carry_row_dtype=self.row_dtype)
         self.manager = carry_manager_class(BaseResourceManager)(
-            self.draft, MTP_LAYER, options, slots=kw.get("slots"), eviction="lrd", idle_s=kw.get("idle_s"),
+            self.draft, MTP_LAYER, options, slots=kw.get("slots"), eviction=kw.get("eviction", "lrd"), idle_s=kw.get("idle_s"),
             clock=self.clock)
         self.resources = ResourceManager(OrderedDict([("draft", self.draft), ("carry", self.manager)]))
 

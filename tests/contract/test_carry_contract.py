@@ -358,6 +358,29 @@ def test_a_refused_deposit_moves_no_row(name, row_dtype, monkeypatch):
     ex.check()
 
 
+@pytest.mark.parametrize("row_dtype", ["bf16", "fp8"])
+def test_a_deposit_both_tiers_refuse_moves_no_row(name, row_dtype, monkeypatch):
+    """Plan, then act, for the host tier's second chance too: under `incumbent` a deposit the full
+    device refuses goes to the host tier only if the host would take it, asked before the home
+    carries any row out; a full host tier that keeps its incumbent refuses it with no gather."""
+    ex = make(name, row_dtype, room_rows=16, host_rows=16, eviction="incumbent")
+    home, carried = ex.service.home, []
+    real = home.carry_out
+
+    def spy(*args, **kwargs):
+        carried.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(home, "carry_out", spy)
+    tok = Tokens(13)
+    turns = [ex.turn(s, tok(12), 0, tok(5)) for s in "abc"]  # 16 rows each
+    assert [t.deposited for t in turns] == [True, True, False]
+    assert len(carried) == 2  # a (device) and b (host): c was refused before any row moved
+    s = ex.stats()
+    assert (s.entries_held, s.host_entries, s.host_deposits, s.refusals["not_admitted"]) == (1, 1, 1, 2)
+    ex.check()
+
+
 def test_detach_leaves_nothing_held_and_a_leaked_range_is_caught(name):
     ex = make(name, room_rows=16, host_rows=64)
     tok = Tokens(10)

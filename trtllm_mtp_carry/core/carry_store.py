@@ -613,6 +613,15 @@ class CarryStore:
         self._counts.host_deposits += 1
         return True
 
+    def host_admits(self, key: int, rows: int, nbytes: int = 0, blocks: Sequence[int] | None = None) -> bool:
+        """Whether `deposit_host` would take a deposit of `rows` rows under `key` now (`nbytes` its
+        stated bytes, `blocks` its block table where the host tier charges by block): the plan of
+        a host-bound deposit, asked before any row moves. Changes nothing."""
+        host = self._host
+        if host is None or key == 0 or key in self:
+            return False
+        return self._host_room(host.price_rows(rows, blocks, nbytes)) is not None
+
     def session_of(self, key: int) -> int:
         """The session `key`'s entry belongs to (its key before the salt); KeyError if none is held."""
         held = self._entries.get(key) or self._host_held(key)
@@ -965,10 +974,17 @@ class _Tier:
 
     def price(self, entry: CarriedDrafter, stated: int) -> int:
         """What `entry` costs held alone here (by block: every block of its table)."""
+        return self.price_rows(entry.rows, entry.block_table, stated)
+
+    def price_rows(self, rows: int, blocks: Sequence[int] | None, stated: int) -> int:
+        """What `rows` rows held in `blocks` cost held alone here (by block: every block; a tier
+        charged by block needs `blocks`)."""
         if self.block_nbytes is not None:
-            return len(entry.block_table) * self.block_nbytes
+            if blocks is None:
+                raise ValueError(f"the {self.name} tier charges by block: the deposit names no blocks")
+            return len(blocks) * self.block_nbytes
         if self.row_format is not None:
-            return self.row_format.nbytes(entry.rows)
+            return self.row_format.nbytes(rows)
         return stated
 
     def check_nbytes(self, entry: CarriedDrafter, nbytes: int) -> None:

@@ -224,8 +224,9 @@ class EntryMoves:
             if home.comes_back("device") and service.room_for is not None and not service.room_for(entry):
                 return "no_room"  # live sequences hold the executor's blocks
             evicted = store.admit(meta.key, meta.nbytes, meta.session, blocks=home.fresh_blocks(meta.rows))
-            if evicted is None:  # the host tier's second chance, as for a deposit
-                if service.host is None or store.miss_reason(meta.key) != "not_admitted":
+            if evicted is None:  # the host tier's second chance, as for a deposit (asked before staging)
+                if (service.host is None or store.miss_reason(meta.key) != "not_admitted"
+                        or not store.host_admits(meta.key, meta.rows, meta.nbytes, entry.block_table)):
                     return "no_room"
                 service.host.stage_bytes(meta.key, plan.landing, home.form_for(meta.rows, meta.runs))
                 if store.deposit_host(entry, meta.nbytes, meta.session):

@@ -171,8 +171,8 @@ class CarryService:
     def plan_deposit(self, key: int, source: Any, rows: int, session: int | None = None,
                      share: Any = None, agree: Agree | None = None) -> DepositPlan | None:
         """Admit `rows` rows of `source` under carry key `key`, or refuse them, before any row
-        moves: None when refused (the store counts why: `not_admitted`, `too_large`, or `oom`
-        when the home has no room). Admitted: the entries the store chose left (their rows
+        moves: None when refused (the store counts why: `not_admitted`, also when the host tier
+        would not take it either, `too_large`, or `oom` when the home has no room). Admitted: the entries the store chose left (their rows
         freed, or demoted to the host tier) and the home reserved the room. `share` (the prefix
         keys of the turn's tokens) first merges full prefix blocks into equal published ones,
         where the home shares blocks. `agree(ok)` is the executor's agreement with its peers
@@ -185,10 +185,11 @@ class CarryService:
                 self.counters.share_ms += (time.perf_counter() - t0) * 1e3
             blocks, nbytes = self.home.charge(source, rows)
             evicted = self.store.admit(key, nbytes, session, blocks=blocks)
-            if evicted is None:
-                if self.host is None or self.store.miss_reason(key) != "not_admitted":
+            if evicted is None:  # the host tier's second chance, asked before any row moves
+                if (self.host is None or self.store.miss_reason(key) != "not_admitted"
+                        or not self.store.host_admits(key, rows, nbytes, blocks)):
                     return None
-                return DepositPlan(key, rows, nbytes, session, "host")  # the host tier's second chance
+                return DepositPlan(key, rows, nbytes, session, "host")
             for old in evicted:
                 self.home.free(old.session_hash)
             reserved = self.home.reserve(key, rows)
