@@ -240,11 +240,6 @@ def read_checkpoint(model: str | None) -> Checkpoint:
     return Checkpoint(str(dtype), algo)
 
 
-def checkpoint_kv_quant(model: str | None) -> str | None:
-    """The checkpoint's KV-cache quantization (`read_checkpoint(model).kv_cache_quant_algo`)."""
-    return read_checkpoint(model).kv_cache_quant_algo
-
-
 PAIRING_AT_START = ("the worker's probe reads the draft pool's pairing markers (and, for a QSA pool, "
                     "get_batch_cache_indices' raw_indices) from the live executor at start")
 """What `info --llm-config` cannot judge from files, said below an armed verdict."""

@@ -104,3 +104,24 @@ def test_answers_for_another_key_salt_model_or_a_prompt_keeping_no_row_are_refus
     assert taker.transport._remotes == {}  # nothing was read: no holder's agent was ever loaded
     asyncio.run(holder._release(lent["loan_id"], moved=False))
     assert holder.moves.holds(salted) and holder.transport.exposed == 0
+
+
+async def _answering_later(fn):  # type: ignore[no-untyped-def]
+    await asyncio.sleep(0)  # the engine's thread answers a step later: other requests run meanwhile
+    return fn()
+
+
+def test_two_lends_of_one_key_at_once_make_one_loan_and_the_other_is_busy(model) -> None:
+    holder = _side(model, "h3")
+    holder.on_engine = _answering_later
+    _deposit(holder, "q")
+    key = carry_key(session_hash("q"))
+
+    async def both() -> list[dict]:
+        return await asyncio.gather(holder._lend(key, "model-a"), holder._lend(key, "model-a"))
+
+    first, second = asyncio.run(both())
+    assert first["held"] and second == {"held": False, "reason": "busy"}, (first, second)
+    assert list(holder._lent) == [first["loan_id"]] and holder._lent_keys == {key: first["loan_id"]}
+    assert asyncio.run(holder._release(first["loan_id"], moved=False)) is False
+    assert holder._lent_keys == {} and holder.transport.exposed == 0 and holder.moves.holds(key)

@@ -93,8 +93,8 @@ class Sessions:
 
 
 def _listeners_on_loopback_only(d: DynamoDeployment) -> None:
-    if shutil.which("ss") is None:
-        return
+    if shutil.which("ss") is None:  # never a silent pass: the pin needs the sockets listed
+        pytest.fail("ss (iproute2) is not installed: the deployment's listening sockets cannot be checked")
     listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     pids = [d.frontend.pid, d.broker.pid, *(w.pid for w in d.live_workers())]  # type: ignore[union-attr]
     hosts = {ln.split()[3].rsplit(":", 1)[0] for ln in listing.splitlines() if any(f"pid={p}," in ln for p in pids)}

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -95,8 +96,11 @@ def test_loopback_keeps_ucx_on_shared_memory_and_a_wildcard_or_an_explicit_setti
 def test_a_range_is_read_bit_for_bit_and_a_holder_killed_after_offering_fails_the_read_at_once(reader) -> None:
     holder, offered = _holder(2)
     try:
-        listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout \
-            if shutil.which("ss") else ""
+        if shutil.which("ss") is None:  # never a silent pass: the pin needs the sockets listed
+            pytest.fail("ss (iproute2) is not installed: the holder's listening sockets cannot be checked")
+        with socket.create_server(("127.0.0.1", 0)):  # the control: ss names this process's listener
+            listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+        assert f"pid={os.getpid()}," in listening, listening
         assert f"pid={holder.pid}," not in listening  # shared memory: the agent opened no socket
         got = _read(reader, offered["offers"][0], 30.0)
         assert (got["result"], got["digest"]) == ("read", offered["digests"][0])

@@ -320,9 +320,8 @@ class _Fleet:
         self.load = [0] * workers
         conversations = trace.conversations
         self.route = worker_of(np.arange(conversations), workers)  # conversation -> its worker now
-        self.started = np.zeros(conversations, dtype=bool)
         self.holder = [-1] * conversations  # conversation -> worker of its newest deposit
-        self.last_worker = [-1] * conversations
+        self.last_worker = np.full(conversations, -1, dtype=np.int64)  # of its last turn (-1: none yet)
         self.gapped = [False] * conversations
         self.conv = trace.conversation.tolist()
         self.key = (trace.conversation + 1).tolist()  # carry keys are non-zero
@@ -354,13 +353,12 @@ class _Fleet:
                 w = least
                 self.route[c] = w
                 self.mv["session_moves"] += 1
-        self.started[c] = True
         self.load[w] += 1
         self.served[i] = w
         self.served_epoch[i] = self.epoch[w]
         store = self.stores[w]
         store.expire()
-        last, self.last_worker[c] = self.last_worker[c], w
+        last, self.last_worker[c] = int(self.last_worker[c]), w
         if not self.follow_up[i]:
             return
         reused = self.reused[i]
@@ -468,7 +466,7 @@ class _Fleet:
         old.expire()
         self.mv["restarts"] += 1
         self.epoch[d] += 1
-        moving = np.flatnonzero((self.route == d) & self.started)
+        moving = np.flatnonzero((self.route == d) & (self.last_worker >= 0))  # started sessions
         others = worker_of(moving, self.config.workers - 1)
         self.route[moving] = others + (others >= d)
         self.mv["session_moves"] += len(moving)
@@ -532,8 +530,9 @@ def replay(trace: Trace, policy: str, config: ReplayConfig,
     (a what-if analysis: scripts/trace_ceilings.py).
     """
     reused = trace.reused_tokens
-    if np.any((reused < 0) | ((reused > 0) & (reused >= trace.input_tokens))):
-        bad = int(np.flatnonzero((reused < 0) | ((reused > 0) & (reused >= trace.input_tokens)))[0])
+    bad_rows = np.flatnonzero((reused < 0) | ((reused > 0) & (reused >= trace.input_tokens)))
+    if len(bad_rows):
+        bad = int(bad_rows[0])
         raise ValueError(f"request {bad}: reused_tokens {int(reused[bad])} must be 0 or in [1, input_tokens "
                          f"{int(trace.input_tokens[bad])})")
     fleet = _Fleet(trace, policy, config, return_odds)

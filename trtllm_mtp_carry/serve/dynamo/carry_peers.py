@@ -409,7 +409,7 @@ class CarryPeers:
             batch: list[tuple[str, _Lent]] = []
             size = 0
             while todo and size < batch_bytes:
-                loan = await self.on_engine(functools.partial(self.moves.lend, todo.pop(0)))
+                loan = await self._lend_once(todo.pop(0))  # None: gone, or on loan to a puller already
                 if loan is not None:
                     batch.append(self._expose(loan))
                     size += loan.meta.nbytes
@@ -456,7 +456,7 @@ class CarryPeers:
             return {"held": False, "reason": "no_holder"}
         if sum(lent.loan.meta.nbytes for lent in self._lent.values()) >= self.max_lent_bytes:
             return {"held": False, "reason": "busy"}
-        loan = await self.on_engine(functools.partial(self.moves.lend, key))
+        loan = await self._lend_once(key)
         if loan is None:
             return {"held": False, "reason": "no_holder"}
         loan_id, lent = self._expose(loan)
@@ -488,6 +488,19 @@ class CarryPeers:
 
     # ---- loans -------------------------------------------------------------------------
 
+    async def _lend_once(self, key: int) -> Loan | None:
+        """`moves.lend(key)` on the engine's thread, unless `key` is on loan already (None then, as
+        when it is not held): the key is claimed across the await, so two lends of one key never
+        overlap (two loans could both be released `moved`, leaving two holders)."""
+        if key in self._lent_keys:
+            return None
+        self._lent_keys[key] = ""  # claimed; `_expose` names the loan
+        try:
+            return await self.on_engine(functools.partial(self.moves.lend, key))
+        finally:
+            if self._lent_keys.get(key) == "":
+                del self._lent_keys[key]
+
     def _expose(self, loan: Loan) -> tuple[str, _Lent]:
         loan_id = secrets.token_hex(8)
         lent = _Lent(loan, self.transport.expose(loan.raw), time.monotonic() + self.loan_ttl_s)
@@ -505,7 +518,8 @@ class CarryPeers:
         lent = self._lent.pop(loan_id, None)
         if lent is None:
             return False
-        self._lent_keys.pop(lent.loan.meta.key, None)
+        if self._lent_keys.get(lent.loan.meta.key) == loan_id:
+            del self._lent_keys[lent.loan.meta.key]
         self.transport.withdraw(lent.offer)
         await self.on_engine(functools.partial(self.moves.end_loan, lent.loan, moved))
         if moved:
