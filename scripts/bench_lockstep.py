@@ -18,19 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, tp: int, port: int, warmup: int, turns: int, out: Path) -> None:
@@ -72,13 +65,15 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
+    from trtllm_mtp_carry.serve.dynamo.launcher import free_port
+
     print(f"environment: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (gloo, 127.0.0.1)")
     print("| TP | the four agreements of a warm turn, ms (median [p25-p75]) | agreements |")
     print("|---|---|---:|")
     for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rank0.txt"
-            mp.start_processes(_rank, args=(tp, _free_port(), args.warmup, args.turns, out), nprocs=tp,
+            mp.start_processes(_rank, args=(tp, free_port(), args.warmup, args.turns, out), nprocs=tp,
                                start_method="spawn")
             med, p25, p75, n = out.read_text().split()
         print(f"| {tp} | {med} [{p25}-{p75}] | {n} |")

@@ -31,8 +31,11 @@ Invariants:
   carry key is the session under its salt), the receiver refuses an answer for
   another key or session, and stores the rows under the key asked for.
 - Any failure is the turn's honest miss (the turn runs as without the move: the core's
-  `NoCarry`), with the remote reason counted (`REMOTE_MISS_REASONS`); a pull never
-  outlasts its budget (`pull_budget_s`), never hangs on a dead or stuck holder.
+  `NoCarry`), with the remote reason counted (`REMOTE_MISS_REASONS`); a pull's network
+  part (finding the holder, the NIXL read) never outlasts its budget (`pull_budget_s`) and
+  never hangs on a dead or stuck holder. Storing the bytes read (`commit_receive`, on the
+  engine's thread, local work) runs to its end past the budget: cut short, the entry would
+  be stored while the holder heard the move failed, and two workers would hold it.
 - A loan not released within `loan_ttl_s` is withdrawn and unpinned (the entry stays).
   At most `max_lent_bytes` are on loan at once, one loan per key (`busy` otherwise).
 - Everything here runs on the worker's event loop; the engine-side calls that touch the
