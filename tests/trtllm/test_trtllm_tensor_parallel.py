@@ -154,8 +154,8 @@ def test_a_rank_whose_arena_is_full_makes_every_rank_refuse_the_deposit(
 
 
 def test_a_slow_rank_whose_clock_runs_far_ahead_takes_the_same_decisions(tp2: list[dict[str, Any]]) -> None:
-    """Rank 1 sleeps in its prepare and free and its own clock reads 10 000 s ahead, past the
-    idle TTL: the store reads rank 0's clock as agreed, so nothing expires on any rank."""
+    """Rank 1 sleeps in its prepare and free and its own clock jumps 10 000 s ahead after turn 0,
+    past the idle TTL: the store reads rank 0's clock as agreed, so nothing expires on any rank."""
     first = _same_on_every_rank(tp2, "slow_skewed_rank")
     stats = first["stats"]
     assert stats["outcomes"]["adopted"] == 2 * 2 and stats["evictions"]["idle"] == 0

@@ -260,13 +260,19 @@ def arena_full(tp: int) -> dict[str, Any]:
 
 
 def slow_skewed_rank(tp: int) -> dict[str, Any]:
-    """Rank 1 is slow (a sleep in its prepare and free) and its own clock runs SKEW_S seconds
-    ahead, far past the idle TTL: the store reads the agreed clock, so no entry expires."""
+    """Rank 1 is slow (a sleep in its prepare and free) and its own clock jumps SKEW_S seconds
+    ahead after turn 0's deposits, far past the idle TTL: a store reading that rank's own clock
+    would expire every entry there (and there only); the store reads the agreed clock, so no
+    entry expires on any rank."""
     ranked = Ranked(tp)
+    between = None
     if ranked.rank == 1:
         lockstep = ranked.manager.lockstep
-        base = lockstep._clock
-        lockstep._clock = lambda: base() + SKEW_S
+        base, skew = lockstep._clock, [0.0]
+        lockstep._clock = lambda: base() + skew[0]
+
+        def between(t: int) -> None:
+            skew[0] = SKEW_S if t >= 1 else 0.0
 
         def slow(fn: Callable[..., Any]) -> Callable[..., Any]:
             def slowed(*args: Any, **kwargs: Any) -> Any:
@@ -276,7 +282,7 @@ def slow_skewed_rank(tp: int) -> dict[str, Any]:
 
         ranked.manager.prepare_resources = slow(ranked.manager.prepare_resources)
         ranked.manager.free_resources = slow(ranked.manager.free_resources)
-    ranked.turns(**SHORT)
+    ranked.turns(between=between, **SHORT)
     return ranked.result()
 
 
