@@ -50,7 +50,7 @@ def test_the_walk_covers_the_adapter_the_triton_model_and_the_smoke_script() -> 
 
 @pytest.mark.parametrize("path", FILES + DEPLOYMENT + SCRIPTS)
 def test_every_tensorrt_llm_name_the_code_touches_is_in_the_conformance_table(path: str) -> None:
-    rows = table()
+    rows = table() | table(absent=True)  # a name probed with a default may be one the source lacks
     missing = sorted({(c, n, line) for c, n, line in touched(ROOT / path, receivers_for(path))
                       if (c, n) not in rows})
     assert missing == [], f"{path}: TensorRT-LLM names not in docs/TRTLLM-CONFORMANCE.md: {missing}"

@@ -47,7 +47,7 @@ FILES = [
     "trtllm_mtp_carry/trtllm/manager.py", "trtllm_mtp_carry/trtllm/identity.py",
     "trtllm_mtp_carry/trtllm/worker.py", "trtllm_mtp_carry/trtllm/reservation.py",
     "trtllm_mtp_carry/trtllm/metrics.py", "trtllm_mtp_carry/trtllm/draft_pages.py",
-    "trtllm_mtp_carry/trtllm/lockstep.py",
+    "trtllm_mtp_carry/trtllm/lockstep.py", "trtllm_mtp_carry/trtllm/kv_formats.py",
 ]
 """The adapter: code that runs inside TensorRT-LLM's executor and must lean on nothing else."""
 
@@ -55,6 +55,9 @@ DEPLOYMENT = ["trtllm_mtp_carry/serve/trtllm/model.py", "trtllm_mtp_carry/serve/
 """The Triton model and its serving glue: code on TensorRT-LLM's LLM API."""
 
 LLMAPI_RECEIVERS: dict[str, dict[str, str]] = {
+    "trtllm_mtp_carry/trtllm/kv_formats.py": {
+        "kv_cache_config": "",  # here the llm-config file's kv_cache_config mapping, not a KvCacheConfig
+    },
     "trtllm_mtp_carry/serve/trtllm/model.py": {
         "self.llm": "LLM", "self._engine.llm": "LLM",
         "out": "RequestOutput", "result": "RequestOutput",
@@ -138,13 +141,16 @@ def calls(path: Path, receivers: dict[str, str]) -> set[tuple[str, str, str]]:
     return out
 
 
-def table() -> set[tuple[str, str]]:
-    """`(class, name)` of every row of docs/TRTLLM-CONFORMANCE.md's tables."""
+def table(absent: bool = False) -> set[tuple[str, str]]:
+    """`(class, name)` of every row of docs/TRTLLM-CONFORMANCE.md's tables the class has; with
+    `absent`, the rows whose type is `absent` instead: names the source does not define on that
+    class, which the code probes with a default (`getattr(obj, name, None)`) and the stand-in
+    refuses (AttributeError), as TensorRT-LLM would."""
     rows = set()
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and cells[1].startswith("`") and cells[2].startswith("`"):
-            cls = cells[1].strip("`")
-            name = re.sub(r"\(.*", "", cells[2].strip("`"))
-            rows.add((cls, name))
+            if (cells[3] == "absent") is absent:
+                cls = cells[1].strip("`")
+                rows.add((cls, re.sub(r"\(.*", "", cells[2].strip("`"))))
     return rows
