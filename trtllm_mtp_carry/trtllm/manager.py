@@ -258,12 +258,13 @@ class CarryManagerCore:
 
         Under tensor parallelism the first-seen requests are judged in lockstep (`_adopt`):
         every rank reaches the same agreements here, whatever its own steps did."""
-        firsts = [(int(r.py_request_id), r) for r in scheduled_batch.context_requests
-                  if not r.is_dummy_request and int(r.py_request_id) not in self._live]
+        firsts: list[tuple[int, Any]] = []  # every first-seen request votes, its own fault or not
         for request in scheduled_batch.context_requests:
             rid = None
             try:
                 rid = int(request.py_request_id)
+                if not request.is_dummy_request and rid not in self._live:
+                    firsts.append((rid, request))
                 self._prepare_one(rid, request)
             except Exception as exc:  # the turn runs blind; nothing more is written for it
                 self._fault("prepare", exc, rid)
