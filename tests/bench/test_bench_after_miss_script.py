@@ -9,22 +9,14 @@ after the miss) and the order of the behaviours that holds on each executor."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_after_miss.py"
+from script_runs import run_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRTLLM_MTP_CARRY_")}
-    env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
+    return run_script("bench_after_miss.py", *args)
 
 
 @pytest.fixture(scope="module")

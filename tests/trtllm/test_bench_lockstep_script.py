@@ -3,20 +3,13 @@ carry exactly four agreements, and a bad TP size is one error line."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_lockstep.py"
+from script_runs import run_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRTLLM_MTP_CARRY_")}
-    env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env=env, timeout=240, cwd=ROOT)
+    return run_script("bench_lockstep.py", *args, timeout=240)
 
 
 def test_a_warm_turn_makes_four_agreements_on_every_rank() -> None:

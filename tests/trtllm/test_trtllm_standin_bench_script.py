@@ -3,24 +3,16 @@ and the scatter check, and `--device` refusals as one error line with exit 2."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "trtllm_standin_bench.py"
+from script_runs import run_script
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRTLLM_MTP_CARRY_WORKER", None)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
+    return run_script("trtllm_standin_bench.py", *args)
 
 
 def test_a_tiny_cpu_run_prints_the_data_path_figures_and_the_scatter_check_passes():
