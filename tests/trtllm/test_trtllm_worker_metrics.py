@@ -23,6 +23,7 @@ import pytest
 import torch
 from standin_helpers import make_llm, user_tokens
 
+from trtllm_mtp_carry.serve.dynamo.launcher import free_port
 from trtllm_mtp_carry.trtllm import CARRY_MANAGER_KEY, attach, metrics, worker
 from trtllm_mtp_carry.trtllm.standin import ConversationParams, StandinLLM
 
@@ -45,11 +46,6 @@ def _serve_one(llm: StandinLLM) -> list[int]:
     llm.run_until_done()
     return req.output
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -193,7 +189,7 @@ def _scrape(port: int, path: str = "/metrics") -> tuple[str, dict[str, float]]:
 
 def test_a_worker_carry_serves_the_triton_models_families_scraped_over_http(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_endpoint: None) -> None:
-    port = _free_port()
+    port = free_port()
     _carry_file(tmp_path, monkeypatch, f"mtp_carry: {{carry_slots: 4, metrics_port: {port}}}\n")
     before = len(worker.messages())
     llm, _ = make_llm("blind", single_process=False, max_batch=2)  # the worker hook installs the carry
@@ -236,7 +232,7 @@ def test_a_worker_carry_serves_the_triton_models_families_scraped_over_http(
 def test_each_worker_rank_serves_on_its_own_port(no_endpoint: None) -> None:
     llm, _ = make_llm("blind")
     real = attach(llm, {"carry_slots": 2}).manager
-    base = _free_port()
+    base = free_port()
     lines: list[str] = []
     rank2 = SimpleNamespace(draft=SimpleNamespace(mapping=SimpleNamespace(rank=2)), stats=real.stats)
     endpoint = metrics.export_worker_metrics(rank2, base - 2, lines.append, host="127.0.0.1")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 from standin_helpers import model, user_tokens
 
+from trtllm_mtp_carry.serve.dynamo.launcher import free_port
+
 CHUNK = 32
 SESSIONS = 3
 TURNS = 4
@@ -38,11 +39,6 @@ IDLE_S = 60  # every rank's idle TTL; the skewed-clock scenario moves one rank's
 CARRY_FILE = "mtp_carry: {carry_slots: 8, carry_memory: 4194304}\n"
 SKEW_S = 10_000.0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(tp: int, scenarios: list[str], tmp: Path, timeout: float = 240.0) -> list[dict[str, Any]]:
