@@ -335,11 +335,8 @@ def test_a_host_tier_round_trip_gives_the_rows_back_bit_for_bit(name, row_dtype)
     ex.check()
 
 
-@pytest.mark.parametrize("row_dtype", ["bf16", "fp8"])
-def test_a_refused_deposit_moves_no_row(name, row_dtype, monkeypatch):
-    """Plan, then act: the store refuses a deposit before the home carries any row out of the
-    turn's pages (no gather, no move), on every executor."""
-    ex = make(name, row_dtype, room_rows=16)
+def carry_outs(ex: Executor, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The carry keys the executor's home carries rows out for from now on (each gather, in order)."""
     home, carried = ex.service.home, []
     real = home.carry_out
 
@@ -348,6 +345,15 @@ def test_a_refused_deposit_moves_no_row(name, row_dtype, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(home, "carry_out", spy)
+    return carried
+
+
+@pytest.mark.parametrize("row_dtype", ["bf16", "fp8"])
+def test_a_refused_deposit_moves_no_row(name, row_dtype, monkeypatch):
+    """Plan, then act: the store refuses a deposit before the home carries any row out of the
+    turn's pages (no gather, no move), on every executor."""
+    ex = make(name, row_dtype, room_rows=16)
+    carried = carry_outs(ex, monkeypatch)
     tok = Tokens(12)
     p1, o1 = tok(12), tok(5)
     t1 = ex.turn("a", p1, 0, o1)  # 16 rows: exactly the room
@@ -364,14 +370,7 @@ def test_a_deposit_both_tiers_refuse_moves_no_row(name, row_dtype, monkeypatch):
     device refuses goes to the host tier only if the host would take it, asked before the home
     carries any row out; a full host tier that keeps its incumbent refuses it with no gather."""
     ex = make(name, row_dtype, room_rows=16, host_rows=16, eviction="incumbent")
-    home, carried = ex.service.home, []
-    real = home.carry_out
-
-    def spy(*args, **kwargs):
-        carried.append(args[1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(home, "carry_out", spy)
+    carried = carry_outs(ex, monkeypatch)
     tok = Tokens(13)
     turns = [ex.turn(s, tok(12), 0, tok(5)) for s in "abc"]  # 16 rows each
     assert [t.deposited for t in turns] == [True, True, False]
